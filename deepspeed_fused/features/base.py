@@ -1,0 +1,95 @@
+"""What a feature is: a name, a config model, a support check, apply and revert.
+
+Features patch a model (``engine.module`` or a bare ``nn.Module``) and can undo it. They call
+the ops' public functions and know nothing of Triton internals; the hook knows only the
+registry.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class Environment:
+    """What the machine and libraries offer, read once per apply."""
+
+    torch_version: str
+    triton_version: Optional[str]
+    deepspeed_version: Optional[str]
+    transformers_version: Optional[str]
+    cuda_available: bool
+    gpu_name: Optional[str]
+    autoep_available: bool
+    interpreter: bool
+
+    @property
+    def kernels_available(self) -> bool:
+        return self.triton_version is not None and (self.cuda_available or self.interpreter)
+
+    @classmethod
+    def detect(cls) -> "Environment":
+        from ..ops._common import interpreter_active
+
+        def version(mod: str) -> Optional[str]:
+            try:
+                m = __import__(mod)
+                return getattr(m, "__version__", "unknown")
+            except Exception:
+                return None
+
+        cuda = torch.cuda.is_available()
+        autoep = False
+        try:
+            import deepspeed.module_inject.auto_ep_layer as _ep  # noqa: F401
+
+            autoep = hasattr(_ep, "permute_by_local_expert")
+        except Exception:
+            autoep = False
+        return cls(
+            torch_version=torch.__version__,
+            triton_version=version("triton"),
+            deepspeed_version=version("deepspeed"),
+            transformers_version=version("transformers"),
+            cuda_available=cuda,
+            gpu_name=torch.cuda.get_device_name(0) if cuda else None,
+            autoep_available=autoep,
+            interpreter=interpreter_active(),
+        )
+
+
+@dataclasses.dataclass
+class FeatureReport:
+    """What one feature did to one model."""
+
+    name: str
+    enabled: bool
+    applied: bool = False
+    where: str = ""  # e.g. "12 x Qwen3RMSNorm, 2 x LlamaRMSNorm"
+    reason: str = ""  # why not applied, or notes (fallbacks, skipped modules)
+    details: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        if not self.enabled:
+            return "off"
+        return "applied" if self.applied else "not applied"
+
+
+class Feature:
+    """Base class of a feature. Subclasses set ``name`` and ``config_model`` and override
+    ``is_supported``, ``apply`` and ``revert``."""
+
+    name: ClassVar[str] = ""
+    config_model: ClassVar[type] = None  # a DeepSpeedConfigModel subclass with an `enabled` field
+
+    def is_supported(self, env: Environment) -> tuple[bool, str]:
+        return True, ""
+
+    def apply(self, model: torch.nn.Module, engine: Any, cfg: Any) -> FeatureReport:
+        raise NotImplementedError
+
+    def revert(self, model: torch.nn.Module) -> int:
+        raise NotImplementedError

@@ -1,0 +1,40 @@
+"""The feature registry: the hook and the config section know features only through it."""
+from __future__ import annotations
+
+from .base import Feature
+
+_FEATURES: dict[str, Feature] = {}
+
+
+def register(feature_cls: type) -> type:
+    """Register a :class:`Feature` subclass (usable as a class decorator)."""
+    if not feature_cls.name:
+        raise ValueError(f"{feature_cls.__name__}.name must be set")
+    if feature_cls.config_model is None or "enabled" not in feature_cls.config_model.model_fields:
+        raise ValueError(f"{feature_cls.__name__}.config_model must be a FeatureConfig subclass")
+    _FEATURES[feature_cls.name] = feature_cls()
+    return feature_cls
+
+
+def unregister(name: str) -> None:
+    _FEATURES.pop(name, None)
+
+
+def all_features() -> list[Feature]:
+    _load_builtin()
+    return list(_FEATURES.values())
+
+
+def get_feature(name: str) -> Feature:
+    _load_builtin()
+    return _FEATURES[name]
+
+
+_loaded = False
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import rms_norm, linear_cross_entropy, moe_reorder  # noqa: F401  (each registers itself)

@@ -1,0 +1,85 @@
+"""Named Hugging Face causal-LM configs built offline with random weights.
+
+Used by the example job (``examples/train.py --model NAME``), the end-to-end benchmark and the
+tests. No hub access: every model is built from a config.
+"""
+from __future__ import annotations
+
+import torch
+
+_COMMON = dict(tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-6)
+
+# name -> (transformers config class name, kwargs)
+MODELS = {
+    # tiny: for CPU tests and the CPU example run
+    "llama-tiny": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=257)),
+    "qwen3-tiny": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                                       vocab_size=257)),
+    "qwen3-moe-tiny": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=128, num_experts=8, num_experts_per_tok=2,
+                                              decoder_sparse_step=1, vocab_size=257,
+                                              output_router_logits=True, router_aux_loss_coef=0.01)),
+    "qwen2-moe-tiny": ("Qwen2MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                              num_experts_per_tok=2, decoder_sparse_step=1, vocab_size=257,
+                                              output_router_logits=True)),
+    "mixtral-tiny": ("MixtralConfig", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2, vocab_size=257, output_router_logits=True)),
+    "deepseek-v3-tiny": ("DeepseekV3Config", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                                  num_hidden_layers=2, first_k_dense_replace=1,
+                                                  num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                                                  n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                                                  topk_group=1, kv_lora_rank=16, q_lora_rank=32,
+                                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                                  vocab_size=257)),
+    "llama-tied-tiny": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=257,
+                                            tie_word_embeddings=True)),
+    # small: one GPU, quick
+    "llama-small": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                        num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)),
+    "qwen3-small": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                                        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                                        vocab_size=151936)),
+    "qwen3-moe-small": ("Qwen3MoeConfig", dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
+                                               num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                                               head_dim=128, num_experts=32, num_experts_per_tok=4,
+                                               decoder_sparse_step=1, vocab_size=151936,
+                                               output_router_logits=True, router_aux_loss_coef=0.001)),
+    # the end-to-end benchmark: Qwen3-30B-A3B layer shape cut to 4 layers (about 3 B parameters)
+    "qwen3-moe-30b-a3b-4l": ("Qwen3MoeConfig", dict(hidden_size=2048, intermediate_size=6144,
+                                                    moe_intermediate_size=768, num_hidden_layers=4,
+                                                    num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                                    num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+                                                    vocab_size=151936, output_router_logits=True,
+                                                    router_aux_loss_coef=0.001)),
+}
+
+
+def model_config(name: str, **overrides):
+    """The transformers config object of a named model."""
+    import transformers
+
+    if name not in MODELS:
+        raise ValueError(f"model: unknown name {name!r}; expected one of {', '.join(sorted(MODELS))}")
+    cls_name, kwargs = MODELS[name]
+    kw = {**_COMMON, **kwargs, **overrides}
+    cfg = getattr(transformers, cls_name)(**kw)
+    return cfg
+
+
+def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation="sdpa",
+                **overrides):
+    """A randomly initialised ``AutoModelForCausalLM`` of a named config (offline)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(name, **overrides)
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model
