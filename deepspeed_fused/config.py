@@ -27,11 +27,18 @@ class ConfigError(ValueError):
     """A malformed ``deepspeed_fused`` section: names the key path and what was expected."""
 
 
+_SECTION_MODELS: dict = {}
+
+
 def _section_model():
+    """The section model for the features registered now (cached per registry state)."""
     from .features.registry import all_features
 
-    fields = {f.name: (f.config_model, f.config_model()) for f in all_features()}
-    return create_model("DeepSpeedFusedConfig", __base__=DeepSpeedConfigModel, **fields)
+    key = tuple((f.name, f.config_model) for f in all_features())
+    if key not in _SECTION_MODELS:
+        fields = {name: (cm, cm()) for name, cm in key}
+        _SECTION_MODELS[key] = create_model("DeepSpeedFusedConfig", __base__=DeepSpeedConfigModel, **fields)
+    return _SECTION_MODELS[key]
 
 
 def _model_for_path(model: type, path: tuple) -> type | None:

@@ -1,13 +1,427 @@
-"""Feature "linear_cross_entropy" (stub: filled by its feature issue)."""
+"""Feature "linear_cross_entropy": Hugging Face causal LMs compute their training loss with the
+fused LM-head + cross-entropy op, so the [tokens, vocab] logits are never materialized.
+
+One generic mechanism serves every ``*ForCausalLM`` whose forward follows the usual pattern
+(``self.model(...)`` -> hidden states -> ``logits = self.lm_head(hidden)`` ->
+``self.loss_function(logits, labels, vocab_size, **kwargs)``, optional router aux loss):
+
+* The class's ``forward`` is wrapped once by a dispatcher; only instances that opted in (a state
+  object in their ``__dict__``) take the fused path, and only when training with labels and with
+  transformers' own ``ForCausalLMLoss``. Everything else (eval, generation, no labels, a user's own
+  ``loss_function``) runs the original forward unchanged and gets real logits.
+* On the fused path the model's own forward runs with two per-call substitutions in the instance
+  ``__dict__``: ``self.lm_head`` becomes a capture that records the (already ``logits_to_keep``
+  sliced) hidden states and returns a zero-width tensor, and ``self.loss_function`` becomes a loss
+  that shifts/pads labels exactly as ``ForCausalLMLoss`` does (or takes ``shift_labels`` as given),
+  then calls the real ``lm_head`` *as a module* with its forward swapped for the op. Calling the
+  module keeps DeepSpeed ZeRO-3's hooks in charge: the partitioned weight is gathered for the op's
+  forward and backward and its gradient reaches the partitioned parameter like an ``nn.Linear``'s.
+  The model's code therefore still does the slicing, router aux loss, output class and
+  ``return_dict`` handling; the output is rebuilt with ``logits=None``.
+* Which forwards qualify is read from their source (AST): between ``self.lm_head`` and the loss
+  the logits may only be upcast (``.float()``), divided by a config scalar (-> the op's
+  ``temperature``) or soft-capped with ``config.<x>`` (-> the op's ``softcap``). Anything else is
+  reported and left unpatched, never silently changed.
+"""
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import warnings
+from typing import Any, Literal, Optional, Union
+
+import torch
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
+from typing_extensions import Annotated
+
 from ..config import FeatureConfig
-from .base import Feature
+from .base import Feature, FeatureReport
 from .registry import register
+
+_STATE = "_deepspeed_fused_lce"  # instance __dict__ key: the per-instance opt-in
+_ORIG = "_deepspeed_fused_lce_original"  # on the dispatcher: the class's original forward
+_MISSING = object()
 
 
 class LinearCrossEntropyConfig(FeatureConfig):
     """Options of the "linear_cross_entropy" feature."""
+
+    ignore_index: StrictInt = -100
+    """Label value that contributes no loss and no gradient (used unless the call passes its own
+    ``ignore_index``; transformers' default is -100)."""
+    chunk_tokens: Union[Literal["auto"], Annotated[StrictInt, Field(gt=0)]] = "auto"
+    """Tokens per chunk of the fused op ("auto": the op picks one that bounds its workspace)."""
+    accum_dtype: Literal["auto", "fp32"] = "auto"
+    """Accumulation of the LM-head weight gradient across token chunks: "auto" lets the op choose
+    (may keep partial sums in the weight's dtype), "fp32" keeps fp32 accumulators (more memory)."""
+    z_loss: Annotated[StrictFloat, Field(ge=0)] = 0.0
+    """Weight of the z-loss term ``z_loss * logsumexp(logits)**2`` added per token (0: off)."""
+    label_smoothing: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.0
+    """Label smoothing of the cross-entropy, as in ``torch.nn.functional.cross_entropy``."""
+    validate_targets: StrictBool = True
+    """Check that every label is in [0, vocab) or ``ignore_index`` (a cheap check that syncs with
+    the host; turn off for CUDA-graph capture)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Which forwards qualify: a static reading of the class's forward source.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """How a class's forward turns lm_head output into logits: config attributes (read per call)."""
+
+    temperature_attr: Optional[str] = None
+    softcap_attr: Optional[str] = None
+
+
+def _is_self_attr(node, name=None) -> bool:
+    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+            and (name is None or node.attr == name))
+
+
+def _config_attr(node) -> Optional[str]:
+    """``self.config.X`` -> "X"."""
+    if isinstance(node, ast.Attribute) and _is_self_attr(node.value, "config"):
+        return node.attr
+    return None
+
+
+def _names(node) -> set:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _original_forward(cls):
+    fwd = cls.forward
+    return getattr(fwd, _ORIG, fwd)
+
+
+@functools.lru_cache(maxsize=None)
+def _analyze(cls) -> tuple[Optional[_Spec], str]:
+    """(spec, "") when ``cls.forward`` follows the supported pattern, else (None, why not)."""
+    try:
+        fn = inspect.unwrap(_original_forward(cls))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError) as e:
+        return None, f"forward source unavailable ({type(e).__name__})"
+    func = tree.body[0]
+    lm_uses = [n for n in ast.walk(func) if _is_self_attr(n, "lm_head")]
+    loss_uses = [n for n in ast.walk(func) if _is_self_attr(n, "loss_function")]
+    if len(lm_uses) != 1 or len(loss_uses) != 1:
+        return None, (f"forward uses self.lm_head {len(lm_uses)} and self.loss_function {len(loss_uses)} "
+                      "times (expected once each)")
+    head = [s for s in ast.walk(func) if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
+            and s.value.func is lm_uses[0]]
+    if len(head) != 1 or len(head[0].targets) != 1 or not isinstance(head[0].targets[0], ast.Name):
+        return None, "forward does not assign `logits = self.lm_head(...)`"
+    var = head[0].targets[0].id
+    calls = [n for n in ast.walk(func) if isinstance(n, ast.Call) and n.func is loss_uses[0]]
+    if len(calls) != 1:
+        return None, "forward does not call self.loss_function(...)"
+    call = calls[0]
+    first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
+    if not (isinstance(first, ast.Name) and first.id == var):
+        return None, f"self.loss_function is not given `{var}` as its logits"
+    head_line, loss_line = head[0].lineno, call.lineno
+    temperature = softcap = None
+    # Statements between lm_head and the loss that touch the logits: only known transformations.
+    stmts = []
+
+    def visit(body):
+        for s in body:
+            inner = list(ast.walk(s))
+            if any(n is head[0] for n in inner) or any(n is call for n in inner):
+                if not isinstance(s, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)):
+                    for fld in ("body", "orelse", "finalbody"):  # a block holding the head or the loss
+                        visit(getattr(s, fld, None) or [])
+            elif head_line < s.lineno < loss_line and var in _names(s):
+                stmts.append(s)
+
+    visit(func.body)
+    for s in sorted(stmts, key=lambda s: s.lineno):
+        kind = _classify(s, var)
+        if kind is None:
+            return None, f"forward changes the logits before the loss: `{ast.unparse(s).splitlines()[0]}`"
+        if kind[0] == "temperature":
+            if softcap is not None or temperature is not None:
+                return None, f"unsupported order of logits scaling: `{ast.unparse(s)}`"
+            temperature = kind[1]
+        elif kind[0] == "softcap":
+            if softcap is not None:
+                return None, "logits soft-capped twice"
+            softcap = kind[1]
+    # After the loss, the logits may only be handed to the output (keyword `logits=`).
+    allowed = {id(k.value) for k in ast.walk(func) if isinstance(k, ast.keyword) and k.arg == "logits"}
+    for n in ast.walk(func):
+        if isinstance(n, ast.Name) and n.id == var and getattr(n, "lineno", 0) > loss_line \
+                and isinstance(n.ctx, ast.Load) and id(n) not in allowed:
+            return None, f"forward uses `{var}` after the loss other than in its output"
+    return _Spec(temperature_attr=temperature, softcap_attr=softcap), ""
+
+
+def _classify(s, var):
+    """One statement between lm_head and the loss: ("noop",) | ("temperature", attr) |
+    ("softcap", attr) | None (unknown)."""
+    def is_var(n):
+        return isinstance(n, ast.Name) and n.id == var
+
+    if isinstance(s, ast.Assign) and len(s.targets) == 1 and is_var(s.targets[0]):
+        v = s.value
+        # logits = logits.float()
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "float" \
+                and is_var(v.func.value) and not v.args and not v.keywords:
+            return ("noop",)
+        # logits = logits / self.config.X
+        if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div) and is_var(v.left) and _config_attr(v.right):
+            return ("temperature", _config_attr(v.right))
+        return None
+    # if self.config.X is not None: logits = logits / X; logits = torch.tanh(logits); logits = logits * X
+    if isinstance(s, ast.If) and not s.orelse and isinstance(s.test, ast.Compare) and len(s.test.ops) == 1 \
+            and isinstance(s.test.ops[0], ast.IsNot) and _config_attr(s.test.left) \
+            and isinstance(s.test.comparators[0], ast.Constant) and s.test.comparators[0].value is None:
+        x = _config_attr(s.test.left)
+        b = s.body
+        ok = (len(b) == 3 and all(isinstance(t, ast.Assign) and len(t.targets) == 1 and is_var(t.targets[0])
+                                  for t in b))
+        if ok:
+            v0, v1, v2 = (t.value for t in b)
+            ok = (isinstance(v0, ast.BinOp) and isinstance(v0.op, ast.Div) and is_var(v0.left)
+                  and _config_attr(v0.right) == x
+                  and isinstance(v1, ast.Call) and ast.unparse(v1.func) == "torch.tanh" and len(v1.args) == 1
+                  and is_var(v1.args[0])
+                  and isinstance(v2, ast.BinOp) and isinstance(v2.op, ast.Mult) and is_var(v2.left)
+                  and _config_attr(v2.right) == x)
+        return ("softcap", x) if ok else None
+    return None
+
+
+def causal_lm_support(cls) -> tuple[bool, str]:
+    """Whether instances of ``cls`` can take the fused loss path, and why not."""
+    try:
+        from transformers import PreTrainedModel
+    except Exception as e:  # pragma: no cover
+        return False, f"transformers not importable ({e})"
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel) and cls.__name__.endswith("ForCausalLM")):
+        return False, "not a transformers *ForCausalLM"
+    spec, why = _analyze(cls)
+    return spec is not None, why
+
+
+# --------------------------------------------------------------------------------------------
+# The per-call machinery.
+
+
+def _causal_lm_loss():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+@dataclasses.dataclass
+class _State:
+    """What an opted-in instance carries: its options and what it did (for tests and reports)."""
+
+    spec: _Spec
+    ignore_index: int
+    chunk_tokens: Optional[int]
+    accum_dtype: Optional[torch.dtype]
+    z_loss: float
+    label_smoothing: float
+    validate_targets: bool
+    fused_calls: int = 0
+    unfused_reason: str = ""
+
+
+class _Capture:
+    """Stands in for ``self.lm_head`` during one fused forward: records the hidden states and
+    returns zero-width "logits" (any unexpected use of them fails loudly)."""
+
+    def __init__(self):
+        self.hidden = None
+        self.calls = 0
+
+    def __call__(self, hidden, *args, **kwargs):
+        if args or kwargs:
+            raise TypeError("deepspeed_fused.linear_cross_entropy: lm_head called with extra arguments")
+        self.calls += 1
+        self.hidden = hidden
+        return hidden.new_empty(hidden.shape[:-1] + (0,))
+
+
+def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list):
+    """A replacement for ``ForCausalLMLoss`` that runs the fused op on the captured hidden states."""
+
+    def loss_function(logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=None,
+                      shift_labels=None, **kwargs):
+        from ..ops.linear_cross_entropy import linear_cross_entropy
+
+        counter[0] += 1
+        hidden = cap.hidden
+        if hidden is None:
+            raise RuntimeError("deepspeed_fused.linear_cross_entropy: loss called before lm_head")
+        ii = st.ignore_index if ignore_index is None else int(ignore_index)
+        if vocab_size is not None and int(vocab_size) != lm_head.out_features:
+            raise ValueError(f"vocab_size: expected lm_head.out_features={lm_head.out_features}, got {vocab_size}")
+        if shift_labels is None:
+            if labels is None:
+                raise ValueError("labels: expected a tensor of token ids, got None")
+            # Shift so that tokens < n predict n (as ForCausalLMLoss: pad with ignore_index, drop first).
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ii)[..., 1:]
+        targets = shift_labels.reshape(-1).to(hidden.device)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if h.shape[0] != targets.numel():
+            raise ValueError(f"labels: {targets.numel()} (shifted) labels for {h.shape[0]} positions whose logits "
+                             "are kept; with logits_to_keep, labels must cover the kept positions")
+        spec = st.spec
+        temperature = float(getattr(model.config, spec.temperature_attr)) if spec.temperature_attr else 1.0
+        softcap = getattr(model.config, spec.softcap_attr) if spec.softcap_attr else None
+        reduction = "mean" if num_items_in_batch is None else "sum"
+
+        def head_forward(x):
+            return linear_cross_entropy(
+                x, lm_head.weight, targets, bias=lm_head.bias, ignore_index=ii, reduction=reduction,
+                temperature=temperature, z_loss=st.z_loss, label_smoothing=st.label_smoothing,
+                softcap=None if softcap is None else float(softcap), accum_dtype=st.accum_dtype,
+                chunk_tokens=st.chunk_tokens, validate_targets=st.validate_targets)
+
+        # Call lm_head as a module (ZeRO-3 gathers its weight around the op, forward and backward).
+        prev = lm_head.__dict__.get("forward", _MISSING)
+        lm_head.__dict__["forward"] = head_forward
+        try:
+            loss = lm_head(h)
+        finally:
+            if prev is _MISSING:
+                lm_head.__dict__.pop("forward", None)
+            else:
+                lm_head.__dict__["forward"] = prev
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        else:
+            loss = loss * 1.0  # a fresh tensor: models add the router aux loss in place (`loss += ...`)
+        return loss
+
+    return loss_function
+
+
+def _labels_of(sig_names, args, kwargs):
+    if "labels" in kwargs:
+        return kwargs["labels"]
+    try:
+        i = sig_names.index("labels") - 1  # minus self
+    except ValueError:
+        return None
+    return args[i] if 0 <= i < len(args) else None
+
+
+def _unfused_reason(model) -> str:
+    """Why a patched instance must not fuse right now ("" when it may)."""
+    lm_head = model._modules.get("lm_head")
+    if not isinstance(lm_head, torch.nn.Linear):
+        return f"lm_head is {type(lm_head).__name__}, not nn.Linear"
+    if "forward" in lm_head.__dict__:
+        return "lm_head.forward is overridden on the instance"
+    if model.loss_function is not _causal_lm_loss():
+        return "the model's loss_function is not transformers' ForCausalLMLoss (a user's own loss is kept)"
+    return ""
+
+
+def _fused_forward(model, st: _State, orig, args, kwargs):
+    cap, counter = _Capture(), [0]
+    lm_head = model._modules["lm_head"]
+    return_dict = kwargs.get("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    if not return_dict:
+        kwargs = {**kwargs, "return_dict": True}
+    d = model.__dict__
+    prev_loss = d.get("_loss_function", _MISSING)
+    d["lm_head"] = cap  # instance __dict__ wins over nn.Module.__getattr__ (the real one stays in _modules)
+    d["_loss_function"] = _fused_loss(model, lm_head, st, cap, counter)
+    try:
+        out = orig(model, *args, **kwargs)
+    finally:
+        d.pop("lm_head", None)
+        if prev_loss is _MISSING:
+            d.pop("_loss_function", None)
+        else:
+            d["_loss_function"] = prev_loss
+    if cap.calls != 1 or counter[0] != 1:
+        raise RuntimeError(f"deepspeed_fused.linear_cross_entropy: {type(model).__name__}.forward called lm_head "
+                           f"{cap.calls} and loss_function {counter[0]} times with labels (expected once each)")
+    from transformers.utils import ModelOutput
+
+    if not isinstance(out, ModelOutput):
+        raise RuntimeError(f"deepspeed_fused.linear_cross_entropy: {type(model).__name__}.forward returned "
+                           f"{type(out).__name__} with return_dict=True")
+    out = type(out)(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.name != "logits"})
+    st.fused_calls += 1
+    return out if return_dict else out.to_tuple()
+
+
+def _make_dispatcher(orig):
+    names = list(inspect.signature(orig).parameters)
+
+    @functools.wraps(orig)
+    def forward(self, *args, **kwargs):
+        st = self.__dict__.get(_STATE)
+        if st is None or not self.training or _labels_of(names, args, kwargs) is None:
+            return orig(self, *args, **kwargs)
+        why = _unfused_reason(self)
+        if why:
+            if why != st.unfused_reason:
+                st.unfused_reason = why
+                warnings.warn(f"deepspeed_fused.linear_cross_entropy: {type(self).__name__}: not fused: {why}",
+                              RuntimeWarning, stacklevel=2)
+            return orig(self, *args, **kwargs)
+        return _fused_forward(self, st, orig, args, kwargs)
+
+    setattr(forward, _ORIG, orig)
+    return forward
+
+
+# class -> (had its own forward in __dict__, original forward, weak set of opted-in instances)
+_PATCHED_CLASSES: dict = {}
+
+
+def _patch_class(cls) -> None:
+    if cls in _PATCHED_CLASSES:
+        return
+    import weakref
+
+    own = "forward" in cls.__dict__
+    orig = cls.forward
+    cls.forward = _make_dispatcher(orig)
+    _PATCHED_CLASSES[cls] = (own, orig, weakref.WeakSet())
+
+
+def _unpatch_class(cls) -> None:
+    own, orig, _ = _PATCHED_CLASSES.pop(cls)
+    if own:
+        cls.forward = orig
+    else:
+        delattr(cls, "forward")
+
+
+def _state_from_cfg(spec: _Spec, cfg) -> _State:
+    return _State(spec=spec, ignore_index=int(cfg.ignore_index),
+                  chunk_tokens=None if cfg.chunk_tokens == "auto" else int(cfg.chunk_tokens),
+                  accum_dtype=torch.float32 if cfg.accum_dtype == "fp32" else None,
+                  z_loss=float(cfg.z_loss), label_smoothing=float(cfg.label_smoothing),
+                  validate_targets=bool(cfg.validate_targets))
+
+
+def is_patched(module) -> bool:
+    return _STATE in module.__dict__
+
+
+def fused_state(module):
+    """The opted-in state of a patched causal LM (None if not patched)."""
+    return module.__dict__.get(_STATE)
 
 
 @register
@@ -15,8 +429,58 @@ class LinearCrossEntropyFeature(Feature):
     name = "linear_cross_entropy"
     config_model = LinearCrossEntropyConfig
 
+    def is_supported(self, env):
+        if env.transformers_version is None:
+            return False, "transformers is not importable"
+        return True, ""
+
     def apply(self, model, engine, cfg):
-        raise NotImplementedError("linear_cross_entropy is not implemented yet")
+        report = FeatureReport(name=self.name, enabled=True)
+        plans, skipped = [], {}
+        for name, m in model.named_modules():
+            cls = type(m)
+            if not cls.__name__.endswith("ForCausalLM") or is_patched(m):
+                continue
+            ok, why = causal_lm_support(cls)
+            if ok:
+                if "forward" in m.__dict__:
+                    ok, why = False, "forward is overridden on the instance"
+                else:
+                    why = _unfused_reason(m)
+                    ok = not why
+            if ok:
+                plans.append((name, m, _analyze(cls)[0]))
+            else:
+                skipped.setdefault(cls.__name__, why)
+        already = [m for _, m in model.named_modules() if is_patched(m)]
+        # Mutate only after every check passed (nothing below can fail half-way).
+        counts: dict = {}
+        for name, m, spec in plans:
+            _patch_class(type(m))
+            _PATCHED_CLASSES[type(m)][2].add(m)
+            m.__dict__[_STATE] = _state_from_cfg(spec, cfg)
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        for m in already:
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        report.applied = bool(counts)
+        report.where = ", ".join(f"{n} x {c}" for c, n in counts.items())
+        report.details = {"patched": counts, "skipped": skipped,
+                          "modules": [n or "<root>" for n, _, _ in plans]}
+        if not counts:
+            report.reason = "no supported *ForCausalLM found" + (
+                "; " + "; ".join(f"{c}: {w}" for c, w in skipped.items()) if skipped else "")
+        elif skipped:
+            report.reason = "skipped " + "; ".join(f"{c}: {w}" for c, w in skipped.items())
+        return report
 
     def revert(self, model):
-        return 0
+        n = 0
+        for _, m in model.named_modules():
+            if m.__dict__.pop(_STATE, None) is not None:
+                n += 1
+                entry = _PATCHED_CLASSES.get(type(m))
+                if entry is not None:
+                    entry[2].discard(m)
+                    if not len(entry[2]):
+                        _unpatch_class(type(m))
+        return n

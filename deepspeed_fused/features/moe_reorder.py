@@ -1,13 +1,211 @@
-"""Feature "moe_reorder" (stub: filled by its feature issue)."""
+"""Feature "moe_reorder": MoE token reorder by row gathers (``deepspeed_fused.ops.row_gather``).
+
+Two integrations, chosen per model:
+
+* DeepSpeed AutoEP (the model holds ``AutoEPMoELayer`` modules): ``permute_by_local_expert`` and
+  ``unpermute_by_local_expert`` of ``deepspeed.module_inject.auto_ep_layer`` are looked up as
+  module globals at call time, so they are replaced there (one patch for every layer, reference
+  counted over patched models). Ours keep each DeepSpeed version's exact contract by letting
+  DeepSpeed's own function build the indices and aligned counts from a zero-width copy of the
+  tokens (alignment, padding convention, dtypes and devices are DeepSpeed's), then moving the
+  rows with our gathers.
+* transformers experts (no AutoEP): an experts implementation named ``"deepspeed_fused"`` is
+  registered in ``ALL_EXPERTS_FUNCTIONS`` and selected with ``model.set_experts_implementation``.
+  It is transformers' ``grouped_mm`` path with our gather for the dispatch and the fused
+  gather-weight-sum for the combine; the GEMMs go through transformers' own ``_grouped_linear``.
+"""
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
+import torch
+from pydantic import StrictBool
+
 from ..config import FeatureConfig
-from .base import Feature
+from ..ops import row_gather
+from .base import Environment, Feature, FeatureReport
 from .registry import register
 
+IMPL_NAME = "deepspeed_fused"
+_STATE_ATTR = "_deepspeed_fused_moe_reorder"
 
-class MoeReorderConfig(FeatureConfig):
-    """Options of the "moe_reorder" feature."""
+
+with warnings.catch_warnings():  # "validate" shadows pydantic's deprecated BaseModel.validate: intended
+    warnings.filterwarnings("ignore", message='Field name "validate"')
+
+    class MoeReorderConfig(FeatureConfig):
+        """Options of the "moe_reorder" feature."""
+
+        validate: StrictBool = False
+        """Check on every AutoEP reorder that the permutation indices are a one-to-one map of the
+        token rows, raising a ValueError that names the first duplicate, out-of-range or missing
+        entry. Costs a device-to-host sync per layer: for debugging. The alignment of each expert's
+        group is DeepSpeed's (``deepspeed.moe.ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M``)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Integration 1: DeepSpeed AutoEP
+# ----------------------------------------------------------------------------------------------
+
+_AUTOEP = {"count": 0, "validate": 0, "originals": None, "ours": None}
+
+
+def _autoep_module():
+    import deepspeed.module_inject.auto_ep_layer as layer
+
+    return layer
+
+
+def _make_autoep_functions(original_permute, original_unpermute):
+    def permute_by_local_expert(tokens, local_counts):
+        # DeepSpeed builds the indices and aligned counts exactly as it would for these tokens; a
+        # zero-width stand-in makes its own row movement free. The rows are then gathered by ours.
+        probe = tokens.detach().new_empty((tokens.shape[0], 0))
+        _, permuted_indices, aligned_counts, n_tokens = original_permute(probe, local_counts)
+        permuted = row_gather.permute_rows(tokens, permuted_indices, validate=_AUTOEP["validate"] > 0)
+        return permuted, permuted_indices, aligned_counts, n_tokens
+
+    def unpermute_by_local_expert(expert_output, permuted_indices, n_tokens):
+        return row_gather.unpermute_rows(expert_output, permuted_indices, n_tokens, validate=_AUTOEP["validate"] > 0)
+
+    permute_by_local_expert.__doc__ = ("deepspeed_fused: " + (original_permute.__doc__ or "")).strip()
+    unpermute_by_local_expert.__doc__ = ("deepspeed_fused: " + (original_unpermute.__doc__ or "")).strip()
+    permute_by_local_expert._deepspeed_fused = True
+    unpermute_by_local_expert._deepspeed_fused = True
+    return permute_by_local_expert, unpermute_by_local_expert
+
+
+def _install_autoep(validate: bool) -> None:
+    layer = _autoep_module()
+    if _AUTOEP["count"] == 0:
+        originals = (layer.permute_by_local_expert, layer.unpermute_by_local_expert)
+        ours = _make_autoep_functions(*originals)
+        layer.permute_by_local_expert, layer.unpermute_by_local_expert = ours
+        _AUTOEP["originals"], _AUTOEP["ours"] = originals, ours
+    _AUTOEP["count"] += 1
+    _AUTOEP["validate"] += int(validate)
+
+
+def _uninstall_autoep(validate: bool) -> None:
+    if _AUTOEP["count"] == 0:
+        return
+    _AUTOEP["count"] -= 1
+    _AUTOEP["validate"] = max(0, _AUTOEP["validate"] - int(validate))
+    if _AUTOEP["count"] == 0:
+        layer = _autoep_module()
+        ours = _AUTOEP["ours"]
+        if layer.permute_by_local_expert is ours[0]:
+            layer.permute_by_local_expert = _AUTOEP["originals"][0]
+        if layer.unpermute_by_local_expert is ours[1]:
+            layer.unpermute_by_local_expert = _AUTOEP["originals"][1]
+        _AUTOEP["originals"] = _AUTOEP["ours"] = None
+
+
+def autoep_patched() -> bool:
+    """Whether DeepSpeed's AutoEP reorder functions are ours now."""
+    try:
+        return bool(getattr(_autoep_module().permute_by_local_expert, "_deepspeed_fused", False))
+    except Exception:
+        return False
+
+
+def _autoep_layers(model: torch.nn.Module) -> int:
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except Exception:
+        return 0
+    return sum(isinstance(m, AutoEPMoELayer) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------------------------
+# Integration 2: transformers experts implementation
+# ----------------------------------------------------------------------------------------------
+
+
+def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' ``grouped_mm`` experts forward with gathers for the dispatch and the combine.
+
+    Assignments are sorted by expert exactly as ``grouped_mm`` sorts them (same call, same order);
+    ``hidden[perm // top_k]`` is :func:`row_gather.gather_dispatch` (backward: a gather-sum per
+    token, no scatter-add); the GEMMs are transformers' ``_grouped_linear``; weighting, the inverse
+    permutation and the sum over ``top_k`` are one :func:`row_gather.gather_combine` (FP32 sum, one
+    rounding). Sentinel expert ids (``>= num_experts``, experts of other ranks under transformers'
+    expert parallelism) get zero rows, no GEMM rows and no contribution or gradient."""
+    from transformers.integrations.moe import _grouped_linear
+
+    device = hidden_states.device
+    num_top_k = top_k_index.size(-1)
+    num_tokens = hidden_states.size(0)
+    num_experts = self.num_experts
+
+    expert_ids = top_k_index.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    # transformers >= 5.2x masks sentinels only under its expert parallelism; older 5.x always.
+    masking = bool(getattr(self, "_is_expert_parallel", True))
+    sentinel_g = expert_ids_g >= num_experts
+    token_of_slot = perm // num_top_k
+    slot_of_assignment = row_gather.inverse_permutation(perm, perm.numel())
+    if masking:
+        token_of_slot = token_of_slot.masked_fill(sentinel_g, -1)
+        slot_of_assignment = slot_of_assignment.masked_fill(expert_ids >= num_experts, -1)
+    slot_of_assignment = slot_of_assignment.view(num_tokens, num_top_k)
+
+    selected = row_gather.gather_dispatch(hidden_states, token_of_slot, slot_of_assignment)
+
+    # Group offsets exactly as grouped_mm computes them (histc drops the sentinel tail).
+    histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
+    tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    ids_for_bias = expert_ids_g.clamp(max=num_experts - 1)
+    mask = sentinel_g.unsqueeze(-1) if masking else None
+
+    has_bias = getattr(self, "has_bias", False)
+    if getattr(self, "has_gate", True):
+        weight, bias = self.gate_up_proj, (self.gate_up_proj_bias[ids_for_bias] if has_bias else None)
+    else:
+        weight, bias = self.up_proj, (self.up_proj_bias[ids_for_bias] if has_bias else None)
+    is_transposed = getattr(self, "is_transposed", False)
+    proj = _grouped_linear(selected, weight, offsets, bias=bias, is_transposed=is_transposed)
+    if mask is not None:
+        proj = proj.masked_fill(mask, 0.0)
+    proj = self._apply_gate(proj) if getattr(self, "has_gate", True) else self.act_fn(proj)
+    bias = self.down_proj_bias[ids_for_bias] if has_bias else None
+    proj = _grouped_linear(proj, self.down_proj, offsets, bias=bias, is_transposed=is_transposed)
+    if mask is not None:
+        proj = proj.masked_fill(mask, 0.0)
+    if getattr(self, "has_post_expert_norm", False):
+        proj = self.post_expert_norm(proj)
+
+    out = row_gather.gather_combine(proj, slot_of_assignment, top_k_weights)
+    return out.to(hidden_states.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Register ``"deepspeed_fused"`` in transformers' ``ALL_EXPERTS_FUNCTIONS`` (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if ALL_EXPERTS_FUNCTIONS.get(IMPL_NAME, None) is not deepspeed_fused_experts_forward:
+        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, deepspeed_fused_experts_forward)
+
+
+def _experts_modules(model: torch.nn.Module) -> list:
+    """Modules of classes decorated with transformers' ``@use_experts_implementation``."""
+    return [m for m in model.modules()
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(type(m), "_apply_gate")
+            and getattr(m, "config", None) is not None]
+
+
+def _get_impl(model) -> Any:
+    if hasattr(model, "get_experts_implementation"):
+        return model.get_experts_implementation()
+    return model.config._experts_implementation
+
+
+# ----------------------------------------------------------------------------------------------
+# The feature
+# ----------------------------------------------------------------------------------------------
 
 
 @register
@@ -15,8 +213,65 @@ class MoeReorderFeature(Feature):
     name = "moe_reorder"
     config_model = MoeReorderConfig
 
-    def apply(self, model, engine, cfg):
-        raise NotImplementedError("moe_reorder is not implemented yet")
+    def is_supported(self, env: Environment) -> tuple[bool, str]:
+        if not env.kernels_available:
+            return False, ("the gathers need Triton and a CUDA GPU (or TRITON_INTERPRET=1); on CPU the "
+                           "eager reorder is already what would run")
+        return True, ""
 
-    def revert(self, model):
-        return 0
+    def apply(self, model, engine, cfg) -> FeatureReport:
+        rep = FeatureReport(name=self.name, enabled=True)
+        if getattr(model, _STATE_ATTR, None) is not None:
+            rep.applied, rep.reason = True, "already applied"
+            return rep
+        n_autoep = _autoep_layers(model)
+        if n_autoep:
+            _install_autoep(cfg.validate)
+            model.__dict__[_STATE_ATTR] = {"path": "autoep", "layers": n_autoep, "validate": cfg.validate}
+            from deepspeed.moe import ep_kernels
+
+            replaces = ("DeepSpeed's Triton permute_rows/unpermute_rows" if hasattr(ep_kernels, "permute_rows")
+                        else "DeepSpeed's vstack+index / zero+index_put reorder")
+            rep.applied = True
+            rep.where = f"{n_autoep} x AutoEPMoELayer (DeepSpeed AutoEP permute/unpermute_by_local_expert)"
+            rep.reason = f"replaces {replaces}" + ("; validate=on (host sync per layer)" if cfg.validate else "")
+            rep.details = {"path": "autoep", "layers": n_autoep}
+            return rep
+
+        experts = _experts_modules(model)
+        if not experts:
+            rep.reason = "no DeepSpeed AutoEP layers and no transformers experts modules in the model"
+            return rep
+        if not hasattr(model, "set_experts_implementation"):
+            rep.reason = "the model has no set_experts_implementation (not a transformers PreTrainedModel)"
+            return rep
+        register_experts_implementation()
+        previous = _get_impl(model)
+        try:
+            model.set_experts_implementation(IMPL_NAME)
+            selected = [m for m in experts if m.config._experts_implementation == IMPL_NAME]
+            if not selected:
+                raise RuntimeError("set_experts_implementation did not select it for any experts module")
+        except Exception:
+            model.set_experts_implementation(previous)
+            raise
+        model.__dict__[_STATE_ATTR] = {"path": "transformers", "layers": len(selected), "previous": previous}
+        kinds = sorted({type(m).__name__ for m in selected})
+        rep.applied = True
+        rep.where = f"{len(selected)} x {', '.join(kinds)} (transformers experts implementation {IMPL_NAME!r})"
+        prev = previous.get("", previous) if isinstance(previous, dict) else previous
+        rep.reason = f"replaces experts implementation {prev!r}"
+        if len(selected) < len(experts):
+            rep.reason += f"; {len(experts) - len(selected)} experts modules kept their implementation"
+        rep.details = {"path": "transformers", "layers": len(selected), "previous": previous}
+        return rep
+
+    def revert(self, model) -> int:
+        state = model.__dict__.pop(_STATE_ATTR, None)
+        if state is None:
+            return 0
+        if state["path"] == "autoep":
+            _uninstall_autoep(state["validate"])
+        else:
+            model.set_experts_implementation(state["previous"])
+        return state["layers"]

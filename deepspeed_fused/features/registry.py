@@ -8,6 +8,7 @@ _FEATURES: dict[str, Feature] = {}
 
 def register(feature_cls: type) -> type:
     """Register a :class:`Feature` subclass (usable as a class decorator)."""
+    _load_builtin()  # built-in features first, so the registry order is stable
     if not feature_cls.name:
         raise ValueError(f"{feature_cls.__name__}.name must be set")
     if feature_cls.config_model is None or "enabled" not in feature_cls.config_model.model_fields:

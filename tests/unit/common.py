@@ -101,14 +101,14 @@ class DistributedTest:
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
+        ws = cls.world_size
         for name, fn in list(vars(cls).items()):
             if name.startswith("test") and callable(fn) and not getattr(fn, "_dist_wrapped", False):
-                setattr(cls, name, _wrap(fn))
-        ws = cls.world_size
-        if isinstance(ws, (list, tuple)):
-            for name, fn in list(vars(cls).items()):
-                if name.startswith("test") and callable(fn) and not _marker_world_size(fn):
-                    setattr(cls, name, pytest.mark.parametrize("_world_size", list(ws))(fn))
+                many = isinstance(ws, (list, tuple)) and not _marker_world_size(fn)
+                wrapped = _wrap(fn, many)
+                if many:
+                    wrapped = pytest.mark.parametrize("_world_size", list(ws))(wrapped)
+                setattr(cls, name, wrapped)
 
 
 def _marker_world_size(fn):
@@ -118,7 +118,7 @@ def _marker_world_size(fn):
     return None
 
 
-def _wrap(fn):
+def _wrap(fn, parametrized: bool):
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.name != "self"]
 
@@ -134,8 +134,8 @@ def _wrap(fn):
         run_distributed(body, ws, timeout=self.timeout, init_dist=self.init_distributed, **bound)
 
     new_params = [sig.parameters["self"]] + params
-    if "_world_size" not in sig.parameters:
-        new_params.append(inspect.Parameter("_world_size", inspect.Parameter.KEYWORD_ONLY, default=None))
+    if parametrized:
+        new_params.append(inspect.Parameter("_world_size", inspect.Parameter.KEYWORD_ONLY))
     wrapper.__signature__ = sig.replace(parameters=new_params)
     wrapper.__name__ = fn.__name__
     wrapper.__qualname__ = fn.__qualname__

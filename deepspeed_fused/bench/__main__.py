@@ -1,0 +1,42 @@
+"""python -m deepspeed_fused.bench SUITE [SUITE ...] [--out DIR] [--quick]"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUITES = {
+    "ceilings": "deepspeed_fused.bench.ceilings",
+    "rms_norm": "deepspeed_fused.bench.rms_norm",
+    "moe_reorder": "deepspeed_fused.bench.moe_reorder",
+    "linear_cross_entropy": "deepspeed_fused.bench.linear_cross_entropy",
+    "e2e": "deepspeed_fused.bench.e2e",
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deepspeed_fused.bench", description=__doc__)
+    p.add_argument("suites", nargs="+", choices=sorted(SUITES) + ["all"])
+    p.add_argument("--out", default=None, help="output folder (default docs/benchmarks/)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
+    args, extra = p.parse_known_args(argv)
+    args.extra = extra
+    names = [s for s in SUITES if s != "e2e"] if "all" in args.suites else args.suites
+    from .common import write_results
+
+    for name in names:
+        mod = importlib.import_module(SUITES[name])
+        if hasattr(mod, "main"):  # suites with their own output (e2e)
+            mod.main(args)
+            continue
+        records = mod.run(args)
+        paths = write_results(name, records, args.out, title=getattr(mod, "TITLE", ""),
+                              notes=getattr(mod, "NOTES", ""))
+        with open(paths["md"]) as f:
+            print(f.read())
+        print("wrote", ", ".join(str(v) for v in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The benchmark harness: time implementations side by side in one process and write results.
+
+A suite module exposes ``run(args) -> list[Record]``. Timings are medians of
+``triton.testing.do_bench`` after warm-up (CUDA events when Triton is absent); peak memory is
+measured above what was allocated before the call (the inputs). Results go to
+``docs/benchmarks/SUITE.json`` (one record per implementation and shape), ``SUITE.md`` (a table
+with each implementation's ratio to the best peer of the same shape) and ``SUITE.png``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import statistics
+from typing import Callable, Optional
+
+import torch
+
+OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                       "benchmarks")
+
+
+@dataclasses.dataclass
+class Record:
+    suite: str
+    impl: str
+    shape: str
+    dtype: str
+    ours: bool = False
+    fwd_ms: Optional[float] = None
+    fwd_bwd_ms: Optional[float] = None
+    unit: str = ""  # "TB/s" or "TFLOP/s"
+    fwd_rate: Optional[float] = None  # effective TB/s or TFLOP/s of the forward
+    fwd_bwd_rate: Optional[float] = None
+    peak_extra_mib: Optional[float] = None
+    note: str = ""
+    extra: dict = dataclasses.field(default_factory=dict)
+    gpu: str = ""
+    torch: str = ""
+    triton: str = ""
+    date: str = ""
+
+
+def env_fields() -> dict:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:
+        tv = ""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return dict(gpu=gpu, torch=torch.__version__, triton=tv,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+
+
+def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn()`` on the GPU (do_bench clears the L2 between runs)."""
+    if not torch.cuda.is_available():
+        import time
+
+        fn()
+        times = []
+        for _ in range(max(3, rep // 20)):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    except ImportError:  # pragma: no cover
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(20):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+def peak_extra_mib(fn: Callable[[], object]) -> Optional[float]:
+    """Peak memory allocated during ``fn()`` above what was allocated before it, in MiB."""
+    if not torch.cuda.is_available():
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return (peak - base) / 2**20
+
+
+def measure(suite: str, impl: str, shape: str, dtype, *, fwd: Optional[Callable] = None,
+            fwd_bwd: Optional[Callable] = None, bytes_fwd: Optional[float] = None,
+            bytes_fwd_bwd: Optional[float] = None, flops_fwd: Optional[float] = None,
+            flops_fwd_bwd: Optional[float] = None, ours: bool = False, note: str = "",
+            memory_of: str = "fwd_bwd", warmup: int = 25, rep: int = 100, **extra) -> Record:
+    """Time one implementation at one shape; failures become a record with the error as note."""
+    rec = Record(suite=suite, impl=impl, shape=shape, dtype=str(dtype).replace("torch.", ""), ours=ours,
+                 note=note, extra=extra, **env_fields())
+    try:
+        if fwd is not None:
+            rec.fwd_ms = bench_ms(fwd, warmup, rep)
+        if fwd_bwd is not None:
+            rec.fwd_bwd_ms = bench_ms(fwd_bwd, warmup, rep)
+        mem_fn = fwd_bwd if (memory_of == "fwd_bwd" and fwd_bwd is not None) else fwd
+        if mem_fn is not None:
+            rec.peak_extra_mib = peak_extra_mib(mem_fn)
+    except Exception as e:  # a peer that breaks at a shape is reported, not fatal
+        rec.note = (note + "; " if note else "") + f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if bytes_fwd is not None or bytes_fwd_bwd is not None:
+        rec.unit = "TB/s"
+        rec.fwd_rate = bytes_fwd / rec.fwd_ms / 1e9 if (bytes_fwd and rec.fwd_ms) else None
+        rec.fwd_bwd_rate = bytes_fwd_bwd / rec.fwd_bwd_ms / 1e9 if (bytes_fwd_bwd and rec.fwd_bwd_ms) else None
+    elif flops_fwd is not None or flops_fwd_bwd is not None:
+        rec.unit = "TFLOP/s"
+        rec.fwd_rate = flops_fwd / rec.fwd_ms / 1e9 if (flops_fwd and rec.fwd_ms) else None
+        rec.fwd_bwd_rate = flops_fwd_bwd / rec.fwd_bwd_ms / 1e9 if (flops_fwd_bwd and rec.fwd_bwd_ms) else None
+    return rec
+
+
+def _fmt(v, nd=3):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def ratios_to_best_peer(records: list[Record]) -> dict:
+    """(shape, impl) -> (fwd ratio, fwd_bwd ratio): best peer time / this time (>1 = faster)."""
+    out = {}
+    shapes = {r.shape for r in records}
+    for s in shapes:
+        rs = [r for r in records if r.shape == s]
+        peers = [r for r in rs if not r.ours]
+        best_f = min((r.fwd_ms for r in peers if r.fwd_ms), default=None)
+        best_fb = min((r.fwd_bwd_ms for r in peers if r.fwd_bwd_ms), default=None)
+        for r in rs:
+            out[(s, r.impl)] = (best_f / r.fwd_ms if best_f and r.fwd_ms else None,
+                                best_fb / r.fwd_bwd_ms if best_fb and r.fwd_bwd_ms else None)
+    return out
+
+
+def write_results(suite: str, records: list[Record], out_dir: Optional[str] = None, title: str = "",
+                  notes: str = "") -> dict:
+    """Write SUITE.json, SUITE.md and SUITE.png; return the paths."""
+    out_dir = out_dir or OUT_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {k: os.path.join(out_dir, f"{suite}.{k}") for k in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
+    ratios = ratios_to_best_peer(records)
+    env = env_fields() if not records else dict(gpu=records[0].gpu, torch=records[0].torch,
+                                                  triton=records[0].triton, date=records[0].date)
+    lines = [f"# Benchmark `{suite}`" + (f": {title}" if title else ""), "",
+             f"{env['date']}, {env['gpu']}, torch {env['torch']}, Triton {env['triton']}. Medians of "
+             "`triton.testing.do_bench`. Ratios: fastest peer time / this time (>1 is faster than every "
+             "peer). Generated by `python -m deepspeed_fused.bench " + suite + "`.", ""]
+    if notes:
+        lines += [notes, ""]
+    lines.append("| shape | impl | dtype | fwd ms | fwd+bwd ms | fwd rate | fwd+bwd rate | unit | "
+                 "fwd vs best peer | fwd+bwd vs best peer | peak extra MiB | note |")
+    lines.append("|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in records:
+        rf, rfb = ratios.get((r.shape, r.impl), (None, None))
+        name = f"**{r.impl}**" if r.ours else r.impl
+        lines.append(f"| {r.shape} | {name} | {r.dtype} | {_fmt(r.fwd_ms)} | {_fmt(r.fwd_bwd_ms)} | "
+                     f"{_fmt(r.fwd_rate, 2)} | {_fmt(r.fwd_bwd_rate, 2)} | {r.unit} | {_fmt(rf, 2)} | {_fmt(rfb, 2)} | "
+                     f"{_fmt(r.peak_extra_mib, 1)} | {r.note} |")
+    with open(paths["md"], "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        plot(records, paths["png"], f"{suite} ({env['gpu']})")
+    except Exception as e:  # matplotlib missing: JSON and MD still written
+        paths["png"] = f"not written: {e}"
+    return paths
+
+
+def plot(records: list[Record], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r.shape for r in records))
+    impls = list(dict.fromkeys(r.impl for r in records))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(shapes) * 2), 5))
+    for ax, attr, label in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwd_bwd_ms", "forward + backward")):
+        width = 0.8 / max(1, len(impls))
+        for i, impl in enumerate(impls):
+            vals = []
+            for s in shapes:
+                r = next((r for r in records if r.shape == s and r.impl == impl), None)
+                vals.append(getattr(r, attr) if r is not None and getattr(r, attr) else 0.0)
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=impl)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("ms (median, lower is better)")
+        ax.set_yscale("log")
+        ax.set_title(label)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,478 @@
+"""Fused RMSNorm in the Hugging Face Llama form, with eager's rounding points.
+
+The Llama-form module computes ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``:
+FP32 statistics, one rounding of the normalized value to the input dtype, then the multiply by
+the weight in the promoted dtype (an FP32 weight with bf16 input gives an FP32 output). The
+kernels reproduce those rounding points and the ones eager autograd applies in the backward:
+
+* ``g = dy * w`` is formed in the output dtype and rounded to the input dtype (the gradient of
+  the rounded normalized value), then the input gradient is FP32 math on ``g``;
+* the weight-gradient product ``dy * normalized`` is rounded to the output dtype before its FP32
+  sum over rows, and the sum is rounded to the weight dtype.
+
+Kernels: a forward over ``[BLOCK_R, BLOCK_N]`` tiles (many rows per program for narrow widths,
+one row per program for wide ones, looping over column blocks when a row does not fit one
+block), and a persistent backward (a bounded grid; each program walks row tiles, writes ``dx``
+and keeps its own FP32 weight-gradient partial in registers). The partials ``[programs, N]`` are
+summed by ``torch.sum`` in a fixed order, so the results are bitwise repeatable. Rows may be
+strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
+slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ._common import HAS_TRITON, kernel_device_ok, tl, triton, warn_fallback
+
+__all__ = ["fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype"]
+
+_OP = "rms_norm"
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Tuning knobs (module attributes so tests can force the looping kernels at small widths).
+_MAX_FWD_BLOCK = 16384  # widest row the forward holds in one block
+_MAX_BWD_BLOCK = 8192  # widest row the backward holds in one block
+_LOOP_BLOCK = 4096  # column block of the looping kernels
+_FWD_TILE_BYTES = 16384  # input bytes per forward tile (narrow widths: many rows per program)
+_BWD_TILE_ELEMS = 4096  # elements per backward tile
+_INTERPRET_PROGRAMS = 3  # persistent programs under the CPU interpreter
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+def output_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of the result: PyTorch promotion of the input and weight dtypes."""
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def rms_norm_reference(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Hugging Face Llama-form RMSNorm, written as the modules write it (same rounding)."""
+    input_dtype = hidden.dtype
+    h = hidden.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _row_offsets(rows, D1, D2, S0, S1, S2):
+        # Row r of the collapsed leading shape [D0, D1, D2] lives at
+        # (r // (D1*D2)) * S0 + ((r // D2) % D1) * S1 + (r % D2) * S2 (element units).
+        outer = rows // (D1 * D2)
+        mid = (rows // D2) % D1
+        inner = rows % D2
+        return tl.cast(outer, tl.int64) * S0 + tl.cast(mid, tl.int64) * S1 + tl.cast(inner, tl.int64) * S2
+
+    @triton.jit
+    def _rms_fwd_kernel(X, W, Y, RSTD, n_rows, N, eps,
+                        D1, D2, S0, S1, S2,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        xrow = _row_offsets(rows, D1, D2, S0, S1, S2)[:, None]
+        yrow = rows.to(tl.int64)[:, None] * N
+        cols = tl.arange(0, BLOCK_N)
+        in_ty = X.dtype.element_ty
+        out_ty = Y.dtype.element_ty
+        if SINGLE:
+            cmask = cols < N
+            m = rmask[:, None] & cmask[None, :]
+            x = tl.load(X + xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            var = tl.sum(x * x, axis=1) / N
+            rstd = 1.0 / tl.sqrt_rn(var + eps)
+            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+            xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
+            tl.store(Y + yrow + cols[None, :], (w[None, :] * xn).to(out_ty), mask=m)
+        else:
+            acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                m = rmask[:, None] & (c < N)[None, :]
+                x = tl.load(X + xrow + c[None, :], mask=m, other=0.0).to(tl.float32)
+                acc += x * x
+            var = tl.sum(acc, axis=1) / N
+            rstd = 1.0 / tl.sqrt_rn(var + eps)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                cm = c < N
+                m = rmask[:, None] & cm[None, :]
+                x = tl.load(X + xrow + c[None, :], mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=cm, other=0.0).to(tl.float32)
+                xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
+                tl.store(Y + yrow + c[None, :], (w[None, :] * xn).to(out_ty), mask=m)
+        tl.store(RSTD + rows, rstd, mask=rmask)
+
+    @triton.jit
+    def _rms_bwd_kernel(DY, X, W, RSTD, DX, PART, n_rows, N, n_tiles,
+                        XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        # One persistent program: walks row tiles pid, pid + P, ...; writes dx for them and one
+        # FP32 weight-gradient partial row PART[pid, :N] (the row fits one block).
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        in_ty = X.dtype.element_ty
+        out_ty = DY.dtype.element_ty
+        cols = tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        for tile in range(pid, n_tiles, nprog):
+            rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+            rmask = rows < n_rows
+            m = rmask[:, None] & cmask[None, :]
+            xoff = _row_offsets(rows, XD1, XD2, XS0, XS1, XS2)[:, None] + cols[None, :]
+            goff = _row_offsets(rows, GD1, GD2, GS0, GS1, GS2)[:, None] + cols[None, :]
+            x = tl.load(X + xoff, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + goff, mask=m, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            # eager: grad of the rounded normalized value = dy * w in the output dtype, then the
+            # input dtype; the rest is FP32.
+            g = (dy * w[None, :]).to(out_ty).to(in_ty).to(tl.float32)
+            dot = tl.sum(g * x, axis=1)
+            dvar = (-0.5 * dot) * (rstd * rstd * rstd)
+            dx = g * rstd[:, None] + (dvar / N)[:, None] * (2.0 * x)
+            tl.store(DX + rows.to(tl.int64)[:, None] * N + cols[None, :], dx.to(in_ty), mask=m)
+            xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
+            acc += (dy * xn).to(out_ty).to(tl.float32)
+        tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+
+    @triton.jit
+    def _rms_bwd_loop_kernel(DY, X, W, RSTD, DX, PART, n_rows, N,
+                             XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
+                             BLOCK_N: tl.constexpr):
+        # Wide rows: one row at a time, two passes over column blocks (the row sum, then dx);
+        # the weight-gradient partial accumulates in this program's own row PART[pid, :]
+        # (zero-initialised; only this program touches it, so no atomics).
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        in_ty = X.dtype.element_ty
+        out_ty = DY.dtype.element_ty
+        cols = tl.arange(0, BLOCK_N)
+        prow = PART + pid.to(tl.int64) * N
+        for row in range(pid, n_rows, nprog):
+            xb = X + _row_offsets(row, XD1, XD2, XS0, XS1, XS2)
+            gb = DY + _row_offsets(row, GD1, GD2, GS0, GS1, GS2)
+            rstd = tl.load(RSTD + row)
+            dacc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                cm = c < N
+                x = tl.load(xb + c, mask=cm, other=0.0).to(tl.float32)
+                dy = tl.load(gb + c, mask=cm, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=cm, other=0.0).to(tl.float32)
+                g = (dy * w).to(out_ty).to(in_ty).to(tl.float32)
+                dacc += g * x
+            dvar = (-0.5 * tl.sum(dacc, axis=0)) * (rstd * rstd * rstd)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                cm = c < N
+                x = tl.load(xb + c, mask=cm, other=0.0).to(tl.float32)
+                dy = tl.load(gb + c, mask=cm, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=cm, other=0.0).to(tl.float32)
+                g = (dy * w).to(out_ty).to(in_ty).to(tl.float32)
+                dx = g * rstd + (dvar / N) * (2.0 * x)
+                tl.store(DX + tl.cast(row, tl.int64) * N + c, dx.to(in_ty), mask=cm)
+                xn = (x * rstd).to(in_ty).to(tl.float32)
+                p = tl.load(prow + c, mask=cm, other=0.0)
+                tl.store(prow + c, p + (dy * xn).to(out_ty).to(tl.float32), mask=cm)
+
+
+    @triton.jit
+    def _dw_reduce_kernel(PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        # dW[c] = sum over programs p of PART[p, c], in a fixed order, rounded to the weight dtype.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            m = (p < P)[:, None] & cmask[None, :]
+            acc += tl.load(PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
+        tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------
+def _row_layout(t: torch.Tensor) -> Optional[tuple]:
+    """(D1, D2, S0, S1, S2) addressing the rows of ``t`` ([..., N], last dim contiguous) as up
+    to three strided groups of leading dims, or None when that is not possible."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return None
+    groups: list = []  # [size, stride], innermost first
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if groups and groups[-1][0] * groups[-1][1] == stride:
+            groups[-1][0] *= size
+        else:
+            groups.append([size, stride])
+    if not groups:
+        return (1, 1, 0, 0, 0)
+    if len(groups) > 3:
+        return None
+    if len(groups) == 1:
+        return (1, 1, groups[0][1], 0, 0)
+    if len(groups) == 2:
+        (d2, s2), (_, s0) = groups
+        return (1, d2, s0, 0, s2)
+    (d2, s2), (d1, s1), (_, s0) = groups
+    return (d1, d2, s0, s1, s2)
+
+
+def _layout_or_copy(t: torch.Tensor) -> tuple:
+    lay = _row_layout(t)
+    if lay is None:
+        t = t.contiguous()
+        lay = (1, 1, t.shape[-1], 0, 0)
+    return t, lay
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+_occupancy_cache: dict = {}
+
+
+def _occupancy(kernel, args: tuple, meta: dict, t: torch.Tensor) -> int:
+    """Programs of ``kernel`` (compiled for these args) resident on one SM at once, from its
+    register and shared-memory use; computed once per configuration (compiles it if needed)."""
+    num_warps = meta["num_warps"]
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), _device_index(t),
+           tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args), tuple(sorted(meta.items())))
+    occ = _occupancy_cache.get(key)
+    if occ is None:
+        occ = max(1, 32 // num_warps)  # a guess, used if the compiled kernel cannot be inspected
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **meta)
+            compiled._init_handles()
+            props = torch.cuda.get_device_properties(_device_index(t))
+            regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+            threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+            smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+            regs = max(1, int(compiled.n_regs))
+            regs_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in 256s
+            by_regs = regs_sm // (regs_warp * num_warps)
+            by_threads = threads_sm // (32 * num_warps)
+            smem = int(getattr(compiled.metadata, "shared", 0) or 0)
+            by_smem = smem_sm // (smem + 1024) if smem else by_threads
+            occ = max(1, min(by_regs, by_threads, by_smem))
+        except Exception:  # pragma: no cover - depends on the Triton version
+            pass
+        _occupancy_cache[key] = occ
+    return occ
+
+
+def _persistent_grid(kernel, args: tuple, meta: dict, t: torch.Tensor, work: int) -> int:
+    if not t.is_cuda:
+        return max(1, min(work, _INTERPRET_PROGRAMS))
+    return max(1, min(work, _sm_count(_device_index(t)) * _occupancy(kernel, args, meta, t)))
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _fwd_config(n_rows: int, N: int, elem: int, cap_rows: int) -> tuple:
+    if N <= _MAX_FWD_BLOCK:
+        block_n, single = triton.next_power_of_2(N), True
+    else:
+        block_n, single = _LOOP_BLOCK, False
+    block_r = max(1, (_FWD_TILE_BYTES // elem) // block_n)
+    block_r = min(block_r, triton.next_power_of_2(max(n_rows, 1)), 128)
+    # keep at least `cap_rows` programs busy when the input is short (decode-like shapes)
+    block_r = max(1, min(block_r, _prev_pow2(max(n_rows // max(cap_rows, 1), 1))))
+    num_warps = min(16, max(1, (block_r * block_n) // 1024))
+    return block_r, block_n, single, num_warps
+
+
+def _bwd_config(n_rows: int, N: int) -> tuple:
+    if N <= _MAX_BWD_BLOCK:
+        block_n = triton.next_power_of_2(N)
+        block_r = max(1, _BWD_TILE_ELEMS // block_n)
+        block_r = min(block_r, triton.next_power_of_2(max(n_rows, 1)))
+        num_warps = min(16, max(1, (block_r * block_n) // 512))
+        return block_r, block_n, True, num_warps
+    return 1, _LOOP_BLOCK, False, min(16, max(4, _LOOP_BLOCK // 512))
+
+
+class _on_device:
+    """Launch on the tensor's CUDA device (Triton launches on the current one)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ctx = None
+        if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+            self.ctx = torch.cuda.device(t.device.index)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *a):
+        if self.ctx is not None:
+            self.ctx.__exit__(*a)
+
+
+def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float):
+    N = x.shape[-1]
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    n_rows = rstd.numel()
+    if n_rows == 0:
+        return y, rstd
+    x, (d1, d2, s0, s1, s2) = _layout_or_copy(x)
+    w = w.contiguous()
+    cap = _sm_count(_device_index(x)) if x.is_cuda else 1
+    block_r, block_n, single, num_warps = _fwd_config(n_rows, N, x.element_size(), cap)
+    grid = (triton.cdiv(n_rows, block_r),)
+    with _on_device(x):
+        _rms_fwd_kernel[grid](x, w, y, rstd, n_rows, N, float(eps), d1, d2, s0, s1, s2,
+                              BLOCK_R=block_r, BLOCK_N=block_n, SINGLE=single, num_warps=num_warps)
+    return y, rstd
+
+
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
+    N = x.shape[-1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = rstd.numel()
+    if n_rows == 0:
+        return dx, torch.zeros_like(w)
+    out_dtype = torch.promote_types(x.dtype, w.dtype)
+    if dy.dtype != out_dtype:
+        dy = dy.to(out_dtype)
+    x, xl = _layout_or_copy(x)
+    dy, gl = _layout_or_copy(dy)
+    w = w.contiguous()
+    rstd = rstd.contiguous()
+    block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
+    meta = dict(BLOCK_N=block_n, num_warps=num_warps)
+    with _on_device(x):
+        if single:
+            n_tiles = triton.cdiv(n_rows, block_r)
+            meta["BLOCK_R"] = block_r
+            kernel = _rms_bwd_kernel
+            probe = (dy, x, w, rstd, dx, rstd, n_rows, N, n_tiles, *xl, *gl)
+            progs = _persistent_grid(kernel, probe, meta, x, n_tiles)
+            part = torch.empty((progs, N), dtype=torch.float32, device=x.device)
+        else:
+            kernel = _rms_bwd_loop_kernel
+            probe = (dy, x, w, rstd, dx, rstd, n_rows, N, *xl, *gl)
+            progs = _persistent_grid(kernel, probe, meta, x, n_rows)
+            part = torch.zeros((progs, N), dtype=torch.float32, device=x.device)
+        args = probe[:5] + (part,) + probe[6:]
+        kernel[(progs,)](*args, **meta)
+        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        rn = min(triton.next_power_of_2(N), 256)
+        rp = max(1, min(triton.next_power_of_2(progs), 4096 // rn))
+        _dw_reduce_kernel[(triton.cdiv(N, rn),)](part, dw, progs, N, BLOCK_P=rp, BLOCK_N=rn, num_warps=4)
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops (torch.compile traces through them; no host synchronisation)
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("deepspeed_fused::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(x, w, eps)
+
+
+@_rms_norm_fwd.register_fake
+def _(x, w, eps):
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype))
+    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("deepspeed_fused::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_impl(dy, x, w, rstd)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, w, rstd):
+    return x.new_empty(x.shape), w.new_empty(w.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, _ = inputs
+    _, rstd = output
+    ctx.save_for_backward(x, w, rstd)
+    ctx.mark_non_differentiable(rstd)
+
+
+def _backward(ctx, dy, _drstd):
+    x, w, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd(dy, x, w, rstd)
+    return dx, dw, None
+
+
+_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------
+def _validate(hidden, weight, eps) -> None:
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"fused_rms_norm: hidden must be a tensor, got {type(hidden).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"fused_rms_norm: weight must be a tensor, got {type(weight).__name__}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"fused_rms_norm: hidden must be a floating-point tensor, got {hidden.dtype}")
+    if not weight.is_floating_point():
+        raise TypeError(f"fused_rms_norm: weight must be a floating-point tensor, got {weight.dtype}")
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
+        raise TypeError(f"fused_rms_norm: eps must be a float, got {type(eps).__name__}")
+    if hidden.dim() == 0:
+        raise ValueError("fused_rms_norm: hidden must have at least one dimension [..., N]")
+    if weight.dim() != 1 or weight.shape[0] != hidden.shape[-1]:
+        raise ValueError(f"fused_rms_norm: weight must have shape ({hidden.shape[-1]},) to match the last "
+                         f"dimension of hidden {tuple(hidden.shape)}, got {tuple(weight.shape)}")
+    if weight.device != hidden.device:
+        raise ValueError(f"fused_rms_norm: weight must be on hidden's device {hidden.device}, got {weight.device}")
+
+
+def rms_norm_kernel_ok(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
+    """Whether the kernels take these (valid) inputs; otherwise the reason."""
+    ok, reason = kernel_device_ok(hidden)
+    if not ok:
+        return False, reason
+    if hidden.dtype not in _KERNEL_DTYPES:
+        return False, f"input dtype {hidden.dtype} (kernels take float16, bfloat16, float32)"
+    if weight.dtype not in _KERNEL_DTYPES:
+        return False, f"weight dtype {weight.dtype} (kernels take float16, bfloat16, float32)"
+    if hidden.shape[-1] == 0:
+        return False, "zero-width rows"
+    return True, ""
+
+
+def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-form RMSNorm of ``hidden`` ([..., N]) with ``weight`` ([N]) and epsilon ``eps``.
+
+    The result has ``hidden``'s shape and dtype ``promote_types(hidden.dtype, weight.dtype)``,
+    and is contiguous. Differentiable in ``hidden`` and ``weight`` (first order). Inputs the
+    kernels cannot take (CPU tensors without the Triton interpreter, float64) run
+    :func:`rms_norm_reference` with a one-time warning per reason; wrong inputs raise.
+    """
+    _validate(hidden, weight, eps)
+    ok, reason = rms_norm_kernel_ok(hidden, weight)
+    if not ok:
+        warn_fallback(_OP, reason)
+        return rms_norm_reference(hidden, weight, eps)
+    y, _ = _rms_norm_fwd(hidden, weight, float(eps))
+    return y

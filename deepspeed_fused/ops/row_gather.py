@@ -1,0 +1,600 @@
+"""Row gathers for the MoE token reorder, with gathers as their backwards.
+
+A MoE layer moves token rows into an expert-major buffer and back. All of it is done here with
+one kind of kernel, a padded row gather: ``out[i] = src[index[i]]``, or a zero row where
+``index[i]`` is padding (``-1``, or ``len(src)``: the zero row the eager formulation appends).
+
+* :func:`permute_rows` ``[N, H] -> [NP, H]``: rows into the padded order of ``permuted_indices``
+  (as from ``deepspeed.moe.ep_kernels.generate_permute_indices``); zeros at padding slots.
+* :func:`unpermute_rows` ``[NP, H] -> [N, H]``: each row back from the slot it went to, a gather
+  through :func:`inverse_permutation`; padding slots are never read.
+* Each is the other's backward. Because the valid entries of ``permuted_indices`` are a
+  one-to-one map of the rows, a row's gradient is that of its single slot: no scatter-add, no
+  atomics, and outputs and gradients equal (``torch.equal``) those of the eager formulations
+  (append a zero row and index; zero-fill and ``index_put``). Both are differentiable again.
+* :func:`gather_dispatch` ``[T, H] -> [S, H]``: the dispatch of a top-k router (each token to
+  its ``k`` slots); its backward is :func:`gather_combine` without weights.
+* :func:`gather_combine` ``[S, H] -> [T, H]``: each token gathers its ``k`` expert rows,
+  multiplies them by the routing weights and sums in FP32, rounding once.
+
+The kernels run on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``); anything
+else runs the torch reference with one warning per reason. Index validity is not checked on
+the hot path (that would need a host sync); pass ``validate=True`` to check it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ._common import HAS_TRITON, kernel_device_ok, interpreter_active, tl, triton, warn_fallback
+
+__all__ = [
+    "permute_rows", "unpermute_rows", "inverse_permutation", "validate_permutation", "gather_dispatch",
+    "gather_combine", "permute_rows_reference", "unpermute_rows_reference", "gather_combine_reference",
+    "gather_dispatch_reference",
+]
+
+_OP = "row_gather"
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gather_rows_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, num_out, num_src, hidden, num_col_tiles,
+                            HAS_SCALE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                            VEC: tl.constexpr, ALIGNED: tl.constexpr):
+        # One program copies a [ROWS, BLOCK_H] tile: the row indices are loaded once per tile, and
+        # column tiles of one row tile are adjacent program ids (consecutive DRAM pages).
+        pid = tl.program_id(0)
+        pid_r = pid // num_col_tiles
+        pid_c = pid - pid_r * num_col_tiles
+        rows = pid_r.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < num_out
+        index = tl.load(index_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        valid = row_ok & (index >= 0) & (index < num_src)
+        cols = pid_c * BLOCK_H + tl.arange(0, BLOCK_H)
+        cols = tl.max_contiguous(tl.multiple_of(cols, VEC), VEC)
+        col_ok = cols < hidden
+        src_off = index * hidden
+        out_off = rows * hidden
+        if ALIGNED:  # rows start on 16-byte boundaries: vector loads and stores
+            src_off = tl.multiple_of(src_off, VEC)
+            out_off = tl.multiple_of(out_off, VEC)
+        values = tl.load(src_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None] & col_ok[None, :],
+                         other=0.0)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            values = (values.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + out_off[:, None] + cols[None, :], values, mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(src_ptr, slot_ptr, weight_ptr, out_ptr, num_tokens, num_src, hidden, num_col_tiles,
+                        TOP_K: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        VEC: tl.constexpr, ALIGNED: tl.constexpr):
+        # out[t] = sum_j src[slot[t, j]] * weight[t, j], summed in FP32 in the order j = 0..k-1.
+        pid = tl.program_id(0)
+        pid_r = pid // num_col_tiles
+        pid_c = pid - pid_r * num_col_tiles
+        toks = pid_r.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        tok_ok = toks < num_tokens
+        cols = pid_c * BLOCK_H + tl.arange(0, BLOCK_H)
+        cols = tl.max_contiguous(tl.multiple_of(cols, VEC), VEC)
+        col_ok = cols < hidden
+        acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            slot = tl.load(slot_ptr + toks * TOP_K + j, mask=tok_ok, other=-1).to(tl.int64)
+            valid = tok_ok & (slot >= 0) & (slot < num_src)
+            src_off = slot * hidden
+            if ALIGNED:
+                src_off = tl.multiple_of(src_off, VEC)
+            x = tl.load(src_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + toks * TOP_K + j, mask=valid, other=0.0).to(tl.float32)
+                acc += x * w[:, None]
+            else:
+                acc += x
+        out_off = toks * hidden
+        if ALIGNED:
+            out_off = tl.multiple_of(out_off, VEC)
+        tl.store(out_ptr + out_off[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tok_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _combine_backward_kernel(grad_ptr, tok_ptr, scale_ptr, src_ptr, grad_src_ptr, dot_ptr, num_slots,
+                                 num_tokens, hidden, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr,
+                                 ALIGNED: tl.constexpr):
+        # For each slot s used by assignment (t, j): grad_src[s] = grad[t] * weight[t, j] and
+        # dot[s] = <grad[t], src[s]> (the routing weight's gradient), one pass over the columns.
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < num_slots
+        tok = tl.load(tok_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        valid = row_ok & (tok >= 0) & (tok < num_tokens)
+        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        g_off = tok * hidden
+        r_off = rows * hidden
+        if ALIGNED:
+            g_off = tl.multiple_of(g_off, VEC)
+            r_off = tl.multiple_of(r_off, VEC)
+        dot = tl.zeros((ROWS, ), dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            cols = tl.max_contiguous(tl.multiple_of(cols, VEC), VEC)
+            col_ok = cols < hidden
+            g = tl.load(grad_ptr + g_off[:, None] + cols[None, :], mask=valid[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            x = tl.load(src_ptr + r_off[:, None] + cols[None, :], mask=valid[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            tl.store(grad_src_ptr + r_off[:, None] + cols[None, :], (g * scale[:, None]).to(
+                grad_src_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            dot += tl.sum(g * x, axis=1)
+        tl.store(dot_ptr + rows, dot, mask=row_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tile(num_rows: int, hidden: int, elem: int, device: torch.device, max_bytes: int = 32768):
+    """(ROWS, BLOCK_H, VEC, num_warps) of a 2-D tiled row copy.
+
+    16-byte vectors; a column block of up to 4 KiB per row, chosen to waste at most 1/16 of the
+    lanes on a ragged last block (H=2880 -> 1024 bf16 columns, 3 blocks); several rows per
+    program so each moves ~32 KiB (small H -> many rows); fewer rows when the grid would leave
+    SMs idle (few rows)."""
+    vec = max(1, 16 // elem)
+    block_h = max(vec, min(triton.next_power_of_2(hidden), 4096 // elem))
+    while block_h > vec * 32:
+        n = triton.cdiv(hidden, block_h)
+        if (n * block_h - hidden) * 16 <= n * block_h:
+            break
+        block_h //= 2
+    rows = max(1, min(128, (max_bytes // elem) // block_h))
+    rows = min(rows, triton.next_power_of_2(max(1, num_rows)))
+    n_col = triton.cdiv(hidden, block_h)
+    if device.type == "cuda":
+        target = 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        while rows > 1 and triton.cdiv(num_rows, rows) * n_col < target:
+            rows //= 2
+    tile_bytes = rows * block_h * elem
+    num_warps = max(1, min(8, tile_bytes // 4096))
+    num_warps = 1 << (num_warps.bit_length() - 1)
+    return rows, block_h, vec, num_warps
+
+
+def _kernel_ok(op: str, *tensors: torch.Tensor) -> bool:
+    """Whether the kernels can take these tensors; warn once per reason when not."""
+    t = tensors[0]
+    ok, reason = kernel_device_ok(t)
+    if ok and t.dtype not in _KERNEL_DTYPES:
+        ok, reason = False, f"dtype {t.dtype} (kernels take float16, bfloat16, float32)"
+    if ok and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        ok, reason = False, "bfloat16 under the Triton interpreter (not exact there)"
+    if not ok:
+        warn_fallback(f"{_OP}.{op}", reason)
+    return ok
+
+
+def _gather_kernel(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                   out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Launch the gather: ``out[i] = src[index[i]] (* scale[i])``; ``out`` (tests) is written whole."""
+    src = src.contiguous()
+    index = index.contiguous()
+    n_out, hidden = index.numel(), src.shape[1]
+    if out is None:
+        out = torch.empty((n_out, hidden), dtype=out_dtype or src.dtype, device=src.device)
+    if out.numel() == 0:
+        return out
+    rows, block_h, vec, warps = _tile(n_out, hidden, src.element_size(), src.device)
+    n_col = triton.cdiv(hidden, block_h)
+    _gather_rows_kernel[(triton.cdiv(n_out, rows) * n_col, )](
+        src, index, scale.contiguous() if scale is not None else src, out, n_out, src.shape[0], hidden, n_col,
+        HAS_SCALE=scale is not None, ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0,
+        num_warps=warps)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Index helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_index(name: str, index: torch.Tensor, ndim: int = 1) -> None:
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(index).__name__}")
+    if index.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name}: expected an int32 or int64 tensor, got {index.dtype}")
+    if index.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(index.shape)}")
+
+
+def _check_rows(name: str, rows: torch.Tensor) -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(rows).__name__}")
+    if rows.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [rows, hidden] tensor, got shape {tuple(rows.shape)}")
+
+
+def _check_device(rows: torch.Tensor, **indices: torch.Tensor) -> None:
+    for name, t in indices.items():
+        if t is not None and t.device != rows.device:
+            raise ValueError(f"{name}: expected a tensor on {rows.device} (where the rows are), got {t.device}")
+
+
+def _invert(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``inv[index[i]] = i`` for the entries of ``index`` in ``[0, size)``; ``-1`` where no entry
+    points. Entries outside the range go to distinct scratch slots past ``size``, so no location
+    is written twice when the in-range entries are distinct."""
+    n = index.numel()
+    positions = torch.arange(n, device=index.device, dtype=torch.int64)
+    idx = index.reshape(-1).to(torch.int64)
+    targets = torch.where((idx >= 0) & (idx < size), idx, size + positions)
+    scratch = torch.full((size + n, ), -1, dtype=torch.int64, device=index.device)
+    scratch.scatter_(0, targets, positions)
+    return scratch[:size]
+
+
+_inverse_cache = WeakTensorKeyDictionary()
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except Exception:  # inference tensors have no version counter
+        return None
+
+
+def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """For each of ``num_rows`` rows, the slot of ``permuted_indices`` that holds it (int64).
+
+    Padding slots (``-1`` or ``num_rows``) are written to distinct scratch entries and dropped,
+    so no location is written twice when the indices are valid. A row no slot holds gets ``-1``
+    (it then reads as a zero row). The last result per index tensor is cached (keyed on the
+    tensor and its version), so the permute and unpermute of one layer compute it once."""
+    _check_index("permuted_indices", permuted_indices)
+    num_rows = _check_num_rows(num_rows)
+    version = _version(permuted_indices)
+    hit = _inverse_cache.get(permuted_indices) if version is not None else None
+    if hit is not None and hit[0] == version and hit[1] == num_rows:
+        return hit[2]
+    inverse = _invert(permuted_indices, num_rows)
+    if version is not None:
+        _inverse_cache[permuted_indices] = (version, num_rows, inverse)
+    return inverse
+
+
+def _check_num_rows(num_rows) -> int:
+    if isinstance(num_rows, torch.Tensor) and num_rows.numel() == 1:
+        num_rows = int(num_rows)
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
+    return num_rows
+
+
+def validate_permutation(permuted_indices: torch.Tensor, num_rows: int) -> None:
+    """Check that ``permuted_indices`` holds each of ``0 .. num_rows-1`` exactly once and that every
+    other entry is padding (``-1``, or ``num_rows``). Raises ``TypeError`` for a wrong dtype and
+    ``ValueError`` naming the first out-of-range entry, the first duplicate, or the first missing
+    row. Synchronises with the device."""
+    _check_index("permuted_indices", permuted_indices)
+    num_rows = _check_num_rows(num_rows)
+    idx = permuted_indices.detach().to(torch.int64).cpu()
+    bad = (idx < -1) | (idx > num_rows)
+    if bool(bad.any()):
+        pos = int(bad.nonzero()[0])
+        raise ValueError(f"permuted_indices: entry {pos} is {int(idx[pos])}, out of range: expected a row in "
+                         f"[0, {num_rows}) or padding (-1 or {num_rows})")
+    valid = (idx >= 0) & (idx < num_rows)
+    vals = idx[valid]
+    pos_of = valid.nonzero().reshape(-1)
+    if vals.numel():
+        sorted_vals, order = torch.sort(vals, stable=True)
+        dup = sorted_vals[1:] == sorted_vals[:-1]
+        if bool(dup.any()):
+            later = pos_of[order[1:][dup]]
+            pos = int(later.min())
+            first = int(pos_of[(vals == idx[pos]).nonzero()[0]])
+            raise ValueError(f"permuted_indices: entry {pos} repeats row {int(idx[pos])} (first at entry {first}); "
+                             "each row must appear exactly once")
+    if vals.numel() != num_rows:
+        seen = torch.zeros(num_rows, dtype=torch.bool)
+        seen[vals] = True
+        missing = int((~seen).nonzero()[0])
+        raise ValueError(f"permuted_indices: row {missing} appears in no entry; each of the {num_rows} rows "
+                         "must appear exactly once")
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch references (the eager formulations)
+# ----------------------------------------------------------------------------------------------
+
+
+def _pad_index(index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    idx = index.to(torch.int64)
+    return torch.where((idx >= 0) & (idx < num_rows), idx, num_rows)
+
+
+def permute_rows_reference(rows: torch.Tensor, permuted_indices: torch.Tensor) -> torch.Tensor:
+    """DeepSpeed <= 0.19.7: append a zero row and index (padding ``-1`` or ``N`` reads it)."""
+    padded = torch.vstack((rows, rows.new_zeros((1, rows.shape[-1]))))
+    return padded[_pad_index(permuted_indices, rows.shape[0])]
+
+
+def unpermute_rows_reference(rows: torch.Tensor, permuted_indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """DeepSpeed <= 0.19.7: zero-fill ``N + 1`` rows, ``index_put`` the slots, drop the last row."""
+    out = rows.new_zeros((num_rows + 1, rows.shape[-1]))
+    out[_pad_index(permuted_indices, num_rows)] = rows
+    return out[:-1]
+
+
+def gather_dispatch_reference(rows: torch.Tensor, token_of_slot: torch.Tensor) -> torch.Tensor:
+    """``rows[token_of_slot]`` with zero rows where the token is ``-1``."""
+    return permute_rows_reference(rows, token_of_slot)
+
+
+def gather_combine_reference(src: torch.Tensor, slot_of_assignment: torch.Tensor,
+                             routing_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum_j src[slot[t, j]] * w[t, j]`` in FP32 (j in order), rounded once to ``src.dtype``."""
+    gathered = permute_rows_reference(src, slot_of_assignment.reshape(-1)).float()
+    gathered = gathered.view(*slot_of_assignment.shape, src.shape[-1])
+    acc = torch.zeros(slot_of_assignment.shape[0], src.shape[-1], dtype=torch.float32, device=src.device)
+    for j in range(slot_of_assignment.shape[1]):
+        x = gathered[:, j]
+        acc = acc + (x * routing_weights[:, j, None].float() if routing_weights is not None else x)
+    return acc.to(src.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------
+
+_NS = "deepspeed_fused"
+
+
+@torch.library.custom_op(f"{_NS}::rg_permute", mutates_args=())
+def _permute_op(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    if _kernel_ok("permute_rows", rows, permuted_indices):
+        return _gather_kernel(rows, permuted_indices)
+    return permute_rows_reference(rows, permuted_indices).contiguous()
+
+
+@torch.library.custom_op(f"{_NS}::rg_unpermute", mutates_args=())
+def _unpermute_op(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    if _kernel_ok("unpermute_rows", rows, inverse):
+        return _gather_kernel(rows, inverse)
+    return unpermute_rows_reference(rows, permuted_indices, inverse.numel()).clone()
+
+
+@_permute_op.register_fake
+def _(rows, permuted_indices, inverse):
+    return rows.new_empty((permuted_indices.shape[0], rows.shape[1]))
+
+
+@_unpermute_op.register_fake
+def _(rows, permuted_indices, inverse):
+    return rows.new_empty((inverse.shape[0], rows.shape[1]))
+
+
+def _save_indices(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _permute_backward(ctx, grad):
+    permuted_indices, inverse = ctx.saved_tensors
+    # Each row went to exactly one slot: its gradient is that slot's, gathered, not accumulated.
+    return _unpermute_op(grad.contiguous(), permuted_indices, inverse), None, None
+
+
+def _unpermute_backward(ctx, grad):
+    permuted_indices, inverse = ctx.saved_tensors
+    # Padding slots fed no row: zero gradient; every other slot gets its row's.
+    return _permute_op(grad.contiguous(), permuted_indices, inverse), None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_save_indices)
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_indices)
+
+
+@torch.library.custom_op(f"{_NS}::rg_combine", mutates_args=())
+def _combine_op(src: torch.Tensor, slot_of_assignment: torch.Tensor,
+                weights: Optional[torch.Tensor]) -> torch.Tensor:
+    if _kernel_ok("gather_combine", src, slot_of_assignment):
+        return _combine_kernel_launch(src, slot_of_assignment, weights)
+    return gather_combine_reference(src, slot_of_assignment, weights)
+
+
+def _combine_kernel_launch(src: torch.Tensor, slot: torch.Tensor, weights: Optional[torch.Tensor],
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    src = src.contiguous()
+    slot = slot.contiguous()
+    num_tokens, top_k = slot.shape
+    hidden = src.shape[1]
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=src.dtype, device=src.device)
+    if out.numel() == 0:
+        return out
+    if top_k == 0:
+        return out.zero_()
+    rows, block_h, vec, warps = _tile(num_tokens, hidden, src.element_size(), src.device, 16384)
+    n_col = triton.cdiv(hidden, block_h)
+    _combine_kernel[(triton.cdiv(num_tokens, rows) * n_col, )](
+        src, slot, weights.contiguous() if weights is not None else src, out, num_tokens, src.shape[0], hidden,
+        n_col, TOP_K=top_k, HAS_WEIGHT=weights is not None, ROWS=rows, BLOCK_H=block_h, VEC=vec,
+        ALIGNED=hidden % vec == 0, num_warps=warps)
+    return out
+
+
+@_combine_op.register_fake
+def _(src, slot_of_assignment, weights):
+    return src.new_empty((slot_of_assignment.shape[0], src.shape[1]))
+
+
+@torch.library.custom_op(f"{_NS}::rg_combine_backward", mutates_args=())
+def _combine_backward_op(grad: torch.Tensor, src: torch.Tensor, slot_of_assignment: torch.Tensor,
+                         weights: torch.Tensor, weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, top_k = slot_of_assignment.shape
+    num_slots, hidden = src.shape
+    assignment = _invert(slot_of_assignment, num_slots)  # slot -> flat assignment t*k+j, or -1
+    used = assignment >= 0
+    tok = torch.where(used, assignment // max(top_k, 1), -1)
+    scale = torch.where(used, weights.reshape(-1).float()[assignment.clamp(min=0)], 0.0) if top_k else \
+        torch.zeros(num_slots, dtype=torch.float32, device=src.device)
+    grad = grad.contiguous()
+    if _kernel_ok("gather_combine", grad, tok):
+        if weights_grad:
+            src = src.contiguous()
+            grad_src = torch.empty_like(src)
+            dot = torch.empty(num_slots, dtype=torch.float32, device=src.device)
+            if src.numel():
+                rows, block_h, vec, warps = _tile(num_slots, hidden, src.element_size(), src.device, 16384)
+                _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
+                    grad, tok, scale, src, grad_src, dot, num_slots, num_tokens, hidden, ROWS=rows,
+                    BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, num_warps=warps)
+            else:
+                dot.zero_()
+        else:
+            grad_src = _gather_kernel(grad, tok, scale, out_dtype=src.dtype)
+    else:
+        g = permute_rows_reference(grad, tok).float()
+        grad_src = (g * scale[:, None]).to(src.dtype)
+        dot = (g * src.float()).sum(-1) if weights_grad else None
+    if weights_grad:
+        slot = slot_of_assignment.reshape(-1).to(torch.int64)
+        ok = (slot >= 0) & (slot < num_slots)
+        grad_w = torch.where(ok, dot[slot.clamp(0, max(num_slots - 1, 0))] if num_slots else 0.0, 0.0)
+        grad_w = grad_w.view(num_tokens, top_k).to(weights.dtype)
+    else:
+        grad_w = weights.new_empty((0, ))
+    return grad_src, grad_w
+
+
+@_combine_backward_op.register_fake
+def _(grad, src, slot_of_assignment, weights, weights_grad):
+    return torch.empty_like(src), (torch.empty_like(weights) if weights_grad else weights.new_empty((0, )))
+
+
+def _combine_setup(ctx, inputs, output):
+    src, slot, weights = inputs
+    ctx.has_weights = weights is not None
+    ctx.save_for_backward(src, slot, weights if weights is not None else src.new_empty(0))
+
+
+def _combine_backward(ctx, grad):
+    src, slot, weights = ctx.saved_tensors
+    if not ctx.has_weights:
+        weights = torch.ones(slot.shape, dtype=torch.float32, device=src.device)
+    need_w = ctx.has_weights and ctx.needs_input_grad[2]
+    grad_src, grad_w = _combine_backward_op(grad, src, slot, weights, need_w)
+    return grad_src, None, (grad_w if need_w else None)
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+@torch.library.custom_op(f"{_NS}::rg_dispatch", mutates_args=())
+def _dispatch_op(rows: torch.Tensor, token_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
+    if _kernel_ok("gather_dispatch", rows, token_of_slot):
+        return _gather_kernel(rows, token_of_slot)
+    return gather_dispatch_reference(rows, token_of_slot).contiguous()
+
+
+@_dispatch_op.register_fake
+def _(rows, token_of_slot, slot_of_assignment):
+    return rows.new_empty((token_of_slot.shape[0], rows.shape[1]))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _dispatch_backward(ctx, grad):
+    (slot_of_assignment, ) = ctx.saved_tensors
+    # A token's gradient is the sum of its k slots' gradients: a gather + FP32 sum, no atomics.
+    return _combine_op(grad.contiguous(), slot_of_assignment, None), None, None
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def permute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, *, validate: bool = False,
+                 inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[i] = rows[permuted_indices[i]]``, a zero row where the index is padding (``-1`` or
+    ``len(rows)``). ``[N, H] -> [NP, H]``. The valid entries must be a one-to-one map of the rows
+    (checked only with ``validate=True``). The backward is :func:`unpermute_rows` of the gradient."""
+    _check_rows("rows", rows)
+    _check_index("permuted_indices", permuted_indices)
+    _check_device(rows, permuted_indices=permuted_indices)
+    if validate:
+        validate_permutation(permuted_indices, rows.shape[0])
+    if inverse is None:
+        inverse = inverse_permutation(permuted_indices, rows.shape[0])
+    return _permute_op(rows, permuted_indices, inverse)
+
+
+def unpermute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, num_rows: int, *, validate: bool = False,
+                   inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Invert :func:`permute_rows`: ``[NP, H] -> [num_rows, H]``, each row from the slot that holds
+    it; padding slots are never read. The backward is :func:`permute_rows` of the gradient."""
+    _check_rows("rows", rows)
+    _check_index("permuted_indices", permuted_indices)
+    _check_device(rows, permuted_indices=permuted_indices)
+    num_rows = _check_num_rows(num_rows)
+    if rows.shape[0] != permuted_indices.shape[0]:
+        raise ValueError(f"rows: expected {permuted_indices.shape[0]} rows (one per entry of permuted_indices), "
+                         f"got {rows.shape[0]}")
+    if validate:
+        validate_permutation(permuted_indices, num_rows)
+    if inverse is None:
+        inverse = inverse_permutation(permuted_indices, num_rows)
+    return _unpermute_op(rows, permuted_indices, inverse)
+
+
+def gather_dispatch(rows: torch.Tensor, token_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
+    """Top-k dispatch: ``out[s] = rows[token_of_slot[s]]`` (zero row where ``-1``), ``[T, H] -> [S, H]``.
+
+    ``slot_of_assignment[t, j]`` is the slot holding token ``t``'s ``j``-th copy (``-1``: none),
+    the inverse map, used by the backward: ``grad_rows[t] = sum_j grad[slot[t, j]]`` in FP32."""
+    _check_rows("rows", rows)
+    _check_index("token_of_slot", token_of_slot)
+    _check_index("slot_of_assignment", slot_of_assignment, ndim=2)
+    _check_device(rows, token_of_slot=token_of_slot, slot_of_assignment=slot_of_assignment)
+    if slot_of_assignment.shape[0] != rows.shape[0]:
+        raise ValueError(f"slot_of_assignment: expected {rows.shape[0]} rows (one per token), "
+                         f"got {slot_of_assignment.shape[0]}")
+    return _dispatch_op(rows, token_of_slot, slot_of_assignment)
+
+
+def gather_combine(expert_out: torch.Tensor, slot_of_assignment: torch.Tensor,
+                   routing_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[t] = sum_j expert_out[slot[t, j]] * routing_weights[t, j]``, ``[S, H] -> [T, H]``.
+
+    Products and sum in FP32 (``j`` in order), one rounding to ``expert_out.dtype``. Slots ``-1``
+    contribute nothing. Gradients: ``expert_out`` (each slot used at most once) and the weights."""
+    _check_rows("expert_out", expert_out)
+    _check_index("slot_of_assignment", slot_of_assignment, ndim=2)
+    _check_device(expert_out, slot_of_assignment=slot_of_assignment, routing_weights=routing_weights)
+    if routing_weights is not None:
+        if not routing_weights.is_floating_point():
+            raise TypeError(f"routing_weights: expected a floating-point tensor, got {routing_weights.dtype}")
+        if routing_weights.shape != slot_of_assignment.shape:
+            raise ValueError(f"routing_weights: expected shape {tuple(slot_of_assignment.shape)} "
+                             f"(that of slot_of_assignment), got {tuple(routing_weights.shape)}")
+    return _combine_op(expert_out, slot_of_assignment, routing_weights)
+
+
+def _interpreting() -> bool:  # for tests: whether CPU tensors run the kernels
+    return interpreter_active() and HAS_TRITON

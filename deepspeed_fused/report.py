@@ -1,0 +1,61 @@
+"""The report of what each feature did to a model: attached to the engine and logged as a table."""
+from __future__ import annotations
+
+import dataclasses
+
+from .features.base import Environment, FeatureReport
+
+
+@dataclasses.dataclass
+class Report:
+    env: Environment
+    features: list  # list[FeatureReport]
+
+    def __getitem__(self, name: str) -> FeatureReport:
+        for f in self.features:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    @property
+    def applied(self) -> list:
+        return [f.name for f in self.features if f.applied]
+
+    def to_dict(self) -> dict:
+        return dict(env=dataclasses.asdict(self.env), features=[dataclasses.asdict(f) for f in self.features])
+
+    def table(self) -> str:
+        rows = [("feature", "enabled", "status", "where / why")]
+        for f in self.features:
+            detail = f.where if f.applied else f.reason
+            if f.applied and f.reason:
+                detail = f"{f.where} ({f.reason})"
+            rows.append((f.name, "yes" if f.enabled else "no", f.status, detail or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        out = []
+        for i, r in enumerate(rows):
+            out.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+            if i == 0:
+                out.append("  ".join("-" * w for w in widths) + "  " + "-" * 11)
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        e = self.env
+        head = (f"deepspeed_fused report (torch {e.torch_version}, triton {e.triton_version}, "
+                f"deepspeed {e.deepspeed_version}, transformers {e.transformers_version}, "
+                f"GPU {e.gpu_name or 'none'})")
+        return head + "\n" + self.table()
+
+
+def environment_text(env: Environment) -> str:
+    lines = [
+        f"torch:         {env.torch_version}",
+        f"triton:        {env.triton_version or 'not installed'}",
+        f"deepspeed:     {env.deepspeed_version or 'not installed'}",
+        f"transformers:  {env.transformers_version or 'not installed'}",
+        f"GPU:           {env.gpu_name or 'none (CPU only)'}",
+        f"AutoEP:        {'present' if env.autoep_available else 'absent'}",
+        f"kernels:       {'available' if env.kernels_available else 'unavailable (torch references run)'}"
+        + (" [Triton interpreter]" if env.interpreter else ""),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+import os
+import re
+
+from setuptools import find_packages, setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "deepspeed_fused", "__init__.py")) as f:
+    version = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+with open(os.path.join(here, "requirements.txt")) as f:
+    install_requires = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+with open(os.path.join(here, "README.md")) as f:
+    long_description = f.read()
+
+setup(
+    name="deepspeed_fused",
+    version=version,
+    description="Fused Triton kernels (RMSNorm, linear cross-entropy, MoE reorder) for DeepSpeed training",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["deepspeed_fused", "deepspeed_fused.*"]),
+    python_requires=">=3.10",
+    install_requires=install_requires,
+    # pytest-forked 1.7.5 cannot marshal pytest 9.1+ reports (every forked test "EXITED with status 3").
+    extras_require={
+        "test": ["pytest>=7,<9.1", "pytest-forked", "numpy<2.4", "tqdm"],
+        "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["deepspeed-fused=deepspeed_fused.__main__:main"]},
+    license="Apache-2.0",
+    classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
+)

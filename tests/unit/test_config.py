@@ -1,0 +1,90 @@
+import json
+import os
+
+import pytest
+
+from deepspeed_fused.config import ConfigError, config_reference, parse_config
+from deepspeed_fused.features.registry import all_features
+
+FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder"]
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+
+def test_absent_section_means_all_off():
+    for cfg in (None, {}, {"train_batch_size": 8, "zero_optimization": {"stage": 2}}):
+        parsed = parse_config(cfg)
+        assert all(not getattr(parsed, f).enabled for f in FEATURES)
+
+
+def test_section_from_ds_config_and_bare_section_agree():
+    section = {"rms_norm": {"enabled": True}, "moe_reorder": {"enabled": False}}
+    a = parse_config({"train_batch_size": 8, "deepspeed_fused": section})
+    b = parse_config(section)
+    assert a == b
+    assert a.rms_norm.enabled and not a.moe_reorder.enabled and not a.linear_cross_entropy.enabled
+
+
+def test_every_feature_has_enabled_default_false():
+    names = [f.name for f in all_features()]
+    assert set(FEATURES) <= set(names)
+    for f in all_features():
+        assert f.config_model().enabled is False
+
+
+@pytest.mark.parametrize("section, path, expect", [
+    ({"rms_norm": {"enabeld": True}}, "deepspeed_fused.rms_norm.enabeld", "allowed keys: enabled"),
+    ({"rms_nrom": {"enabled": True}}, "deepspeed_fused.rms_nrom", "allowed keys: linear_cross_entropy, moe_reorder"),
+    ({"linear_cross_entropy": {"enabled": True, "bogus": 1}}, "deepspeed_fused.linear_cross_entropy.bogus",
+     "unknown key"),
+    ({"moe_reorder": {"enable": True}}, "deepspeed_fused.moe_reorder.enable", "allowed keys"),
+])
+def test_unknown_key_names_full_path_and_allowed_keys(section, path, expect):
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"deepspeed_fused": section})
+    msg = str(ei.value)
+    assert path in msg and expect in msg
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("value", ["true", 1, 0, None, [True], 1.0])
+def test_enabled_must_be_a_bool(feature, value):
+    with pytest.raises(ConfigError, match=rf"deepspeed_fused\.{feature}\.enabled"):
+        parse_config({"deepspeed_fused": {feature: {"enabled": value}}})
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"rms_norm": True}, "deepspeed_fused.rms_norm"),
+    ({"rms_norm": "on"}, "deepspeed_fused.rms_norm"),
+    ({"rms_norm": [1]}, "deepspeed_fused.rms_norm"),
+])
+def test_feature_value_must_be_an_object(bad, where):
+    with pytest.raises(ConfigError, match=where):
+        parse_config({"deepspeed_fused": bad})
+
+
+@pytest.mark.parametrize("bad", ["on", 3, [1]])
+def test_section_must_be_an_object(bad):
+    with pytest.raises(ConfigError, match="deepspeed_fused"):
+        parse_config({"deepspeed_fused": bad})
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(CONFIGS)))
+def test_shipped_configs_parse(name):
+    with open(os.path.join(CONFIGS, name)) as f:
+        cfg = json.load(f)
+    parsed = parse_config(cfg)
+    expect_on = "fused" in name
+    assert all(getattr(parsed, f).enabled == expect_on for f in FEATURES)
+
+
+def test_config_reference_lists_every_key():
+    rows = config_reference()
+    keys = {r["key"] for r in rows}
+    for f in all_features():
+        for field in f.config_model.model_fields:
+            assert f"deepspeed_fused.{f.name}.{field}" in keys
+    assert all(r["doc"] for r in rows), [r["key"] for r in rows if not r["doc"]]

@@ -1,0 +1,486 @@
+"""The "linear_cross_entropy" feature: HF causal LMs train through the fused op with the same loss
+and gradients as the unpatched model (CPU: the op's torch reference, fp32)."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import deepspeed_fused.ops.linear_cross_entropy as lce_op
+from deepspeed_fused.config import ConfigError, parse_config
+from deepspeed_fused.features import linear_cross_entropy as lce
+from deepspeed_fused.features.registry import get_feature
+from tiny_models import build_model
+from unit.common import DistributedTest
+
+V = 257
+
+
+def _cfg(**kw):
+    return getattr(parse_config({"linear_cross_entropy": {"enabled": True, **kw}}), "linear_cross_entropy")
+
+
+def _apply(model, **kw):
+    rep = get_feature("linear_cross_entropy").apply(model, None, _cfg(**kw))
+    assert rep.applied, rep.reason
+    return rep
+
+
+def _batch(seed=0, B=2, T=16, pad=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt that is not trained on
+    mask = torch.ones(B, T, dtype=torch.long)
+    if pad:
+        mask[-1, -pad:] = 0
+        labels[-1, -pad:] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _pair(name, **kw):
+    ref = build_model(name, seed=0, **kw)
+    fused = copy.deepcopy(ref)
+    ref.train()
+    fused.train()
+    return ref, fused
+
+
+def _relerr(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _assert_grads_match(fused, ref, tol=1e-4):
+    rp = dict(ref.named_parameters())
+    for n, p in fused.named_parameters():
+        q = rp[n]
+        if q.grad is None:
+            assert p.grad is None or p.grad.abs().max() == 0, n
+            continue
+        assert p.grad is not None, f"{n}: no gradient on the fused model"
+        assert _relerr(p.grad, q.grad) <= tol, f"{n}: grad rel err {_relerr(p.grad, q.grad):.2e}"
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Record every call of the op (the feature looks it up at call time)."""
+    calls = []
+    real = lce_op.linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lce_op, "linear_cross_entropy", spy)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _clean_classes():
+    yield
+    for cls in list(lce._PATCHED_CLASSES):  # a failed test must not leave classes patched for the next
+        lce._unpatch_class(cls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training through the fused op matches the unpatched model.
+
+MODELS = ["llama-tiny", "qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "llama-tied-tiny"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_training_matches_unpatched(name, op_calls):
+    ref, fused = _pair(name)
+    rep = _apply(fused)
+    assert rep.details["patched"] == {type(fused).__name__: 1}
+    assert type(fused).__name__ in rep.where
+    if name == "llama-tied-tiny":
+        assert fused.lm_head.weight is fused.model.embed_tokens.weight
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt_f = torch.optim.AdamW(fused.parameters(), lr=1e-3)
+    for step in range(3):
+        b = _batch(step)
+        out_r, out_f = ref(**b), fused(**b)
+        assert type(out_f) is type(out_r)
+        assert out_f.logits is None and out_r.logits is not None
+        assert abs(out_f.loss.item() - out_r.loss.item()) <= 1e-5 * abs(out_r.loss.item()), step
+        if name == "qwen3-moe-tiny":  # router aux loss: present, equal, added to the loss by the model
+            assert out_r.aux_loss is not None and out_f.router_logits is not None
+            torch.testing.assert_close(out_f.aux_loss, out_r.aux_loss, rtol=1e-6, atol=1e-7)
+            assert len(out_f.router_logits) == len(out_r.router_logits)
+        out_r.loss.backward()
+        out_f.loss.backward()
+        _assert_grads_match(fused, ref)
+        opt_r.step(), opt_f.step(), opt_r.zero_grad(), opt_f.zero_grad()
+    assert len(op_calls) == 3 and lce.fused_state(fused).fused_calls == 3
+    assert op_calls[0]["reduction"] == "mean" and op_calls[0]["ignore_index"] == -100
+    for p, q in zip(fused.parameters(), ref.parameters()):  # the optimizer saw the same gradients
+        assert _relerr(p.detach(), q.detach()) <= 1e-5
+
+
+def test_moe_aux_loss_really_added(op_calls):
+    """With a large router_aux_loss_coef the aux term dominates: the fused loss must carry it."""
+    ref, fused = _pair("qwen3-moe-tiny", router_aux_loss_coef=10.0)
+    _apply(fused)
+    b = _batch(7)
+    out_r, out_f = ref(**b), fused(**b)
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    _assert_grads_match(fused, ref)
+    ref.zero_grad(), fused.zero_grad()
+    out_r, out_f = ref(**b, output_router_logits=False), fused(**b, output_router_logits=False)
+    assert out_f.aux_loss is None and out_f.router_logits is None
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("mixtral-tiny", {}),
+    ("qwen2-moe-tiny", {}),
+])
+def test_other_families(name, kw, op_calls):
+    ref, fused = _pair(name, **kw)
+    _apply(fused)
+    b = _batch(3)
+    out_r, out_f = ref(**b), fused(**b)
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    _assert_grads_match(fused, ref)
+    assert len(op_calls) == 1
+
+
+def _tiny_from_config(cls_name, **kw):
+    import transformers
+
+    cfg = getattr(transformers, cls_name)(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                                          max_position_embeddings=256, **kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("cls_name,kw,arg", [
+    ("Gemma2Config", dict(head_dim=16, final_logit_softcapping=3.0), "softcap"),  # soft-capped logits
+    ("GraniteConfig", dict(logits_scaling=4.0), "temperature"),  # logits divided by a config scalar
+])
+def test_logit_transforms_map_to_op_options(cls_name, kw, arg, op_calls):
+    ref = _tiny_from_config(cls_name, **kw).train()
+    fused = copy.deepcopy(ref)
+    _apply(fused)
+    b = _batch(5)
+    out_r, out_f = ref(**b), fused(**b)
+    assert out_f.logits is None
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    _assert_grads_match(fused, ref)
+    assert op_calls[0][arg] == list(kw.values())[-1]
+
+
+def test_supported_and_unsupported_classes():
+    import transformers
+
+    for n in ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+              "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+              "DeepseekV3ForCausalLM"]:
+        ok, why = lce.causal_lm_support(getattr(transformers, n))
+        assert ok, (n, why)
+    ok, why = lce.causal_lm_support(transformers.CohereForCausalLM)  # logits * self.logit_scale: unknown
+    assert not ok and "logit_scale" in why
+    ok, why = lce.causal_lm_support(transformers.LlamaModel)
+    assert not ok
+
+
+def test_unsupported_model_not_patched():
+    import transformers
+
+    cfg = transformers.CohereConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=V)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    fwd = type(model).forward
+    rep = get_feature("linear_cross_entropy").apply(model, None, _cfg())
+    assert not rep.applied and "CohereForCausalLM" in rep.reason and "logit_scale" in rep.reason
+    assert type(model).forward is fwd and not lce.is_patched(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ForCausalLMLoss contract.
+
+
+def _check_same(ref, fused, kwargs, op_calls=None, grads=True):
+    out_r, out_f = ref(**kwargs), fused(**kwargs)
+    assert out_f.logits is None
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=1e-7)
+    if grads:
+        out_r.loss.backward()
+        out_f.loss.backward()
+        _assert_grads_match(fused, ref)
+        ref.zero_grad(), fused.zero_grad()
+    return out_r, out_f
+
+
+def test_shift_labels_used_as_given(op_calls):
+    ref, fused = _pair("llama-tiny")
+    _apply(fused)
+    b = _batch(1)
+    g = torch.Generator().manual_seed(11)
+    shift = torch.randint(0, V, b["labels"].shape, generator=g)
+    shift[:, -2:] = -100
+    _check_same(ref, fused, {**b, "shift_labels": shift})
+    # no second shift: the op sees exactly the given labels
+    l_none = fused(**{**b, "shift_labels": shift})
+    assert l_none.loss.item() != pytest.approx(fused(**b).loss.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["int", "tensor"])
+def test_num_items_in_batch(kind, op_calls):
+    ref, fused = _pair("qwen3-moe-tiny")
+    _apply(fused)
+    b = _batch(2)
+    n = 37 if kind == "int" else torch.tensor(37)
+    _check_same(ref, fused, {**b, "num_items_in_batch": n})
+    assert op_calls[-1]["reduction"] == "sum"
+
+
+def test_ignore_index_from_call_and_config(op_calls):
+    ref, fused = _pair("llama-tiny")
+    _apply(fused, ignore_index=-1)
+    b = _batch(4)
+    labels = b["labels"].masked_fill(b["labels"] == -100, -1)
+    # the model is called with ignore_index (as ForCausalLMLoss takes it); and the config default
+    _check_same(ref, fused, {**b, "labels": labels, "ignore_index": -1})
+    assert op_calls[-1]["ignore_index"] == -1
+    out_f = fused(**{**b, "labels": labels})
+    out_r = ref(**{**b, "labels": labels, "ignore_index": -1})
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+
+
+def test_logits_to_keep(op_calls):
+    from transformers import modeling_utils
+
+    ref, fused = _pair("llama-tiny")
+    _apply(fused)
+    b = _batch(6)
+    k = 5
+    # an int: the last k positions (labels given for them)
+    _check_same(ref, fused, {**b, "labels": b["labels"][:, -k:], "logits_to_keep": k})
+    assert op_calls[-1] is not None and len(op_calls) == 1
+    # a 1-D tensor of positions
+    pos = torch.tensor([1, 4, 9, 15])
+    _check_same(ref, fused, {**b, "labels": b["labels"][:, pos], "logits_to_keep": pos})
+    # labels that do not cover the kept positions: a clear error
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        fused(**b, logits_to_keep=k)
+    if hasattr(modeling_utils, "slice_logits_to_keep"):  # transformers >= 5.2x: 2-D forms
+        mask = torch.zeros_like(b["labels"], dtype=torch.bool)
+        mask[0, 3:9] = True
+        mask[1, 10:] = True
+        shift = torch.randint(0, V, (int(mask.sum()),))
+        _check_same(ref, fused, {**b, "logits_to_keep": mask, "shift_labels": shift})
+        idx = torch.tensor([[0, 2, 5], [7, 8, 15]])
+        _check_same(ref, fused, {**b, "labels": torch.gather(b["labels"], 1, idx), "logits_to_keep": idx})
+
+
+def test_return_dict_false(op_calls):
+    ref, fused = _pair("qwen3-moe-tiny")
+    _apply(fused)
+    b = _batch(8)
+    t_r, t_f = ref(**b, return_dict=False, use_cache=False), fused(**b, return_dict=False, use_cache=False)
+    assert isinstance(t_f, tuple) and len(t_f) == len(t_r) - 1  # (loss, aux_loss, router_logits): no logits
+    torch.testing.assert_close(t_f[0], t_r[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(t_f[1], t_r[1])
+    ref.config.return_dict = False
+    fused.config.return_dict = False
+    t_f = fused(**b, use_cache=False)
+    assert isinstance(t_f, tuple) and len(t_f) == len(t_r) - 1
+
+
+def test_eval_generation_and_no_labels_are_unchanged(op_calls):
+    ref, fused = _pair("llama-tiny")
+    _apply(fused)
+    b = _batch(9)
+    no_labels = {k: v for k, v in b.items() if k != "labels"}
+    torch.testing.assert_close(fused(**no_labels).logits, ref(**no_labels).logits)  # training, no labels
+    ref.eval(), fused.eval()
+    out_r, out_f = ref(**b), fused(**b)  # eval with labels: real logits and the HF loss
+    torch.testing.assert_close(out_f.logits, out_r.logits)
+    torch.testing.assert_close(out_f.loss, out_r.loss)
+    gen_r = ref.generate(b["input_ids"][:1, :6], max_new_tokens=4, do_sample=False)
+    gen_f = fused.generate(b["input_ids"][:1, :6], max_new_tokens=4, do_sample=False)
+    assert torch.equal(gen_r, gen_f)
+    assert op_calls == []
+    fused.train()
+    assert fused(**b).logits is None and len(op_calls) == 1
+
+
+def test_user_loss_function_is_not_fused(op_calls):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def my_loss(logits, labels, vocab_size, **kw):
+        return 2.0 * ForCausalLMLoss(logits, labels, vocab_size, **kw)
+
+    b = _batch(10)
+    # set before apply: skipped and reported
+    ref, fused = _pair("llama-tiny")
+    fused.loss_function = my_loss
+    rep = get_feature("linear_cross_entropy").apply(fused, None, _cfg())
+    assert not rep.applied and "loss_function" in rep.reason and not lce.is_patched(fused)
+    # set after apply: falls through to the original forward with a warning
+    ref, fused = _pair("llama-tiny")
+    _apply(fused)
+    fused.loss_function = my_loss
+    with pytest.warns(RuntimeWarning, match="loss_function"):
+        out = fused(**b)
+    assert out.logits is not None and op_calls == []
+    torch.testing.assert_close(out.loss, 2.0 * ref(**b).loss)
+    del fused._loss_function  # back to transformers' loss: fused again
+    assert fused(**b).logits is None and len(op_calls) == 1
+
+
+def test_revert_restores_and_patch_is_per_instance(op_calls):
+    from transformers import LlamaForCausalLM
+
+    orig = LlamaForCausalLM.forward
+    a, b_model = _pair("llama-tiny")
+    feat = get_feature("linear_cross_entropy")
+    _apply(a)
+    assert LlamaForCausalLM.forward is not orig and lce.is_patched(a) and not lce.is_patched(b_model)
+    b = _batch(12)
+    assert b_model(**b).logits is not None and op_calls == []  # another instance of the class: untouched
+    rep = feat.apply(a, None, _cfg())  # applying twice does not patch twice
+    assert rep.details["patched"] == {"LlamaForCausalLM": 1} and rep.details["modules"] == []
+    assert feat.revert(a) == 1
+    assert LlamaForCausalLM.forward is orig and not lce.is_patched(a)
+    out = a(**b)
+    assert out.logits is not None and op_calls == []
+    assert feat.revert(a) == 0
+
+
+def test_nested_causal_lm_is_found(op_calls):
+    class Wrapper(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, **kw):
+            return self.lm(**kw)
+
+    ref, fused = _pair("llama-tiny")
+    w = Wrapper(fused)
+    rep = _apply(w)
+    assert rep.details["modules"] == ["lm"]
+    _check_same(ref, w, _batch(13))
+
+
+def test_config_options_reach_op(op_calls):
+    import torch.nn.functional as F
+
+    ref, fused = _pair("llama-tiny")
+    _apply(fused, chunk_tokens=8, accum_dtype="fp32", z_loss=1e-3, label_smoothing=0.1, validate_targets=False)
+    b = _batch(14)
+    out_f = fused(**b)
+    kw = op_calls[-1]
+    assert kw["chunk_tokens"] == 8 and kw["accum_dtype"] is torch.float32 and kw["validate_targets"] is False
+    # the loss the options ask for, from the unpatched model's logits
+    logits = ref(**b).logits[:, :-1].reshape(-1, V).float()
+    tgt = b["labels"][:, 1:].reshape(-1)
+    valid = tgt != -100
+    lse = torch.logsumexp(logits, -1)
+    want = F.cross_entropy(logits, tgt, label_smoothing=0.1) + 1e-3 * (lse[valid] ** 2).mean()
+    torch.testing.assert_close(out_f.loss, want, rtol=1e-5, atol=0)
+    fused_defaults = copy.deepcopy(ref)
+    _apply(fused_defaults)
+    fused_defaults(**b)
+    kw = op_calls[-1]
+    assert kw["chunk_tokens"] is None and kw["accum_dtype"] is None and kw["validate_targets"] is True
+    assert kw["z_loss"] == 0.0 and kw["label_smoothing"] == 0.0
+
+
+def test_bad_targets_raise():
+    _, fused = _pair("llama-tiny")
+    _apply(fused)
+    b = _batch(15)
+    b["labels"][0, 5] = V + 3
+    with pytest.raises(ValueError):
+        fused(**b)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("chunk_tokens", 0), ("chunk_tokens", "big"), ("chunk_tokens", True), ("accum_dtype", "bf16"),
+    ("z_loss", -1.0), ("z_loss", "0.1"), ("label_smoothing", 1.0), ("validate_targets", "yes"),
+    ("ignore_index", 1.5), ("enabeld", True),
+])
+def test_bad_config_values_raise_with_key_path(key, value):
+    with pytest.raises(ConfigError, match=rf"deepspeed_fused\.linear_cross_entropy\.{key}"):
+        parse_config({"deepspeed_fused": {"linear_cross_entropy": {"enabled": True, key: value}}})
+
+
+def test_config_defaults_and_docs():
+    from deepspeed_fused.config import config_reference
+
+    c = _cfg()
+    assert (c.ignore_index, c.chunk_tokens, c.accum_dtype, c.z_loss, c.label_smoothing, c.validate_targets) == \
+        (-100, "auto", "auto", 0.0, 0.0, True)
+    assert _cfg(z_loss=0).z_loss == 0.0 and _cfg(chunk_tokens=4096).chunk_tokens == 4096
+    rows = {r["key"]: r for r in config_reference() if ".linear_cross_entropy." in r["key"]}
+    for k in ["enabled", "ignore_index", "chunk_tokens", "accum_dtype", "z_loss", "label_smoothing",
+              "validate_targets"]:
+        assert rows[f"deepspeed_fused.linear_cross_entropy.{k}"]["doc"], k
+
+
+# ---------------------------------------------------------------------------------------------
+# Through deepspeed.initialize: ZeRO 0, 2, 3 on two forked CPU ranks.
+
+
+def _ds_run(name, stage, fused, steps=3):
+    import deepspeed
+    import deepspeed.comm as dist
+
+    model = build_model(name, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                 "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    if fused:
+        rep = get_feature("linear_cross_entropy").apply(engine.module, engine, _cfg())
+        assert rep.applied, rep.reason
+    if stage == 3:
+        assert hasattr(engine.module.lm_head.weight, "ds_status")
+        assert engine.module.lm_head.weight.numel() == 0  # partitioned outside forward
+    engine.train()
+    losses = []
+    for step in range(steps):
+        out = engine(**_batch(100 * step + dist.get_rank()))
+        assert (out.logits is None) == fused
+        losses.append(out.loss.detach().clone())
+        engine.backward(out.loss)
+        engine.step()
+    if fused:
+        assert lce.fused_state(engine.module).fused_calls == steps
+    params = {}
+    for n, p in engine.module.named_parameters():
+        if stage == 3:
+            with deepspeed.zero.GatheredParameters([p]):
+                params[n] = p.detach().clone()
+        else:
+            params[n] = p.detach().clone()
+    if fused:
+        get_feature("linear_cross_entropy").revert(engine.module)
+    return torch.stack(losses), params
+
+
+class TestDeepSpeedZero(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage,name", [(0, "llama-tiny"), (2, "qwen3-moe-tiny"), (3, "llama-tiny"),
+                                            (3, "llama-tied-tiny")])
+    def test_matches_unpatched(self, stage, name):
+        ref_losses, ref_params = _ds_run(name, stage, fused=False)
+        losses, params = _ds_run(name, stage, fused=True)
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+        assert ref_losses[0] != ref_losses[-1]
+        for n, p in params.items():
+            assert p.numel() > 0 and _relerr(p, ref_params[n]) <= 1e-5, n
