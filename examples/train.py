@@ -40,6 +40,47 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, devi
     return ids.to(device)
 
 
+# Kernel-name patterns that attribute GPU time to the parts the plugin replaces.
+CATEGORIES = [
+    ("rms_norm", r"rms|norm|rsqrt|pow_|mean"),
+    ("loss (lm head + cross-entropy)", r"cross_entropy|log_softmax|nll|softmax|logsumexp|lce|_ce_|linear_ce"),
+    ("moe reorder / gather", r"gather|index|scatter|permute|sort|unpermute|combine|histc|bincount|cumsum"),
+    ("gemm", r"gemm|cutlass|sm90|xmma|wgmma|matmul|mm_|nvjet|grouped"),
+    ("nccl", r"nccl"),
+]
+
+
+def profile_step(engine, ids) -> dict:
+    """One training step under the torch profiler: GPU time per kernel, and per category."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            rows.append(dict(name=ev.key, ms=t / 1e3, calls=ev.count))
+    rows.sort(key=lambda r: -r["ms"])
+    cats = {name: 0.0 for name, _ in CATEGORIES}
+    cats["other"] = 0.0
+    for r in rows:
+        for name, pat in CATEGORIES:
+            if re.search(pat, r["name"], re.IGNORECASE):
+                cats[name] += r["ms"]
+                break
+        else:
+            cats["other"] += r["ms"]
+    return dict(total_gpu_ms=sum(r["ms"] for r in rows), categories=cats, top_kernels=rows[:40])
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-moe-tiny", choices=sorted(MODELS))
@@ -52,6 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--metrics-out", default=None, help="write per-step metrics as JSON here")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--profile-out", default=None,
+                   help="after the timed steps, profile one more step and write a per-kernel breakdown here")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args(argv)
 
@@ -129,6 +172,12 @@ def main(argv=None) -> dict:
                 bar.update(1)
     if bar is not None:
         bar.close()
+    breakdown = None
+    if args.profile_out and rank == 0:
+        breakdown = profile_step(engine, synthetic_batch(args.steps, args.batch_size, args.seq_len, vocab, args.seed,
+                                                         device))
+        with open(args.profile_out, "w") as f:
+            json.dump(breakdown, f, indent=1)
     timed = history[args.warmup:] or history
     summary = dict(model=args.model, config=args.deepspeed_config, steps=args.steps, warmup=args.warmup,
                    tokens_per_step=tokens_per_step,
@@ -136,7 +185,8 @@ def main(argv=None) -> dict:
                    median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
                    peak_alloc_mib=max((r["peak_alloc_mib"] or 0) for r in history) if cuda else None,
                    peak_reserved_mib=max((r["peak_reserved_mib"] or 0) for r in history) if cuda else None,
-                   report=report.to_dict() if report is not None else None, history=history)
+                   report=report.to_dict() if report is not None else None, history=history,
+                   breakdown=breakdown)
     if rank == 0:
         print(f"[train] done: median step {summary['median_step_s'] * 1e3:.1f} ms, "
               f"{summary['median_tokens_per_s']:.0f} tok/s, final loss {history[-1]['loss']:.4f}")
