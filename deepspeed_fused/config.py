@@ -112,12 +112,26 @@ def config_reference() -> list[dict]:
         cm = f.config_model
         docs = _field_docs(cm)
         for name, field in cm.model_fields.items():
-            ann = field.annotation
-            tname = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-            rows.append(dict(key=f"{SECTION}.{f.name}.{name}", type=tname.replace("StrictBool", "bool"),
+            rows.append(dict(key=f"{SECTION}.{f.name}.{name}", type=_type_name(field.annotation),
                              default=field.default, doc=docs.get(name, field.description or "")))
     del inspect
     return rows
+
+
+def _type_name(ann) -> str:
+    """A readable type for the docs: ``int or "auto"``, ``"auto" or "fp32"``, ``bool``."""
+    import typing
+
+    origin = typing.get_origin(ann)
+    if origin is typing.Literal:
+        return " or ".join(f'"{a}"' if isinstance(a, str) else str(a) for a in typing.get_args(ann))
+    if origin is typing.Union or type(ann).__name__ == "UnionType":
+        return " or ".join(_type_name(a) for a in typing.get_args(ann))
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(ann)[0])
+    name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+    return {"StrictBool": "bool", "StrictInt": "int", "StrictFloat": "float", "StrictStr": "str",
+            "NoneType": "null"}.get(name, name)
 
 
 def _field_docs(cls: type) -> dict:
