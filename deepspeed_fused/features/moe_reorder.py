@@ -5,10 +5,11 @@ Two integrations, chosen per model:
 * DeepSpeed AutoEP (the model holds ``AutoEPMoELayer`` modules): ``permute_by_local_expert`` and
   ``unpermute_by_local_expert`` of ``deepspeed.module_inject.auto_ep_layer`` are looked up as
   module globals at call time, so they are replaced there (one patch for every layer, reference
-  counted over patched models). Ours keep each DeepSpeed version's exact contract by letting
-  DeepSpeed's own function build the indices and aligned counts from a zero-width copy of the
-  tokens (alignment, padding convention, dtypes and devices are DeepSpeed's), then moving the
-  rows with our gathers.
+  counted over patched models). Ours keep DeepSpeed's exact contract: the indices and aligned
+  counts come from DeepSpeed's ``generate_permute_indices`` with its alignment constant, built the
+  way ``permute_by_local_expert`` builds them (checked against the installed version's own function
+  when installing; if that check fails, every call lets DeepSpeed's function build them from a
+  zero-width copy of the tokens), and only the rows move through our gathers.
 * transformers experts (no AutoEP): an experts implementation named ``"deepspeed_fused"`` is
   registered in ``ALL_EXPERTS_FUNCTIONS`` and selected with ``model.set_experts_implementation``.
   It is transformers' ``grouped_mm`` path with our gather for the dispatch and the fused
@@ -48,7 +49,7 @@ with warnings.catch_warnings():  # "validate" shadows pydantic's deprecated Base
 # Integration 1: DeepSpeed AutoEP
 # ----------------------------------------------------------------------------------------------
 
-_AUTOEP = {"count": 0, "validate": 0, "originals": None, "ours": None}
+_AUTOEP = {"count": 0, "validate": 0, "originals": None, "ours": None, "direct": False}
 
 
 def _autoep_module():
@@ -57,12 +58,64 @@ def _autoep_module():
     return layer
 
 
-def _make_autoep_functions(original_permute, original_unpermute):
+def _direct_indices(tokens: torch.Tensor, local_counts: torch.Tensor):
+    """DeepSpeed's index build of ``permute_by_local_expert`` (0.19.2-0.19.8): the counts' layout,
+    the padded length and ``generate_permute_indices`` with DeepSpeed's alignment constant."""
+    from deepspeed.moe import ep_kernels
+
+    if local_counts.ndim == 1:
+        ep_degree, num_local = 1, local_counts.shape[0]
+    elif local_counts.ndim == 2:
+        ep_degree, num_local = local_counts.shape
+    else:
+        raise ValueError(f"local_counts must have shape [E_local] or [ep_degree, E_local], got "
+                         f"{tuple(local_counts.shape)}")
+    flat = local_counts.reshape(-1)
+    n_tokens = tokens.shape[0]
+    alignment = ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M
+    padded_max_len = ((n_tokens + num_local * alignment + alignment - 1) // alignment) * alignment
+    use_cpu = tokens.device.type == "cpu"
+    with torch.no_grad():
+        permuted_indices, m_sizes, _ = ep_kernels.generate_permute_indices(
+            flat.cpu() if use_cpu else flat, num_local, ep_degree, padded_max_len, alignment, use_cpu=use_cpu)
+    if not use_cpu:
+        permuted_indices = permuted_indices.to(tokens.device)
+        m_sizes = m_sizes.to(tokens.device)
+    return permuted_indices, m_sizes, n_tokens
+
+
+def _probe_indices(original_permute, tokens, local_counts):
+    """Any version: DeepSpeed's own function on a zero-width stand-in of the tokens (its row
+    movement is then free); indices, aligned counts and n_tokens are exactly its own."""
+    probe = tokens.detach().new_empty((tokens.shape[0], 0))
+    _, permuted_indices, aligned_counts, n_tokens = original_permute(probe, local_counts)
+    return permuted_indices, aligned_counts, n_tokens
+
+
+def _direct_matches(original_permute) -> bool:
+    """Self-check at install: the direct index build equals this DeepSpeed version's on CPU cases
+    (1-D and 2-D counts, empty experts). If not, every call uses the probe."""
+    try:
+        cases = [torch.tensor([3, 0, 5, 1], dtype=torch.int32), torch.tensor([0, 0, 0], dtype=torch.int32),
+                 torch.tensor([[2, 0, 7], [1, 4, 0]], dtype=torch.int32), torch.tensor([9], dtype=torch.int32)]
+        for counts in cases:
+            tokens = torch.zeros(int(counts.sum()), 0)
+            ref = _probe_indices(original_permute, tokens, counts)
+            got = _direct_indices(tokens, counts)
+            if not all(isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+                       for a, b in zip(ref[:2], got[:2])) or ref[2] != got[2]:
+                return False
+        return True
+    except Exception:
+        return False
+
+
+def _make_autoep_functions(original_permute, original_unpermute, direct: bool):
     def permute_by_local_expert(tokens, local_counts):
-        # DeepSpeed builds the indices and aligned counts exactly as it would for these tokens; a
-        # zero-width stand-in makes its own row movement free. The rows are then gathered by ours.
-        probe = tokens.detach().new_empty((tokens.shape[0], 0))
-        _, permuted_indices, aligned_counts, n_tokens = original_permute(probe, local_counts)
+        if direct:
+            permuted_indices, aligned_counts, n_tokens = _direct_indices(tokens, local_counts)
+        else:
+            permuted_indices, aligned_counts, n_tokens = _probe_indices(original_permute, tokens, local_counts)
         permuted = row_gather.permute_rows(tokens, permuted_indices, validate=_AUTOEP["validate"] > 0)
         return permuted, permuted_indices, aligned_counts, n_tokens
 
@@ -80,7 +133,8 @@ def _install_autoep(validate: bool) -> None:
     layer = _autoep_module()
     if _AUTOEP["count"] == 0:
         originals = (layer.permute_by_local_expert, layer.unpermute_by_local_expert)
-        ours = _make_autoep_functions(*originals)
+        _AUTOEP["direct"] = _direct_matches(originals[0])
+        ours = _make_autoep_functions(*originals, direct=_AUTOEP["direct"])
         layer.permute_by_local_expert, layer.unpermute_by_local_expert = ours
         _AUTOEP["originals"], _AUTOEP["ours"] = originals, ours
     _AUTOEP["count"] += 1
@@ -236,6 +290,8 @@ class MoeReorderFeature(Feature):
             rep.where = f"{n_autoep} x AutoEPMoELayer (DeepSpeed AutoEP permute/unpermute_by_local_expert)"
             rep.reason = f"replaces {replaces}" + ("; validate=on (host sync per layer)" if cfg.validate else "")
             rep.details = {"path": "autoep", "layers": n_autoep}
+            if not _AUTOEP["direct"]:
+                rep.reason += "; indices built by DeepSpeed's own function (probe)"
             return rep
 
         experts = _experts_modules(model)

@@ -48,11 +48,13 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 if HAS_TRITON:
 
     @triton.jit
-    def _gather_rows_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, num_out, num_src, hidden, num_col_tiles,
-                            HAS_SCALE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                            VEC: tl.constexpr, ALIGNED: tl.constexpr):
+    def _gather_rows_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, inverse_ptr, num_out, num_src, hidden,
+                            num_col_tiles, HAS_SCALE: tl.constexpr, WRITE_INVERSE: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr):
         # One program copies a [ROWS, BLOCK_H] tile: the row indices are loaded once per tile, and
         # column tiles of one row tile are adjacent program ids (consecutive DRAM pages).
+        # WRITE_INVERSE: the first column tile also records inverse[index[i]] = i (one write per
+        # valid slot, no duplicates for a one-to-one map), so the permute builds its inverse free.
         pid = tl.program_id(0)
         pid_r = pid // num_col_tiles
         pid_c = pid - pid_r * num_col_tiles
@@ -60,6 +62,8 @@ if HAS_TRITON:
         row_ok = rows < num_out
         index = tl.load(index_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
         valid = row_ok & (index >= 0) & (index < num_src)
+        if WRITE_INVERSE:
+            tl.store(inverse_ptr + index, rows, mask=valid & (pid_c == 0))
         cols = pid_c * BLOCK_H + tl.arange(0, BLOCK_H)
         cols = tl.max_contiguous(tl.multiple_of(cols, VEC), VEC)
         col_ok = cols < hidden
@@ -186,8 +190,10 @@ def _kernel_ok(op: str, *tensors: torch.Tensor) -> bool:
 
 
 def _gather_kernel(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch.Tensor] = None,
-                   out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Launch the gather: ``out[i] = src[index[i]] (* scale[i])``; ``out`` (tests) is written whole."""
+                   out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
+                   inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Launch the gather: ``out[i] = src[index[i]] (* scale[i])``; ``out`` (tests) is written whole;
+    ``inverse`` (int64 ``[len(src)]``, pre-filled) receives ``inverse[index[i]] = i``."""
     src = src.contiguous()
     index = index.contiguous()
     n_out, hidden = index.numel(), src.shape[1]
@@ -198,9 +204,9 @@ def _gather_kernel(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch
     rows, block_h, vec, warps = _tile(n_out, hidden, src.element_size(), src.device)
     n_col = triton.cdiv(hidden, block_h)
     _gather_rows_kernel[(triton.cdiv(n_out, rows) * n_col, )](
-        src, index, scale.contiguous() if scale is not None else src, out, n_out, src.shape[0], hidden, n_col,
-        HAS_SCALE=scale is not None, ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0,
-        num_warps=warps)
+        src, index, scale.contiguous() if scale is not None else src, out, inverse if inverse is not None else index,
+        n_out, src.shape[0], hidden, n_col, HAS_SCALE=scale is not None, WRITE_INVERSE=inverse is not None,
+        ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, num_warps=warps)
     return out
 
 
@@ -263,14 +269,25 @@ def inverse_permutation(permuted_indices: torch.Tensor, num_rows: int) -> torch.
     tensor and its version), so the permute and unpermute of one layer compute it once."""
     _check_index("permuted_indices", permuted_indices)
     num_rows = _check_num_rows(num_rows)
+    inverse = _cached_inverse(permuted_indices, num_rows)
+    if inverse is None:
+        inverse = _invert(permuted_indices, num_rows)
+        _remember_inverse(permuted_indices, num_rows, inverse)
+    return inverse
+
+
+def _cached_inverse(permuted_indices: torch.Tensor, num_rows: int) -> Optional[torch.Tensor]:
     version = _version(permuted_indices)
     hit = _inverse_cache.get(permuted_indices) if version is not None else None
     if hit is not None and hit[0] == version and hit[1] == num_rows:
         return hit[2]
-    inverse = _invert(permuted_indices, num_rows)
+    return None
+
+
+def _remember_inverse(permuted_indices: torch.Tensor, num_rows: int, inverse: torch.Tensor) -> None:
+    version = _version(permuted_indices)
     if version is not None:
         _inverse_cache[permuted_indices] = (version, num_rows, inverse)
-    return inverse
 
 
 def _check_num_rows(num_rows) -> int:
@@ -375,6 +392,28 @@ def _unpermute_op(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: t
     return unpermute_rows_reference(rows, permuted_indices, inverse.numel()).clone()
 
 
+@torch.library.custom_op(f"{_NS}::rg_permute_with_inverse", mutates_args=())
+def _permute_inverse_op(rows: torch.Tensor, permuted_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The permute that also returns the inverse permutation, written by the gather kernel itself."""
+    if _kernel_ok("permute_rows", rows, permuted_indices):
+        inverse = torch.full((rows.shape[0], ), -1, dtype=torch.int64, device=rows.device)
+        if permuted_indices.numel() and not rows.shape[1]:  # no columns: no program would run
+            return _gather_kernel(rows, permuted_indices), _invert(permuted_indices, rows.shape[0])
+        return _gather_kernel(rows, permuted_indices, inverse=inverse), inverse
+    return (permute_rows_reference(rows, permuted_indices).contiguous(),
+            _invert(permuted_indices, rows.shape[0]))
+
+
+@_permute_inverse_op.register_fake
+def _(rows, permuted_indices):
+    return (rows.new_empty((permuted_indices.shape[0], rows.shape[1])),
+            rows.new_empty((rows.shape[0], ), dtype=torch.int64))
+
+
+def _permute_inverse_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], output[1])
+
+
 @_permute_op.register_fake
 def _(rows, permuted_indices, inverse):
     return rows.new_empty((permuted_indices.shape[0], rows.shape[1]))
@@ -402,6 +441,14 @@ def _unpermute_backward(ctx, grad):
 
 
 _permute_op.register_autograd(_permute_backward, setup_context=_save_indices)
+
+
+def _permute_inverse_backward(ctx, grad, grad_inverse):
+    permuted_indices, inverse = ctx.saved_tensors
+    return _unpermute_op(grad.contiguous(), permuted_indices, inverse), None
+
+
+_permute_inverse_op.register_autograd(_permute_inverse_backward, setup_context=_permute_inverse_setup)
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_indices)
 
 
@@ -541,7 +588,11 @@ def permute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, *, validate
     if validate:
         validate_permutation(permuted_indices, rows.shape[0])
     if inverse is None:
-        inverse = inverse_permutation(permuted_indices, rows.shape[0])
+        inverse = _cached_inverse(permuted_indices, rows.shape[0])
+    if inverse is None:  # build it in the gather, and keep it for the unpermute of the same indices
+        out, inverse = _permute_inverse_op(rows, permuted_indices)
+        _remember_inverse(permuted_indices, rows.shape[0], inverse)
+        return out
     return _permute_op(rows, permuted_indices, inverse)
 
 

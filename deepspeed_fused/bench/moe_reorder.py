@@ -1,0 +1,178 @@
+"""Suite ``moe_reorder``: the MoE reorder gathers against their peers, bf16, effective TB/s.
+
+Per model shape (tokens x top-k over experts, hidden H): the AutoEP permute (source rows into the
+alignment-padded expert-major buffer) and unpermute, the transformers top-k dispatch, and the
+combine (weight + sum over top-k). Effective bandwidth counts bytes read + written by the data
+movement an exact implementation needs (rows moved, not index tensors):
+
+* permute fwd: N rows read + NP rows written; its backward (unpermute of the gradient): N + N.
+* unpermute fwd: N + N; backward (permute of the gradient): N + NP.
+* dispatch fwd: S + S; backward (sum of the k slot gradients per token): S + T.
+* combine fwd: S + T; backward: S (gradient gathered) + S (rows, for the weight gradient) + S.
+
+Peers: DeepSpeed <= 0.19.7's vstack+index / zero+index_put (autograd backward: accumulating
+index_put / indexing), ``torch.index_select`` (a plain gather: for the permute it reads clamped
+indices and leaves padding rows unzeroed, a lower bound), DeepSpeed 0.19.8's Triton
+``permute_rows`` / ``unpermute_rows`` when they import, and transformers' grouped_mm data movement
+(``hidden[perm // k]``; weight, inverse-permutation gather, ``view(T, k, H).sum(1)``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops import row_gather as rg
+from .common import measure
+
+SUITE = "moe_reorder"
+TITLE = "MoE reorder gathers (AutoEP permute/unpermute, top-k dispatch and combine)"
+NOTES = ("Targets (H200, bf16): every gather >= 3.6 TB/s effective (device copy 4.2 TB/s); permute and "
+         "unpermute fwd+bwd >= 1.3x DeepSpeed 0.19.8 and >= 4x the 0.19.7 path; combine >= 2x "
+         "transformers gather+sum. Effective bytes are defined in deepspeed_fused/bench/moe_reorder.py.")
+
+SHAPES = [  # name, tokens, top_k, experts, hidden
+    ("Qwen3-30B-A3B", 8192, 8, 128, 2048),
+    ("Mixtral-8x7B", 8192, 2, 8, 4096),
+    ("DeepSeek-V3", 8192, 8, 256, 7168),
+]
+ALIGN = 8  # DeepSpeed's TOKEN_GROUP_ALIGN_SIZE_M
+
+
+def _deepspeed_0198():
+    try:
+        from deepspeed.moe import ep_kernels as ek
+
+        if hasattr(ek, "permute_rows") and hasattr(ek, "unpermute_rows"):
+            return ek
+    except Exception:
+        pass
+    return None
+
+
+def _permute_indices(counts: torch.Tensor, experts: int, alignment: int, device) -> torch.Tensor:
+    """DeepSpeed's layout built in torch: each expert's rows in order, groups padded to alignment
+    (at least one block), -1 at padding (as ``generate_permute_indices`` produces)."""
+    n = int(counts.sum())
+    sizes = torch.clamp(counts, min=alignment)
+    sizes = (sizes + alignment - 1) // alignment * alignment
+    max_len = ((n + experts * alignment + alignment - 1) // alignment) * alignment
+    pidx = torch.full((max_len, ), -1, dtype=torch.int32)
+    starts = torch.cumsum(counts, 0) - counts
+    offs = torch.cumsum(sizes, 0) - sizes
+    for e in range(experts):
+        c = int(counts[e])
+        pidx[int(offs[e]):int(offs[e]) + c] = torch.arange(int(starts[e]), int(starts[e]) + c, dtype=torch.int32)
+    return pidx.to(device)
+
+
+def run(args) -> list:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    quick = getattr(args, "quick", False)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    shapes = SHAPES if dev == "cuda" else [("tiny-cpu", 256, 2, 8, 64)]
+    if quick:
+        shapes = shapes[:1]
+    rep = 20 if quick else 100
+    ek = _deepspeed_0198() if dev == "cuda" else None
+    recs = []
+    gen = torch.Generator().manual_seed(0)
+    for name, tokens, top_k, experts, hidden in shapes:
+        n = tokens * top_k
+        ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+        counts = torch.bincount(ids.reshape(-1), minlength=experts)
+        pidx = _permute_indices(counts, experts, ALIGN, dev)
+        np_ = pidx.numel()
+        esz = torch.tensor([], dtype=dtype).element_size()
+        row = hidden * esz
+        x = torch.randn(n, hidden, device=dev, dtype=dtype)
+        s = torch.randn(np_, hidden, device=dev, dtype=dtype)
+        g_perm = torch.randn(np_, hidden, device=dev, dtype=dtype)
+        g_unperm = torch.randn(n, hidden, device=dev, dtype=dtype)
+        inv = rg.inverse_permutation(pidx, n)
+        pidx_long = pidx.long()
+        tag = f"{name} T{tokens} k{top_k} E{experts} H{hidden}"
+
+        def m(op, impl, fwd, fwd_bwd, bytes_f, bytes_fb, ours=False, note=""):
+            recs.append(measure(SUITE, impl, f"{op} {tag}", dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=bytes_f,
+                                bytes_fwd_bwd=bytes_fb, ours=ours, note=note, rep=rep, rows=n, padded_rows=np_))
+
+        def fb(fn, inp, grad):
+            def run_fb():
+                inp.grad = None
+                fn(inp).backward(grad)
+            return run_fb
+
+        # ---- permute: [N, H] -> [NP, H] ----
+        xr = x.detach().requires_grad_()
+        bf, bfb = (n + np_) * row, (n + np_) * row + 2 * n * row
+        # ours as the AutoEP layer calls it: the inverse is built by the permute, reused by the unpermute
+        m("permute", "deepspeed_fused", lambda: rg._permute_inverse_op(x, pidx)[0],
+          fb(lambda t: rg._permute_inverse_op(t, pidx)[0], xr, g_perm), bf, bfb, ours=True,
+          note="builds the inverse permutation in the same kernel (uncached, as a layer's first call)")
+        m("permute", "DeepSpeed 0.19.7 vstack+index", lambda: rg.permute_rows_reference(x, pidx),
+          fb(lambda t: rg.permute_rows_reference(t, pidx), xr, g_perm), bf, bfb)
+        clamped = pidx_long.clamp(min=0)
+        m("permute", "torch index_select", lambda: x.index_select(0, clamped),
+          fb(lambda t: t.index_select(0, clamped), xr, g_perm), bf, bfb,
+          note="padding rows not zeroed (lower bound); backward is index_add")
+        if ek is not None:
+            m("permute", "DeepSpeed 0.19.8 permute_rows", lambda: ek.permute_rows(x, pidx),
+              fb(lambda t: ek.permute_rows(t, pidx), xr, g_perm), bf, bfb)
+
+        # ---- unpermute: [NP, H] -> [N, H] ----
+        sr = s.detach().requires_grad_()
+        bf, bfb = 2 * n * row, 2 * n * row + (n + np_) * row
+        m("unpermute", "deepspeed_fused", lambda: rg.unpermute_rows(s, pidx, n, inverse=inv),
+          fb(lambda t: rg.unpermute_rows(t, pidx, n, inverse=inv), sr, g_unperm), bf, bfb, ours=True,
+          note="inverse reused from the permute (cached per index tensor)")
+        m("unpermute", "DeepSpeed 0.19.7 zero+index_put", lambda: rg.unpermute_rows_reference(s, pidx, n),
+          fb(lambda t: rg.unpermute_rows_reference(t, pidx, n), sr, g_unperm), bf, bfb)
+        m("unpermute", "torch index_select", lambda: s.index_select(0, inv),
+          fb(lambda t: t.index_select(0, inv), sr, g_unperm), bf, bfb, note="backward is index_add")
+        if ek is not None:
+            m("unpermute", "DeepSpeed 0.19.8 unpermute_rows", lambda: ek.unpermute_rows(s, pidx, n),
+              fb(lambda t: ek.unpermute_rows(t, pidx, n), sr, g_unperm), bf, bfb)
+
+        # ---- transformers top-k dispatch and combine ----
+        flat = ids.reshape(-1).to(dev)
+        _, perm = torch.sort(flat)
+        slot = rg.inverse_permutation(perm, n).view(tokens, top_k)
+        tok_of_slot = perm // top_k
+        h = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+        hr = h.detach().requires_grad_()
+        g_disp = torch.randn(n, hidden, device=dev, dtype=dtype)
+        bf, bfb = 2 * n * row, 2 * n * row + (n + tokens) * row
+        m("dispatch", "deepspeed_fused", lambda: rg.gather_dispatch(h, tok_of_slot, slot),
+          fb(lambda t: rg.gather_dispatch(t, tok_of_slot, slot), hr, g_disp), bf, bfb, ours=True,
+          note="backward: gather + FP32 sum of the k slots")
+        m("dispatch", "transformers hidden[perm // k]", lambda: h[tok_of_slot],
+          fb(lambda t: t[tok_of_slot], hr, g_disp), bf, bfb, note="backward: accumulating index_put")
+
+        y = torch.randn(n, hidden, device=dev, dtype=dtype)
+        w = torch.rand(tokens, top_k, device=dev, dtype=dtype)
+        yr = y.detach().requires_grad_()
+        wr = w.detach().requires_grad_()
+        g_comb = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+        inv_perm = slot.reshape(-1)
+        w_sorted = w.reshape(-1)[perm]
+
+        def hf_combine(t, weights_sorted):
+            weighted = t * weights_sorted.unsqueeze(-1)
+            return weighted[inv_perm].view(tokens, top_k, hidden).sum(dim=1).to(dtype)
+
+        def fb2(fn):
+            def run_fb():
+                yr.grad = None
+                wr.grad = None
+                fn().backward(g_comb)
+            return run_fb
+
+        bf, bfb = (n + tokens) * row, (n + tokens) * row + 3 * n * row
+        m("combine", "deepspeed_fused", lambda: rg.gather_combine(y, slot, w),
+          fb2(lambda: rg.gather_combine(yr, slot, wr)), bf, bfb, ours=True,
+          note="weights, inverse gather and sum fused (FP32 sum)")
+        m("combine", "transformers gather+sum", lambda: hf_combine(y, w_sorted),
+          fb2(lambda: hf_combine(yr, wr.reshape(-1)[perm])), bf, bfb)
+        del x, s, g_perm, g_unperm, xr, sr, h, hr, y, yr
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return recs
