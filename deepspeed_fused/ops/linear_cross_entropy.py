@@ -543,11 +543,6 @@ def _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z
     if chunk_tokens not in (None, "auto") and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                                or chunk_tokens < 1):
         raise ValueError(f"linear_cross_entropy: `chunk_tokens` must be a positive int or None, got {chunk_tokens!r}")
-    if tp_group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(tp_group) > 1:
-            raise NotImplementedError("linear_cross_entropy: `tp_group` with more than one rank is not supported yet")
     return accum_fp32
 
 
@@ -568,12 +563,22 @@ def _check_values(target, temperature, V, ignore_index):
 
 
 def auto_chunk_tokens(V: int, dtype: torch.dtype, tokens: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
-    """Tokens per chunk so the ``chunk x V`` logits workspace fits ``workspace_bytes``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    c = workspace_bytes // max(1, V * itemsize)
-    if c >= 128:
-        c = c // 128 * 128
-    return int(max(1, min(c, max(tokens, 1))))
+    """Tokens per chunk so the ``chunk x V`` logits workspace fits ``workspace_bytes``.
+
+    A multiple of 128 where possible, and balanced: the fewest chunks, of near-equal size
+    (no small ragged last chunk for the GEMMs).
+    """
+    cmax = workspace_bytes // max(1, V * dtype.itemsize)
+    if cmax >= 128:
+        cmax = cmax // 128 * 128
+    cmax = max(1, cmax)
+    tokens = max(tokens, 1)
+    if tokens <= cmax:
+        return int(tokens)
+    n = -(-tokens // cmax)
+    c = -(-tokens // n)
+    c128 = -(-c // 128) * 128
+    return int(c128 if c128 <= cmax else c)
 
 
 def _ref_chunk(h, weight, bias, t, temp, temperature, ignore_index, z_loss, smoothing, softcap, need_ent):
@@ -631,32 +636,411 @@ def _pack(loss_tok, lse, ent, valid, shape, reduction, return_entropy, return_ls
 
 
 def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
-             accum_dtype, chunk_tokens, validate_targets, tp_group):
+             accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None):
     accum_fp32 = _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing,
                         softcap, accum_dtype, chunk_tokens, tp_group)
+    tp = _tp_setup(tp_group, vocab_start, weight.shape[0])
     V, H = weight.shape
-    if validate_targets and target.numel():
+    if validate_targets and target.numel() and tp is None:  # TP: checked against the global V after the gather
         _check_values(target, temperature, V, ignore_index)
     h = hidden.reshape(-1, H)
     t = target.reshape(-1)
     temp = temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else None
-    return accum_fp32, h, t, temp
+    return accum_fp32, h, t, temp, tp
+
+
+# ----------------------------------------------------------------------------------------
+# Vocabulary-parallel form over a tensor-parallel group
+# ----------------------------------------------------------------------------------------
+#
+# Each rank holds weight rows [vocab_start, vocab_start + V_local). Forward: the local shard's
+# per-token partial statistics (the same fused pass as above), then ONE all-gather of a packed
+# fp32 tensor [M + 3, 5]: the statistics plus three rows of metadata (shard bounds, dtype,
+# options) so the layout is validated by the same collective, then a local merge: every rank
+# computes bitwise the same loss / lse / entropy. Backward: dweight (and dbias) stay local,
+# dhidden partials are summed with one all-reduce, started asynchronously so it overlaps the
+# last dweight GEMM (on CUDA NCCL runs it on its own stream).
+
+_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
+_REDUCTION_CODE = {"none": 0, "sum": 1, "mean": 2}
+_META_ROWS = 3
+_META_NAMES = ("V_local", "vocab_start", "dtype", "hidden size", "tokens",
+               "z_loss", "label_smoothing", "softcap", "temperature", "ignore_index",
+               "return_entropy", "reduction", "bias", "accum_dtype", "return_lse")
+# Shard layouts already validated on the host: (group id, rank, size, V_local, vocab_start, dtype,
+# H) -> global V. With validate_targets=False later calls read nothing back (no host sync).
+_TP_LAYOUTS: dict = {}
+
+
+class _TPInfo:
+    __slots__ = ("group", "rank", "size", "start")
+
+    def __init__(self, group, rank, size, start):
+        self.group, self.rank, self.size, self.start = group, rank, size, start
+
+
+def _tp_setup(tp_group, vocab_start, V_local):
+    """None for the single-GPU op (no group, or a group of one rank), else the rank's _TPInfo."""
+    if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, int)
+                                    or vocab_start < 0):
+        raise ValueError(f"linear_cross_entropy: `vocab_start` must be None or an int >= 0, got {vocab_start!r}")
+    if tp_group is None:
+        if vocab_start is not None:
+            raise ValueError("linear_cross_entropy: `vocab_start` needs a `tp_group` (the vocabulary shard's group)")
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError("linear_cross_entropy: `tp_group` given but torch.distributed is not available")
+    size = dist.get_world_size(tp_group)
+    if size == 1:
+        if vocab_start not in (None, 0):
+            raise ValueError(f"linear_cross_entropy: `vocab_start`={vocab_start} with a tp_group of one rank: the "
+                             f"shard must be the whole vocabulary (vocab_start 0)")
+        return None
+    rank = dist.get_rank(tp_group)
+    return _TPInfo(tp_group, rank, size, rank * V_local if vocab_start is None else vocab_start)
+
+
+def _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, smoothing, softcap,
+                  return_entropy, return_lse, bias, accum_fp32):
+    """This rank's metadata rows [3, 5] (exact in fp32), carried by the statistics all-gather."""
+    return [[weight.shape[0], tp.start, _DTYPE_CODE[weight.dtype], weight.shape[1], h.shape[0]],
+            [float(z_loss), float(smoothing), float(softcap or 0.0), -1.0 if temp is not None else float(temperature),
+             ignore_index],
+            [bool(return_entropy), _REDUCTION_CODE[reduction], bias is not None, bool(accum_fp32), bool(return_lse)]]
+
+
+def _tp_check_layout(meta):
+    """Host check of every rank's metadata rows (a list per rank); returns the global V."""
+    def fmt(j):
+        vals = [m[j] for m in meta]
+        if j == 2:
+            vals = [str(_CODE_DTYPE.get(int(v), v)).replace("torch.", "") for v in vals]
+        return ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+
+    for j in range(2, len(_META_NAMES)):
+        if any(m[j] != meta[0][j] for m in meta):
+            exc = TypeError if j == 2 else ValueError
+            raise exc(f"linear_cross_entropy: the ranks of `tp_group` disagree on {_META_NAMES[j]} ({fmt(j)}); "
+                      f"every rank must call the op with the same dtype, hidden/target shapes and options")
+    shards = sorted((int(m[1]), int(m[0]), r) for r, m in enumerate(meta))
+    expect = 0
+    for start, v, r in shards:
+        if v < 1 or start != expect:
+            bounds = ", ".join(f"rank {r}: [{int(m[1])}, {int(m[1] + m[0])})" for r, m in enumerate(meta))
+            raise ValueError(f"linear_cross_entropy: the vocabulary shards of `tp_group` ({bounds}) do not tile "
+                             f"[0, V) without gaps or overlaps (V_local {fmt(0)}); vocab_start=None assumes equal "
+                             f"shards at rank * V_local: pass `vocab_start` for ragged shards")
+        expect = start + v
+    return expect
+
+
+_META_TENSORS: dict = {}
+
+
+def _tp_pack(M, meta_rows, dtype, device, stats=None):
+    """The all-gather's input [M + 3, 5]: statistics rows (written later by the kernel when
+    ``stats`` is None) then the metadata rows, copied from a cached device tensor (no
+    host-to-device copy per call, so nothing blocks CUDA-graph capture after the first)."""
+    key = (device, dtype, str(meta_rows))
+    meta = _META_TENSORS.get(key)
+    if meta is None:
+        if len(_META_TENSORS) > 256:
+            _META_TENSORS.clear()
+        meta = _META_TENSORS[key] = torch.tensor(meta_rows, dtype=dtype, device=device)
+    if stats is not None:
+        return torch.cat([stats, meta])
+    packed = torch.empty((M + _META_ROWS, _NSTAT), dtype=dtype, device=device)
+    packed[M:].copy_(meta)
+    return packed
+
+
+def _tp_exchange(packed, M, meta_rows, tp, validate, target, temp, ignore_index):
+    """The forward's one collective: all-gather ``packed`` = [stats; metadata] ->
+    ([size, M, 5] statistics of every shard, global V).
+
+    The metadata is checked on the host when ``validate`` (together with the targets against
+    the global V and per-token temperatures, one device-to-host read) or the first time this
+    rank sees the layout; then the layout is cached and nothing is read back.
+    """
+    import torch.distributed as dist
+
+    out = packed.new_empty((tp.size * packed.shape[0], packed.shape[1]))  # gloo takes the concatenated form
+    dist.all_gather_into_tensor(out, packed, group=tp.group)
+    out = out.view(tp.size, packed.shape[0], packed.shape[1])
+    key = (id(tp.group), tp.rank, tp.size) + tuple(meta_rows[0][:4])
+    V_total = _TP_LAYOUTS.get(key)
+    if validate or V_total is None:
+        meta = out[:, M:].reshape(tp.size, -1)
+        extra = []
+        if validate:
+            vt = meta[:, 0].sum()
+            bad_t = ((target != ignore_index) & ((target < 0) | (target >= vt))).any()
+            bad_temp = (~(temp > 0).all()) if temp is not None else torch.zeros((), dtype=torch.bool,
+                                                                                device=packed.device)
+            extra = [bad_t.to(meta.dtype).reshape(1), bad_temp.to(meta.dtype).reshape(1)]
+        vals = torch.cat([meta.reshape(-1)] + extra).tolist()
+        n = meta.shape[1]
+        V_total = _tp_check_layout([vals[r * n:(r + 1) * n] for r in range(tp.size)])
+        if validate and vals[-2]:
+            raise ValueError(f"linear_cross_entropy: `target` has values outside [0, {V_total}) (the global "
+                             f"vocabulary of the tp_group) other than ignore_index={ignore_index}")
+        if validate and vals[-1]:
+            raise ValueError("linear_cross_entropy: `temperature` tensor has values <= 0")
+        _TP_LAYOUTS[key] = V_total
+    return out[:, :M], V_total
+
+
+def _dh_reduce_start(dh, group, fp32):
+    """Start the async all-reduce (sum) of the dhidden partials; fp32 when asked."""
+    import torch.distributed as dist
+
+    buf = dh.float() if fp32 and dh.dtype != torch.float32 else dh
+    return dist.all_reduce(buf, group=group, async_op=True), buf, dh
+
+
+def _dh_reduce_finish(handle):
+    work, buf, dh = handle
+    work.wait()
+    if buf is not dh:
+        dh.copy_(buf)
+    return dh
+
+
+class _TPConfig:
+    __slots__ = ("tp", "meta", "inv_temp", "ignore_index", "z_loss", "smoothing", "cap", "accum_fp32", "chunk",
+                 "validate", "mean", "need_ent")
+
+    def __init__(self, *args):
+        for k, v in zip(self.__slots__, args, strict=True):
+            setattr(self, k, v)
+
+
+def _tp_stats_pass(h, weight, bias, t, temp, c):
+    """Local shard statistics, written into the all-gather's packed input [M + 3, 5]; returns
+    it and the logits workspace (the last chunk's logits are still in it)."""
+    M, V = h.shape[0], weight.shape[0]
+    packed = _tp_pack(M, c.meta, torch.float32, h.device)
+    stats = packed[:M]
+    buf = h.new_empty((min(c.chunk, M), V))
+    for s in range(0, M, c.chunk):
+        e = min(M, s + c.chunk)
+        x = buf[: e - s]
+        _logits_into(h[s:e], weight, bias, x)
+        _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, vocab_start=c.tp.start,
+                     **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, 0.0, c.smoothing, c.cap))
+    return packed, buf
+
+
+def _tp_grad_pass(h, weight, bias, t, temp, c, V_total, buf, need_dh, need_dw, need_db, *, lse, g_loss,
+                  per_token, ent=None, g_ent=None, g_lse=None, reuse_last=False, reduce_dh=True):
+    """dlogits chunk by chunk (recomputing the logits; with ``reuse_last`` the last chunk's are
+    still in ``buf`` and go first), local dweight/dbias and the dhidden partials. With
+    ``reduce_dh`` the dhidden all-reduce starts before the last dweight GEMM, which it
+    overlaps. Returns (dh, reduce handle or None, dw, db)."""
+    M = h.shape[0]
+    dh = torch.empty_like(h) if need_dh else None
+    pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
+    bounds = [(s, min(M, s + c.chunk)) for s in range(0, M, c.chunk)]
+    order = bounds[::-1] if reuse_last else bounds
+    handle = None
+    for i, (s, e) in enumerate(order):
+        x, hc = buf[: e - s], h[s:e]
+        if not (reuse_last and i == 0):
+            _logits_into(hc, weight, bias, x)
+        _launch_rows(x, t[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e],
+                     g_loss=g_loss[s:e] if per_token else g_loss, g_ent=None if g_ent is None else g_ent[s:e],
+                     g_lse=None if g_lse is None else g_lse[s:e], per_token=per_token, vocab_start=c.tp.start,
+                     vocab_total=V_total,
+                     **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, c.z_loss, c.smoothing,
+                           c.cap))
+        if need_dh:
+            torch.mm(x, weight, out=dh[s:e])
+            if reduce_dh and i == len(order) - 1:
+                handle = _dh_reduce_start(dh, c.tp.group, c.accum_fp32)
+        pg.add(x, hc)
+    dw, db = pg.result(h)
+    return dh, handle, dw, db
+
+
+class _TPScalarLoss(torch.autograd.Function):
+    """Scalar loss ("mean"/"sum") with the local gradients formed in the forward: stats pass,
+    gather + merge, gradient pass (the last chunk reuses its logits: with one chunk, 3 GEMMs in
+    all). Backward scales them by grad_output and all-reduces dhidden (the forward's only
+    collective stays the gather)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, t, temp, c):
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        packed, buf = _tp_stats_pass(h, weight, bias, t, temp, c)
+        gathered, V_total = _tp_exchange(packed, h.shape[0], c.meta, c.tp, c.validate, t, temp,
+                                          c.ignore_index)
+        valid = t != c.ignore_index
+        loss_tok, lse, _ = _finalize_stats(merge_partial_stats(gathered), valid, V_total, c.z_loss, c.smoothing,
+                                           False)
+        if c.mean:
+            w = 1.0 / valid.sum().clamp(min=1).to(torch.float32)
+        else:
+            w = torch.ones((), dtype=torch.float32, device=h.device)
+        dh, _, dw, db = _tp_grad_pass(h, weight, bias, t, temp, c, V_total, buf, need_dh, need_dw, need_db,
+                                      lse=lse, g_loss=w.reshape(1), per_token=False, reuse_last=True,
+                                      reduce_dh=False)
+        del buf
+        ctx.group, ctx.fp32 = c.tp.group, c.accum_fp32
+        ctx.needs = (need_dh, need_dw, need_db)
+        ctx.save_for_backward(dh, dw if need_dw else None, db if need_db else None)
+        return loss_tok.sum() * w
+
+    @staticmethod
+    def backward(ctx, g):
+        # in place, as the single-GPU op: a second backward fails in autograd's version check
+        dh, dw, db = ctx.saved_tensors
+        need_dh, need_dw, need_db = ctx.needs
+        handle = _dh_reduce_start(dh.mul_(g), ctx.group, ctx.fp32) if need_dh else None
+        dw = dw.mul_(g) if need_dw else None
+        db = db.mul_(g) if need_db else None
+        return (_dh_reduce_finish(handle) if need_dh else None), dw, db, None, None, None
+
+
+class _TPPerToken(torch.autograd.Function):
+    """Per-token (loss, lse, entropy): stats pass + gather + merge in forward; backward
+    recomputes the local logits (4 GEMMs) from per-token upstream gradients."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, t, temp, c):
+        packed, buf = _tp_stats_pass(h, weight, bias, t, temp, c)
+        del buf
+        gathered, V_total = _tp_exchange(packed, h.shape[0], c.meta, c.tp, c.validate, t, temp,
+                                          c.ignore_index)
+        loss, lse, ent = _finalize_stats(merge_partial_stats(gathered), t != c.ignore_index, V_total, c.z_loss,
+                                         c.smoothing, c.need_ent)
+        if ent is None:
+            ent = lse.new_empty(0)
+        ctx.c, ctx.V_total = c, V_total
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(h, weight, bias, t, temp, lse, ent)
+        ctx.mark_non_differentiable(*(() if c.need_ent else (ent,)))
+        return loss, lse, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, g_lse, g_ent):
+        h, weight, bias, t, temp, lse, ent = ctx.saved_tensors
+        c = ctx.c
+        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
+        if not (need_dh or need_dw or need_db):
+            return (None,) * 6
+        M = h.shape[0]
+        g_loss = torch.zeros(M, dtype=torch.float32, device=h.device) if g_loss is None else g_loss.float()
+        g_ent = None if (g_ent is None or not c.need_ent) else g_ent.float().contiguous()
+        g_lse = None if g_lse is None else g_lse.float().contiguous()
+        buf = h.new_empty((min(c.chunk, M), weight.shape[0]))
+        dh, handle, dw, db = _tp_grad_pass(h, weight, bias, t, temp, c, ctx.V_total, buf, need_dh, need_dw,
+                                           need_db, lse=lse, g_loss=g_loss.contiguous(), per_token=True, ent=ent,
+                                           g_ent=g_ent, g_lse=g_lse)
+        if need_dh:
+            dh = _dh_reduce_finish(handle)
+        return dh, (dw if need_dw else None), (db if need_db else None), None, None, None
+
+
+@torch.compiler.disable
+def _tp_apply(fn, *args):
+    """The TP autograd functions run eagerly (torch.compile graph-breaks around them)."""
+    return fn.apply(*args)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (the reference's dhidden)."""
+
+    @staticmethod
+    def forward(ctx, x, group, fp32):
+        ctx.group, ctx.fp32 = group, fp32
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        return _dh_reduce_finish(_dh_reduce_start(g, ctx.group, ctx.fp32)), None, None
+
+
+def _ref_partial_chunk(h, weight, bias, t, temp, temperature, ignore_index, softcap, vocab_start, need_ent,
+                       need_sumz):
+    """Torch version of the kernel's partial statistics [rows, 5] for a vocabulary shard.
+
+    The running max m is detached: (m, d, a) represent the same values for any m, so the
+    gradient is exact without flowing through the max."""
+    logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(cdt)
+    z = z / temp.to(cdt)[:, None] if temp is not None else z / temperature
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    m = z.amax(-1).detach()
+    zm = z - m[:, None]
+    e = torch.exp(zm)
+    d = e.sum(-1)
+    a = (e * zm).sum(-1) if need_ent else torch.zeros_like(d)
+    sz = z.sum(-1) if need_sumz else torch.zeros_like(d)
+    lt = t.long() - vocab_start
+    ins = (t != ignore_index) & (lt >= 0) & (lt < z.shape[1])
+    zt = z.gather(1, torch.where(ins, lt, torch.zeros_like(lt))[:, None]).squeeze(1)
+    zt = torch.where(ins, zt, torch.zeros_like(zt))
+    return torch.stack([m, d, a, sz, zt], dim=-1)
+
+
+def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, smoothing, softcap, chunk, need_ent,
+                  tp, meta, validate, accum_fp32):
+    """Reference over a tensor-parallel group: local partial statistics (autograd), the same
+    all-gather and merge as the kernels; the other ranks' statistics are constants here, and
+    dhidden is summed over the group by _CopyToGroup."""
+    M = h.shape[0]
+    if h.requires_grad:
+        h = _CopyToGroup.apply(h, tp.group, accum_fp32)
+    ckpt = torch.is_grad_enabled() and M > chunk and not torch.compiler.is_compiling()
+    parts = []
+    for s in range(0, max(M, 1), chunk):
+        e = min(M, s + chunk)
+        args = (h[s:e], weight, bias, t[s:e], None if temp is None else temp[s:e], temperature, ignore_index,
+                softcap, tp.start, need_ent, bool(smoothing))
+        if ckpt:
+            parts.append(torch.utils.checkpoint.checkpoint(_ref_partial_chunk, *args, use_reentrant=False))
+        else:
+            parts.append(_ref_partial_chunk(*args))
+    stats = torch.cat(parts)
+    packed = _tp_pack(M, meta, stats.dtype, stats.device, stats.detach())
+    gathered, V_total = _tp_exchange(packed, M, meta, tp, validate, t, temp, ignore_index)
+    shards = list(gathered.unbind(0))
+    shards[tp.rank] = stats  # the local shard, differentiable (bitwise the gathered values)
+    return _finalize_stats(merge_partial_stats(torch.stack(shards)), t != ignore_index, V_total, z_loss, smoothing,
+                           need_ent)
 
 
 def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
                                    temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
                                    label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
-                                   validate_targets=True, tp_group=None):
+                                   validate_targets=True, tp_group=None, vocab_start=None):
     """Plain torch version of :func:`linear_cross_entropy` (same API and semantics).
 
     Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
-    (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored.
+    (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored
+    (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32).
+    With a ``tp_group`` it computes the same partial statistics of the local vocabulary
+    shard as the kernels and combines them with the same single all-gather and merge.
     """
-    _, h, t, temp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
-                             label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets, tp_group)
+    accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
+                                          label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
+                                          tp_group, vocab_start)
     chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
                                                                                  h.shape[0])
     temperature_f = None if temp is not None else float(temperature)
+    if tp is not None:
+        loss, lse, ent = _reference_tp(h, weight, t, bias, None if temp is None else temp.detach(), temperature_f,
+                                       ignore_index, float(z_loss), float(label_smoothing), softcap, chunk,
+                                       bool(return_entropy), tp, _tp_meta_rows(tp, weight, h, reduction, temp,
+                                       temperature, ignore_index, z_loss, label_smoothing, softcap, return_entropy,
+                                       return_lse, bias, accum_fp32), validate_targets, accum_fp32)
+        return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
     loss, lse, ent = _reference_impl(h, weight, t, bias, None if temp is None else temp.detach(), temperature_f,
                                      ignore_index, float(z_loss), float(label_smoothing), softcap, chunk,
                                      return_entropy)
@@ -665,7 +1049,8 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
 
 def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean", temperature=1.0,
                          return_entropy=False, return_lse=False, z_loss=0.0, label_smoothing=0.0, softcap=None,
-                         accum_dtype=None, chunk_tokens=None, validate_targets=True, tp_group=None):
+                         accum_dtype=None, chunk_tokens=None, validate_targets=True, tp_group=None,
+                         vocab_start=None):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing logits.
 
     Args:
@@ -687,7 +1072,15 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             <= 480 MiB, so all extra memory stays under 512 MiB).
         validate_targets: check targets and temperatures (one host sync). False makes the
             call free of host synchronization (CUDA-graph capturable).
-        tp_group: a process group of size 1 (or None); larger groups are not supported yet.
+        tp_group: a torch.distributed process group over which the vocabulary is split
+            (Megatron-style vocab-parallel head): ``weight``/``bias`` hold this rank's rows
+            ``[vocab_start, vocab_start + V_local)`` and ``target`` holds global ids, the same
+            ``hidden``/``target`` on every rank. Outputs are those of the full head, identical
+            on every rank; dweight stays local, dhidden is summed over the group. Forward
+            issues one all-gather; backward one all-reduce (of dhidden). A group of size 1
+            (or None) is the single-GPU op.
+        vocab_start: first global vocabulary row of this rank's shard (default
+            ``rank * V_local``: equal shards); give it for ragged shards. Only with ``tp_group``.
 
     Returns:
         ``loss`` alone, or the tuple ``(loss, entropy, lse)`` restricted to what was asked,
@@ -696,8 +1089,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     Note: the scalar-loss path ("mean"/"sum" without entropy/lse) forms the gradients in the
     forward and scales them in place in backward: do not backward through it twice.
     """
-    accum_fp32, h, t, temp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
-                                      label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets, tp_group)
+    accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
+                                          label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
+                                          tp_group, vocab_start)
     M = h.shape[0]
     V = weight.shape[0]
     ok, reason = kernel_device_ok(hidden)
@@ -709,7 +1103,11 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         return linear_cross_entropy_reference(
             hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
             temperature=temperature, return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss,
-            label_smoothing=label_smoothing, softcap=softcap, chunk_tokens=chunk_tokens, validate_targets=False)
+            label_smoothing=label_smoothing, softcap=softcap, chunk_tokens=chunk_tokens,
+            accum_dtype=torch.float32 if accum_fp32 else None,
+            # TP: the targets are checked against the global vocabulary after the gather
+            validate_targets=validate_targets and tp is not None,
+            tp_group=None if tp is None else tp.group, vocab_start=None if tp is None else tp.start)
     chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(V, hidden.dtype, M)
     chunk = min(chunk, M)
     h = h.contiguous()
@@ -725,6 +1123,15 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     need_dw = weight.requires_grad
     need_db = bias is not None and bias.requires_grad
     grads = torch.is_grad_enabled() and (need_dh or need_dw or need_db)
+    if tp is not None:
+        meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, smoothing, softcap,
+                             return_entropy, return_lse, bias, accum_fp32)
+        cfg = _TPConfig(tp, meta, inv_temp, ignore_index, z_loss, smoothing, cap, accum_fp32, chunk,
+                        bool(validate_targets), reduction == "mean", bool(return_entropy))
+        if grads and reduction != "none" and not (return_entropy or return_lse):
+            return _tp_apply(_TPScalarLoss, h, weight, bias, t, temp, cfg)
+        loss, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, cfg)
+        return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
     if grads and reduction != "none" and not (return_entropy or return_lse):
         loss, *_ = _lce_fused_op(h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss,
                                  smoothing, cap, accum_fp32, chunk, need_dh, need_dw, need_db)

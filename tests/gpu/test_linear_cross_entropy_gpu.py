@@ -1,0 +1,234 @@
+"""Fused linear cross-entropy on the GPU: full-size vocabularies against a float64 reference,
+every option at small shapes, repeatability, no host sync, CUDA graphs, torch.compile, memory."""
+import pytest
+import torch
+
+from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+# (loss relative error, gradient relative-norm error) against float64
+TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-3, 1e-2), torch.float16: (1e-3, 1e-2)}
+
+
+def _data(M, H, V, dtype, seed=0, ignore_every=7, bias=False, h_std=0.5, w_std=0.02):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    h = (torch.randn(M, H, device=DEV, generator=g) * h_std).to(dtype)
+    w = (torch.randn(V, H, device=DEV, generator=g) * w_std).to(dtype)
+    t = torch.randint(0, V, (M,), device=DEV, generator=g)
+    if ignore_every:
+        t[::ignore_every] = -100
+    b = (torch.randn(V, device=DEV, generator=g) * 0.5).to(dtype) if bias else None
+    return h, w, t, b
+
+
+def _run(fn, h, w, t, b, dtype=None, **kw):
+    leaf = lambda x: None if x is None else x.detach().to(dtype or x.dtype).clone().requires_grad_()  # noqa: E731
+    h, w, b = leaf(h), leaf(w), leaf(b)
+    out = fn(h, w, t, bias=b, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    total = 0
+    for i, o in enumerate(outs):
+        wt = torch.linspace(0.5, 1.5, o.numel(), dtype=torch.float64, device=DEV).reshape(o.shape) * (i + 1)
+        total = total + (o.double() * wt).sum()
+    total.backward()
+    grads = [x.grad for x in (h, w, b) if x is not None]
+    return [o.detach() for o in outs], grads
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def _check(M, H, V, dtype, seed=0, bias=False, data_kw=None, **kw):
+    h, w, t, b = _data(M, H, V, dtype, seed, bias=bias, **(data_kw or {}))
+    out, grads = _run(linear_cross_entropy, h, w, t, b, **kw)
+    ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    rout, rgrads = _run(linear_cross_entropy_reference, h, w, t, b, dtype=torch.float64, **ref_kw)
+    tl_, tg = TOL[dtype]
+    for o, r in zip(out, rout, strict=True):
+        assert torch.isfinite(o).all()
+        err = _rel(o, r)
+        assert err <= tl_ or (o.double() - r).abs().max().item() <= tl_, (err, o, r)
+    for g, r in zip(grads, rgrads, strict=True):
+        assert torch.isfinite(g).all()
+        assert _rel(g, r) <= tg, _rel(g, r)
+    del out, grads, rout, rgrads
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("H,V", [(2048, 151936), (4096, 128256), (7168, 202048), (2880, 151936), (5120, 128256)])
+@pytest.mark.parametrize("mode", ["mean", "none+entropy+lse"])
+def test_full_vocab(dtype, H, V, mode):
+    kw = dict(reduction="none", return_entropy=True, return_lse=True) if mode != "mean" else {}
+    _check(384, H, V, dtype, chunk_tokens=128, **kw)  # 3 token chunks: cross-chunk dW accumulation
+
+
+@pytest.mark.parametrize("accum", [None, torch.float32])
+@pytest.mark.parametrize("mode", ["mean", "none+entropy"])
+def test_benchmark_shape_bf16(accum, mode):
+    """8192 x 4096 x 128256 bf16 with the default chunking (5 chunks): error bounds hold."""
+    kw = dict(reduction="none", return_entropy=True) if mode != "mean" else {}
+    _check(8192, 4096, 128256, torch.bfloat16, accum_dtype=accum, **kw)
+
+
+_OPTIONS = {
+    "plain": {},
+    "temp_cap_bias": dict(temperature=0.7, softcap=3.0, bias=True),
+    "tensor_temp": dict(temperature="tensor"),
+    "all": dict(temperature="tensor", softcap=2.0, z_loss=1e-2, label_smoothing=0.1, bias=True),
+    "zloss_smooth": dict(z_loss=1e-3, label_smoothing=0.2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("extra", ["", "entropy", "lse", "entropy+lse"])
+@pytest.mark.parametrize("opts", list(_OPTIONS))
+def test_options_small(dtype, reduction, extra, opts):
+    kw = dict(_OPTIONS[opts])
+    M, V = 77, 3001
+    if kw.get("temperature") == "tensor":
+        kw["temperature"] = torch.rand(M, device=DEV, generator=torch.Generator(DEV).manual_seed(5)) + 0.5
+    bias = kw.pop("bias", False)
+    _check(M, 64, V, dtype, bias=bias, reduction=reduction, return_entropy="entropy" in extra,
+           return_lse="lse" in extra, chunk_tokens=32, data_kw=dict(w_std=0.2, h_std=1.0), **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["all_ignored", "one_token", "small_V", "odd_H"])
+def test_edge_cases(dtype, case):
+    if case == "all_ignored":
+        h, w, t, b = _data(50, 64, 1000, dtype, bias=True)
+        t.fill_(-100)
+        for kw in ({}, dict(reduction="sum"), dict(reduction="none")):
+            out, grads = _run(linear_cross_entropy, h, w, t, b, **kw)
+            assert (out[0] == 0).all()
+            assert all(torch.isfinite(g).all() and (g == 0).all() for g in grads)
+    elif case == "one_token":
+        _check(1, 64, 5003, dtype, data_kw=dict(ignore_every=0))
+        _check(1, 64, 5003, dtype, data_kw=dict(ignore_every=0), reduction="none", return_entropy=True)
+    elif case == "small_V":
+        _check(100, 32, 7, dtype, data_kw=dict(w_std=0.5))
+    else:
+        _check(200, 2881, 10007, dtype, data_kw=dict(w_std=0.05), return_lse=True)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(reduction="none", return_entropy=True)])
+def test_bitwise_repeatable(kw):
+    h, w, t, b = _data(1024, 2048, 151936, torch.bfloat16, bias=True)
+    a = _run(linear_cross_entropy, h, w, t, b, chunk_tokens=256, **kw)
+    c = _run(linear_cross_entropy, h, w, t, b, chunk_tokens=256, **kw)
+    for x, y in zip(a[0] + a[1], c[0] + c[1]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(reduction="none", return_entropy=True, return_lse=True)])
+def test_no_host_sync(kw):
+    h, w, t, _ = _data(512, 1024, 50257, torch.bfloat16)
+    h.requires_grad_()
+    w.requires_grad_()
+    out = linear_cross_entropy(h, w, t, validate_targets=False, chunk_tokens=128, **kw)  # warm-up (JIT)
+    (sum(o.sum() for o in out) if isinstance(out, tuple) else out).backward()
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = linear_cross_entropy(h, w, t, validate_targets=False, chunk_tokens=128, **kw)
+        loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert h.grad is not None and w.grad is not None
+
+
+def _loss_of(out):
+    return sum(o.float().sum() * (i + 1) for i, o in enumerate(out)) if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("kw", [{}, dict(reduction="none", return_entropy=True),
+                                dict(temperature="tensor", reduction="sum", accum_dtype=torch.float32)])
+def test_cuda_graph_capture(kw):
+    kw = dict(kw)
+    M, H, V = 256, 512, 32003
+    h, w, t, _ = _data(M, H, V, torch.bfloat16)
+    temp = torch.rand(M, device=DEV) + 0.5 if kw.get("temperature") == "tensor" else None
+    if temp is not None:
+        kw["temperature"] = temp
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def step():
+        out = linear_cross_entropy(hs, ws, t, validate_targets=False, chunk_tokens=96, **kw)
+        loss = _loss_of(out)
+        loss.backward()
+        return loss
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            hs.grad = ws.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    hs.grad = ws.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    h2, _, t2, _ = _data(M, H, V, torch.bfloat16, seed=1)
+    t2[:50] = -100
+    with torch.no_grad():
+        hs.copy_(h2)
+        t.copy_(t2)
+        if temp is not None:
+            temp.copy_(torch.rand(M, device=DEV) + 0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    he, we = h2.clone().requires_grad_(), w.clone().requires_grad_()
+    eager = _loss_of(linear_cross_entropy(he, we, t2, chunk_tokens=96, **kw))
+    eager.backward()
+    # replay saw the new hidden, targets (50 more ignored: n_valid on device) and temperatures
+    assert _rel(static_loss, eager) < 1e-5
+    assert _rel(hs.grad, he.grad) < 1e-3 and _rel(ws.grad, we.grad) < 1e-3
+
+
+@pytest.mark.parametrize("kw", [{}, dict(reduction="none", return_entropy=True)])
+def test_torch_compile(kw):
+    h, w, t, _ = _data(300, 256, 20011, torch.bfloat16)
+
+    def f(h, w, t):
+        return _loss_of(linear_cross_entropy(h, w, t, validate_targets=False, chunk_tokens=128, **kw))
+
+    res = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(hh, ww, t)
+        out.backward()
+        res.append((out.float(), hh.grad.float(), ww.grad.float()))
+    for a, b in zip(*res):
+        assert _rel(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["mean", "none+entropy"])
+def test_peak_memory_bounded(mode):
+    """Default mode at 8192 x 4096 x 128256 bf16: extra memory (beyond inputs and grads) <= 512 MiB."""
+    h, w, t, _ = _data(8192, 4096, 128256, torch.bfloat16)
+    h.requires_grad_()
+    w.requires_grad_()
+    kw = dict(reduction="none", return_entropy=True) if mode != "mean" else {}
+
+    def fb():
+        out = linear_cross_entropy(h, w, t, validate_targets=False, **kw)
+        _loss_of(out).backward()
+
+    fb()  # warm-up: kernels compiled, cuBLAS workspace allocated
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fb()
+    torch.cuda.synchronize()
+    grads = h.numel() * 2 + w.numel() * 2
+    extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**20
+    assert extra <= 512, extra

@@ -1,0 +1,292 @@
+"""Vocabulary-parallel linear cross-entropy over a tensor-parallel group (forked gloo ranks).
+
+Every rank holds a shard of the LM-head rows; loss, entropy, lse, dhidden and the shard's
+dweight/dbias must equal the single-rank full-vocabulary result (float64 reference). On CPU the
+kernels run under Triton's interpreter (conftest), so shapes stay tiny: M <= 16, H <= 16,
+V_local <= 64.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from unit.common import DistributedTest
+
+from deepspeed_fused.ops import _common
+from deepspeed_fused.ops import linear_cross_entropy as lce_mod
+from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL ranks on GPUs (skipped without enough of them)
+OUT_TOL, GRAD_TOL = 1e-5, 1e-5  # fp32 against float64 (relative, relative-norm)
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_reduce", "reduce_scatter_tensor", "reduce_scatter",
+                "broadcast", "all_to_all_single", "all_to_all", "reduce", "gather", "scatter", "barrier",
+                "all_gather_object", "broadcast_object_list", "all_reduce_coalesced")
+
+if _common.interpreter_active():  # pay the first (slow) kernel calls once in the parent; ranks inherit it
+    _w = torch.randn(5, 4, requires_grad=True)
+    linear_cross_entropy(torch.randn(3, 4), _w, torch.tensor([1, 2, 3])).backward()
+    linear_cross_entropy(torch.randn(3, 4), _w, torch.tensor([1, 2, 3]), reduction="none")[0].backward()
+
+
+def _data(M, H, V, seed=0, bias=False, ignore_every=5, target_range=None):
+    """The same full-vocabulary inputs on every rank (fixed seed)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(M, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.4
+    lo, hi = target_range or (0, V)
+    t = torch.randint(lo, hi, (M,), generator=g)
+    if ignore_every:
+        t[::ignore_every] = -100
+    b = torch.randn(V, generator=g) * 0.5 if bias else None
+    return h.to(DEV), w.to(DEV), t.to(DEV), None if b is None else b.to(DEV)
+
+
+def _run(fn, h, w, t, b, dtype, **kw):
+    """Forward + backward of a weighted sum of every output; outputs and grads in float64."""
+    def leaf(x):
+        return None if x is None else x.detach().to(dtype).clone().requires_grad_()
+
+    h, w, b = leaf(h), leaf(w), leaf(b)
+    kw = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    out = fn(h, w, t, bias=b, **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    total = 0
+    for i, o in enumerate(outs):
+        wt = torch.linspace(0.5, 1.5, o.numel(), dtype=torch.float64, device=o.device).reshape(o.shape) * (i + 1)
+        total = total + (o.double() * wt).sum()
+    total.backward()
+    grads = [x.grad.double() for x in (h, w, b) if x is not None]
+    return [o.detach().double() for o in outs], grads
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def _shard_bounds(V, size, sizes=None):
+    sizes = sizes or [V // size] * size
+    starts = [sum(sizes[:r]) for r in range(size)]
+    return starts, sizes
+
+
+def _check_tp(h, w, t, b, start, v_local, group=None, dtype=torch.float32, fn=linear_cross_entropy,
+              explicit_start=True, **kw):
+    """One rank: TP op on its shard vs the float64 full-vocabulary reference; returns outputs."""
+    group = group or dist.group.WORLD
+    sl = slice(start, start + v_local)
+    out, grads = _run(fn, h, w[sl], t, None if b is None else b[sl], dtype, tp_group=group,
+                      vocab_start=start if explicit_start else None, **kw)
+    rout, rgrads = _run(linear_cross_entropy_reference, h, w, t, b, torch.float64, **kw)
+    rgrads = [rgrads[0], rgrads[1][sl]] + ([rgrads[2][sl]] if b is not None else [])
+    for o, r in zip(out, rout, strict=True):
+        assert torch.isfinite(o).all()
+        assert _rel(o, r) <= OUT_TOL or (o - r).abs().max() <= OUT_TOL, (kw, o, r)
+    for name, g, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
+        assert torch.isfinite(g).all()
+        assert _rel(g, r) <= GRAD_TOL or (g - r).abs().max() <= 1e-7, (kw, name, _rel(g, r))
+    return out, grads
+
+
+def _same_on_every_rank(tensors, group=None):
+    """Bitwise equality of the outputs across the ranks of the group."""
+    flat = torch.cat([x.reshape(-1) for x in tensors]).float()
+    allv = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(allv, flat, group=group)
+    for x in allv[1:]:
+        assert torch.equal(x, allv[0])
+
+
+class _Counter:
+    """Counts torch.distributed collectives issued while active (monkeypatched functions)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.on = False
+        for name in _COLLECTIVES:
+            orig = getattr(dist, name, None)
+            if orig is not None:
+                monkeypatch.setattr(dist, name, self._wrap(name, orig))
+
+    def _wrap(self, name, orig):
+        def f(*a, **k):
+            if self.on:
+                self.calls.append(name)
+            return orig(*a, **k)
+        return f
+
+
+_OPTIONS = {
+    "plain": {},
+    "all": dict(temperature="tensor", softcap=3.0, z_loss=0.02, label_smoothing=0.1, bias=True),
+    "temp_float_smooth": dict(temperature=0.8, label_smoothing=0.2),
+}
+
+
+class TestVocabParallel(DistributedTest):
+    world_size = [2, 4]
+
+    def test_matches_full_vocabulary(self):
+        """Every reduction x extra output x option set, on equal shards (default vocab_start)."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        M, H, V = 12, 16, 16 * size
+        starts, sizes = _shard_bounds(V, size)
+        for name, opts in _OPTIONS.items():
+            kw = dict(opts)
+            bias = kw.pop("bias", False)
+            if kw.get("temperature") == "tensor":
+                kw["temperature"] = (torch.rand(M, generator=torch.Generator().manual_seed(7)) + 0.5).to(DEV)
+            h, w, t, b = _data(M, H, V, seed=size, bias=bias)
+            combos = [(r, e) for r in ("mean", "sum", "none") for e in ((False, False), (True, True))]
+            if name == "temp_float_smooth":
+                combos = [("mean", (False, False)), ("none", (False, True))]
+            for reduction, extra in combos:
+                out, grads = _check_tp(h, w, t, b, starts[rank], sizes[rank], reduction=reduction,
+                                       return_entropy=extra[0], return_lse=extra[1], explicit_start=False, **kw)
+                _same_on_every_rank(out + grads[:1])
+
+    @pytest.mark.world_size(4)
+    def test_ragged_shards_and_edge_targets(self):
+        rank, size = dist.get_rank(), dist.get_world_size()
+        M, H = 13, 8
+        sizes = [13, 1, 30, 6]  # one shard of a single row
+        V = sum(sizes)
+        order = list(range(size))[::-1]  # shards in reverse rank order: rank r holds shard order[r]
+        starts = [sum(sizes[:i]) for i in range(size)]
+        start, v_local = starts[order[rank]], sizes[order[rank]]
+        temp = (torch.rand(M, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEV)
+        h, w, t, b = _data(M, H, V, seed=1, bias=True)
+        for kw in (dict(), dict(reduction="none", return_entropy=True, temperature=temp),
+                   dict(reduction="sum", return_lse=True, temperature=temp, label_smoothing=0.1, chunk_tokens=5),
+                   dict(chunk_tokens=4, z_loss=0.01, softcap=2.0)):
+            _check_tp(h, w, t, b, start, v_local, **kw)
+        # every target in the first shard: the other ranks' shards receive none
+        h, w, t, b = _data(M, H, V, seed=2, target_range=(0, sizes[0]))
+        _check_tp(h, w, t, b, start, v_local)
+        _check_tp(h, w, t, b, start, v_local, reduction="none", return_entropy=True)
+        # every target ignored: loss 0, no NaN, zero gradients (entropy still has gradients)
+        t = torch.full((M,), -100, device=DEV)
+        out, grads = _check_tp(h, w, t, None, start, v_local, reduction="mean")
+        assert (out[0] == 0).all() and all((g == 0).all() for g in grads)
+        out, grads = _check_tp(h, w, t, None, start, v_local, reduction="none", return_entropy=True)
+        assert (out[1] > 0).all() and grads[0].abs().sum() > 0
+
+    @pytest.mark.world_size(4)
+    def test_subgroups(self):
+        """Two TP groups of 2 over non-adjacent ranks (TP x DP), each with its own data."""
+        rank = dist.get_rank()
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group, gi = groups[rank % 2], rank % 2
+        trank = dist.get_rank(group)
+        M, H, V = 10, 8, 24
+        h, w, t, b = _data(M, H, V, seed=10 + gi, bias=True)
+        out, _ = _check_tp(h, w, t, b, trank * 12, 12, group=group, reduction="none", return_lse=True,
+                           explicit_start=False)
+        _same_on_every_rank(out, group)
+        _check_tp(h, w, t, b, trank * 12, 12, group=group)
+
+    @pytest.mark.world_size(2)
+    def test_reference_path(self):
+        """A rank without kernels (plain CPU tensors; float64 on GPUs) runs the TP-aware reference."""
+        os.environ["TRITON_INTERPRET"] = "0"
+        _common.reset_fallback_warnings()
+        rank = dist.get_rank()
+        M, H, V = 11, 8, 40
+        temp = (torch.rand(M, generator=torch.Generator().manual_seed(4)) + 0.5).to(DEV)
+        h, w, t, b = _data(M, H, V, seed=5, bias=True)
+        dt = torch.float64 if DEV == "cuda" else torch.float32
+        with pytest.warns(RuntimeWarning, match="reference"):
+            _check_tp(h, w, t, b, rank * 20, 20, dtype=dt)
+        for kw in (dict(reduction="none", return_entropy=True, return_lse=True, temperature=temp, softcap=2.0),
+                   dict(reduction="sum", label_smoothing=0.2, z_loss=0.01, chunk_tokens=4),
+                   dict(accum_dtype=torch.float32)):
+            _check_tp(h, w, t, b, rank * 20, 20, dtype=dt, **kw)
+        # the reference itself, called directly with a group, in float64
+        _check_tp(h, w, t, b, rank * 20, 20, dtype=torch.float64, fn=linear_cross_entropy_reference,
+                  reduction="none", return_entropy=True, label_smoothing=0.1)
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    @pytest.mark.world_size(2)
+    def test_one_collective_in_forward(self):
+        mp = pytest.MonkeyPatch()
+        counter = _Counter(mp)
+        try:
+            rank = dist.get_rank()
+            M, H, V = 8, 8, 32
+            h, w, t, _ = _data(M, H, V, seed=6)
+            ws = w[rank * 16:(rank + 1) * 16]
+            cases = [(True, kw) for kw in (dict(), dict(reduction="none", return_entropy=True),
+                                           dict(reduction="sum", return_lse=True))]
+            cases += [(False, dict()), (False, dict(reduction="none", return_lse=True)), ("reference", dict())]
+            for validate, kw in cases:
+                if validate == "reference":  # plain CPU tensors (float64 on GPUs): the torch reference
+                    os.environ["TRITON_INTERPRET"] = "0"
+                    h, ws = (h.double(), ws.double()) if DEV == "cuda" else (h, ws)
+                hh, ww = h.clone().requires_grad_(), ws.clone().requires_grad_()
+                counter.on, counter.calls = True, []
+                out = linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD, validate_targets=bool(validate),
+                                           **kw)
+                counter.on = False
+                assert counter.calls == ["all_gather_into_tensor"], (kw, counter.calls)
+                loss = out[0].sum() + sum(o.sum() for o in out[1:]) if isinstance(out, tuple) else out
+                counter.on = True
+                loss.backward()
+                counter.on = False
+                assert counter.calls == ["all_gather_into_tensor", "all_reduce"], (kw, counter.calls)
+            # frozen hidden: no dhidden all-reduce in backward (kernels again)
+            os.environ["TRITON_INTERPRET"] = "1" if DEV == "cpu" else "0"
+            h, ws = h.float(), ws.float()
+            ww = ws.clone().requires_grad_()
+            counter.calls, counter.on = [], True
+            linear_cross_entropy(h, ww, t, tp_group=dist.group.WORLD).backward()
+            counter.on = False
+            assert counter.calls == ["all_gather_into_tensor"]
+        finally:
+            mp.undo()
+
+    @pytest.mark.world_size(2)
+    def test_group_of_one_is_single_gpu_op(self):
+        rank = dist.get_rank()
+        groups = [dist.new_group([0]), dist.new_group([1])]
+        h, w, t, b = _data(9, 8, 30, seed=8, bias=True)
+        for kw in (dict(), dict(reduction="none", return_entropy=True, return_lse=True, temperature=0.7)):
+            a = _run(linear_cross_entropy, h, w, t, b, torch.float32, tp_group=groups[rank], **kw)
+            s = _run(linear_cross_entropy, h, w, t, b, torch.float32, **kw)
+            for x, y in zip(a[0] + a[1], s[0] + s[1], strict=True):
+                assert torch.equal(x, y)
+        with pytest.raises(ValueError, match="vocab_start"):
+            linear_cross_entropy(h, w, t, tp_group=groups[rank], vocab_start=5)
+
+    @pytest.mark.world_size(2)
+    def test_mismatches_raise(self):
+        rank = dist.get_rank()
+        g = dist.group.WORLD
+        h, w, t, _ = _data(6, 8, 32, seed=9)
+        # unequal V_local with the default vocab_start (equal shards assumed)
+        with pytest.raises(ValueError, match="vocab_start"):
+            linear_cross_entropy(h, w[: 16 - rank], t.clamp(max=10), tp_group=g)
+        # overlapping explicit shards
+        with pytest.raises(ValueError, match="tile"):
+            linear_cross_entropy(h, w[:16], t, tp_group=g, vocab_start=rank * 8)
+        # dtypes differ across ranks
+        dt = torch.float32 if rank == 0 else torch.float16
+        with pytest.raises(TypeError, match="dtype.*float16"):
+            linear_cross_entropy(h.to(dt), w[:16].to(dt), t, tp_group=g)
+        # options differ across ranks
+        with pytest.raises(ValueError, match="z_loss"):
+            linear_cross_entropy(h, w[:16], t, tp_group=g, z_loss=0.1 * rank)
+        # a target outside the global vocabulary (32), though inside neither check of V_local alone
+        bad = t.clone()
+        bad[1] = 32
+        with pytest.raises(ValueError, match=r"target.*\[0, 32\)"):
+            linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], bad, tp_group=g)
+        with pytest.raises(ValueError, match="temperature"):
+            linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], t, tp_group=g,
+                                 temperature=-torch.ones(6, device=DEV))
+        # no tokens: loss 0, the collectives still line up
+        hh = h[:0].clone().requires_grad_()
+        out = linear_cross_entropy(hh, w[rank * 16:(rank + 1) * 16], t[:0], tp_group=g)
+        out.backward()
+        assert out.item() == 0 and hh.grad.shape == (0, 8)
+        # the layout check is cached: a valid call still works after all of the above
+        linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], t, tp_group=g, validate_targets=False)
+        lce_mod._TP_LAYOUTS.clear()
