@@ -31,7 +31,7 @@ import functools
 import inspect
 import textwrap
 import warnings
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import torch
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
@@ -369,6 +369,8 @@ def _make_dispatcher(orig):
     @functools.wraps(orig)
     def forward(self, *args, **kwargs):
         st = self.__dict__.get(_STATE)
+        if st is not None and type(self) in _PATCHED_CLASSES:
+            _PATCHED_CLASSES[type(self)][2].add(self)  # e.g. a deepcopy: revert keeps the class patched for it
         if st is None or not self.training or _labels_of(names, args, kwargs) is None:
             return orig(self, *args, **kwargs)
         why = _unfused_reason(self)

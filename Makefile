@@ -1,0 +1,22 @@
+# Convenience targets. The README's two commands are the reference; these wrap them.
+PY ?= python
+
+.PHONY: test train gpu-test bench e2e docs
+
+test:            ## the CPU test-suite (what CI runs)
+	$(PY) -m pytest tests -q --forked
+
+train:           ## the example job, every feature on
+	deepspeed examples/train.py --deepspeed_config configs/fused_all.json --model qwen3-moe-tiny --steps 20
+
+gpu-test:        ## GPU-only tests plus the unit tests on the GPU
+	$(PY) -m pytest tests/gpu -q -rs
+
+bench:           ## the kernel suites (GPU)
+	$(PY) -m deepspeed_fused.bench ceilings rms_norm moe_reorder linear_cross_entropy
+
+e2e:             ## the end-to-end training benchmark (GPU)
+	$(PY) -m deepspeed_fused.bench e2e
+
+docs:            ## regenerate the config reference in README.md and docs/config.md
+	$(PY) -m deepspeed_fused.docs
