@@ -897,13 +897,16 @@ class _TPScalarLoss(torch.autograd.Function):
         del buf
         ctx.group, ctx.fp32 = c.tp.group, c.accum_fp32
         ctx.needs = (need_dh, need_dw, need_db)
-        ctx.save_for_backward(dh, dw if need_dw else None, db if need_db else None)
+        ctx.grads = [dh, dw if need_dw else None, db if need_db else None]  # released in backward (no copy)
         return loss_tok.sum() * w
 
     @staticmethod
     def backward(ctx, g):
-        # in place, as the single-GPU op: a second backward fails in autograd's version check
-        dh, dw, db = ctx.saved_tensors
+        # in place, as the single-GPU op; usable once
+        if ctx.grads is None:
+            raise RuntimeError("deepspeed_fused.linear_cross_entropy: the scalar-loss path can be backpropagated once")
+        dh, dw, db = ctx.grads
+        ctx.grads = None
         need_dh, need_dw, need_db = ctx.needs
         handle = _dh_reduce_start(dh.mul_(g), ctx.group, ctx.fp32) if need_dh else None
         dw = dw.mul_(g) if need_dw else None

@@ -8,6 +8,7 @@ NCCL on GPU. Failures in any rank fail the test with that rank's traceback.
 """
 from __future__ import annotations
 
+import glob
 import inspect
 import multiprocessing as mp
 import os
@@ -24,6 +25,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU shared-memory all-reduce leaves one /dev/shm buffer per rank and rendezvous
+    port behind (tens of MiB each); a test-suite of many engines would fill the machine's RAM."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def _backend() -> str:
@@ -87,6 +98,7 @@ def run_distributed(fn, world_size: int, timeout: float = DEFAULT_TIMEOUT, init_
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        remove_shm_buffers(port)
     if errors:
         msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
         pytest.fail(f"distributed test failed:\n{msg}", pytrace=False)

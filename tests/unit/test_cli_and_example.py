@@ -46,10 +46,16 @@ def test_cli_rejects_bad_config(tmp_path):
 
 def test_example_job_runs_under_launcher(tmp_path):
     # `python -m deepspeed.launcher.runner` is what the `deepspeed` command runs.
+    from unit.common import _free_port, remove_shm_buffers
+
     metrics = tmp_path / "metrics.json"
-    out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "examples/train.py", "--deepspeed_config", "configs/fused_all.json",
-                "--model", "qwen3-moe-tiny", "--steps", "3", "--seq-len", "32", "--no-progress",
-                "--metrics-out", str(metrics)])
+    port = _free_port()
+    try:
+        out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
+                    "examples/train.py", "--deepspeed_config", "configs/fused_all.json", "--model", "qwen3-moe-tiny",
+                    "--steps", "3", "--seq-len", "32", "--no-progress", "--metrics-out", str(metrics)])
+    finally:
+        remove_shm_buffers(port)
     assert "[train] step    2" in out
     assert "deepspeed_fused report" in out
     summary = json.loads(metrics.read_text())
