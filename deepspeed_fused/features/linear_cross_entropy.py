@@ -22,6 +22,12 @@ One generic mechanism serves every ``*ForCausalLM`` whose forward follows the us
   the logits may only be upcast (``.float()``), divided by a config scalar (-> the op's
   ``temperature``) or soft-capped with ``config.<x>`` (-> the op's ``softcap``). Anything else is
   reported and left unpatched, never silently changed.
+* DeepSpeed AutoTP heads split by vocabulary (``tensor_parallel``: ``VocabParallelLinear`` with
+  DeepSpeed's ``VocabParallelCausalLMLoss``, or the training-mode ``LinearLayer`` that all-gathers
+  the logits) take the op's vocab-parallel path with the layer's TP group (``mp_group``) and its
+  shard's ``vocab_start``: one all-gather of per-token statistics instead of DeepSpeed's logits
+  gather or its three-collective loss. The layer's own forward (with its input-gradient
+  all-reduce) is swapped out for the call, so dhidden is summed over the group once, by the op.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import sys
 import textwrap
 import warnings
 from typing import Literal, Optional, Union
@@ -251,8 +258,69 @@ class _Capture:
         return hidden.new_empty(hidden.shape[:-1] + (0,))
 
 
-def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list):
-    """A replacement for ``ForCausalLMLoss`` that runs the fused op on the captured hidden states."""
+@dataclasses.dataclass(frozen=True)
+class _VocabShard:
+    """This rank's part of a DeepSpeed AutoTP LM head split by vocabulary rows."""
+
+    group: object  # the head's tensor-parallel process group (mp_group)
+    start: int  # first global vocabulary row held here
+    vocab: int  # global vocabulary size
+    tp: int  # size of the group
+    kind: str  # "VocabParallelLinear" (local logits) or "LinearLayer" (gathered logits)
+
+
+def _vocab_shard(lm_head) -> Optional[_VocabShard]:
+    """The vocabulary shard of a DeepSpeed AutoTP column-parallel LM head, else None.
+
+    Only the exact classes whose output rows are a contiguous vocabulary block of the full head
+    and whose forward is a plain column-parallel GEMM: ``VocabParallelLinear`` (rank-local logits)
+    and ``LinearLayer(gather_output=True)`` (logits all-gathered). Subclasses with other layouts
+    (``SubParamColumnParallel``, ``fused_LinearLayer``), row-parallel heads (``LmHeadLinearAllreduce``,
+    split by hidden size) and ``LinearLayer`` without the gather (its logits are not a full head's)
+    are not vocabulary shards of an LM head here."""
+    layers = sys.modules.get("deepspeed.module_inject.layers")  # loaded whenever such a layer exists
+    if layers is None or lm_head is None:
+        return None
+    cls = type(lm_head)
+    if cls is getattr(layers, "VocabParallelLinear", None):
+        kind = "VocabParallelLinear"
+    elif cls is getattr(layers, "LinearLayer", None) and getattr(lm_head, "gather_output", False) is True:
+        kind = "LinearLayer"
+    else:
+        return None
+    group = getattr(lm_head, "mp_group", None)
+    sizes = getattr(lm_head, "_partition_sizes", None)
+    shape = getattr(lm_head, "_orig_weight_shape", None)
+    idx = getattr(lm_head, "tp_index", None)
+    if group is None or not sizes or shape is None or not isinstance(idx, int) or not 0 <= idx < len(sizes):
+        return None
+    if sum(sizes) != int(shape[0]):
+        return None
+    return _VocabShard(group=group, start=int(sum(sizes[:idx])), vocab=int(shape[0]), tp=len(sizes), kind=kind)
+
+
+def _ds_vocab_parallel_loss(loss, lm_head) -> str:
+    """Empty when ``loss`` is the ``VocabParallelCausalLMLoss`` DeepSpeed installs for ``lm_head``
+    (which the fused path replaces), else why it is not."""
+    mod = sys.modules.get("deepspeed.sequence.cross_entropy")
+    cls = getattr(mod, "VocabParallelCausalLMLoss", None) if mod is not None else None
+    if cls is None or type(loss) is not cls:
+        return (f"lm_head is DeepSpeed's VocabParallelLinear (rank-local logits) but the model's loss_function is "
+                f"{getattr(loss, '__name__', type(loss).__name__)}, not DeepSpeed's VocabParallelCausalLMLoss")
+    if getattr(loss, "sp_group", None) is not None:
+        return "DeepSpeed's VocabParallelCausalLMLoss also reduces over a sequence-parallel group (sp_group)"
+    if getattr(loss, "tp_group", None) is not lm_head.mp_group:
+        return "DeepSpeed's VocabParallelCausalLMLoss uses a different group than lm_head.mp_group"
+    return ""
+
+
+def _shard_text(shard: _VocabShard) -> str:
+    return f"vocab-parallel over the AutoTP group (tp={shard.tp})"
+
+
+def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard: Optional[_VocabShard] = None):
+    """A replacement for ``ForCausalLMLoss`` (or DeepSpeed's ``VocabParallelCausalLMLoss``) that
+    runs the fused op on the captured hidden states (over ``shard.group`` for an AutoTP head)."""
 
     def loss_function(logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=None,
                       shift_labels=None, **kwargs):
@@ -263,8 +331,10 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list):
         if hidden is None:
             raise RuntimeError("deepspeed_fused.linear_cross_entropy: loss called before lm_head")
         ii = st.ignore_index if ignore_index is None else int(ignore_index)
-        if vocab_size is not None and int(vocab_size) != lm_head.out_features:
-            raise ValueError(f"vocab_size: expected lm_head.out_features={lm_head.out_features}, got {vocab_size}")
+        full_vocab = shard.vocab if shard is not None else lm_head.out_features
+        if vocab_size is not None and int(vocab_size) != full_vocab:
+            what = "the AutoTP lm_head's global vocabulary" if shard is not None else "lm_head.out_features"
+            raise ValueError(f"vocab_size: expected {what}={full_vocab}, got {vocab_size}")
         if shift_labels is None:
             if labels is None:
                 raise ValueError("labels: expected a tensor of token ids, got None")
@@ -285,9 +355,12 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list):
                 x, lm_head.weight, targets, bias=lm_head.bias, ignore_index=ii, reduction=reduction,
                 temperature=temperature, z_loss=st.z_loss, label_smoothing=st.label_smoothing,
                 softcap=None if softcap is None else float(softcap), accum_dtype=st.accum_dtype,
-                chunk_tokens=st.chunk_tokens, validate_targets=st.validate_targets)
+                chunk_tokens=st.chunk_tokens, validate_targets=st.validate_targets,
+                tp_group=None if shard is None else shard.group, vocab_start=None if shard is None else shard.start)
 
         # Call lm_head as a module (ZeRO-3 gathers its weight around the op, forward and backward).
+        # For an AutoTP head this also skips its forward's ColumnParallel input wrapper (identity
+        # forward, all-reduce of dhidden in backward): the op sums dhidden over the group itself.
         prev = lm_head.__dict__.get("forward", _MISSING)
         lm_head.__dict__["forward"] = head_forward
         try:
@@ -321,10 +394,16 @@ def _labels_of(sig_names, args, kwargs):
 def _unfused_reason(model) -> str:
     """Why a patched instance must not fuse right now ("" when it may)."""
     lm_head = model._modules.get("lm_head")
-    if not isinstance(lm_head, torch.nn.Linear):
-        return f"lm_head is {type(lm_head).__name__}, not nn.Linear"
+    shard = _vocab_shard(lm_head)
+    if shard is None and not isinstance(lm_head, torch.nn.Linear):
+        return (f"lm_head is {type(lm_head).__name__}, not nn.Linear or a DeepSpeed AutoTP head split by "
+                "vocabulary (VocabParallelLinear, LinearLayer with gather_output)")
     if "forward" in lm_head.__dict__:
         return "lm_head.forward is overridden on the instance"
+    if shard is not None and getattr(lm_head, "defer_collectives_to_compiler", False):
+        return "lm_head's tensor-parallel collectives are deferred to DeepSpeed's AutoTP compile pass"
+    if shard is not None and shard.kind == "VocabParallelLinear":
+        return _ds_vocab_parallel_loss(model.loss_function, lm_head)
     if model.loss_function is not _causal_lm_loss():
         return "the model's loss_function is not transformers' ForCausalLMLoss (a user's own loss is kept)"
     return ""
@@ -341,7 +420,7 @@ def _fused_forward(model, st: _State, orig, args, kwargs):
     d = model.__dict__
     prev_loss = d.get("_loss_function", _MISSING)
     d["lm_head"] = cap  # instance __dict__ wins over nn.Module.__getattr__ (the real one stays in _modules)
-    d["_loss_function"] = _fused_loss(model, lm_head, st, cap, counter)
+    d["_loss_function"] = _fused_loss(model, lm_head, st, cap, counter, _vocab_shard(lm_head))
     try:
         out = orig(model, *args, **kwargs)
     finally:
@@ -464,10 +543,22 @@ class LinearCrossEntropyFeature(Feature):
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
         for m in already:
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        # AutoTP heads split by vocabulary (the op runs over their TP group): by module name.
+        vocab_parallel, modes = {}, {}
+        for name, m in model.named_modules():
+            shard = _vocab_shard(m._modules.get("lm_head")) if is_patched(m) else None
+            if shard is not None:
+                vocab_parallel[name or "<root>"] = {"tp": shard.tp, "vocab": shard.vocab, "vocab_start": shard.start,
+                                                    "head": shard.kind}
+                modes.setdefault(type(m).__name__, set()).add(_shard_text(shard))
         report.applied = bool(counts)
-        report.where = ", ".join(f"{n} x {c}" for c, n in counts.items())
+        report.where = ", ".join(f"{n} x {c}" + (f": {'; '.join(sorted(modes[c]))}" if c in modes else "")
+                                 for c, n in counts.items())
         report.details = {"patched": counts, "skipped": skipped,
                           "modules": [n or "<root>" for n, _, _ in plans]}
+        if vocab_parallel:
+            report.details["vocab_parallel"] = vocab_parallel
+            report.details["mode"] = "; ".join(sorted(set().union(*modes.values())))
         if not counts:
             report.reason = "no supported *ForCausalLM found" + (
                 "; " + "; ".join(f"{c}: {w}" for c, w in skipped.items()) if skipped else "")
