@@ -19,6 +19,8 @@ already replaced by DeepSpeed's own ``replace_rms_norm`` are left to it and repo
 from __future__ import annotations
 
 import collections
+import dis
+import functools
 from typing import Any, Optional
 
 import torch
@@ -93,28 +95,49 @@ def _llama_form(self, hidden_states):
     return self.weight * hidden_states.to(input_dtype)
 
 
-def _code_key(code) -> tuple:
-    consts = code.co_consts
-    if consts and (consts[0] is None or isinstance(consts[0], str)):  # the docstring slot
-        consts = consts[1:]
-    return (code.co_code, consts, code.co_argcount, code.co_kwonlyargcount, code.co_flags & 0x0C)
+_NAME_OPS = {"LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST", "KW_NAMES", "LOAD_NAME"}
+_SKIP_OPS = {"CACHE", "RESUME", "NOP", "EXTENDED_ARG", "PUSH_NULL"}
 
 
-_TEMPLATE = _code_key(_llama_form.__code__)
+def _normalized_ops(fn, eps_attr: str = "variance_epsilon") -> Optional[tuple]:
+    """The instructions of ``fn`` with local variables by slot, names and constants by value,
+    ``LOAD_METHOD`` read as ``LOAD_ATTR`` (CPython picks one or the other depending on whether
+    the module imported ``torch``), and attribute ``eps_attr`` read as ``variance_epsilon``."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount != 2 or code.co_kwonlyargcount or code.co_flags & 0x0C:
+        return None
+    ops = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in _SKIP_OPS:
+            continue
+        op = "LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname
+        if op in _NAME_OPS:
+            arg = ins.argval
+            if op == "LOAD_ATTR" and arg == eps_attr:
+                arg = "variance_epsilon"
+        else:
+            arg = ins.arg
+        ops.append((op, arg))
+    return tuple(ops)
 
 
+@functools.lru_cache(maxsize=512)
 def llama_form_eps_attr(fn) -> Optional[str]:
     """If ``fn`` (a forward) compiles to the Llama form, the name of its epsilon attribute."""
-    code = getattr(fn, "__code__", None)
-    if code is None or _code_key(code) != _TEMPLATE:
-        return None
     if getattr(fn, "__globals__", {}).get("torch") is not torch:
         return None
-    names = code.co_names
-    for attr in _EPS_ATTRS:
-        if names == tuple(attr if n == "variance_epsilon" else n for n in _llama_form.__code__.co_names):
-            return attr
+    try:
+        for attr in _EPS_ATTRS:
+            if _normalized_ops(fn, attr) == _TEMPLATE:
+                names = fn.__code__.co_names
+                if attr in names and (attr == "variance_epsilon" or "variance_epsilon" not in names):
+                    return attr
+    except Exception:  # pragma: no cover - an unusual callable
+        return None
     return None
+
+
+_TEMPLATE = _normalized_ops(_llama_form)
 
 
 def _qualname(cls) -> str:
@@ -151,7 +174,7 @@ def _classify(module, match_llama_form: bool, ds) -> tuple[str, str]:
     cls = type(module)
     fwd = cls.forward
     ours = _is_our_dispatcher(fwd)
-    if not ours and not _looks_like_norm(module):
+    if not ours and not _looks_like_norm(module) and not (match_llama_form and llama_form_eps_attr(fwd)):
         return "ignore", ""
     if ours and module.__dict__.get(MARKER) is OPT_IN:
         return "already", ""
@@ -162,7 +185,9 @@ def _classify(module, match_llama_form: bool, ds) -> tuple[str, str]:
     qn = _qualname(cls)
     eps_attr = None
     if ours:
-        eps_attr = next(d for d in _DISPATCHERS.values() if d is fwd).__eps_attr__
+        if qn not in SUPPORTED_CLASSES and not match_llama_form:
+            return "skip", "not a supported class (match_llama_form is off)"
+        eps_attr = fwd.__eps_attr__
     elif qn in SUPPORTED_CLASSES and fwd is _deepspeed_class_forward(ds, cls):
         eps_attr = "variance_epsilon"  # DeepSpeed's dispatcher around the class's own forward
     elif qn in SUPPORTED_CLASSES:

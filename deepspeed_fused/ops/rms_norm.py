@@ -24,6 +24,7 @@ import functools
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._common import HAS_TRITON, kernel_device_ok, tl, triton, warn_fallback
 
@@ -38,6 +39,9 @@ _MAX_BWD_BLOCK = 8192  # widest row the backward holds in one block
 _LOOP_BLOCK = 4096  # column block of the looping kernels
 _FWD_TILE_BYTES = 16384  # input bytes per forward tile (narrow widths: many rows per program)
 _BWD_TILE_ELEMS = 4096  # elements per backward tile
+_FWD_ELEMS_PER_WARP = 1024  # forward tile elements per warp (sets num_warps)
+_BWD_ELEMS_PER_WARP = 512  # backward tile elements per warp
+_BWD_PREFETCH = True  # persistent backward: load the next tile before processing the current one
 _INTERPRET_PROGRAMS = 3  # persistent programs under the CPU interpreter
 
 
@@ -113,11 +117,25 @@ if HAS_TRITON:
         tl.store(RSTD + rows, rstd, mask=rmask)
 
     @triton.jit
+    def _bwd_load_tile(DY, X, RSTD, tile, n_rows, cols, cmask,
+                       XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R: tl.constexpr):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows  # all false past the last tile: no memory traffic
+        m = rmask[:, None] & cmask[None, :]
+        xoff = _row_offsets(rows, XD1, XD2, XS0, XS1, XS2)[:, None] + cols[None, :]
+        goff = _row_offsets(rows, GD1, GD2, GS0, GS1, GS2)[:, None] + cols[None, :]
+        x = tl.load(X + xoff, mask=m, other=0.0)
+        dy = tl.load(DY + goff, mask=m, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        return x, dy, rstd
+
+    @triton.jit
     def _rms_bwd_kernel(DY, X, W, RSTD, DX, PART, n_rows, N, n_tiles,
                         XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
         # One persistent program: walks row tiles pid, pid + P, ...; writes dx for them and one
-        # FP32 weight-gradient partial row PART[pid, :N] (the row fits one block).
+        # FP32 weight-gradient partial row PART[pid, :N] (the row fits one block). With PREFETCH
+        # the next tile's x and dy are loaded before the current one is processed.
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         in_ty = X.dtype.element_ty
@@ -126,15 +144,23 @@ if HAS_TRITON:
         cmask = cols < N
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        if PREFETCH:
+            x_nx, dy_nx, rstd_nx = _bwd_load_tile(DY, X, RSTD, pid, n_rows, cols, cmask,
+                                                  XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R)
         for tile in range(pid, n_tiles, nprog):
+            if PREFETCH:
+                x = x_nx.to(tl.float32)
+                dy = dy_nx.to(tl.float32)
+                rstd = rstd_nx
+                x_nx, dy_nx, rstd_nx = _bwd_load_tile(DY, X, RSTD, tile + nprog, n_rows, cols, cmask,
+                                                      XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R)
+            else:
+                x, dy, rstd = _bwd_load_tile(DY, X, RSTD, tile, n_rows, cols, cmask,
+                                             XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R)
+                x = x.to(tl.float32)
+                dy = dy.to(tl.float32)
             rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-            rmask = rows < n_rows
-            m = rmask[:, None] & cmask[None, :]
-            xoff = _row_offsets(rows, XD1, XD2, XS0, XS1, XS2)[:, None] + cols[None, :]
-            goff = _row_offsets(rows, GD1, GD2, GS0, GS1, GS2)[:, None] + cols[None, :]
-            x = tl.load(X + xoff, mask=m, other=0.0).to(tl.float32)
-            dy = tl.load(DY + goff, mask=m, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            m = (rows < n_rows)[:, None] & cmask[None, :]
             # eager: grad of the rounded normalized value = dy * w in the output dtype, then the
             # input dtype; the rest is FP32.
             g = (dy * w[None, :]).to(out_ty).to(in_ty).to(tl.float32)
@@ -253,8 +279,7 @@ def _occupancy(kernel, args: tuple, meta: dict, t: torch.Tensor) -> int:
     """Programs of ``kernel`` (compiled for these args) resident on one SM at once, from its
     register and shared-memory use; computed once per configuration (compiles it if needed)."""
     num_warps = meta["num_warps"]
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), _device_index(t),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args), tuple(sorted(meta.items())))
+    key = (id(kernel), _device_index(t), args[0].dtype, args[1].dtype, args[2].dtype, tuple(meta.items()))
     occ = _occupancy_cache.get(key)
     if occ is None:
         occ = max(1, 32 // num_warps)  # a guess, used if the compiled kernel cannot be inspected
@@ -278,10 +303,10 @@ def _occupancy(kernel, args: tuple, meta: dict, t: torch.Tensor) -> int:
     return occ
 
 
-def _persistent_grid(kernel, args: tuple, meta: dict, t: torch.Tensor, work: int) -> int:
+def _persistent_grid(kernel, args: tuple, meta: dict, t: torch.Tensor, work: int, per_sm: int = 64) -> int:
     if not t.is_cuda:
         return max(1, min(work, _INTERPRET_PROGRAMS))
-    return max(1, min(work, _sm_count(_device_index(t)) * _occupancy(kernel, args, meta, t)))
+    return max(1, min(work, _sm_count(_device_index(t)) * min(per_sm, _occupancy(kernel, args, meta, t))))
 
 
 def _prev_pow2(n: int) -> int:
@@ -297,7 +322,7 @@ def _fwd_config(n_rows: int, N: int, elem: int, cap_rows: int) -> tuple:
     block_r = min(block_r, triton.next_power_of_2(max(n_rows, 1)), 128)
     # keep at least `cap_rows` programs busy when the input is short (decode-like shapes)
     block_r = max(1, min(block_r, _prev_pow2(max(n_rows // max(cap_rows, 1), 1))))
-    num_warps = min(16, max(1, (block_r * block_n) // 1024))
+    num_warps = min(16, max(1, (block_r * block_n) // _FWD_ELEMS_PER_WARP))
     return block_r, block_n, single, num_warps
 
 
@@ -306,7 +331,7 @@ def _bwd_config(n_rows: int, N: int) -> tuple:
         block_n = triton.next_power_of_2(N)
         block_r = max(1, _BWD_TILE_ELEMS // block_n)
         block_r = min(block_r, triton.next_power_of_2(max(n_rows, 1)))
-        num_warps = min(16, max(1, (block_r * block_n) // 512))
+        num_warps = min(16, max(1, (block_r * block_n) // _BWD_ELEMS_PER_WARP))
         return block_r, block_n, True, num_warps
     return 1, _LOOP_BLOCK, False, min(16, max(4, _LOOP_BLOCK // 512))
 
@@ -328,10 +353,14 @@ class _on_device:
             self.ctx.__exit__(*a)
 
 
-def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float):
+def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float, y: Optional[torch.Tensor] = None,
+                  rstd: Optional[torch.Tensor] = None):
+    """Forward into fresh (or given, contiguous: tests poison them) ``y`` and ``rstd``."""
     N = x.shape[-1]
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if y is None:
+        y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+    if rstd is None:
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     n_rows = rstd.numel()
     if n_rows == 0:
         return y, rstd
@@ -346,12 +375,17 @@ def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float):
     return y, rstd
 
 
-def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+                   dx: Optional[torch.Tensor] = None, dw: Optional[torch.Tensor] = None):
+    """Backward into fresh (or given, contiguous: tests poison them) ``dx`` and ``dw``."""
     N = x.shape[-1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx is None:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dw is None:
+        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     n_rows = rstd.numel()
     if n_rows == 0:
-        return dx, torch.zeros_like(w)
+        return dx, dw.zero_()
     out_dtype = torch.promote_types(x.dtype, w.dtype)
     if dy.dtype != out_dtype:
         dy = dy.to(out_dtype)
@@ -365,6 +399,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
         if single:
             n_tiles = triton.cdiv(n_rows, block_r)
             meta["BLOCK_R"] = block_r
+            meta["PREFETCH"] = _BWD_PREFETCH
             kernel = _rms_bwd_kernel
             probe = (dy, x, w, rstd, dx, rstd, n_rows, N, n_tiles, *xl, *gl)
             progs = _persistent_grid(kernel, probe, meta, x, n_tiles)
@@ -372,13 +407,15 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
         else:
             kernel = _rms_bwd_loop_kernel
             probe = (dy, x, w, rstd, dx, rstd, n_rows, N, *xl, *gl)
-            progs = _persistent_grid(kernel, probe, meta, x, n_rows)
+            # each program read-modify-writes its own partial row: keep their number (and the
+            # partial buffer, which stays in L2) small
+            progs = _persistent_grid(kernel, probe, meta, x, n_rows, per_sm=2)
             part = torch.zeros((progs, N), dtype=torch.float32, device=x.device)
         args = probe[:5] + (part,) + probe[6:]
         kernel[(progs,)](*args, **meta)
-        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-        rn = min(triton.next_power_of_2(N), 256)
-        rp = max(1, min(triton.next_power_of_2(progs), 4096 // rn))
+        # narrow column strips so the (small) partial buffer is read by many programs at once
+        rn = min(triton.next_power_of_2(N), 32)
+        rp = min(triton.next_power_of_2(progs), 128)
         _dw_reduce_kernel[(triton.cdiv(N, rn),)](part, dw, progs, N, BLOCK_P=rp, BLOCK_N=rn, num_warps=4)
     return dx, dw
 
@@ -424,6 +461,25 @@ def _backward(ctx, dy, _drstd):
 _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _FusedRMSNormFn(torch.autograd.Function):
+    """The same kernels for eager mode: autograd.Function dispatch costs a fraction of a custom
+    op's Python dispatch, which dominates short (decode-like) inputs. torch.compile traces the
+    custom op instead."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, rstd = _forward_impl(x, w, eps)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = _backward_impl(dy, x, w, rstd)
+        return dx, dw, None
+
+
 # ----------------------------------------------------------------------------------------------
 # Public entry points
 # ----------------------------------------------------------------------------------------------
@@ -465,7 +521,9 @@ def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     """Llama-form RMSNorm of ``hidden`` ([..., N]) with ``weight`` ([N]) and epsilon ``eps``.
 
     The result has ``hidden``'s shape and dtype ``promote_types(hidden.dtype, weight.dtype)``,
-    and is contiguous. Differentiable in ``hidden`` and ``weight`` (first order). Inputs the
+    and is contiguous. Differentiable in ``hidden`` and ``weight`` (first order; differentiating
+    the gradient again raises). Under ``torch.compile`` it is the custom op
+    ``deepspeed_fused::rms_norm_fwd`` (with ``rms_norm_bwd`` as its backward). Inputs the
     kernels cannot take (CPU tensors without the Triton interpreter, float64) run
     :func:`rms_norm_reference` with a one-time warning per reason; wrong inputs raise.
     """
@@ -474,5 +532,6 @@ def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     if not ok:
         warn_fallback(_OP, reason)
         return rms_norm_reference(hidden, weight, eps)
-    y, _ = _rms_norm_fwd(hidden, weight, float(eps))
-    return y
+    if torch.compiler.is_compiling():
+        return _rms_norm_fwd(hidden, weight, float(eps))[0]
+    return _FusedRMSNormFn.apply(hidden, weight, float(eps))
