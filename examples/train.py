@@ -129,7 +129,15 @@ def main(argv=None) -> dict:
     with torch.device(device):
         model = build_model(args.model, dtype=dtype, seed=args.seed)
     vocab = model.config.vocab_size
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, **({"fused": True} if cuda else {}))
+    opt_kw = dict(lr=args.lr, weight_decay=0.0, **({"fused": True} if cuda else {}))
+    if ds_config.get("expert_parallel", {}).get("enabled"):
+        # AutoEP replaces the MoE blocks inside initialize: build the optimizer afterwards, from
+        # the new parameters, with the MoE parameter groups ZeRO asks for.
+        from deepspeed.moe.utils import configure_moe_param_groups
+
+        optimizer = lambda params: torch.optim.AdamW(configure_moe_param_groups(list(params)), **opt_kw)  # noqa: E731
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     report = getattr(engine, "deepspeed_fused_report", None)
     if rank == 0:

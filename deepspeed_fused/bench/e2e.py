@@ -164,11 +164,21 @@ def main(args) -> dict:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--pairs", default="zero2,autoep,zero3")
+    p.add_argument("--render", nargs="+", default=None, metavar="E2E_JSON",
+                   help="do not run: merge the results of earlier runs (e2e.json files) and write the outputs")
     o = p.parse_args(getattr(args, "extra", []))
     if getattr(args, "quick", False):
         o.steps, o.warmup, o.seq_len = 3, 1, 512
     out_dir = getattr(args, "out", None) or OUT_DIR
     os.makedirs(out_dir, exist_ok=True)
+    if o.render:
+        results, meta = {}, None
+        for path in o.render:
+            with open(path) as f:
+                d = json.load(f)
+            results.update(d["results"])
+            meta = meta or d["meta"]
+        return _write(results, meta, out_dir)
     wanted = o.pairs.split(",")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,6 +189,10 @@ def main(args) -> dict:
             fused = run_arm(fused_cfg, o.model, o.steps, o.warmup, o.batch_size, o.seq_len, tmp)
             results[name] = dict(baseline=base, fused=fused, compare=compare(base, fused, o.warmup))
     meta = dict(env_fields(), model=o.model, batch=o.batch_size, seq=o.seq_len, steps=o.steps, warmup=o.warmup)
+    return _write(results, meta, out_dir)
+
+
+def _write(results: dict, meta: dict, out_dir: str) -> dict:
     with open(os.path.join(out_dir, "e2e.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1, default=str)
     with open(os.path.join(out_dir, "e2e.md"), "w") as f:
