@@ -420,6 +420,24 @@ def _fused_backward(ctx, g, _gdh, _gdw, _gdb):
 _lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
+class _FusedScalarLoss(torch.autograd.Function):
+    """Eager mode: the same computation as the ``lce_fused`` custom op (which torch.compile
+    traces), without returning the forward-formed gradients as op outputs, so that the only
+    reference to them is dropped in backward and autograd accumulates dweight and dhidden
+    without a second copy (the custom-op wrapper kept one on torch 2.11)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        loss, dh, dw, db = _fused_impl(*args)
+        ctx.needs = args[13:16]
+        ctx.grads = [dh, dw, db]
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        return _fused_backward(ctx, g, None, None, None)
+
+
 @torch.library.custom_op("deepspeed_fused::lce_forward", mutates_args=())
 def _lce_forward_op(hidden: T, weight: T, target: T, bias: Optional[T], temp: Optional[T], inv_temp: float,
                     ignore_index: int, z_loss: float, smoothing: float, softcap: float, accum_fp32: bool,
@@ -1143,9 +1161,11 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         loss, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, cfg)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
     if grads and reduction != "none" and not (return_entropy or return_lse):
-        loss, *_ = _lce_fused_op(h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss,
-                                 smoothing, cap, accum_fp32, chunk, need_dh, need_dw, need_db)
-        return loss
+        args = (h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss, smoothing, cap,
+                accum_fp32, chunk, need_dh, need_dw, need_db)
+        if torch.compiler.is_compiling():
+            return _lce_fused_op(*args)[0]
+        return _FusedScalarLoss.apply(*args)
     loss, lse, ent = _lce_forward_op(h, weight, t, bias, temp, inv_temp, ignore_index, z_loss, smoothing, cap,
                                      accum_fp32, chunk, bool(return_entropy))
     return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
