@@ -21,9 +21,15 @@ def unregister(name: str) -> None:
     _FEATURES.pop(name, None)
 
 
+_BUILTIN = ("rms_norm", "linear_cross_entropy", "moe_reorder")
+
+
 def all_features() -> list[Feature]:
+    """Registered features: the built-in ones in a fixed order (whatever order their modules
+    were imported in), then others in registration order."""
     _load_builtin()
-    return list(_FEATURES.values())
+    names = [n for n in _BUILTIN if n in _FEATURES] + [n for n in _FEATURES if n not in _BUILTIN]
+    return [_FEATURES[n] for n in names]
 
 
 def get_feature(name: str) -> Feature:

@@ -14,7 +14,7 @@ Kernels: a forward over ``[BLOCK_R, BLOCK_N]`` tiles (many rows per program for 
 one row per program for wide ones, looping over column blocks when a row does not fit one
 block), and a persistent backward (a bounded grid; each program walks row tiles, writes ``dx``
 and keeps its own FP32 weight-gradient partial in registers). The partials ``[programs, N]`` are
-summed by ``torch.sum`` in a fixed order, so the results are bitwise repeatable. Rows may be
+summed by a small Triton reduction kernel in a fixed order, so the results are bitwise repeatable. Rows may be
 strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
 slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
 """
