@@ -661,10 +661,15 @@ def _pack(loss_tok, lse, ent, valid, shape, reduction, return_entropy, return_ls
 
 
 def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
-             accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None):
+             accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None, sequence_parallel=False):
     accum_fp32 = _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing,
                         softcap, accum_dtype, chunk_tokens, tp_group)
     tp = _tp_setup(tp_group, vocab_start, weight.shape[0])
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"linear_cross_entropy: `sequence_parallel` must be a bool, got {sequence_parallel!r}")
+    if sequence_parallel and tp is None:
+        raise ValueError("linear_cross_entropy: `sequence_parallel=True` needs a `tp_group` of more than one rank "
+                         "(hidden/target are then this rank's token shard of the group's sequence)")
     V, H = weight.shape
     if validate_targets and target.numel() and tp is None:  # TP: checked against the global V after the gather
         _check_values(target, temperature, V, ignore_index)
@@ -748,7 +753,9 @@ def _tp_check_layout(meta):
     for j in range(2, len(_META_NAMES)):
         if any(m[j] != meta[0][j] for m in meta):
             exc = TypeError if j == 2 else ValueError
-            raise exc(f"linear_cross_entropy: the ranks of `tp_group` disagree on {_META_NAMES[j]} ({fmt(j)}); "
+            hint = (" (with sequence_parallel=True every rank's token shard must have the same size)"
+                    if j == 4 else "")
+            raise exc(f"linear_cross_entropy: the ranks of `tp_group` disagree on {_META_NAMES[j]} ({fmt(j)}){hint}; "
                       f"every rank must call the op with the same dtype, hidden/target shapes and options")
     shards = sorted((int(m[1]), int(m[0]), r) for r, m in enumerate(meta))
     expect = 0
@@ -836,7 +843,7 @@ def _dh_reduce_finish(handle):
 
 class _TPConfig:
     __slots__ = ("tp", "meta", "inv_temp", "ignore_index", "z_loss", "smoothing", "cap", "accum_fp32", "chunk",
-                 "validate", "mean", "need_ent")
+                 "validate", "mean", "need_ent", "sp")
 
     def __init__(self, *args):
         for k, v in zip(self.__slots__, args, strict=True):
@@ -913,7 +920,7 @@ class _TPScalarLoss(torch.autograd.Function):
                                       lse=lse, g_loss=w.reshape(1), per_token=False, reuse_last=True,
                                       reduce_dh=False)
         del buf
-        ctx.group, ctx.fp32 = c.tp.group, c.accum_fp32
+        ctx.group, ctx.fp32, ctx.sp = c.tp.group, c.accum_fp32, c.sp
         ctx.needs = (need_dh, need_dw, need_db)
         ctx.grads = [dh, dw if need_dw else None, db if need_db else None]  # released in backward (no copy)
         return loss_tok.sum() * w
@@ -926,10 +933,13 @@ class _TPScalarLoss(torch.autograd.Function):
         dh, dw, db = ctx.grads
         ctx.grads = None
         need_dh, need_dw, need_db = ctx.needs
-        handle = _dh_reduce_start(dh.mul_(g), ctx.group, ctx.fp32) if need_dh else None
+        if need_dh:
+            dh.mul_(g)
+        # sequence parallel: dhidden [tokens of the group, H] is reduce-scattered by _SeqGather
+        handle = _dh_reduce_start(dh, ctx.group, ctx.fp32) if need_dh and not ctx.sp else None
         dw = dw.mul_(g) if need_dw else None
         db = db.mul_(g) if need_db else None
-        return (_dh_reduce_finish(handle) if need_dh else None), dw, db, None, None, None
+        return (_dh_reduce_finish(handle) if handle is not None else dh), dw, db, None, None, None
 
 
 class _TPPerToken(torch.autograd.Function):
@@ -966,8 +976,8 @@ class _TPPerToken(torch.autograd.Function):
         buf = h.new_empty((min(c.chunk, M), weight.shape[0]))
         dh, handle, dw, db = _tp_grad_pass(h, weight, bias, t, temp, c, ctx.V_total, buf, need_dh, need_dw,
                                            need_db, lse=lse, g_loss=g_loss.contiguous(), per_token=True, ent=ent,
-                                           g_ent=g_ent, g_lse=g_lse)
-        if need_dh:
+                                           g_ent=g_ent, g_lse=g_lse, reduce_dh=not c.sp)
+        if handle is not None:
             dh = _dh_reduce_finish(handle)
         return dh, (dw if need_dw else None), (db if need_db else None), None, None, None
 
@@ -990,6 +1000,79 @@ class _CopyToGroup(torch.autograd.Function):
     def backward(ctx, g):
         g = g.contiguous().clone()
         return _dh_reduce_finish(_dh_reduce_start(g, ctx.group, ctx.fp32)), None, None
+
+
+class _SeqGather(torch.autograd.Function):
+    """Sequence parallel: all-gather this rank's token shard of hidden, target and per-token
+    temperature in ONE collective (their bytes packed side by side per row, rows ordered by
+    rank); backward reduce-scatters dhidden (summed over the group's vocabulary shards, each
+    rank keeping its own token rows)."""
+
+    @staticmethod
+    def forward(ctx, h, t, temp, group, size, fp32):
+        import torch.distributed as dist
+
+        M, H = h.shape
+        parts = [h.contiguous().view(torch.uint8).reshape(M, -1),
+                 t.long().reshape(M, 1).contiguous().view(torch.uint8)]
+        if temp is not None:
+            parts.append(temp.contiguous().reshape(M, 1).view(torch.uint8))
+        packed = torch.cat(parts, 1)
+        out = packed.new_empty((size * M, packed.shape[1]))
+        dist.all_gather_into_tensor(out, packed, group=group)
+        nh = parts[0].shape[1]
+        hf = out[:, :nh].contiguous().view(h.dtype)
+        tf = out[:, nh:nh + 8].contiguous().view(torch.int64).reshape(-1)
+        tempf = out[:, nh + 8:].contiguous().view(temp.dtype).reshape(-1) if temp is not None else tf.new_empty(0)
+        ctx.group, ctx.fp32, ctx.shape = group, fp32, (M, H)
+        ctx.mark_non_differentiable(tf, tempf)
+        return hf, tf, tempf
+
+    @staticmethod
+    def backward(ctx, g, _gt, _gtemp):
+        import torch.distributed as dist
+
+        buf = g.float() if ctx.fp32 and g.dtype != torch.float32 else g.contiguous()
+        out = buf.new_empty(ctx.shape)
+        dist.reduce_scatter_tensor(out, buf, group=ctx.group)
+        return out.to(g.dtype), None, None, None, None, None
+
+
+def _sp_gather(h, t, temp, tp, fp32):
+    hf, tf, tempf = _tp_apply(_SeqGather, h, t, temp, tp.group, tp.size, fp32)
+    return hf, tf, (tempf if temp is not None else None)
+
+
+class _SeqLocal(torch.autograd.Function):
+    """Sequence parallel: this rank's rows of per-token outputs computed on the group's tokens;
+    backward all-gathers the per-token upstream gradients (one collective for all outputs):
+    every vocabulary shard's dweight needs the gradients of every token."""
+
+    @staticmethod
+    def forward(ctx, group, rank, size, *xs):
+        ml = xs[0].shape[0] // size
+        ctx.group, ctx.size = group, size
+        return tuple(x[rank * ml:(rank + 1) * ml].clone() for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        import torch.distributed as dist
+
+        packed = torch.stack([g.to(gs[0].dtype) for g in gs], 1).contiguous()
+        out = packed.new_empty((ctx.size * packed.shape[0], packed.shape[1]))
+        dist.all_gather_into_tensor(out, packed, group=ctx.group)
+        return (None, None, None) + tuple(out.unbind(1))
+
+
+def _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse):
+    """Per-token outputs for this rank's token shard; a scalar loss stays over the group's tokens."""
+    keys = [k for k, on in (("loss", reduction == "none"), ("ent", return_entropy), ("lse", return_lse)) if on]
+    if not keys:
+        return loss, lse, ent
+    vals = dict(loss=loss, lse=lse, ent=ent)
+    out = _tp_apply(_SeqLocal, tp.group, tp.rank, tp.size, *(vals[k] for k in keys))
+    vals.update(zip(keys, out))
+    return vals["loss"], vals["lse"], vals["ent"]
 
 
 def _ref_partial_chunk(h, weight, bias, t, temp, temperature, ignore_index, softcap, vocab_start, need_ent,
@@ -1018,12 +1101,13 @@ def _ref_partial_chunk(h, weight, bias, t, temp, temperature, ignore_index, soft
 
 
 def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, smoothing, softcap, chunk, need_ent,
-                  tp, meta, validate, accum_fp32):
+                  tp, meta, validate, accum_fp32, sp=False):
     """Reference over a tensor-parallel group: local partial statistics (autograd), the same
     all-gather and merge as the kernels; the other ranks' statistics are constants here, and
-    dhidden is summed over the group by _CopyToGroup."""
+    dhidden is summed over the group by _CopyToGroup (by _SeqGather's reduce-scatter under
+    sequence parallelism, where ``h`` is already the group's gathered tokens)."""
     M = h.shape[0]
-    if h.requires_grad:
+    if h.requires_grad and not sp:
         h = _CopyToGroup.apply(h, tp.group, accum_fp32)
     ckpt = torch.is_grad_enabled() and M > chunk and not torch.compiler.is_compiling()
     parts = []
@@ -1047,28 +1131,36 @@ def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, s
 def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
                                    temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
                                    label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
-                                   validate_targets=True, tp_group=None, vocab_start=None):
+                                   validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False):
     """Plain torch version of :func:`linear_cross_entropy` (same API and semantics).
 
     Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
     (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored
     (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32).
     With a ``tp_group`` it computes the same partial statistics of the local vocabulary
-    shard as the kernels and combines them with the same single all-gather and merge.
+    shard as the kernels and combines them with the same single all-gather and merge
+    (``sequence_parallel``: after the same all-gather of the token shards as the kernels).
     """
     accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
                                           label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
-                                          tp_group, vocab_start)
-    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
-                                                                                 h.shape[0])
+                                          tp_group, vocab_start, sequence_parallel)
     temperature_f = None if temp is not None else float(temperature)
     if tp is not None:
-        loss, lse, ent = _reference_tp(h, weight, t, bias, None if temp is None else temp.detach(), temperature_f,
-                                       ignore_index, float(z_loss), float(label_smoothing), softcap, chunk,
-                                       bool(return_entropy), tp, _tp_meta_rows(tp, weight, h, reduction, temp,
-                                       temperature, ignore_index, z_loss, label_smoothing, softcap, return_entropy,
-                                       return_lse, bias, accum_fp32), validate_targets, accum_fp32)
+        meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, label_smoothing,
+                             softcap, return_entropy, return_lse, bias, accum_fp32)
+        temp = None if temp is None else temp.detach()
+        if sequence_parallel:
+            h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
+        chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
+                                                                                     h.shape[0])
+        loss, lse, ent = _reference_tp(h, weight, t, bias, temp, temperature_f, ignore_index, float(z_loss),
+                                       float(label_smoothing), softcap, chunk, bool(return_entropy), tp, meta,
+                                       validate_targets, accum_fp32, sequence_parallel)
+        if sequence_parallel:
+            loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
+    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
+                                                                                 h.shape[0])
     loss, lse, ent = _reference_impl(h, weight, t, bias, None if temp is None else temp.detach(), temperature_f,
                                      ignore_index, float(z_loss), float(label_smoothing), softcap, chunk,
                                      return_entropy)
@@ -1078,7 +1170,7 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
 def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean", temperature=1.0,
                          return_entropy=False, return_lse=False, z_loss=0.0, label_smoothing=0.0, softcap=None,
                          accum_dtype=None, chunk_tokens=None, validate_targets=True, tp_group=None,
-                         vocab_start=None):
+                         vocab_start=None, sequence_parallel=False):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing logits.
 
     Args:
@@ -1109,6 +1201,13 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             (or None) is the single-GPU op.
         vocab_start: first global vocabulary row of this rank's shard (default
             ``rank * V_local``: equal shards); give it for ragged shards. Only with ``tp_group``.
+        sequence_parallel: only with a ``tp_group`` of more than one rank: ``hidden``,
+            ``target`` (and a per-token ``temperature``) are this rank's contiguous token shard
+            of the group's tokens (flattened rows ordered by rank, Megatron-style), equal in
+            size on every rank. The op all-gathers them (forward: two all-gathers in all),
+            returns per-token outputs for the local shard ("mean"/"sum": the scalar over all
+            the group's tokens, identical on every rank) and reduce-scatters dhidden instead
+            of the all-reduce. Per-token outputs all-gather their upstream gradients in backward.
 
     Returns:
         ``loss`` alone, or the tuple ``(loss, entropy, lse)`` restricted to what was asked,
@@ -1119,7 +1218,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     """
     accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
                                           label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
-                                          tp_group, vocab_start)
+                                          tp_group, vocab_start, sequence_parallel)
     M = h.shape[0]
     V = weight.shape[0]
     ok, reason = kernel_device_ok(hidden)
@@ -1135,9 +1234,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             accum_dtype=torch.float32 if accum_fp32 else None,
             # TP: the targets are checked against the global vocabulary after the gather
             validate_targets=validate_targets and tp is not None,
-            tp_group=None if tp is None else tp.group, vocab_start=None if tp is None else tp.start)
-    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(V, hidden.dtype, M)
-    chunk = min(chunk, M)
+            tp_group=None if tp is None else tp.group, vocab_start=None if tp is None else tp.start,
+            sequence_parallel=sequence_parallel)
     h = h.contiguous()
     if t.dtype not in (torch.int32, torch.int64):
         t = t.long()
@@ -1154,11 +1252,19 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     if tp is not None:
         meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, smoothing, softcap,
                              return_entropy, return_lse, bias, accum_fp32)
+        if sequence_parallel:
+            h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
+            M = h.shape[0]
+    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(V, hidden.dtype, M)
+    chunk = min(chunk, M)
+    if tp is not None:
         cfg = _TPConfig(tp, meta, inv_temp, ignore_index, z_loss, smoothing, cap, accum_fp32, chunk,
-                        bool(validate_targets), reduction == "mean", bool(return_entropy))
+                        bool(validate_targets), reduction == "mean", bool(return_entropy), sequence_parallel)
         if grads and reduction != "none" and not (return_entropy or return_lse):
             return _tp_apply(_TPScalarLoss, h, weight, bias, t, temp, cfg)
         loss, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, cfg)
+        if sequence_parallel:
+            loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
     if grads and reduction != "none" and not (return_entropy or return_lse):
         args = (h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss, smoothing, cap,

@@ -290,3 +290,114 @@ class TestVocabParallel(DistributedTest):
         # the layout check is cached: a valid call still works after all of the above
         linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], t, tp_group=g, validate_targets=False)
         lce_mod._TP_LAYOUTS.clear()
+
+
+def _check_sp(h, w, t, b, rank, size, fn=linear_cross_entropy, dtype=torch.float32, **kw):
+    """One rank, sequence parallel: its token shard and vocabulary shard against the float64
+    full-sequence, full-vocabulary reference (outputs of the local tokens, the shard's dweight)."""
+    M, V = t.shape[0], w.shape[0]
+    ml, vl = M // size, V // size
+    rows, sl = slice(rank * ml, (rank + 1) * ml), slice(rank * vl, (rank + 1) * vl)
+    temp = kw.pop("temperature", None)
+    lkw = dict(kw) if temp is None else dict(kw, temperature=temp[rows])
+    out, grads = _run(fn, h[rows], w[sl], t[rows], None if b is None else b[sl], dtype, tp_group=dist.group.WORLD,
+                      sequence_parallel=True, **lkw)
+    rkw = dict(kw) if temp is None else dict(kw, temperature=temp)
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    bd = None if b is None else b.double().requires_grad_()
+    routs = linear_cross_entropy_reference(hd, wd, t, bias=bd, **{k: (v.double() if isinstance(v, torch.Tensor)
+                                                                      else v) for k, v in rkw.items()})
+    routs = routs if isinstance(routs, tuple) else (routs,)
+    total = 0
+    for i, (o, ro) in enumerate(zip(out, routs, strict=True)):
+        if ro.dim():  # per token: the same linspace weights as _run, on each rank's rows
+            wt = torch.cat([torch.linspace(0.5, 1.5, ml, dtype=torch.float64, device=ro.device)] * size) * (i + 1)
+            ro_local = ro[rows]
+        else:  # the global scalar: every rank backpropagates it with the same weight (as _run)
+            wt = torch.tensor(0.5 * (i + 1), dtype=torch.float64, device=ro.device)
+            ro_local = ro
+        assert o.shape == ro_local.shape, (kw, o.shape, ro_local.shape)
+        assert _rel(o, ro_local.detach()) <= OUT_TOL or (o - ro_local).abs().max() <= OUT_TOL, (kw, o, ro_local)
+        total = total + (ro * wt).sum()
+    total.backward()
+    rgrads = [hd.grad[rows], wd.grad[sl]] + ([bd.grad[sl]] if b is not None else [])
+    assert len(grads) == len(rgrads)
+    for name, g, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
+        assert g.shape == r.shape and torch.isfinite(g).all()
+        assert _rel(g, r) <= GRAD_TOL or (g - r).abs().max() <= 1e-7, (kw, name, _rel(g, r))
+    return out
+
+
+class TestSequenceParallel(DistributedTest):
+    world_size = [2, 4]
+
+    def test_matches_full_sequence(self):
+        """Local-shard loss/entropy/lse, dhidden of the local tokens and dweight equal the
+        single-rank full-sequence full-vocabulary float64 reference; kernels and reference path."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        M, H, V = 4 * size, 8, 8 * size
+        h, w, t, b = _data(M, H, V, seed=20 + size, bias=True, ignore_every=3)
+        temp = (torch.rand(M, generator=torch.Generator().manual_seed(21)) + 0.5).to(DEV)
+        cases = [dict(reduction="mean"), dict(reduction="sum", z_loss=0.01),
+                 dict(reduction="none", return_entropy=True, return_lse=True, temperature=temp, softcap=2.0),
+                 dict(reduction="mean", return_entropy=True, label_smoothing=0.1, chunk_tokens=3)]
+        for kw in cases:
+            out = _check_sp(h, w, t, b, rank, size, **kw)
+            if out[0].dim() == 0:
+                _same_on_every_rank(out[:1])
+        # the TP-aware torch reference (called directly, float64) and the kernel op's fallback to it
+        _check_sp(h, w, t, b, rank, size, fn=linear_cross_entropy_reference, dtype=torch.float64, **cases[2])
+        _check_sp(h, w, t, None, rank, size, fn=linear_cross_entropy_reference, dtype=torch.float64, **cases[1])
+        if DEV == "cpu" and size == 2:
+            os.environ["TRITON_INTERPRET"] = "0"
+            _common.reset_fallback_warnings()
+            with pytest.warns(RuntimeWarning, match="reference"):
+                _check_sp(h, w, t, b, rank, size, **cases[0])
+            _check_sp(h, w, t, b, rank, size, **cases[2])
+            os.environ["TRITON_INTERPRET"] = "1"
+
+    @pytest.mark.world_size(2)
+    def test_collectives(self):
+        """Forward: the token all-gather + the statistics all-gather; backward: one reduce-scatter
+        of dhidden (no all-reduce), plus, for per-token outputs, the all-gather of their gradients."""
+        mp = pytest.MonkeyPatch()
+        counter = _Counter(mp)
+        try:
+            rank = dist.get_rank()
+            h, w, t, _ = _data(8, 8, 32, seed=22)
+            hs, ws = h[rank * 4:(rank + 1) * 4], w[rank * 16:(rank + 1) * 16]
+            cases = [("kernel", dict(), []), ("kernel", dict(reduction="none", return_entropy=True),
+                                              ["all_gather_into_tensor"]),
+                     ("reference", dict(), []), ("reference", dict(reduction="none", return_lse=True),
+                                                 ["all_gather_into_tensor"])]
+            for path, kw, extra in cases:
+                if path == "reference":
+                    os.environ["TRITON_INTERPRET"] = "0"
+                    hs, ws = (hs.double(), ws.double()) if DEV == "cuda" else (hs, ws)
+                hh, ww = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+                counter.on, counter.calls = True, []
+                out = linear_cross_entropy(hh, ww, t[rank * 4:(rank + 1) * 4], tp_group=dist.group.WORLD,
+                                           sequence_parallel=True, **kw)
+                counter.on = False
+                assert counter.calls == ["all_gather_into_tensor"] * 2, (path, kw, counter.calls)
+                loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out
+                counter.on, counter.calls = True, []
+                loss.backward()
+                counter.on = False
+                assert counter.calls == extra + ["reduce_scatter_tensor"], (path, kw, counter.calls)
+                assert hh.grad.shape == hh.shape
+            os.environ["TRITON_INTERPRET"] = "1" if DEV == "cpu" else "0"
+        finally:
+            mp.undo()
+
+    @pytest.mark.world_size(2)
+    def test_needs_a_group(self):
+        rank = dist.get_rank()
+        groups = [dist.new_group([0]), dist.new_group([1])]
+        h, w, t, _ = _data(4, 8, 16, seed=23)
+        for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+            for group in (None, groups[rank]):  # no group, or a group of one rank
+                with pytest.raises(ValueError, match="sequence_parallel"):
+                    fn(h, w, t, tp_group=group, sequence_parallel=True)
+        with pytest.raises(TypeError, match="sequence_parallel"):
+            linear_cross_entropy(h, w[:8], t.clamp(max=7), tp_group=dist.group.WORLD, sequence_parallel=1)
