@@ -285,6 +285,18 @@ class _ParamGrads:
         return dw, db
 
 
+def _logit_chunks(hidden, weight, bias, chunk):
+    """Yield ``(s, e, logits, hidden[s:e])`` per token chunk; the chunk logits are written into
+    one reused ``[chunk, V]`` buffer (the op's whole workspace), freed when the loop ends."""
+    M, V = hidden.shape[0], weight.shape[0]
+    buf = hidden.new_empty((min(chunk, M), V))
+    for s in range(0, M, chunk):
+        e = min(M, s + chunk)
+        x, h = buf[: e - s], hidden[s:e]
+        _logits_into(h, weight, bias, x)
+        yield s, e, x, h
+
+
 def _kw(temp_c, inv_temp, ignore_index, z_loss, smoothing, softcap):
     return dict(temp=temp_c, inv_temp=inv_temp, ignore_index=ignore_index, z_loss=z_loss,
                 smoothing=smoothing, softcap=softcap)
@@ -304,17 +316,12 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     pg = _ParamGrads(weight, bias, accum_fp32, need_dw, need_db)
-    buf = hidden.new_empty((min(chunk, M), V))
-    for s in range(0, M, chunk):
-        e = min(M, s + chunk)
-        x, h = buf[: e - s], hidden[s:e]
-        _logits_into(h, weight, bias, x)
+    for s, e, x, h in _logit_chunks(hidden, weight, bias, chunk):
         _launch_rows(x, target[s:e], stats=stats[s:e], g_loss=w1, per_token=False,
                      **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
         if need_dh:
             torch.mm(x, weight, out=dh[s:e])
         pg.add(x, h)
-    del buf
     loss_tok, _, _ = _finalize_stats(stats, valid, V, z_loss, smoothing, False)
     loss = loss_tok.sum() * w
     dw, db = pg.result(hidden)
@@ -327,14 +334,9 @@ def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_
     M = hidden.shape[0]
     V = weight.shape[0]
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
-    buf = hidden.new_empty((min(chunk, M), V))
-    for s in range(0, M, chunk):
-        e = min(M, s + chunk)
-        x = buf[: e - s]
-        _logits_into(hidden[s:e], weight, bias, x)
+    for s, e, x, _ in _logit_chunks(hidden, weight, bias, chunk):
         _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
                      **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
-    del buf
     valid = target != ignore_index
     loss, lse, ent = _finalize_stats(stats, valid, V, z_loss, smoothing, need_ent)
     return loss, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32)
@@ -344,7 +346,6 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
                    z_loss, smoothing, softcap, accum_fp32, chunk, need_dh, need_dw, need_db):
     """Recompute the chunk logits, turn them into dlogits from per-token upstream gradients."""
     M = hidden.shape[0]
-    V = weight.shape[0]
     if g_loss is None:
         g_loss = torch.zeros(M, dtype=torch.float32, device=hidden.device)
     g_loss = g_loss.float().contiguous()
@@ -352,11 +353,7 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     g_lse = None if g_lse is None else g_lse.float().contiguous()
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     pg = _ParamGrads(weight, bias, accum_fp32, need_dw, need_db)
-    buf = hidden.new_empty((min(chunk, M), V))
-    for s in range(0, M, chunk):
-        e = min(M, s + chunk)
-        x, h = buf[: e - s], hidden[s:e]
-        _logits_into(h, weight, bias, x)
+    for s, e, x, h in _logit_chunks(hidden, weight, bias, chunk):
         _launch_rows(x, target[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e],
                      g_loss=g_loss[s:e], g_ent=None if g_ent is None else g_ent[s:e],
                      g_lse=None if g_lse is None else g_lse[s:e], per_token=True,
@@ -364,7 +361,6 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
         if need_dh:
             torch.mm(x, weight, out=dh[s:e])
         pg.add(x, h)
-    del buf
     dw, db = pg.result(hidden)
     return dh, dw, db
 
