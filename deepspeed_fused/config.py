@@ -103,8 +103,6 @@ def _looks_like_ds_config(config: Mapping, model: type) -> bool:
 
 def config_reference() -> list[dict]:
     """Every key of every feature: path, type, default, meaning (docs are generated from this)."""
-    import inspect
-
     from .features.registry import all_features
 
     rows = []
@@ -114,7 +112,6 @@ def config_reference() -> list[dict]:
         for name, field in cm.model_fields.items():
             rows.append(dict(key=f"{SECTION}.{f.name}.{name}", type=_type_name(field.annotation),
                              default=field.default, doc=docs.get(name, field.description or "")))
-    del inspect
     return rows
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_fused.ops import _common
+from lce_testing import rel, weighted_backward
 from deepspeed_fused.ops import linear_cross_entropy as lce_mod
 from deepspeed_fused.ops.linear_cross_entropy import (auto_chunk_tokens, linear_cross_entropy,
                                                       linear_cross_entropy_reference, merge_partial_stats)
@@ -33,37 +34,18 @@ def _inputs(M, H, V, dtype, device, seed=0, ignore_every=5, bias=False):
     return cast(h), cast(w), t.to(device), cast(b)
 
 
-def _run(fn, h, w, t, b, dtype=None, **kw):
-    """Forward + backward of a weighted sum of every output; returns outputs and grads (float64)."""
-    leaf = lambda x: None if x is None else x.detach().to(dtype or x.dtype).clone().requires_grad_()  # noqa: E731
-    h, w, b = leaf(h), leaf(w), leaf(b)
-    out = fn(h, w, t, bias=b, **kw)
-    outs = out if isinstance(out, tuple) else (out,)
-    total = 0
-    for i, o in enumerate(outs):
-        wt = torch.linspace(0.5, 1.5, o.numel(), dtype=torch.float64).reshape(o.shape) * (i + 1)
-        total = total + (o.double() * wt).sum()
-    total.backward()
-    grads = [x.grad.double() for x in (h, w, b) if x is not None]
-    return [o.detach().double() for o in outs], grads
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
 def _compare(dtype, device, M=13, H=16, V=37, seed=0, bias=False, ignore_every=5, **kw):
     h, w, t, b = _inputs(M, H, V, dtype, device, seed, ignore_every, bias)
-    out, grads = _run(linear_cross_entropy, h, w, t, b, **kw)
+    out, grads = weighted_backward(linear_cross_entropy, h, w, t, b, **kw)
     ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
-    rout, rgrads = _run(linear_cross_entropy_reference, h, w, t, b, dtype=torch.float64, **ref_kw)
+    rout, rgrads = weighted_backward(linear_cross_entropy_reference, h, w, t, b, dtype=torch.float64, **ref_kw)
     tl_, tg = TOL[dtype]
     for o, r in zip(out, rout, strict=True):
         assert torch.isfinite(o).all()
-        assert _rel(o, r) <= tl_ or (o - r).abs().max() <= tl_, (o, r)
+        assert rel(o, r) <= tl_ or (o - r).abs().max() <= tl_, (o, r)
     for g, r in zip(grads, rgrads, strict=True):
         assert torch.isfinite(g).all()
-        assert _rel(g, r) <= tg, _rel(g, r)
+        assert rel(g, r) <= tg, rel(g, r)
     return out, grads
 
 
@@ -109,7 +91,7 @@ def test_special_shapes(interpret, case):
         ref = linear_cross_entropy_reference(h3.double(), w.double(), t3, reduction="none", return_lse=True)
         assert out[0].shape == (3, 4) and out[0].dtype == torch.float32
         for o, r in zip(out, ref):
-            assert _rel(o.double(), r) < 1e-5
+            assert rel(o.double(), r) < 1e-5
     elif case == "z_smooth_sum":
         _compare(torch.float32, interpret, M=17, V=64, reduction="sum", z_loss=1e-3, label_smoothing=0.3,
                  chunk_tokens=8)
@@ -119,12 +101,12 @@ def test_special_shapes(interpret, case):
 def test_all_targets_ignored(interpret, reduction):
     h, w, t, b = _inputs(9, 16, 37, torch.float32, interpret, bias=True)
     t = torch.full_like(t, -100)
-    out, grads = _run(linear_cross_entropy, h, w, t, b, reduction=reduction)
+    out, grads = weighted_backward(linear_cross_entropy, h, w, t, b, reduction=reduction)
     assert (out[0] == 0).all()
     for g in grads:
         assert torch.isfinite(g).all() and (g == 0).all()
     # entropy still flows for ignored targets (entropy is defined for every token)
-    out, grads = _run(linear_cross_entropy, h, w, t, None, reduction=reduction, return_entropy=True)
+    out, grads = weighted_backward(linear_cross_entropy, h, w, t, None, reduction=reduction, return_entropy=True)
     assert (out[0] == 0).all() and (out[1] > 0).all() and grads[0].abs().sum() > 0
 
 
@@ -198,8 +180,8 @@ def test_vocab_shards_merge(interpret):
 @pytest.mark.parametrize("kw", [{}, dict(reduction="none", return_entropy=True)])
 def test_bitwise_repeatable(interpret, kw):
     h, w, t, b = _inputs(21, 16, 90, torch.float32, interpret, bias=True)
-    a = _run(linear_cross_entropy, h, w, t, b, chunk_tokens=8, **kw)
-    c = _run(linear_cross_entropy, h, w, t, b, chunk_tokens=8, **kw)
+    a = weighted_backward(linear_cross_entropy, h, w, t, b, chunk_tokens=8, **kw)
+    c = weighted_backward(linear_cross_entropy, h, w, t, b, chunk_tokens=8, **kw)
     for x, y in zip(a[0] + a[1], c[0] + c[1]):
         assert torch.equal(x, y)
 
@@ -213,7 +195,7 @@ def test_grad_modes(interpret):
     linear_cross_entropy(hh, w, t).backward()
     hr = h.double().requires_grad_()
     linear_cross_entropy_reference(hr, w.double(), t).backward()
-    assert _rel(hh.grad.double(), hr.grad) < 1e-4
+    assert rel(hh.grad.double(), hr.grad) < 1e-4
     # the scalar path consumes its precomputed gradients: a second backward fails loudly
     ww = w.clone().requires_grad_()
     loss = linear_cross_entropy(h, ww, t)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from unit.common import DistributedTest
 
 from deepspeed_fused.ops import _common
+from lce_testing import rel, weighted_backward
 from deepspeed_fused.ops import linear_cross_entropy as lce_mod
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
@@ -41,28 +42,6 @@ def _data(M, H, V, seed=0, bias=False, ignore_every=5, target_range=None):
     return h.to(DEV), w.to(DEV), t.to(DEV), None if b is None else b.to(DEV)
 
 
-def _run(fn, h, w, t, b, dtype, **kw):
-    """Forward + backward of a weighted sum of every output; outputs and grads in float64."""
-    def leaf(x):
-        return None if x is None else x.detach().to(dtype).clone().requires_grad_()
-
-    h, w, b = leaf(h), leaf(w), leaf(b)
-    kw = {k: (v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
-    out = fn(h, w, t, bias=b, **kw)
-    outs = out if isinstance(out, tuple) else (out,)
-    total = 0
-    for i, o in enumerate(outs):
-        wt = torch.linspace(0.5, 1.5, o.numel(), dtype=torch.float64, device=o.device).reshape(o.shape) * (i + 1)
-        total = total + (o.double() * wt).sum()
-    total.backward()
-    grads = [x.grad.double() for x in (h, w, b) if x is not None]
-    return [o.detach().double() for o in outs], grads
-
-
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
 def _shard_bounds(V, size, sizes=None):
     sizes = sizes or [V // size] * size
     starts = [sum(sizes[:r]) for r in range(size)]
@@ -74,16 +53,16 @@ def _check_tp(h, w, t, b, start, v_local, group=None, dtype=torch.float32, fn=li
     """One rank: TP op on its shard vs the float64 full-vocabulary reference; returns outputs."""
     group = group or dist.group.WORLD
     sl = slice(start, start + v_local)
-    out, grads = _run(fn, h, w[sl], t, None if b is None else b[sl], dtype, tp_group=group,
+    out, grads = weighted_backward(fn, h, w[sl], t, None if b is None else b[sl], dtype, tp_group=group,
                       vocab_start=start if explicit_start else None, **kw)
-    rout, rgrads = _run(linear_cross_entropy_reference, h, w, t, b, torch.float64, **kw)
+    rout, rgrads = weighted_backward(linear_cross_entropy_reference, h, w, t, b, torch.float64, **kw)
     rgrads = [rgrads[0], rgrads[1][sl]] + ([rgrads[2][sl]] if b is not None else [])
     for o, r in zip(out, rout, strict=True):
         assert torch.isfinite(o).all()
-        assert _rel(o, r) <= OUT_TOL or (o - r).abs().max() <= OUT_TOL, (kw, o, r)
+        assert rel(o, r) <= OUT_TOL or (o - r).abs().max() <= OUT_TOL, (kw, o, r)
     for name, g, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
         assert torch.isfinite(g).all()
-        assert _rel(g, r) <= GRAD_TOL or (g - r).abs().max() <= 1e-7, (kw, name, _rel(g, r))
+        assert rel(g, r) <= GRAD_TOL or (g - r).abs().max() <= 1e-7, (kw, name, rel(g, r))
     return out, grads
 
 
@@ -249,8 +228,8 @@ class TestVocabParallel(DistributedTest):
         groups = [dist.new_group([0]), dist.new_group([1])]
         h, w, t, b = _data(9, 8, 30, seed=8, bias=True)
         for kw in (dict(), dict(reduction="none", return_entropy=True, return_lse=True, temperature=0.7)):
-            a = _run(linear_cross_entropy, h, w, t, b, torch.float32, tp_group=groups[rank], **kw)
-            s = _run(linear_cross_entropy, h, w, t, b, torch.float32, **kw)
+            a = weighted_backward(linear_cross_entropy, h, w, t, b, torch.float32, tp_group=groups[rank], **kw)
+            s = weighted_backward(linear_cross_entropy, h, w, t, b, torch.float32, **kw)
             for x, y in zip(a[0] + a[1], s[0] + s[1], strict=True):
                 assert torch.equal(x, y)
         with pytest.raises(ValueError, match="vocab_start"):
@@ -300,7 +279,7 @@ def _check_sp(h, w, t, b, rank, size, fn=linear_cross_entropy, dtype=torch.float
     rows, sl = slice(rank * ml, (rank + 1) * ml), slice(rank * vl, (rank + 1) * vl)
     temp = kw.pop("temperature", None)
     lkw = dict(kw) if temp is None else dict(kw, temperature=temp[rows])
-    out, grads = _run(fn, h[rows], w[sl], t[rows], None if b is None else b[sl], dtype, tp_group=dist.group.WORLD,
+    out, grads = weighted_backward(fn, h[rows], w[sl], t[rows], None if b is None else b[sl], dtype, tp_group=dist.group.WORLD,
                       sequence_parallel=True, **lkw)
     rkw = dict(kw) if temp is None else dict(kw, temperature=temp)
     hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
@@ -317,14 +296,14 @@ def _check_sp(h, w, t, b, rank, size, fn=linear_cross_entropy, dtype=torch.float
             wt = torch.tensor(0.5 * (i + 1), dtype=torch.float64, device=ro.device)
             ro_local = ro
         assert o.shape == ro_local.shape, (kw, o.shape, ro_local.shape)
-        assert _rel(o, ro_local.detach()) <= OUT_TOL or (o - ro_local).abs().max() <= OUT_TOL, (kw, o, ro_local)
+        assert rel(o, ro_local.detach()) <= OUT_TOL or (o - ro_local).abs().max() <= OUT_TOL, (kw, o, ro_local)
         total = total + (ro * wt).sum()
     total.backward()
     rgrads = [hd.grad[rows], wd.grad[sl]] + ([bd.grad[sl]] if b is not None else [])
     assert len(grads) == len(rgrads)
     for name, g, r in zip(("dhidden", "dweight", "dbias"), grads, rgrads):
         assert g.shape == r.shape and torch.isfinite(g).all()
-        assert _rel(g, r) <= GRAD_TOL or (g - r).abs().max() <= 1e-7, (kw, name, _rel(g, r))
+        assert rel(g, r) <= GRAD_TOL or (g - r).abs().max() <= 1e-7, (kw, name, rel(g, r))
     return out
 
 
