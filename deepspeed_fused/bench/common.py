@@ -85,6 +85,27 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> floa
         return statistics.median(times)
 
 
+def graph_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> Optional[float]:
+    """Median milliseconds of ``fn`` captured once in a CUDA graph and replayed: the device time
+    without the host's launch, dispatch and autograd-thread costs. None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # warm up (compile, caches) on a side stream, as capture requires
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        return bench_ms(g.replay, warmup, rep)
+    finally:
+        del g
+
+
 def peak_extra_mib(fn: Callable[[], object]) -> Optional[float]:
     """Peak memory allocated during ``fn()`` above what was allocated before it, in MiB."""
     if not torch.cuda.is_available():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 import torch
 
@@ -55,3 +56,60 @@ def warn_fallback(op: str, reason: str) -> None:
 def reset_fallback_warnings() -> None:
     """Forget which fallbacks have warned (tests use this)."""
     _warned.clear()
+
+
+class CachedLaunches:
+    """Launches Triton kernels for shapes seen before without the JIT's per-call work.
+
+    ``kernel[grid](...)`` binds and specializes every argument on every call (tens of
+    microseconds of Python for kernels with many arguments), which is on the critical path of
+    short kernels and of autograd backwards. Callers give a ``key`` that fixes everything the
+    JIT specializes on for that call site (shapes and strides, dtypes, device, pointer
+    alignment): the first launch of a key goes through the JIT, which compiles if needed and
+    returns the compiled kernel; later launches of the key call its launcher directly with the
+    same argument list. Under the interpreter, on CPU tensors, or while Triton launch hooks
+    are installed (profilers), every launch goes through the JIT.
+    """
+
+    def __init__(self):
+        self._compiled: dict = {}
+
+    def launch(self, kernel, key, grid: tuple, args: tuple, constexprs: dict, num_warps: int,
+               device_index: Optional[int]) -> None:
+        """``kernel[grid](*args, **constexprs, num_warps=num_warps)``; ``constexprs`` in the
+        kernel's parameter order (they follow ``args`` in its signature)."""
+        ck = self._compiled.get(key) if device_index is not None else None
+        if ck is not None and not _launch_hooks():
+            g0 = grid[0]
+            g1 = grid[1] if len(grid) > 1 else 1
+            g2 = grid[2] if len(grid) > 2 else 1
+            ck.run(g0, g1, g2, _raw_stream(device_index), ck.function, ck.packed_metadata, None, None, None,
+                   *args, *constexprs.values())
+            return
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        if device_index is not None and hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
+            self._compiled[key] = compiled
+
+    def clear(self) -> None:
+        self._compiled.clear()
+
+
+def _raw_stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+try:
+    from triton import knobs as _knobs
+
+    _RUNTIME_KNOBS = _knobs.runtime
+except Exception:  # pragma: no cover - Triton absent or older
+    _RUNTIME_KNOBS = None
+
+
+def _launch_hooks() -> bool:
+    """Whether Triton launch hooks are installed (then the JIT path runs them)."""
+    rt = _RUNTIME_KNOBS
+    if rt is None:
+        return False
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))

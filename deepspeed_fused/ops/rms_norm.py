@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._common import HAS_TRITON, kernel_device_ok, tl, triton, warn_fallback
+from ._common import HAS_TRITON, CachedLaunches, kernel_device_ok, tl, triton, warn_fallback
 
 __all__ = ["fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype"]
 
@@ -77,9 +77,18 @@ if HAS_TRITON:
         return tl.cast(outer, tl.int64) * S0 + tl.cast(mid, tl.int64) * S1 + tl.cast(inner, tl.int64) * S2
 
     @triton.jit
+    def _rstd(sum_sq, N, eps):
+        # 1 / sqrt(mean + eps) with one rounding to FP32: computed in FP64 from the row's sum of
+        # squares (per row, so it costs nothing); Triton's plain FP32 '/' is an approximate
+        # division and rsqrt an approximate instruction, each worth an ULP or two.
+        var = sum_sq.to(tl.float64) / N
+        return (1.0 / tl.sqrt(var + eps)).to(tl.float32)
+
+    @triton.jit
     def _rms_fwd_kernel(X, W, Y, RSTD, n_rows, N, eps,
                         D1, D2, S0, S1, S2,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+                        STATS64: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
@@ -92,20 +101,23 @@ if HAS_TRITON:
             cmask = cols < N
             m = rmask[:, None] & cmask[None, :]
             x = tl.load(X + xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            var = tl.sum(x * x, axis=1) / N
-            rstd = 1.0 / tl.sqrt_rn(var + eps)
+            if STATS64:
+                x64 = x.to(tl.float64)
+                ss = tl.sum(x64 * x64, axis=1)
+            else:
+                ss = tl.sum(x * x, axis=1)
+            rstd = _rstd(ss, N, eps)
             w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
             xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
             tl.store(Y + yrow + cols[None, :], (w[None, :] * xn).to(out_ty), mask=m)
         else:
-            acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float64 if STATS64 else tl.float32)
             for c0 in range(0, N, BLOCK_N):
                 c = c0 + cols
                 m = rmask[:, None] & (c < N)[None, :]
-                x = tl.load(X + xrow + c[None, :], mask=m, other=0.0).to(tl.float32)
+                x = tl.load(X + xrow + c[None, :], mask=m, other=0.0).to(acc.dtype)
                 acc += x * x
-            var = tl.sum(acc, axis=1) / N
-            rstd = 1.0 / tl.sqrt_rn(var + eps)
+            rstd = _rstd(tl.sum(acc, axis=1), N, eps)
             for c0 in range(0, N, BLOCK_N):
                 c = c0 + cols
                 cm = c < N
@@ -255,14 +267,6 @@ def _row_layout(t: torch.Tensor) -> Optional[tuple]:
     return (d1, d2, s0, s1, s2)
 
 
-def _layout_or_copy(t: torch.Tensor) -> tuple:
-    lay = _row_layout(t)
-    if lay is None:
-        t = t.contiguous()
-        lay = (1, 1, t.shape[-1], 0, 0)
-    return t, lay
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -353,70 +357,137 @@ class _on_device:
             self.ctx.__exit__(*a)
 
 
+# Launch plans: everything a call derives from shapes, strides, dtypes, device and pointer
+# alignment (configs, grids, persistent-program counts, the compiled kernels), computed once per
+# such key so that a repeated call does only its allocations and launches.
+_MAX_PLANS = 4096
+_fwd_plans: dict = {}
+_bwd_plans: dict = {}
+_launches = CachedLaunches()
+
+
+def clear_plans() -> None:
+    """Forget the launch plans (tests that change the tuning knobs call this)."""
+    _fwd_plans.clear()
+    _bwd_plans.clear()
+    _launches.clear()
+
+
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _MAX_PLANS:  # shapes that never repeat: start over rather than grow
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+def _cuda_index(t: torch.Tensor) -> Optional[int]:
+    return _device_index(t) if t.is_cuda else None
+
+
+def _fwd_plan(x: torch.Tensor, w: torch.Tensor, key) -> tuple:
+    N = x.shape[-1]
+    n_rows = x.numel() // N if N else 0
+    lay = _row_layout(x)
+    copy = lay is None
+    if copy:
+        lay = (1, 1, N, 0, 0)
+    cap = _sm_count(_device_index(x)) if x.is_cuda else 1
+    block_r, block_n, single, num_warps = _fwd_config(n_rows, N, x.element_size(), cap)
+    grid = (triton.cdiv(n_rows, block_r),)
+    const = dict(BLOCK_R=block_r, BLOCK_N=block_n, SINGLE=single, STATS64=x.dtype == torch.float32)
+    ints = (n_rows, N) + lay
+    return (copy, ints, grid, const, num_warps, ("fwd",) + key)
+
+
 def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float, y: Optional[torch.Tensor] = None,
                   rstd: Optional[torch.Tensor] = None):
     """Forward into fresh (or given, contiguous: tests poison them) ``y`` and ``rstd``."""
-    N = x.shape[-1]
     if y is None:
         y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
     if rstd is None:
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    n_rows = rstd.numel()
-    if n_rows == 0:
+    if rstd.numel() == 0:
         return y, rstd
-    x, (d1, d2, s0, s1, s2) = _layout_or_copy(x)
-    w = w.contiguous()
-    cap = _sm_count(_device_index(x)) if x.is_cuda else 1
-    block_r, block_n, single, num_warps = _fwd_config(n_rows, N, x.element_size(), cap)
-    grid = (triton.cdiv(n_rows, block_r),)
+    if w.stride(0) != 1:
+        w = w.contiguous()
+    key = (x.shape, x.stride(), x.dtype, w.dtype, x.device, x.data_ptr() % 16, w.data_ptr() % 16)
+    plan = _fwd_plans.get(key) or _remember(_fwd_plans, key, _fwd_plan(x, w, key))
+    copy, ints, grid, const, num_warps, lkey = plan
+    if copy:
+        x = x.contiguous()
     with _on_device(x):
-        _rms_fwd_kernel[grid](x, w, y, rstd, n_rows, N, float(eps), d1, d2, s0, s1, s2,
-                              BLOCK_R=block_r, BLOCK_N=block_n, SINGLE=single, num_warps=num_warps)
+        _launches.launch(_rms_fwd_kernel, lkey, grid, (x, w, y, rstd, ints[0], ints[1], float(eps)) + ints[2:],
+                         const, num_warps, _cuda_index(x))
     return y, rstd
+
+
+def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, key) -> tuple:
+    N = x.shape[-1]
+    n_rows = x.numel() // N
+    out_dtype = torch.promote_types(x.dtype, w.dtype)
+    convert = dy.dtype != out_dtype
+    xl, gl = _row_layout(x), (None if convert else _row_layout(dy))
+    xcopy, gcopy = xl is None, gl is None
+    xl = (1, 1, N, 0, 0) if xcopy else xl
+    gl = (1, 1, N, 0, 0) if gcopy else gl
+    block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
+    const = dict(BLOCK_N=block_n)
+    # a probe argument list: the persistent grid is sized from the compiled kernel's occupancy
+    xs = x.contiguous() if xcopy else x
+    gs = (dy.to(out_dtype) if convert else dy.contiguous()) if gcopy else dy
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if single:
+        n_tiles = triton.cdiv(n_rows, block_r)
+        const = dict(BLOCK_R=block_r, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH)
+        kernel = _rms_bwd_kernel
+        ints = (n_rows, N, n_tiles) + xl + gl
+        progs = _persistent_grid(kernel, (gs, xs, w, rstd, dx, rstd) + ints, dict(const, num_warps=num_warps), x,
+                                 n_tiles)
+    else:
+        kernel = _rms_bwd_loop_kernel
+        ints = (n_rows, N) + xl + gl
+        # each program read-modify-writes its own partial row: keep their number (and the
+        # partial buffer, which stays in L2) small
+        progs = _persistent_grid(kernel, (gs, xs, w, rstd, dx, rstd) + ints, dict(const, num_warps=num_warps), x,
+                                 n_rows, per_sm=2)
+    # narrow column strips so the (small) partial buffer is read by many programs at once
+    rn = min(triton.next_power_of_2(N), 32)
+    rp = min(triton.next_power_of_2(progs), 128)
+    red = ((triton.cdiv(N, rn),), dict(BLOCK_P=rp, BLOCK_N=rn))
+    return (convert, out_dtype, xcopy, gcopy, kernel, ints, progs, const, num_warps, not single, red,
+            ("bwd",) + key, ("red",) + key)
 
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
                    dx: Optional[torch.Tensor] = None, dw: Optional[torch.Tensor] = None):
     """Backward into fresh (or given, contiguous: tests poison them) ``dx`` and ``dw``."""
-    N = x.shape[-1]
     if dx is None:
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if dw is None:
         dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    n_rows = rstd.numel()
-    if n_rows == 0:
+    if rstd.numel() == 0:
         return dx, dw.zero_()
-    out_dtype = torch.promote_types(x.dtype, w.dtype)
-    if dy.dtype != out_dtype:
+    if w.stride(0) != 1:
+        w = w.contiguous()
+    if not rstd.is_contiguous():
+        rstd = rstd.contiguous()
+    key = (x.shape, x.stride(), dy.stride(), x.dtype, w.dtype, dy.dtype, x.device,
+           x.data_ptr() % 16, dy.data_ptr() % 16, w.data_ptr() % 16)
+    plan = _bwd_plans.get(key) or _remember(_bwd_plans, key, _bwd_plan(dy, x, w, key))
+    convert, out_dtype, xcopy, gcopy, kernel, ints, progs, const, num_warps, zero, red, lkey, rkey = plan
+    if convert:
         dy = dy.to(out_dtype)
-    x, xl = _layout_or_copy(x)
-    dy, gl = _layout_or_copy(dy)
-    w = w.contiguous()
-    rstd = rstd.contiguous()
-    block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
-    meta = dict(BLOCK_N=block_n, num_warps=num_warps)
+    if gcopy:
+        dy = dy.contiguous()
+    if xcopy:
+        x = x.contiguous()
+    N = x.shape[-1]
+    part = (torch.zeros if zero else torch.empty)((progs, N), dtype=torch.float32, device=x.device)
+    dev = _cuda_index(x)
     with _on_device(x):
-        if single:
-            n_tiles = triton.cdiv(n_rows, block_r)
-            meta["BLOCK_R"] = block_r
-            meta["PREFETCH"] = _BWD_PREFETCH
-            kernel = _rms_bwd_kernel
-            probe = (dy, x, w, rstd, dx, rstd, n_rows, N, n_tiles, *xl, *gl)
-            progs = _persistent_grid(kernel, probe, meta, x, n_tiles)
-            part = torch.empty((progs, N), dtype=torch.float32, device=x.device)
-        else:
-            kernel = _rms_bwd_loop_kernel
-            probe = (dy, x, w, rstd, dx, rstd, n_rows, N, *xl, *gl)
-            # each program read-modify-writes its own partial row: keep their number (and the
-            # partial buffer, which stays in L2) small
-            progs = _persistent_grid(kernel, probe, meta, x, n_rows, per_sm=2)
-            part = torch.zeros((progs, N), dtype=torch.float32, device=x.device)
-        args = probe[:5] + (part,) + probe[6:]
-        kernel[(progs,)](*args, **meta)
-        # narrow column strips so the (small) partial buffer is read by many programs at once
-        rn = min(triton.next_power_of_2(N), 32)
-        rp = min(triton.next_power_of_2(progs), 128)
-        _dw_reduce_kernel[(triton.cdiv(N, rn),)](part, dw, progs, N, BLOCK_P=rp, BLOCK_N=rn, num_warps=4)
+        _launches.launch(kernel, lkey, (progs,), (dy, x, w, rstd, dx, part) + ints, const, num_warps, dev)
+        _launches.launch(_dw_reduce_kernel, rkey, red[0], (part, dw, progs, N), red[1], 4, dev)
     return dx, dw
 
 
@@ -473,11 +544,19 @@ class _FusedRMSNormFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph=True: the gradient is not differentiable again
+            return _backward_once(ctx, dy)
         x, w, rstd = ctx.saved_tensors
         dx, dw = _backward_impl(dy, x, w, rstd)
         return dx, dw, None
+
+
+@once_differentiable
+def _backward_once(ctx, dy):
+    x, w, rstd = ctx.saved_tensors
+    dx, dw = _backward_impl(dy, x, w, rstd)
+    return dx, dw, None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from deepspeed_fused.features import rms_norm as F
 from deepspeed_fused.ops import rms_norm as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
 from unit.test_rms_norm import (EPS, _norms, _randomize_norms, _step, assert_dw_close, check_against_eager,
+                                dw_flip_allowance, eager_normalized,
                                 fused_grads, make_inputs, oracle_forward)
 
 pytestmark = pytest.mark.gpu
@@ -237,6 +238,20 @@ def test_dw_is_close_for_long_columns():
     xr = x.clone().requires_grad_()
     wr = w.clone().requires_grad_()
     R.rms_norm_reference(xr, wr, EPS).backward(dy)
-    xf = x.float()
-    xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
-    assert_dw_close(dw, wr.grad, w.dtype, (dy.float() * xn.float()).abs().sum(0))
+    xn = eager_normalized(x, EPS)
+    assert_dw_close(dw, wr.grad, w.dtype, (dy.float() * xn.float()).abs().sum(0),
+                    dw_flip_allowance(x, w, EPS, dy))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cached_launches_follow_alignment_and_strides(dtype):
+    # the second call of a key launches the compiled kernel directly: the same shape at an
+    # unaligned offset, or with other strides, must get its own plan and stay right
+    R.clear_plans()
+    base, w, dyb = make_inputs((4097, 256), dtype, seed=12, device="cuda")
+    for _ in range(2):
+        for x, dy in ((base[1:], dyb[1:]), (base[:-1], dyb[:-1]), (base.flatten()[3:3 + 4096 * 255].view(4096, 255),
+                                                                    dyb[:-1, :255])):
+            ww = w[: x.shape[-1]].contiguous()
+            check_against_eager(x, ww, dy)
+    assert len(R._launches._compiled) >= 3
