@@ -9,8 +9,9 @@ of the eager form, Liger-Kernel ``LigerRMSNorm`` (llama casting, not in place) a
 0.19.8 ``fused_rms_norm`` (widths up to 2048), each when it imports. Forward + backward is timed
 as the forward followed by ``torch.autograd.grad`` for x and the weight.
 
-``python -m deepspeed_fused.bench rms_norm --sweep`` times the kernels' tile knobs instead (one
-record per setting and shape) to tune the defaults in ``deepspeed_fused/ops/rms_norm.py``.
+``python -m deepspeed_fused.bench rms_norm --sweep --out DIR`` times the kernels' tile knobs instead
+(CUDA-graph device time, one record per setting and shape) to tune the defaults in
+``deepspeed_fused/ops/rms_norm.py``.
 """
 from __future__ import annotations
 
@@ -18,19 +19,19 @@ import torch
 
 from ..ops import rms_norm as _ops
 from ..ops.rms_norm import fused_rms_norm, rms_norm_reference
-from .common import graph_ms, measure
+from .common import Record, env_fields, graph_ms, measure
 
 SUITE = "rms_norm"
 TITLE = "Fused RMSNorm (Llama form) forward and forward+backward"
-NOTES = ("Targets (H200, bf16): on shapes with >= 32 MiB per tensor, fwd >= 3.4 TB/s and fwd+bwd >= 3.0 TB/s "
-         "effective and fwd+bwd >= 1.5x the fastest peer; short inputs (16 rows) fwd+bwd within 1.2x of the "
-         "fastest peer. Effective bytes: fwd = x read + y written; fwd+bwd adds x and dy read and dx written. The fwd+bwd column is host-inclusive: "
-         "forward then torch.autograd.grad, so autograd's hand-over to its device thread and any Python in "
-         "the backward count. The note gives, for ours, torch F.rms_norm and HF eager, the same "
-         "forward+backward replayed from a CUDA graph (device time alone).")
+_NOTES = ("Targets (H200, bf16): on shapes with >= 32 MiB per tensor, fwd >= 3.4 TB/s and fwd+bwd >= 3.0 TB/s "
+          "effective and fwd+bwd >= 1.5x the fastest peer; short inputs (16 rows) fwd+bwd within 1.2x of the "
+          "fastest peer. Effective bytes: fwd = x read + y written; fwd+bwd adds x and dy read and dx written. "
+          "The fwd and fwd+bwd columns are host-inclusive (fwd+bwd: the forward, then torch.autograd.grad, so "
+          "autograd's hand-over to its device thread and any Python in a backward count). The note gives, for "
+          "every implementation that captures, the same forward and forward+backward replayed from a CUDA "
+          "graph: device time alone. The table below compares both ways.")
+NOTES = _NOTES
 
-# implementations also timed as a CUDA-graph replay of forward+backward (device time alone)
-GRAPHED = ("deepspeed_fused", "torch F.rms_norm", "HF eager LlamaRMSNorm")
 SHAPES = [(8192, 2048), (8192, 4096), (8192, 8192), (262144, 128), (32768, 128), (524288, 128), (16, 128),
           (16, 4096)]
 EPS = 1e-6
@@ -93,43 +94,57 @@ def _fns(impl, x, w, dy):
     return fwd, fwd_bwd
 
 
-SWEEP = [  # (fwd tile bytes, fwd elems/warp, bwd tile elems, bwd elems/warp, bwd prefetch)
-    (16384, 1024, 4096, 512, True), (16384, 1024, 4096, 512, False), (8192, 1024, 2048, 512, True),
-    (8192, 1024, 2048, 512, False), (32768, 2048, 8192, 1024, True), (16384, 512, 4096, 256, True),
-    (8192, 512, 8192, 512, False), (32768, 1024, 2048, 256, True), (16384, 2048, 4096, 1024, False),
-]
-_KNOBS = ("_FWD_TILE_BYTES", "_FWD_ELEMS_PER_WARP", "_BWD_TILE_ELEMS", "_BWD_ELEMS_PER_WARP", "_BWD_PREFETCH")
+FWD_SWEEP = [(t, e) for t in (8192, 16384, 32768, 65536) for e in (256, 512, 1024, 2048)]
+BWD_SWEEP = [(t, e, p) for t in (2048, 4096, 8192, 16384) for e in (256, 512, 1024) for p in (True, False)]
+_FWD_KNOBS = ("_FWD_TILE_BYTES", "_FWD_ELEMS_PER_WARP")
+_BWD_KNOBS = ("_BWD_TILE_ELEMS", "_BWD_ELEMS_PER_WARP", "_BWD_PREFETCH")
 
 
 def sweep(args) -> list:
-    """Time our kernels under each knob setting of SWEEP (defaults restored afterwards)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    shapes = [(8192, 2048), (8192, 4096), (8192, 8192), (262144, 128), (524288, 128), (16, 4096)] \
-        if dev == "cuda" else [(64, 128)]
-    saved = {k: getattr(_ops, k) for k in _KNOBS}
+    """Device time (CUDA-graph replay) of our forward under each FWD_SWEEP setting and of our
+    backward alone under each BWD_SWEEP setting; defaults restored afterwards. Records put the
+    forward in ``fwd_ms`` and the backward in ``fwd_bwd_ms`` (backward only, see the note)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("the rms_norm sweep needs a GPU (it times CUDA-graph replays)")
+    dtype = torch.bfloat16
+    shapes = [(8192, 2048), (8192, 4096), (8192, 8192), (262144, 128), (524288, 128)]
+    saved = {k: getattr(_ops, k) for k in _FWD_KNOBS + _BWD_KNOBS}
     recs = []
     gen = torch.Generator().manual_seed(0)
-    try:
-        for rows, width in shapes:
-            x = (0.5 * torch.randn(rows, width, generator=gen)).to(dev, dtype)
-            w = (1 + 0.02 * torch.randn(width, generator=gen)).to(dev, dtype)
-            dy = torch.randn(rows, width, generator=gen).to(dev, dtype)
-            e = rows * width * x.element_size()
-            for setting in SWEEP:
-                for k, v in zip(_KNOBS, setting):
-                    setattr(_ops, k, v)
-                _ops._occupancy_cache.clear()
-                _ops.clear_plans()
-                fwd, fwd_bwd = _fns(lambda x, w: fused_rms_norm(x, w, EPS), x, w, dy)
-                recs.append(measure(SUITE, "ours " + "/".join(str(v) for v in setting), f"{rows}x{width}",
-                                    dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=2 * e, bytes_fwd_bwd=5 * e,
-                                    ours=True, rep=50))
-    finally:
-        for k, v in saved.items():
+
+    def apply(knobs, setting):
+        for k, v in zip(knobs, setting):
             setattr(_ops, k, v)
         _ops._occupancy_cache.clear()
         _ops.clear_plans()
+
+    try:
+        for rows, width in shapes:
+            x = (0.5 * torch.randn(rows, width, generator=gen)).to("cuda", dtype)
+            w = (1 + 0.02 * torch.randn(width, generator=gen)).to("cuda", dtype)
+            dy = torch.randn(rows, width, generator=gen).to("cuda", dtype)
+            e = rows * width * x.element_size()
+            shape = f"{rows}x{width}"
+            for setting in FWD_SWEEP:
+                apply(_FWD_KNOBS, setting)
+                ms = graph_ms(lambda: _ops._forward_impl(x, w, EPS), rep=50)
+                recs.append(Record(SUITE, "fwd tile_bytes/elems_per_warp " + "/".join(map(str, setting)), shape,
+                                   "bfloat16", ours=True, fwd_ms=ms, unit="TB/s", fwd_rate=2 * e / ms / 1e9,
+                                   note="CUDA-graph device time", **env_fields()))
+            apply(_FWD_KNOBS, [saved[k] for k in _FWD_KNOBS])
+            _, rstd = _ops._forward_impl(x, w, EPS)
+            for setting in BWD_SWEEP:
+                apply(_BWD_KNOBS, setting)
+                ms = graph_ms(lambda: _ops._backward_impl(dy, x, w, rstd), rep=50)
+                recs.append(Record(SUITE, "bwd tile_elems/elems_per_warp/prefetch " + "/".join(map(str, setting)),
+                                   shape, "bfloat16", ours=True, fwd_bwd_ms=ms, unit="TB/s",
+                                   fwd_bwd_rate=3 * e / ms / 1e9,
+                                   note="backward alone (x, dy read, dx written), CUDA-graph device time",
+                                   **env_fields()))
+            apply(_BWD_KNOBS, [saved[k] for k in _BWD_KNOBS])
+            del x, w, dy, rstd
+    finally:
+        apply(tuple(saved), tuple(saved.values()))
     return recs
 
 
@@ -157,18 +172,51 @@ def run(args) -> list:
             fwd, fwd_bwd = _fns(fn, x, w, dy)
             rec = measure(SUITE, name, shape, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=2 * e,
                           bytes_fwd_bwd=5 * e, ours=ours, note=note, rep=rep, tensor_mib=round(e / 2**20, 1))
-            if dev == "cuda" and name in GRAPHED and rec.fwd_bwd_ms:
+            if dev == "cuda" and rec.fwd_bwd_ms:  # every implementation that captures
                 try:
-                    gms = graph_ms(fwd_bwd, rep=rep)
-                    rec.extra["fwd_bwd_graph_ms"] = round(gms, 4)
-                    rec.extra["fwd_bwd_graph_tbps"] = round(5 * e / gms / 1e9, 3)
-                    rec.note = "; ".join(p for p in [rec.note, f"CUDA graph fwd+bwd {gms:.4f} ms "
-                                                     f"({5 * e / gms / 1e9:.2f} TB/s)"] if p)
+                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
+                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_graph_tbps=round(2 * e / fms / 1e9, 3),
+                                     fwd_bwd_graph_ms=round(gms, 4), fwd_bwd_graph_tbps=round(5 * e / gms / 1e9, 3))
+                    rec.note = "; ".join(p for p in [rec.note, f"CUDA graph: fwd {fms:.4f} ms ({2 * e / fms / 1e9:.2f} "
+                                                     f"TB/s), fwd+bwd {gms:.4f} ms ({5 * e / gms / 1e9:.2f} TB/s)"]
+                                         if p)
                 except Exception as ex:  # reported, not fatal
+                    torch.cuda.synchronize()
                     rec.extra["fwd_bwd_graph_ms"] = None
                     rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)
             recs.append(rec)
         del x, w, dy
         if dev == "cuda":
             torch.cuda.empty_cache()
+    global NOTES
+    NOTES = _NOTES + "\n\n" + _summary(recs) if dev == "cuda" else _NOTES
     return recs
+
+
+def _summary(recs) -> str:
+    """Our figures against the targets, from device time (CUDA graphs) and host-inclusive time."""
+    rows = ["| shape | MiB per tensor | ours fwd TB/s (graph) | ours fwd+bwd TB/s (graph) | fastest peer fwd+bwd "
+            "(graph) | ours vs it (graph) | ours vs fastest peer (host-inclusive) | targets met (graph) |",
+            "|---|---:|---:|---:|---|---:|---:|---|"]
+    for shape in dict.fromkeys(r.shape for r in recs):
+        rs = [r for r in recs if r.shape == shape]
+        ours = next((r for r in rs if r.ours), None)
+        if ours is None or not ours.extra.get("fwd_bwd_graph_ms"):
+            continue
+        peers = [r for r in rs if not r.ours and r.extra.get("fwd_bwd_graph_ms")]
+        best = min(peers, key=lambda r: r.extra["fwd_bwd_graph_ms"], default=None)
+        host_best = min((r.fwd_bwd_ms for r in rs if not r.ours and r.fwd_bwd_ms), default=None)
+        vs = best.extra["fwd_bwd_graph_ms"] / ours.extra["fwd_bwd_graph_ms"] if best else None
+        vs_host = host_best / ours.fwd_bwd_ms if host_best and ours.fwd_bwd_ms else None
+        mib = ours.extra.get("tensor_mib", 0)
+        if mib >= 32:
+            met = (ours.extra["fwd_graph_tbps"] >= 3.4, ours.extra["fwd_bwd_graph_tbps"] >= 3.0,
+                   vs is not None and vs >= 1.5)
+            verdict = ", ".join(f"{n} {'yes' if m else 'NO'}" for n, m in zip(("fwd", "fwd+bwd", "1.5x"), met))
+        else:
+            verdict = f"within 1.2x: {'yes' if vs is not None and vs >= 1 / 1.2 else 'NO'}" if mib < 1 else "-"
+        rows.append(f"| {shape} | {mib} | {ours.extra['fwd_graph_tbps']:.2f} | {ours.extra['fwd_bwd_graph_tbps']:.2f} | "
+                    f"{best.impl if best else '-'} | {vs:.2f}x | {vs_host:.2f}x | {verdict} |" if vs and vs_host else
+                    f"| {shape} | {mib} | {ours.extra['fwd_graph_tbps']:.2f} | {ours.extra['fwd_bwd_graph_tbps']:.2f} "
+                    f"| - | - | - | - |")
+    return "\n".join(rows)
