@@ -215,8 +215,9 @@ def _summary(recs) -> str:
             verdict = ", ".join(f"{n} {'yes' if m else 'NO'}" for n, m in zip(("fwd", "fwd+bwd", "1.5x"), met))
         else:
             verdict = f"within 1.2x: {'yes' if vs is not None and vs >= 1 / 1.2 else 'NO'}" if mib < 1 else "-"
-        rows.append(f"| {shape} | {mib} | {ours.extra['fwd_graph_tbps']:.2f} | {ours.extra['fwd_bwd_graph_tbps']:.2f} | "
-                    f"{best.impl if best else '-'} | {vs:.2f}x | {vs_host:.2f}x | {verdict} |" if vs and vs_host else
-                    f"| {shape} | {mib} | {ours.extra['fwd_graph_tbps']:.2f} | {ours.extra['fwd_bwd_graph_tbps']:.2f} "
-                    f"| - | - | - | - |")
+        head = f"| {shape} | {mib} | {ours.extra['fwd_graph_tbps']:.2f} | {ours.extra['fwd_bwd_graph_tbps']:.2f} | "
+        if vs and vs_host:
+            rows.append(head + f"{best.impl} | {vs:.2f}x | {vs_host:.2f}x | {verdict} |")
+        else:
+            rows.append(head + "- | - | - | - |")
     return "\n".join(rows)

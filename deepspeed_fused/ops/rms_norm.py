@@ -3,7 +3,9 @@
 The Llama-form module computes ``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``:
 FP32 statistics, one rounding of the normalized value to the input dtype, then the multiply by
 the weight in the promoted dtype (an FP32 weight with bf16 input gives an FP32 output). The
-kernels reproduce those rounding points and the ones eager autograd applies in the backward:
+kernels reproduce those rounding points (``rstd`` itself is formed in FP64 from the row's sum of
+squares and rounded once, where eager rounds the mean and then takes an approximate ``rsqrt``)
+and the ones eager autograd applies in the backward:
 
 * ``g = dy * w`` is formed in the output dtype and rounded to the input dtype (the gradient of
   the rounded normalized value), then the input gradient is FP32 math on ``g``;
@@ -14,7 +16,9 @@ Kernels: a forward over ``[BLOCK_R, BLOCK_N]`` tiles (many rows per program for 
 one row per program for wide ones, looping over column blocks when a row does not fit one
 block), and a persistent backward (a bounded grid; each program walks row tiles, writes ``dx``
 and keeps its own FP32 weight-gradient partial in registers). The partials ``[programs, N]`` are
-summed by a small Triton reduction kernel in a fixed order, so the results are bitwise repeatable. Rows may be
+summed by a small Triton reduction kernel in a fixed order, so the results are bitwise repeatable. Launch
+plans (configs, grids, compiled kernels) are cached per shape/stride/dtype/alignment key so a
+repeated call does only its allocations and direct launches. Rows may be
 strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
 slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
 """
