@@ -100,10 +100,7 @@ def graph_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> Opti
     with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize()
-    try:
-        return bench_ms(g.replay, warmup, rep)
-    finally:
-        del g
+    return bench_ms(g.replay, warmup, rep)
 
 
 def peak_extra_mib(fn: Callable[[], object]) -> Optional[float]:
