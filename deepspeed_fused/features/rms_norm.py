@@ -28,7 +28,7 @@ from pydantic import StrictBool
 
 from ..config import FeatureConfig
 from ..ops._common import warn_fallback
-from ..ops.rms_norm import fused_rms_norm, rms_norm_kernel_ok
+from ..ops.rms_norm import rms_norm_kernel_ok, try_fused_rms_norm
 from .base import Environment, Feature, FeatureReport
 from .registry import register
 
@@ -71,10 +71,11 @@ def _make_dispatcher(original, eps_attr: str):
     def forward(self, hidden_states, *args, **kwargs):
         if getattr(self, MARKER, None) is OPT_IN and not args and not kwargs:
             weight = self.weight
-            ok, reason = rms_norm_kernel_ok(hidden_states, weight)
-            if ok:
-                return fused_rms_norm(hidden_states, weight, getattr(self, eps_attr))
-            warn_fallback("rms_norm", f"{reason}; the module runs its eager forward")
+            y = try_fused_rms_norm(hidden_states, weight, getattr(self, eps_attr))
+            if y is not None:
+                return y
+            warn_fallback("rms_norm", f"{rms_norm_kernel_ok(hidden_states, weight)[1]}; the module runs its eager "
+                                      "forward")
         return original(self, hidden_states, *args, **kwargs)
 
     forward.__qualname__ = f"deepspeed_fused_rms_norm_dispatcher[{getattr(original, '__qualname__', '?')}]"

@@ -59,39 +59,89 @@ def reset_fallback_warnings() -> None:
 
 
 class CachedLaunches:
-    """Launches Triton kernels for shapes seen before without the JIT's per-call work.
+    """Launches Triton kernels for keys seen before without the JIT's per-call work.
 
     ``kernel[grid](...)`` binds and specializes every argument on every call (tens of
     microseconds of Python for kernels with many arguments), which is on the critical path of
     short kernels and of autograd backwards. Callers give a ``key`` that fixes everything the
     JIT specializes on for that call site (shapes and strides, dtypes, device, pointer
-    alignment): the first launch of a key goes through the JIT, which compiles if needed and
-    returns the compiled kernel; later launches of the key call its launcher directly with the
-    same argument list. Under the interpreter, on CPU tensors, or while Triton launch hooks
-    are installed (profilers), every launch goes through the JIT.
+    alignment, grid): the first launch of a key goes through the JIT, which compiles if needed;
+    later launches of the key call the compiled kernel's C launcher directly with the same
+    argument list. Pointers may be passed as integers (``t.data_ptr()``), which also skips the
+    launcher's per-pointer driver query. Under the interpreter, on CPU tensors, or while Triton
+    launch hooks are installed (profilers), every launch goes through the JIT.
     """
 
     def __init__(self):
         self._compiled: dict = {}
 
+    def get(self, key):
+        """The direct launcher of ``key`` (``fn(stream, *args)``) or None; None as well while
+        Triton launch hooks are installed."""
+        fn = self._compiled.get(key)
+        if fn is not None and _launch_hooks():
+            return None
+        return fn
+
     def launch(self, kernel, key, grid: tuple, args: tuple, constexprs: dict, num_warps: int,
                device_index: Optional[int]) -> None:
         """``kernel[grid](*args, **constexprs, num_warps=num_warps)``; ``constexprs`` in the
-        kernel's parameter order (they follow ``args`` in its signature)."""
-        ck = self._compiled.get(key) if device_index is not None else None
-        if ck is not None and not _launch_hooks():
-            g0 = grid[0]
-            g1 = grid[1] if len(grid) > 1 else 1
-            g2 = grid[2] if len(grid) > 2 else 1
-            ck.run(g0, g1, g2, _raw_stream(device_index), ck.function, ck.packed_metadata, None, None, None,
-                   *args, *constexprs.values())
+        kernel's parameter order (they follow ``args`` in its signature). ``grid`` must be fixed
+        by ``key``."""
+        fn = self.get(key) if device_index is not None else None
+        if fn is not None:
+            fn(_raw_stream(device_index), *args)
             return
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
-        if device_index is not None and hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
-            self._compiled[key] = compiled
+        if device_index is not None:
+            fn = direct_launcher(compiled, grid, tuple(constexprs.values()))
+            if fn is not None:
+                self._compiled[key] = fn
 
     def clear(self) -> None:
         self._compiled.clear()
+
+
+def direct_launcher(compiled, grid: tuple, constexpr_values: tuple):
+    """``fn(stream, *args)`` launching ``compiled`` (what ``kernel[grid](...)`` returned) on
+    ``grid`` through its C launcher, or None when this Triton's launcher is not the one known
+    here (then callers keep using the JIT)."""
+    run = getattr(compiled, "run", None)
+    launch = getattr(run, "launch", None)
+    function = getattr(compiled, "function", None)
+    meta = getattr(compiled, "packed_metadata", None)
+    if launch is None or function is None or meta is None or not _known_launcher(run):
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None  # the launcher would allocate scratch per call: keep the JIT's path
+    g0 = grid[0]
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    coop, pdl = bool(getattr(run, "launch_cooperative_grid", False)), bool(getattr(run, "launch_pdl", False))
+    tail = tuple(constexpr_values)
+
+    def fn(stream, *args):
+        launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None, *args, *tail)
+
+    return fn
+
+
+_KNOWN_LAUNCHER: list = []
+
+
+def _known_launcher(run) -> bool:
+    """Whether ``run`` is the NVIDIA launcher with the argument layout ``direct_launcher`` passes
+    (grid, stream, function, cooperative, pdl, two scratch pointers, metadata, hooks, args)."""
+    if type(run).__name__ != "CudaLauncher":
+        return False
+    if not _KNOWN_LAUNCHER:
+        try:
+            from triton.backends.nvidia import driver
+
+            _KNOWN_LAUNCHER.append(getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO")
+        except Exception:  # pragma: no cover - depends on the Triton version
+            _KNOWN_LAUNCHER.append(False)
+    return _KNOWN_LAUNCHER[0]
 
 
 def _raw_stream(device_index: int) -> int:

@@ -25,6 +25,7 @@ slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -32,7 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from ._common import HAS_TRITON, CachedLaunches, kernel_device_ok, tl, triton, warn_fallback
 
-__all__ = ["fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype"]
+__all__ = ["fused_rms_norm", "try_fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype"]
 
 _OP = "rms_norm"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -89,10 +90,9 @@ if HAS_TRITON:
         return (1.0 / tl.sqrt(var + eps)).to(tl.float32)
 
     @triton.jit
-    def _rms_fwd_kernel(X, W, Y, RSTD, n_rows, N, eps,
-                        D1, D2, S0, S1, S2,
+    def _rms_fwd_kernel(X, W, Y, RSTD, n_rows, N, D1, D2, S0, S1, S2, eps,
                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-                        STATS64: tl.constexpr):
+                        STATS64: tl.constexpr, WRITE_RSTD: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
@@ -130,7 +130,46 @@ if HAS_TRITON:
                 w = tl.load(W + c, mask=cm, other=0.0).to(tl.float32)
                 xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
                 tl.store(Y + yrow + c[None, :], (w[None, :] * xn).to(out_ty), mask=m)
-        tl.store(RSTD + rows, rstd, mask=rmask)
+        if WRITE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=rmask)
+
+    @triton.jit
+    def _sum_rows(SRC, n, N, DST, RB_P: tl.constexpr, RB_N: tl.constexpr):
+        # DST[c] = sum over i < n of SRC[i, c] in FP32, in a fixed order, rounded to DST's dtype.
+        # Loads bypass L1: the rows were written by other programs of this launch.
+        pr = tl.arange(0, RB_P)
+        for c0 in range(0, N, RB_N):
+            c = c0 + tl.arange(0, RB_N)
+            cm = c < N
+            acc = tl.zeros([RB_P, RB_N], dtype=tl.float32)
+            for p0 in range(0, n, RB_P):
+                p = p0 + pr
+                m = (p < n)[:, None] & cm[None, :]
+                acc += tl.load(SRC + p.to(tl.int64)[:, None] * N + c[None, :], mask=m, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(DST + c, tl.sum(acc, axis=0).to(DST.dtype.element_ty), mask=cm)
+
+    @triton.jit
+    def _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr):
+        # Called by every program after it stored its weight-gradient partial PART[pid, :N].
+        # Two-level fixed-order sum in the same launch: the last program of each group of GROUP
+        # consecutive programs sums the group's rows into PART[nprog + group]; the last group to
+        # finish sums those into DW. Which program arrives last does not change any sum, so the
+        # result is bitwise repeatable. Each counter is reset to zero by its last user.
+        g = pid // GROUP
+        n_groups = tl.cdiv(nprog, GROUP)
+        first = g * GROUP
+        size = tl.minimum(nprog - first, GROUP)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(CNT + g, 1, sem="acq_rel", scope="gpu")
+        if arrived == size - 1:
+            _sum_rows(PART + first.to(tl.int64) * N, size, N, PART + (nprog + g).to(tl.int64) * N, RB_P, RB_N)
+            tl.store(CNT + g, 0)
+            tl.debug_barrier()
+            groups_done = tl.atomic_add(CNT + n_groups, 1, sem="acq_rel", scope="gpu")
+            if groups_done == n_groups - 1:
+                _sum_rows(PART + nprog.to(tl.int64) * N, n_groups, N, DW, RB_P, RB_N)
+                tl.store(CNT + n_groups, 0)
 
     @triton.jit
     def _bwd_load_tile(DY, X, RSTD, tile, n_rows, cols, cmask,
@@ -146,9 +185,10 @@ if HAS_TRITON:
         return x, dy, rstd
 
     @triton.jit
-    def _rms_bwd_kernel(DY, X, W, RSTD, DX, PART, n_rows, N, n_tiles,
+    def _rms_bwd_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, n_rows, N, n_tiles,
                         XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+                        GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr):
         # One persistent program: walks row tiles pid, pid + P, ...; writes dx for them and one
         # FP32 weight-gradient partial row PART[pid, :N] (the row fits one block). With PREFETCH
         # the next tile's x and dy are loaded before the current one is processed.
@@ -187,14 +227,16 @@ if HAS_TRITON:
             xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
             acc += (dy * xn).to(out_ty).to(tl.float32)
         tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+        _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
 
     @triton.jit
-    def _rms_bwd_loop_kernel(DY, X, W, RSTD, DX, PART, n_rows, N,
+    def _rms_bwd_loop_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, n_rows, N,
                              XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
-                             BLOCK_N: tl.constexpr):
+                             BLOCK_N: tl.constexpr, GROUP: tl.constexpr, RB_P: tl.constexpr,
+                             RB_N: tl.constexpr):
         # Wide rows: one row at a time, two passes over column blocks (the row sum, then dx);
-        # the weight-gradient partial accumulates in this program's own row PART[pid, :]
-        # (zero-initialised; only this program touches it, so no atomics).
+        # the weight-gradient partial accumulates in this program's own row PART[pid, :] (its
+        # first row stores, later rows add; only this program touches the row, so no atomics).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         in_ty = X.dtype.element_ty
@@ -225,21 +267,10 @@ if HAS_TRITON:
                 dx = g * rstd + (dvar / N) * (2.0 * x)
                 tl.store(DX + tl.cast(row, tl.int64) * N + c, dx.to(in_ty), mask=cm)
                 xn = (x * rstd).to(in_ty).to(tl.float32)
-                p = tl.load(prow + c, mask=cm, other=0.0)
+                p = tl.where(row > pid, tl.load(prow + c, mask=cm, other=0.0), 0.0)
                 tl.store(prow + c, p + (dy * xn).to(out_ty).to(tl.float32), mask=cm)
+        _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
 
-
-    @triton.jit
-    def _dw_reduce_kernel(PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-        # dW[c] = sum over programs p of PART[p, c], in a fixed order, rounded to the weight dtype.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
-        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        for p0 in range(0, P, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            m = (p < P)[:, None] & cmask[None, :]
-            acc += tl.load(PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
-        tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cmask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,13 +392,15 @@ class _on_device:
             self.ctx.__exit__(*a)
 
 
-# Launch plans: everything a call derives from shapes, strides, dtypes, device and pointer
-# alignment (configs, grids, persistent-program counts, the compiled kernels), computed once per
-# such key so that a repeated call does only its allocations and launches.
+# Launch plans: everything a call derives from shapes, strides, dtypes, devices and pointer
+# alignment (configs, grids, persistent-program counts, workspace sizes, the compiled kernels),
+# computed once per such key. A repeated call then builds its key, allocates its outputs and
+# launches one kernel through the compiled kernel's C launcher (``CachedLaunches``).
 _MAX_PLANS = 4096
 _fwd_plans: dict = {}
 _bwd_plans: dict = {}
 _launches = CachedLaunches()
+_F32 = torch.float32
 
 
 def clear_plans() -> None:
@@ -388,7 +421,54 @@ def _cuda_index(t: torch.Tensor) -> Optional[int]:
     return _device_index(t) if t.is_cuda else None
 
 
-def _fwd_plan(x: torch.Tensor, key) -> tuple:
+def _current_device_is(dev: int) -> bool:
+    return torch._C._cuda_getDevice() == dev
+
+
+# ---- workspace: the backward's weight-gradient partials and its arrival counters ---------------
+# One per (device, stream), grown when a larger one is needed and never freed (a CUDA graph
+# captured earlier may still use a smaller one, and kernels in flight may too). The counters
+# are zero between launches: each is reset by the program that uses it last. Launches on one
+# stream run one after another, so they can share it; launches on another stream get their own.
+# While a stream is being captured into a CUDA graph, each call gets a private workspace from
+# the graph's pool (zeroed inside the graph), so replays never share one with eager work.
+_N_COUNTERS = 1024
+_workspaces: dict = {}
+_retired: list = []
+
+
+def _workspace(device: torch.device, dev: Optional[int], stream: int, numel: int, n_cnt: int):
+    if dev is not None and torch._C._cuda_isCurrentStreamCapturing():
+        return (torch.empty(numel, dtype=_F32, device=device), torch.zeros(n_cnt, dtype=torch.int32, device=device))
+    key = (dev, stream) if dev is not None else (device.type, 0)
+    ws = _workspaces.get(key)
+    if ws is not None and ws[0].numel() >= numel and ws[1].numel() >= n_cnt:
+        return ws
+    if ws is not None:
+        _retired.append(ws)
+        numel = max(numel, 2 * ws[0].numel())
+    ws = (torch.empty(numel, dtype=_F32, device=device),
+          torch.zeros(max(n_cnt, _N_COUNTERS), dtype=torch.int32, device=device))
+    _workspaces[key] = ws
+    return ws
+
+
+def _reduce_meta(progs: int, N: int) -> tuple:
+    """(GROUP, RB_P, RB_N, workspace rows, counters) of the in-launch weight-gradient sum."""
+    group = min(64, max(2, triton.next_power_of_2(math.isqrt(max(progs - 1, 0)) + 1)))
+    n_groups = triton.cdiv(progs, group)
+    rb_p = 16
+    rb_n = min(triton.next_power_of_2(N), 256)
+    return group, rb_p, rb_n, progs + n_groups, n_groups + 1
+
+
+# ---- forward ------------------------------------------------------------------------------------
+def _fwd_key(x: torch.Tensor, w: torch.Tensor, write_rstd: bool) -> tuple:
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, w.shape, w.stride(), w.dtype, w.device,
+            w.data_ptr() & 15, write_rstd)
+
+
+def _fwd_plan(x: torch.Tensor, w: torch.Tensor, write_rstd: bool, key) -> tuple:
     N = x.shape[-1]
     n_rows = x.numel() // N if N else 0
     lay = _row_layout(x)
@@ -398,33 +478,56 @@ def _fwd_plan(x: torch.Tensor, key) -> tuple:
     cap = _sm_count(_device_index(x)) if x.is_cuda else 1
     block_r, block_n, single, num_warps = _fwd_config(n_rows, N, x.element_size(), cap)
     grid = (triton.cdiv(n_rows, block_r),)
-    const = dict(BLOCK_R=block_r, BLOCK_N=block_n, SINGLE=single, STATS64=x.dtype == torch.float32)
-    ints = (n_rows, N) + lay
-    return (copy, ints, grid, const, num_warps, ("fwd",) + key)
+    const = dict(BLOCK_R=block_r, BLOCK_N=block_n, SINGLE=single, STATS64=x.dtype == torch.float32,
+                 WRITE_RSTD=write_rstd)
+    out_dtype = torch.promote_types(x.dtype, w.dtype)
+    like = out_dtype == x.dtype and (copy or x.is_contiguous())
+    wcopy = N > 1 and w.stride(0) != 1
+    return (copy, wcopy, like, out_dtype, x.shape[:-1], x.device, (n_rows, N) + lay, grid, const, num_warps,
+            _cuda_index(x), ("fwd",) + key)
 
 
 def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float, y: Optional[torch.Tensor] = None,
-                  rstd: Optional[torch.Tensor] = None):
-    """Forward into fresh (or given, contiguous: tests poison them) ``y`` and ``rstd``."""
-    if y is None:
-        y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
-    if rstd is None:
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    if rstd.numel() == 0:
-        return y, rstd
-    if w.stride(0) != 1:
-        w = w.contiguous()
-    key = (x.shape, x.stride(), x.dtype, w.dtype, x.device, x.data_ptr() % 16, w.data_ptr() % 16)
-    plan = _fwd_plans.get(key) or _remember(_fwd_plans, key, _fwd_plan(x, key))
-    copy, ints, grid, const, num_warps, lkey = plan
+                  rstd: Optional[torch.Tensor] = None, write_rstd: bool = True, key=None):
+    """Forward into fresh (or given, contiguous: tests poison them) ``y`` and ``rstd`` (``rstd``
+    is None when ``write_rstd`` is False: no backward follows)."""
+    if key is None:
+        key = _fwd_key(x, w, write_rstd)
+    plan = _fwd_plans.get(key)
+    if plan is None:
+        if x.numel() == 0:
+            y = y if y is not None else torch.empty(x.shape, dtype=output_dtype(x, w), device=x.device)
+            if write_rstd and rstd is None:
+                rstd = torch.empty(x.shape[:-1], dtype=_F32, device=x.device)
+            return y, rstd
+        plan = _remember(_fwd_plans, key, _fwd_plan(x, w, write_rstd, key))
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey = plan
     if copy:
         x = x.contiguous()
+    if wcopy:
+        w = w.contiguous()
+    given = y is not None or rstd is not None
+    if y is None:
+        y = torch.empty_like(x) if like else torch.empty(x.shape, dtype=out_dtype, device=device)
+    if write_rstd and rstd is None:
+        rstd = torch.empty(rshape, dtype=_F32, device=device)
+    r = rstd if write_rstd else y  # not written without WRITE_RSTD
+    if dev is not None and not given and _current_device_is(dev):
+        fn = _launches.get(lkey)
+        if fn is not None:
+            fn(torch._C._cuda_getCurrentRawStream(dev), x.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(),
+               *ints, eps)
+            return y, rstd
+    args = (x, w, y, r) + ints + (float(eps),)
     with _on_device(x):
-        _launches.launch(_rms_fwd_kernel, lkey, grid, (x, w, y, rstd, ints[0], ints[1], float(eps)) + ints[2:],
-                         const, num_warps, _cuda_index(x))
+        if given:  # outputs of any alignment: not a cached launch
+            _rms_fwd_kernel[grid](*args, **const, num_warps=num_warps)
+        else:
+            _launches.launch(_rms_fwd_kernel, lkey, grid, args, const, num_warps, dev)
     return y, rstd
 
 
+# ---- backward -----------------------------------------------------------------------------------
 def _bwd_inputs(dy: torch.Tensor, x: torch.Tensor, convert: bool, out_dtype, xcopy: bool, gcopy: bool):
     """``dy`` in the output dtype and ``dy``/``x`` copied where the plan says their rows cannot be
     addressed in place."""
@@ -437,8 +540,12 @@ def _bwd_inputs(dy: torch.Tensor, x: torch.Tensor, convert: bool, out_dtype, xco
     return dy, x
 
 
-def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor,
-              key) -> tuple:
+def _bwd_key(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor) -> tuple:
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, dy.shape, dy.stride(), dy.dtype, dy.device,
+            dy.data_ptr() & 15, w.stride(), w.dtype, w.data_ptr() & 15, rstd.data_ptr() & 15)
+
+
+def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, key) -> tuple:
     N = x.shape[-1]
     n_rows = x.numel() // N
     out_dtype = torch.promote_types(x.dtype, w.dtype)
@@ -447,56 +554,78 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
     xcopy, gcopy = xl is None, gl is None
     xl = (1, 1, N, 0, 0) if xcopy else xl
     gl = (1, 1, N, 0, 0) if gcopy else gl
+    wcopy = N > 1 and w.stride(0) != 1
     block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
-    const = dict(BLOCK_N=block_n)
-    # the call's own arguments probe the compiled kernel's occupancy, which sizes the grid
+    # the call's own arguments (and stand-in outputs) probe the compiled kernel's occupancy,
+    # which sizes the grid; the reduction knobs do not change the register use much, so the
+    # probe uses those of the largest grid
     gs, xs = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
+    ws = w.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    probe = _reduce_meta(2048, N)
+    probe_ws = (torch.empty(1, dtype=_F32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
+    red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2])
+    pargs = (gs, xs, ws, rstd, dx) + probe_ws + (ws,)
     if single:
         n_tiles = triton.cdiv(n_rows, block_r)
-        const = dict(BLOCK_R=block_r, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH)
         kernel = _rms_bwd_kernel
         ints = (n_rows, N, n_tiles) + xl + gl
-        progs = _persistent_grid(kernel, (gs, xs, w, rstd, dx, rstd) + ints, dict(const, num_warps=num_warps), x,
-                                 n_tiles)
+        const = dict(BLOCK_R=block_r, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH)
+        progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, num_warps=num_warps), x, n_tiles)
     else:
         kernel = _rms_bwd_loop_kernel
         ints = (n_rows, N) + xl + gl
+        const = dict(BLOCK_N=block_n)
         # each program read-modify-writes its own partial row: keep their number (and the
         # partial buffer, which stays in L2) small
-        progs = _persistent_grid(kernel, (gs, xs, w, rstd, dx, rstd) + ints, dict(const, num_warps=num_warps), x,
-                                 n_rows, per_sm=2)
-    # narrow column strips so the (small) partial buffer is read by many programs at once
-    rn = min(triton.next_power_of_2(N), 32)
-    rp = min(triton.next_power_of_2(progs), 128)
-    red = ((triton.cdiv(N, rn),), dict(BLOCK_P=rp, BLOCK_N=rn))
-    return (convert, out_dtype, xcopy, gcopy, kernel, ints, progs, const, num_warps, not single, red,
-            ("bwd",) + key, ("red",) + key)
+        progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, num_warps=num_warps), x, n_rows, per_sm=2)
+    group, rb_p, rb_n, ws_rows, n_cnt = _reduce_meta(progs, N)
+    const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n)
+    dx_like = xcopy or x.is_contiguous()
+    return (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
+            ws_rows * N, n_cnt, _cuda_index(x), ("bwd",) + key)
 
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
                    dx: Optional[torch.Tensor] = None, dw: Optional[torch.Tensor] = None):
-    """Backward into fresh (or given, contiguous: tests poison them) ``dx`` and ``dw``."""
-    if dx is None:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if dw is None:
-        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    if rstd.numel() == 0:
-        return dx, dw.zero_()
-    if w.stride(0) != 1:
+    """Backward into fresh (or given, contiguous: tests poison them) ``dx`` and ``dw``: one
+    launch, the weight-gradient sum included."""
+    key = _bwd_key(dy, x, w, rstd)
+    plan = _bwd_plans.get(key)
+    if plan is None:
+        if rstd.numel() == 0:
+            dx = dx if dx is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            dw = dw if dw is not None else torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            return dx, dw.zero_()
+        plan = _remember(_bwd_plans, key, _bwd_plan(dy, x, w, rstd, key))
+    (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
+     n_cnt, dev, lkey) = plan
+    if convert or xcopy or gcopy:
+        dy, x = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
+    if wcopy:
         w = w.contiguous()
-    if not rstd.is_contiguous():
-        rstd = rstd.contiguous()
-    key = (x.shape, x.stride(), dy.stride(), x.dtype, w.dtype, dy.dtype, x.device,
-           x.data_ptr() % 16, dy.data_ptr() % 16, w.data_ptr() % 16)
-    plan = _bwd_plans.get(key) or _remember(_bwd_plans, key, _bwd_plan(dy, x, w, rstd, dx, key))
-    convert, out_dtype, xcopy, gcopy, kernel, ints, progs, const, num_warps, zero, red, lkey, rkey = plan
-    dy, x = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
-    N = x.shape[-1]
-    part = (torch.zeros if zero else torch.empty)((progs, N), dtype=torch.float32, device=x.device)
-    dev = _cuda_index(x)
+    given = dx is not None or dw is not None
+    if dx is None:
+        dx = torch.empty_like(x) if dx_like else torch.empty(x.shape, dtype=x.dtype, device=device)
+    if dw is None:
+        dw = torch.empty_like(w)
+    if dev is not None:
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        part, cnt = _workspace(device, dev, stream, ws_numel, n_cnt)
+        if not given and _current_device_is(dev):
+            fn = _launches.get(lkey)
+            if fn is not None:
+                fn(stream, dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), part.data_ptr(),
+                   cnt.data_ptr(), dw.data_ptr(), *ints)
+                return dx, dw
+    else:
+        part, cnt = _workspace(device, None, 0, ws_numel, n_cnt)
+    args = (dy, x, w, rstd, dx, part, cnt, dw) + ints
     with _on_device(x):
-        _launches.launch(kernel, lkey, (progs,), (dy, x, w, rstd, dx, part) + ints, const, num_warps, dev)
-        _launches.launch(_dw_reduce_kernel, rkey, red[0], (part, dw, progs, N), red[1], 4, dev)
+        if given:
+            kernel[(progs,)](*args, **const, num_warps=num_warps)
+        else:
+            _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
     return dx, dw
 
 
@@ -544,11 +673,11 @@ _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _FusedRMSNormFn(torch.autograd.Function):
     """The same kernels for eager mode: autograd.Function dispatch costs a fraction of a custom
     op's Python dispatch, which dominates short (decode-like) inputs. torch.compile traces the
-    custom op instead."""
+    custom op instead. ``key`` is the forward's launch-plan key (already built by the caller)."""
 
     @staticmethod
-    def forward(ctx, x, w, eps):
-        y, rstd = _forward_impl(x, w, eps)
+    def forward(ctx, x, w, eps, key):
+        y, rstd = _forward_impl(x, w, eps, key=key)
         ctx.save_for_backward(x, w, rstd)
         return y
 
@@ -556,13 +685,17 @@ class _FusedRMSNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         # create_graph=True: the gradient is not differentiable again (once_differentiable makes a
         # second differentiation raise); otherwise skip that wrapper's cost
-        return (_backward_once if torch.is_grad_enabled() else _backward_body)(ctx, dy)
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, dy)
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = _backward_impl(dy, x, w, rstd)
+        return dx, dw, None, None
 
 
 def _backward_body(ctx, dy):
     x, w, rstd = ctx.saved_tensors
     dx, dw = _backward_impl(dy, x, w, rstd)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 _backward_once = once_differentiable(_backward_body)
@@ -605,6 +738,34 @@ def rms_norm_kernel_ok(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[bool
     return True, ""
 
 
+def _run(hidden: torch.Tensor, weight: torch.Tensor, eps: float, key) -> torch.Tensor:
+    if key[-1]:
+        return _FusedRMSNormFn.apply(hidden, weight, eps, key)
+    return _forward_impl(hidden, weight, eps, write_rstd=False, key=key)[0]
+
+
+def try_fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """:func:`fused_rms_norm`, or None (no warning) when the kernels cannot take these valid
+    inputs; wrong inputs raise. The hot path: inputs whose launch plan exists (same shapes,
+    strides, dtypes, devices and alignment as an earlier call, hence already checked) go
+    straight to the kernels."""
+    if torch.compiler.is_compiling():
+        _validate(hidden, weight, eps)
+        if not rms_norm_kernel_ok(hidden, weight)[0]:
+            return None
+        return _rms_norm_fwd(hidden, weight, float(eps))[0]
+    if type(eps) is float and isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor):
+        key = _fwd_key(hidden, weight, torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+        if key in _fwd_plans:
+            return _run(hidden, weight, eps, key)
+    _validate(hidden, weight, eps)
+    if not rms_norm_kernel_ok(hidden, weight)[0]:
+        return None
+    eps = float(eps)
+    return _run(hidden, weight, eps,
+                _fwd_key(hidden, weight, torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
+
+
 def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama-form RMSNorm of ``hidden`` ([..., N]) with ``weight`` ([N]) and epsilon ``eps``.
 
@@ -615,11 +776,8 @@ def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     kernels cannot take (CPU tensors without the Triton interpreter, float64) run
     :func:`rms_norm_reference` with a one-time warning per reason; wrong inputs raise.
     """
-    _validate(hidden, weight, eps)
-    ok, reason = rms_norm_kernel_ok(hidden, weight)
-    if not ok:
-        warn_fallback(_OP, reason)
+    y = try_fused_rms_norm(hidden, weight, eps)
+    if y is None:
+        warn_fallback(_OP, rms_norm_kernel_ok(hidden, weight)[1])
         return rms_norm_reference(hidden, weight, eps)
-    if torch.compiler.is_compiling():
-        return _rms_norm_fwd(hidden, weight, float(eps))[0]
-    return _FusedRMSNormFn.apply(hidden, weight, float(eps))
+    return y

@@ -192,13 +192,13 @@ def test_data_parallel_replicas_use_own_device(monkeypatch):
     from tiny_models import build_model
 
     devices = []
-    real = F.fused_rms_norm
+    real = F.try_fused_rms_norm
 
     def spy(h, w, eps):
         devices.append((h.device, w.device))
         return real(h, w, eps)
 
-    monkeypatch.setattr(F, "fused_rms_norm", spy)
+    monkeypatch.setattr(F, "try_fused_rms_norm", spy)
     model = _randomize_norms(build_model("llama-tiny")).cuda()
     single = copy.deepcopy(model)
     F.replace_rms_norm(model)
@@ -255,3 +255,68 @@ def test_cached_launches_follow_alignment_and_strides(dtype):
             ww = w[: x.shape[-1]].contiguous()
             check_against_eager(x, ww, dy)
     assert len(R._launches._compiled) >= 3
+
+
+# ---- the one-launch backward's workspace (per device and stream) ------------------------------
+def test_two_norms_in_flight_on_different_streams():
+    # each stream gets its own workspace: concurrent backwards must not share partials/counters
+    shapes = [(8192, 2048), (16384, 1024)]
+    ins = [make_inputs(s, torch.bfloat16, seed=30 + i, device="cuda") for i, s in enumerate(shapes)]
+    ref = [fused_grads(*i[:2], EPS, i[2]) for i in ins]
+    streams = [torch.cuda.Stream() for _ in shapes]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(20):
+        outs = []
+        for s, (x, w, dy) in zip(streams, ins):
+            with torch.cuda.stream(s):
+                outs.append(fused_grads(x, w, EPS, dy))
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        for got, want in zip(outs, ref):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_workspace_shared_by_norms_of_different_shapes():
+    # one stream, shapes interleaved (the workspace grows and is reused; counters stay zero)
+    shapes = [(67, 128), (8192, 4096), (1025, 16384), (300, 130), (262144, 128), (16, 4096)]
+    ins = [make_inputs(s, torch.bfloat16, seed=50 + i, device="cuda") for i, s in enumerate(shapes)]
+    first = [fused_grads(x, w, EPS, dy) for x, w, dy in ins]
+    for _ in range(3):
+        for (x, w, dy), want in zip(reversed(ins), reversed(first)):
+            got = fused_grads(x, w, EPS, dy)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for (x, w, dy) in ins[:2]:
+        check_against_eager(x, w, dy)
+    assert all(int(ws[1].abs().sum()) == 0 for ws in R._workspaces.values())
+
+
+def test_cuda_graph_then_eager_on_the_capture_stream():
+    # a graph's backward uses a private workspace; eager work after it, on any stream, stays right
+    x, w, dy = make_inputs((4096, 2048), torch.bfloat16, seed=60, device="cuda")
+    sx, sw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        R.fused_rms_norm(sx, sw, EPS).backward(dy)
+    torch.cuda.current_stream().wait_stream(s)
+    sx.grad = sw.grad = None
+    with torch.cuda.graph(g, stream=s):
+        R.fused_rms_norm(sx, sw, EPS).backward(dy)
+    want = fused_grads(x, w, EPS, dy)
+    for _ in range(3):
+        g.replay()
+        with torch.cuda.stream(s):
+            got = fused_grads(x, w, EPS, dy)
+        torch.cuda.current_stream().wait_stream(s)
+        assert torch.equal(sx.grad, want[1]) and torch.equal(sw.grad, want[2])
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_no_grad_forward_skips_rstd_and_matches():
+    x, w, _ = make_inputs((1024, 4096), torch.bfloat16, seed=70, device="cuda")
+    with torch.no_grad():
+        y = R.fused_rms_norm(x, w, EPS)
+    y2, _ = R._forward_impl(x, w, EPS)
+    assert torch.equal(y, y2)
