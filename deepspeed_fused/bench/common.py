@@ -85,6 +85,26 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> floa
         return statistics.median(times)
 
 
+def loop_ms(fn: Callable[[], object], n: int = 200, rounds: int = 7) -> float:
+    """Median milliseconds per call of ``fn`` run ``n`` times back to back, synchronised once per
+    round: what a user's wall-clock timer sees, host work and device work overlapping as in a
+    training loop (each call costs the larger of the two)."""
+    import time
+
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3 / n)
+    return statistics.median(times)
+
+
 def graph_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> Optional[float]:
     """Median milliseconds of ``fn`` captured once in a CUDA graph and replayed: the device time
     without the host's launch, dispatch and autograd-thread costs. None without CUDA."""
