@@ -156,6 +156,138 @@ def _uninstall_autoep(validate: bool) -> None:
         _AUTOEP["originals"] = _AUTOEP["ours"] = None
 
 
+# ---- the whole local token path (DeepSpeed 0.19.8's AutoEPMoELayer._forward) ----------------------
+# What is taken over is checked by source hash at install: the layer's forward, the combine and
+# the pre-expert score step must be the code this path was written against (DeepSpeed 0.19.8).
+# Any other version keeps DeepSpeed's forward (and still gets the gathers above), and the
+# report says why. Per call, folded tensor parallelism, DeepEP and inputs the kernels cannot take
+# run DeepSpeed's forward.
+_LOCAL_SOURCES = {
+    "AutoEPMoELayer._forward": "aaeba465e7dff210",
+    "AutoEPMoELayer.forward": "44c146856ba8aea4",
+    "combine_from_routed": "452b0879012446b1",
+    "apply_scores_before_experts_if_enabled": "932035ecfee91ba9",
+}
+_LOCAL = {"count": 0, "original": None, "why": ""}
+
+
+def _source_hash(fn) -> str:
+    import hashlib
+    import inspect
+    import textwrap
+
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
+
+
+def _local_path_mismatch(layer) -> str:
+    """Empty when this DeepSpeed's AutoEP code is the code the local path replaces; else why not."""
+    try:
+        cls = layer.AutoEPMoELayer
+        found = {"AutoEPMoELayer._forward": getattr(cls, "_forward", None), "AutoEPMoELayer.forward": cls.forward,
+                 "combine_from_routed": layer.combine_from_routed,
+                 "apply_scores_before_experts_if_enabled": layer.apply_scores_before_experts_if_enabled}
+        for name, fn in found.items():
+            if fn is None:
+                return f"DeepSpeed has no {name}"
+            if _source_hash(fn) != _LOCAL_SOURCES[name]:
+                return f"DeepSpeed's {name} differs from the 0.19.8 code this path replaces"
+        return ""
+    except Exception as e:  # source not readable (zipped install, ...)
+        return f"DeepSpeed's AutoEP source could not be checked ({type(e).__name__})"
+
+
+def _fused_local_forward(self, hidden_states):
+    """AutoEPMoELayer._forward with the local token work as gathers: the routed rows go from the
+    tokens straight into the expert-major buffer (``autoep_size == 1``, padded) or the all-to-all
+    send buffer (``> 1``), and come back through one fused gather-combine."""
+    layer = _autoep_module()
+    original = _LOCAL["original"]
+    bsz, seqlen, hdim = hidden_states.shape
+    handles = getattr(self, "folding_group_handles", None)
+    if ((handles is not None and handles.spec.tp_size > 1)
+            or (self.ep_size > 1 and self.comm_backend == layer.DEEPEP_BACKEND)
+            or not row_gather._route_kernels(hidden_states)):
+        return original(self, hidden_states)
+    x = hidden_states.reshape(-1, hdim)
+    # DeepSpeed's own early checks (fail every rank before any collective)
+    if self.combine_impl == "fused_weighted_sum" and not self._fused_combine_checked:
+        layer.fused_token_ops.assert_supported(x, score_apply=self.score_apply)
+        self._fused_combine_checked = True
+    if self.row_weighting_impl == "fused" and not self._fused_row_weighting_checked:
+        layer.fused_token_ops.assert_row_weighting_supported(x, x.new_empty((x.shape[0], 1), dtype=torch.float32))
+        self._fused_row_weighting_checked = True
+    ro = layer.RouterOutput(*self.router(x, self.expert_bias))
+    pending_plan = None
+    if self.async_split_plan and self.ep_size > 1 and self.comm_backend == layer.COMM_BACKEND:
+        pending_plan = self._start_async_split_plan(ro.num_tokens_per_expert)
+    with torch.no_grad():
+        self.tokens_per_expert.add_(ro.num_tokens_per_expert)
+    top_k = self.top_k
+    sorted_assignments = torch.argsort(ro.selected_experts.view(-1), stable=True)
+    pre = ro.top_scores if self.score_apply == "pre" else None
+    post = ro.top_scores if self.score_apply == "post" else None
+    validate = _AUTOEP["validate"] > 0
+    if self.ep_size == 1:
+        n_routed = sorted_assignments.numel()
+        stand_in = x.new_empty((n_routed, 0))
+        if _AUTOEP["direct"]:
+            permuted_indices, aligned_counts, _ = _direct_indices(stand_in, ro.num_tokens_per_expert)
+        else:
+            permuted_indices, aligned_counts, _ = _probe_indices(_AUTOEP["originals"][0], stand_in,
+                                                                 ro.num_tokens_per_expert)
+        if validate:
+            row_gather.validate_permutation(permuted_indices, n_routed)
+        maps = row_gather.route_maps(sorted_assignments, top_k, permuted_indices)
+        expert_output = self.experts(row_gather.route_dispatch(x, maps, pre), aligned_counts)
+    else:
+        if pending_plan is not None:
+            plan = self._wait_async_split_plan(pending_plan)
+        else:
+            plan = layer.compute_split_plan(selected_experts=ro.selected_experts, num_experts=self.num_experts,
+                                            ep_size=self.ep_size, num_local_experts=self.num_local_experts,
+                                            ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
+        maps = row_gather.route_maps(sorted_assignments, top_k)
+        routed = row_gather.route_dispatch(x, maps, pre)  # the all-to-all send buffer, in one pass
+        routed = layer._AllToAllV.apply(self.ep_group, routed, plan.input_splits, plan.output_splits)
+        routed, perm_indices, aligned_counts, n_tokens = layer.permute_by_local_expert(routed,
+                                                                                      plan.local_counts_by_source)
+        expert_output = self.experts(routed, aligned_counts)
+        expert_output = layer.unpermute_by_local_expert(expert_output, perm_indices, n_tokens)
+        expert_output = layer._AllToAllV.apply(self.ep_group, expert_output, plan.output_splits, plan.input_splits)
+    output = row_gather.route_combine(expert_output, maps, post).reshape(bsz, seqlen, hdim)
+    return self._finalize_output(output, x, hidden_states, hdim)
+
+
+def _install_local_path() -> None:
+    layer = _autoep_module()
+    if _LOCAL["count"] == 0:
+        why = _local_path_mismatch(layer)
+        _LOCAL["why"] = why
+        if not why:
+            _LOCAL["original"] = layer.AutoEPMoELayer._forward
+            layer.AutoEPMoELayer._forward = _fused_local_forward
+    _LOCAL["count"] += 1
+
+
+def _uninstall_local_path() -> None:
+    if _LOCAL["count"] == 0:
+        return
+    _LOCAL["count"] -= 1
+    if _LOCAL["count"] == 0 and _LOCAL["original"] is not None:
+        cls = _autoep_module().AutoEPMoELayer
+        if cls.__dict__.get("_forward") is _fused_local_forward:
+            cls._forward = _LOCAL["original"]
+        _LOCAL["original"] = None
+
+
+def local_path_patched() -> bool:
+    """Whether AutoEP layers run the fused local token path now."""
+    try:
+        return _autoep_module().AutoEPMoELayer.__dict__.get("_forward") is _fused_local_forward
+    except Exception:
+        return False
+
+
 def autoep_patched() -> bool:
     """Whether DeepSpeed's AutoEP reorder functions are ours now."""
     try:
@@ -281,6 +413,7 @@ class MoeReorderFeature(Feature):
         n_autoep = _autoep_layers(model)
         if n_autoep:
             _install_autoep(cfg.validate)
+            _install_local_path()
             model.__dict__[_STATE_ATTR] = {"path": "autoep", "layers": n_autoep, "validate": cfg.validate}
             from deepspeed.moe import ep_kernels
 
@@ -292,6 +425,12 @@ class MoeReorderFeature(Feature):
             rep.details = {"path": "autoep", "layers": n_autoep}
             if not _AUTOEP["direct"]:
                 rep.reason += "; indices built by DeepSpeed's own function (probe)"
+            if local_path_patched():
+                rep.reason += ("; the local token path (routed gather, scores, reorder, combine) runs as fused "
+                               "gathers (DeepSpeed's forward where TP folding, DeepEP or the input dtype/device "
+                               "rule it out)")
+            else:
+                rep.reason += f"; local token path kept: {_LOCAL['why']}"
             return rep
 
         experts = _experts_modules(model)
@@ -327,6 +466,7 @@ class MoeReorderFeature(Feature):
         if state is None:
             return 0
         if state["path"] == "autoep":
+            _uninstall_local_path()
             _uninstall_autoep(state["validate"])
         else:
             model.set_experts_implementation(state["previous"])

@@ -24,7 +24,7 @@ the hot path (that would need a host sync); pass ``validate=True`` to check it.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -34,7 +34,7 @@ from ._common import HAS_TRITON, kernel_device_ok, interpreter_active, tl, trito
 __all__ = [
     "permute_rows", "unpermute_rows", "inverse_permutation", "validate_permutation", "gather_dispatch",
     "gather_combine", "permute_rows_reference", "unpermute_rows_reference", "gather_combine_reference",
-    "gather_dispatch_reference",
+    "gather_dispatch_reference", "RouteMaps", "route_maps", "route_maps_reference", "route_dispatch", "route_combine",
 ]
 
 _OP = "row_gather"
@@ -48,9 +48,12 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 if HAS_TRITON:
 
     @triton.jit
-    def _gather_rows_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, inverse_ptr, num_out, num_src, hidden,
-                            num_col_tiles, HAS_SCALE: tl.constexpr, WRITE_INVERSE: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr):
+    def _gather_rows_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, inverse_ptr, assign_ptr, num_out, num_src,
+                            hidden, num_col_tiles, HAS_SCALE: tl.constexpr, WRITE_INVERSE: tl.constexpr,
+                            SCALE_BY_ASSIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                            VEC: tl.constexpr, ALIGNED: tl.constexpr):
+        # SCALE_BY_ASSIGN: the scale of output row i is scale[assign[i]] (a routing weight of the
+        # assignment the row holds) instead of scale[i].
         # One program copies a [ROWS, BLOCK_H] tile: the row indices are loaded once per tile, and
         # column tiles of one row tile are adjacent program ids (consecutive DRAM pages).
         # WRITE_INVERSE: the first column tile also records inverse[index[i]] = i (one write per
@@ -75,7 +78,11 @@ if HAS_TRITON:
         values = tl.load(src_ptr + src_off[:, None] + cols[None, :], mask=valid[:, None] & col_ok[None, :],
                          other=0.0)
         if HAS_SCALE:
-            scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            if SCALE_BY_ASSIGN:
+                assign = tl.load(assign_ptr + rows, mask=valid, other=0).to(tl.int64)
+                scale = tl.load(scale_ptr + assign, mask=valid, other=0.0).to(tl.float32)
+            else:
+                scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             values = (values.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + out_off[:, None] + cols[None, :], values, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -113,17 +120,24 @@ if HAS_TRITON:
                  mask=tok_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _combine_backward_kernel(grad_ptr, tok_ptr, scale_ptr, src_ptr, grad_src_ptr, dot_ptr, num_slots,
-                                 num_tokens, hidden, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, VEC: tl.constexpr,
-                                 ALIGNED: tl.constexpr):
+    def _combine_backward_kernel(grad_ptr, tok_ptr, scale_ptr, src_ptr, grad_src_ptr, dot_ptr, assign_ptr,
+                                 num_slots, num_tokens, hidden, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                                 VEC: tl.constexpr, ALIGNED: tl.constexpr, SCALE_BY_ASSIGN: tl.constexpr,
+                                 WRITE_GRAD_SRC: tl.constexpr):
         # For each slot s used by assignment (t, j): grad_src[s] = grad[t] * weight[t, j] and
         # dot[s] = <grad[t], src[s]> (the routing weight's gradient), one pass over the columns.
+        # SCALE_BY_ASSIGN: the weight is scale[assign[s]]; else scale[s].
         pid = tl.program_id(0)
         rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < num_slots
         tok = tl.load(tok_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
         valid = row_ok & (tok >= 0) & (tok < num_tokens)
-        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if WRITE_GRAD_SRC:
+            if SCALE_BY_ASSIGN:
+                assign = tl.load(assign_ptr + rows, mask=valid, other=0).to(tl.int64)
+                scale = tl.load(scale_ptr + assign, mask=valid, other=0.0).to(tl.float32)
+            else:
+                scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         g_off = tok * hidden
         r_off = rows * hidden
         if ALIGNED:
@@ -138,8 +152,9 @@ if HAS_TRITON:
                         other=0.0).to(tl.float32)
             x = tl.load(src_ptr + r_off[:, None] + cols[None, :], mask=valid[:, None] & col_ok[None, :],
                         other=0.0).to(tl.float32)
-            tl.store(grad_src_ptr + r_off[:, None] + cols[None, :], (g * scale[:, None]).to(
-                grad_src_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            if WRITE_GRAD_SRC:
+                tl.store(grad_src_ptr + r_off[:, None] + cols[None, :], (g * scale[:, None]).to(
+                    grad_src_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
             dot += tl.sum(g * x, axis=1)
         tl.store(dot_ptr + rows, dot, mask=row_ok)
 
@@ -191,9 +206,10 @@ def _kernel_ok(op: str, *tensors: torch.Tensor) -> bool:
 
 def _gather_kernel(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch.Tensor] = None,
                    out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
-                   inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   inverse: Optional[torch.Tensor] = None, assign: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Launch the gather: ``out[i] = src[index[i]] (* scale[i])``; ``out`` (tests) is written whole;
-    ``inverse`` (int64 ``[len(src)]``, pre-filled) receives ``inverse[index[i]] = i``."""
+    ``inverse`` (int64 ``[len(src)]``, pre-filled) receives ``inverse[index[i]] = i``; with
+    ``assign`` the scale of row ``i`` is ``scale[assign[i]]``."""
     src = src.contiguous()
     index = index.contiguous()
     n_out, hidden = index.numel(), src.shape[1]
@@ -205,8 +221,9 @@ def _gather_kernel(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch
     n_col = triton.cdiv(hidden, block_h)
     _gather_rows_kernel[(triton.cdiv(n_out, rows) * n_col, )](
         src, index, scale.contiguous() if scale is not None else src, out, inverse if inverse is not None else index,
-        n_out, src.shape[0], hidden, n_col, HAS_SCALE=scale is not None, WRITE_INVERSE=inverse is not None,
-        ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, num_warps=warps)
+        assign if assign is not None else index, n_out, src.shape[0], hidden, n_col, HAS_SCALE=scale is not None,
+        WRITE_INVERSE=inverse is not None, SCALE_BY_ASSIGN=assign is not None, ROWS=rows, BLOCK_H=block_h,
+        VEC=vec, ALIGNED=hidden % vec == 0, num_warps=warps)
     return out
 
 
@@ -505,8 +522,9 @@ def _combine_backward_op(grad: torch.Tensor, src: torch.Tensor, slot_of_assignme
             if src.numel():
                 rows, block_h, vec, warps = _tile(num_slots, hidden, src.element_size(), src.device, 16384)
                 _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
-                    grad, tok, scale, src, grad_src, dot, num_slots, num_tokens, hidden, ROWS=rows,
-                    BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, num_warps=warps)
+                    grad, tok, scale, src, grad_src, dot, tok, num_slots, num_tokens, hidden, ROWS=rows,
+                    BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=False,
+                    WRITE_GRAD_SRC=True, num_warps=warps)
             else:
                 dot.zero_()
         else:
@@ -649,3 +667,229 @@ def gather_combine(expert_out: torch.Tensor, slot_of_assignment: torch.Tensor,
 
 def _interpreting() -> bool:  # for tests: whether CPU tensors run the kernels
     return interpreter_active() and HAS_TRITON
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-k route: dispatch from tokens into slots, combine from slots back to tokens
+# ----------------------------------------------------------------------------------------------
+# A top-k router assigns token t to k experts: assignment a = t * k + j. A layer sorts the
+# assignments by expert (``token_indices_sorted``: sorted position -> assignment) and places the
+# sorted rows into slots, optionally padded per expert (``permuted_indices``: slot -> sorted
+# position, out-of-range for a padding slot). The maps below compose both in one launch, so the
+# dispatch gathers token rows straight into the slots and the combine gathers slot rows straight
+# back to tokens: no [N, H] intermediate in token-slot order, no scatter, no atomics.
+
+class RouteMaps(NamedTuple):
+    """Slot <-> assignment maps of one routed batch (int32): ``token`` and ``assignment`` per slot
+    (``-1`` for padding slots), ``slot`` per assignment ``[T * top_k]`` (``-1`` if unplaced)."""
+    token: torch.Tensor
+    assignment: torch.Tensor
+    slot: torch.Tensor
+    top_k: int
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _route_maps_kernel(perm_ptr, sorted_ptr, assign_ptr, tok_ptr, slot_ptr, num_slots, num_sorted,
+                           TOP_K: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK: tl.constexpr):
+        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = s < num_slots
+        if HAS_PERM:
+            p = tl.load(perm_ptr + s, mask=ok, other=-1).to(tl.int64)
+        else:
+            p = s.to(tl.int64)
+        valid = ok & (p >= 0) & (p < num_sorted)
+        a = tl.load(sorted_ptr + p, mask=valid, other=-1).to(tl.int64)
+        valid = valid & (a >= 0)
+        a = tl.where(valid, a, -1)
+        tl.store(assign_ptr + s, a.to(tl.int32), mask=ok)
+        tl.store(tok_ptr + s, tl.where(valid, a // TOP_K, -1).to(tl.int32), mask=ok)
+        tl.store(slot_ptr + a, s.to(tl.int32), mask=valid)
+
+
+def route_maps_reference(token_indices_sorted: torch.Tensor, top_k: int,
+                         permuted_indices: Optional[torch.Tensor] = None) -> RouteMaps:
+    n = token_indices_sorted.numel()
+    srt = token_indices_sorted.reshape(-1).to(torch.int64)
+    p = (torch.arange(n, device=srt.device) if permuted_indices is None
+         else permuted_indices.reshape(-1).to(torch.int64))
+    valid = (p >= 0) & (p < n)
+    a = torch.where(valid, srt[p.clamp(0, max(n - 1, 0))] if n else p, -1)
+    tok = torch.where(a >= 0, a // top_k, -1)
+    slot = _invert(a, n)
+    return RouteMaps(tok.to(torch.int32), a.to(torch.int32), slot.to(torch.int32), top_k)
+
+
+def route_maps(token_indices_sorted: torch.Tensor, top_k: int,
+               permuted_indices: Optional[torch.Tensor] = None) -> RouteMaps:
+    """The maps of assignments sorted by ``token_indices_sorted`` ([T * top_k], a permutation of
+    the assignments) placed in slots: slot ``s`` holds sorted position ``permuted_indices[s]``
+    (padding where out of range), or ``s`` when ``permuted_indices`` is None. One launch."""
+    _check_index("token_indices_sorted", token_indices_sorted)
+    if permuted_indices is not None:
+        _check_index("permuted_indices", permuted_indices)
+        _check_device(token_indices_sorted, permuted_indices=permuted_indices)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k: expected a positive int, got {top_k!r}")
+    n = token_indices_sorted.numel()
+    if n % top_k:
+        raise ValueError(f"token_indices_sorted: expected T * top_k entries, got {n} (top_k={top_k})")
+    if not kernel_device_ok(token_indices_sorted)[0]:
+        return route_maps_reference(token_indices_sorted, top_k, permuted_indices)
+    srt = token_indices_sorted.contiguous()
+    num_slots = n if permuted_indices is None else permuted_indices.numel()
+    dev = srt.device
+    assign = torch.empty(num_slots, dtype=torch.int32, device=dev)
+    tok = torch.empty(num_slots, dtype=torch.int32, device=dev)
+    slot = torch.full((n, ), -1, dtype=torch.int32, device=dev)
+    if num_slots:
+        block = 1024
+        perm = permuted_indices.contiguous() if permuted_indices is not None else srt
+        _route_maps_kernel[(triton.cdiv(num_slots, block), )](perm, srt, assign, tok, slot, num_slots, n,
+                                                               TOP_K=top_k, HAS_PERM=permuted_indices is not None,
+                                                               BLOCK=block, num_warps=4)
+    return RouteMaps(tok, assign, slot, top_k)
+
+
+def _route_kernels(x: torch.Tensor) -> bool:
+    ok = kernel_device_ok(x)[0] and x.dtype in _KERNEL_DTYPES
+    return ok and not (x.dtype == torch.bfloat16 and x.device.type == "cpu")
+
+
+def _slot_dot(a_rows: torch.Tensor, b_slots: torch.Tensor, m: RouteMaps) -> torch.Tensor:
+    """``d[a] = <a_rows[a // k], b_slots[slot[a]]>`` in FP32 (0 where unplaced), ``[T * k]``."""
+    num_slots, hidden = b_slots.shape
+    if _route_kernels(b_slots) and num_slots and hidden:
+        a_rows, b_slots = a_rows.contiguous(), b_slots.contiguous()
+        dot = torch.empty(num_slots, dtype=torch.float32, device=b_slots.device)
+        rows, block_h, vec, warps = _tile(num_slots, hidden, b_slots.element_size(), b_slots.device, 16384)
+        _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
+            a_rows, m.token, dot, b_slots, dot, dot, m.assignment, num_slots, a_rows.shape[0], hidden, ROWS=rows,
+            BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=False, WRITE_GRAD_SRC=False,
+            num_warps=warps)
+    else:
+        dot = (permute_rows_reference(a_rows, m.token).float() * b_slots.float()).sum(-1)
+    slot = m.slot.to(torch.int64)
+    return torch.where(slot >= 0, dot[slot.clamp(0, max(num_slots - 1, 0))] if num_slots else 0.0, 0.0)
+
+
+def _dispatch_impl(x: torch.Tensor, m: RouteMaps, scores: Optional[torch.Tensor]) -> torch.Tensor:
+    if _route_kernels(x):
+        return _gather_kernel(x, m.token, scores, assign=m.assignment if scores is not None else None)
+    out = permute_rows_reference(x, m.token)
+    if scores is not None:
+        a = m.assignment.to(torch.int64)
+        sc = torch.where(a >= 0, scores.reshape(-1).float()[a.clamp(min=0)], 0.0)
+        out = (out.float() * sc[:, None]).to(x.dtype)
+    return out.contiguous()
+
+
+def _combine_impl(y: torch.Tensor, m: RouteMaps, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    slot = m.slot.view(-1, m.top_k)
+    w = weights.reshape(slot.shape) if weights is not None else None
+    if _route_kernels(y):
+        return _combine_kernel_launch(y, slot, w)
+    return gather_combine_reference(y, slot, w)
+
+
+class _RouteDispatch(torch.autograd.Function):
+    """``out[s] = x[token[s]]`` (times ``scores[assignment[s]]`` in FP32, rounded once), zero rows
+    at padding slots. Backward: a combine (FP32 sum of a token's k slot gradients, fixed order)
+    and, for the scores, per-assignment dot products. Differentiable again."""
+
+    @staticmethod
+    def forward(ctx, x, scores, maps):
+        ctx.maps = maps
+        ctx.save_for_backward(x if scores is not None else None, scores)
+        return _dispatch_impl(x, maps, scores)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scores = ctx.saved_tensors
+        m = ctx.maps
+        dx = _RouteCombine.apply(grad, scores, m) if ctx.needs_input_grad[0] else None
+        ds = None
+        if scores is not None and ctx.needs_input_grad[1]:
+            ds = _RouteDot.apply(x, grad, m).view(scores.shape).to(scores.dtype)
+        return dx, ds, None
+
+
+class _RouteCombine(torch.autograd.Function):
+    """``out[t] = sum_j y[slot[t, j]] * weights[t, j]`` in FP32 (``j`` in order), rounded once.
+    Backward: ``dy`` is a dispatch of the gradient scaled by the weights, the weights' gradient
+    per-assignment dot products: one fused pass unless a graph of the gradient is built."""
+
+    @staticmethod
+    def forward(ctx, y, weights, maps):
+        ctx.maps = maps
+        ctx.save_for_backward(y if weights is not None else None, weights)
+        return _combine_impl(y, maps, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights = ctx.saved_tensors
+        m = ctx.maps
+        need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
+        num_slots = m.token.numel()
+        if (not torch.is_grad_enabled() and need_y and need_w and _route_kernels(grad) and num_slots
+                and grad.shape[1]):
+            grad = grad.contiguous()
+            dy = torch.empty((num_slots, grad.shape[1]), dtype=y.dtype, device=grad.device)
+            dot = torch.empty(num_slots, dtype=torch.float32, device=grad.device)
+            rows, block_h, vec, warps = _tile(num_slots, grad.shape[1], grad.element_size(), grad.device, 16384)
+            _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
+                grad, m.token, weights.reshape(-1).contiguous(), y.contiguous(), dy, dot, m.assignment, num_slots,
+                grad.shape[0], grad.shape[1], ROWS=rows, BLOCK_H=block_h, VEC=vec,
+                ALIGNED=grad.shape[1] % vec == 0, SCALE_BY_ASSIGN=True, WRITE_GRAD_SRC=True, num_warps=warps)
+            slot = m.slot.to(torch.int64)
+            dw = torch.where(slot >= 0, dot[slot.clamp(min=0)], 0.0)
+            return dy, dw.view(weights.shape).to(weights.dtype), None
+        dy = _RouteDispatch.apply(grad, weights, m) if need_y else None
+        dw = _RouteDot.apply(grad, y, m).view(weights.shape).to(weights.dtype) if need_w else None
+        return dy, dw, None
+
+
+class _RouteDot(torch.autograd.Function):
+    """``d[a] = <tokens[a // k], slots[slot[a]]>`` in FP32; the scores' gradient of a dispatch and
+    the weights' gradient of a combine. Its own gradient is a combine and a dispatch."""
+
+    @staticmethod
+    def forward(ctx, tokens, slots, maps):
+        ctx.maps = maps
+        ctx.save_for_backward(tokens, slots)
+        return _slot_dot(tokens, slots, maps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tokens, slots = ctx.saved_tensors
+        m = ctx.maps
+        dt = _RouteCombine.apply(slots, grad, m).to(tokens.dtype) if ctx.needs_input_grad[0] else None
+        ds = _RouteDispatch.apply(tokens, grad, m).to(slots.dtype) if ctx.needs_input_grad[1] else None
+        return dt, ds, None
+
+
+def route_dispatch(x: torch.Tensor, maps: RouteMaps, scores: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Token rows ``[T, H]`` into slots ``[S, H]`` through ``maps``; with ``scores`` (``[T, k]``,
+    DeepSpeed's ``score_apply="pre"``) each row is multiplied by its assignment's score in FP32
+    and rounded once. Backward: gathers, no atomics."""
+    _check_rows("x", x)
+    if scores is not None:
+        if not scores.is_floating_point() or scores.numel() != maps.slot.numel():
+            raise ValueError(f"scores: expected {maps.slot.numel()} floating-point routing scores, got "
+                             f"{scores.numel()} of {scores.dtype}")
+    if x.shape[0] * maps.top_k != maps.slot.numel():
+        raise ValueError(f"x: expected {maps.slot.numel() // maps.top_k} token rows, got {x.shape[0]}")
+    return _RouteDispatch.apply(x, scores, maps)
+
+
+def route_combine(y: torch.Tensor, maps: RouteMaps, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Slot rows ``[S, H]`` back to tokens ``[T, H]``: ``out[t] = sum_j y[slot[t, j]] * weights[t, j]``
+    in FP32, rounded once (no weights: the plain sum). Backward: gathers, no atomics."""
+    _check_rows("y", y)
+    if y.shape[0] != maps.token.numel():
+        raise ValueError(f"y: expected {maps.token.numel()} slot rows, got {y.shape[0]}")
+    if weights is not None and (not weights.is_floating_point() or weights.numel() != maps.slot.numel()):
+        raise ValueError(f"weights: expected {maps.slot.numel()} floating-point routing weights, got "
+                         f"{weights.numel()} of {weights.dtype}")
+    return _RouteCombine.apply(y, weights, maps)

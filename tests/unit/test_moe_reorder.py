@@ -408,14 +408,23 @@ def _autoep_run(name, ep_size, feature, steps=2):
     assert moe_reorder.autoep_patched() == feature
     if feature:
         assert rep.details == {"path": "autoep", "layers": 2}
-    calls = {"n": 0}
+    assert moe_reorder.local_path_patched() == feature
+    if feature:
+        assert "local token path (routed gather, scores, reorder, combine) runs as fused gathers" in rep.reason
+    calls = {"n": 0, "dispatch": 0}
     orig = moe_reorder.row_gather.permute_rows
+    orig_dispatch = moe_reorder.row_gather.route_dispatch
 
     def counting(*a, **k):
         calls["n"] += 1
         return orig(*a, **k)
 
+    def counting_dispatch(*a, **k):
+        calls["dispatch"] += 1
+        return orig_dispatch(*a, **k)
+
     moe_reorder.row_gather.permute_rows = counting
+    moe_reorder.row_gather.route_dispatch = counting_dispatch
     gen = torch.Generator().manual_seed(5 + deepspeed.comm.get_rank())
     losses, grads = [], []
     try:
@@ -428,10 +437,14 @@ def _autoep_run(name, ep_size, feature, steps=2):
             losses.append(out.loss.detach())
     finally:
         moe_reorder.row_gather.permute_rows = orig
-    assert calls["n"] == (2 * steps if feature else 0)
+        moe_reorder.row_gather.route_dispatch = orig_dispatch
+    # the local path dispatches straight into the padded buffer at autoep_size 1; with more ranks
+    # the expert side still permutes (our gathers)
+    assert calls["dispatch"] == (2 * steps if feature else 0)
+    assert calls["n"] == (2 * steps if feature and ep_size > 1 else 0)
     if feature:
         assert unpatch_model(engine.module) == {"moe_reorder": 2}
-        assert not moe_reorder.autoep_patched()
+        assert not moe_reorder.autoep_patched() and not moe_reorder.local_path_patched()
     return losses, grads
 
 
@@ -447,10 +460,11 @@ class TestAutoEP(DistributedTest):
         ep = dist.get_world_size()
         losses_ref, grads_ref = _autoep_run(name, ep, feature=False)
         losses, grads = _autoep_run(name, ep, feature=True)
-        # CPU: bitwise. CUDA: DeepSpeed's own router backward accumulates with atomics (run-to-run
-        # noise independent of this feature), so a tight tolerance.
-        same = torch.equal if not torch.cuda.is_available() else \
-            (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+        # Not bitwise: the fused combine sums a token's k expert rows in FP32 in order j = 0..k-1
+        # and the token gradient sums its k slot gradients the same way, where DeepSpeed's weighted
+        # sum and index backward use torch's own reduction orders (FP32 summation noise). On CUDA
+        # DeepSpeed's router backward also accumulates with atomics.
+        same = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
         for a, b in zip(losses, losses_ref):
             assert same(a, b), (losses, losses_ref)
         for ga, gb in zip(grads, grads_ref):
