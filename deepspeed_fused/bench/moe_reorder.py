@@ -64,8 +64,128 @@ def _permute_indices(counts: torch.Tensor, experts: int, alignment: int, device)
     return pidx.to(device)
 
 
+AUTOEP_LOCAL = [  # name, tokens, top_k, experts, hidden, expert-parallel degree
+    ("Qwen3-30B-A3B", 8192, 8, 128, 2048, 16),
+    ("Qwen3-30B-A3B", 16384, 8, 128, 2048, 16),
+    ("Mixtral-8x7B", 8192, 2, 8, 4096, 1),
+    ("DeepSeek-V3", 8192, 8, 256, 7168, 16),
+]
+
+
+def _autoep_arms(layer, ek, tokens: int, top_k: int, ep: int, local: int):
+    """(name, fn(x, scores, experts) -> out, ours) of the AutoEP local token path: the routed gather,
+    the reorder pair and the combine (score_apply "post", combine "weighted_sum"), the all-to-alls as
+    the identity and the experts as a scalar multiply. ``ep > 1``: the received rows regroup by
+    local expert from ``ep`` sources (counts ``[ep, local]``)."""
+    from ..features import moe_reorder as feat
+
+    def counts_of(selected):
+        counts = torch.bincount(selected.reshape(-1), minlength=ep * local)
+        return counts.view(ep, local) if ep > 1 else counts
+
+    def experts_fn(buf):
+        return buf * 1.5
+
+    def shape_of(x):
+        return (1, tokens, x.shape[-1])
+
+    def ds(x, scores, selected, permute, unpermute):
+        sorted_a = torch.argsort(selected.view(-1), stable=True)
+        routed = x[sorted_a // top_k]
+        routed, pidx, _, n = permute(routed, counts_of(selected))
+        out = unpermute(experts_fn(routed), pidx, n)
+        return layer.combine_from_routed(out, top_scores=scores, token_indices_sorted=sorted_a, top_k=top_k,
+                                         score_apply="post", combine_impl="weighted_sum", shape=shape_of(x))
+
+    def legacy_permute(t, counts):
+        pidx, sizes, n = feat._direct_indices(t, counts)
+        return rg.permute_rows_reference(t, pidx), pidx, sizes, n
+
+    def legacy_unpermute(t, pidx, n):
+        return rg.unpermute_rows_reference(t, pidx, n)
+
+    def ours(x, scores, selected):
+        sorted_a = torch.argsort(selected.view(-1), stable=True)
+        if ep == 1:
+            pidx, _, _ = feat._direct_indices(x.new_empty((sorted_a.numel(), 0)), counts_of(selected))
+            maps = rg.route_maps(sorted_a, top_k, pidx)
+            out = experts_fn(rg.route_dispatch(x, maps))
+        else:
+            maps = rg.route_maps(sorted_a, top_k)
+            routed = rg.route_dispatch(x, maps)
+            pidx, _, n = feat._direct_indices(routed, counts_of(selected))
+            permuted = rg.permute_rows(routed, pidx)
+            out = rg.unpermute_rows(experts_fn(permuted), pidx, n)
+        return rg.route_combine(out, maps, scores).reshape(shape_of(x))
+
+    arms = [("deepspeed_fused", ours, True)]
+    if ek is not None:
+        arms.append(("DeepSpeed 0.19.8 AutoEP path",
+                     lambda x, s, e: ds(x, s, e, feat._AUTOEP["originals"][0] if feat._AUTOEP["originals"]
+                                        else layer.permute_by_local_expert,
+                                        feat._AUTOEP["originals"][1] if feat._AUTOEP["originals"]
+                                        else layer.unpermute_by_local_expert), False))
+    arms.append(("DeepSpeed <= 0.19.7 path", lambda x, s, e: ds(x, s, e, legacy_permute, legacy_unpermute), False))
+    return arms
+
+
+def run_autoep_local(dev, dtype, rep: int, quick: bool) -> list:
+    """Case ``autoep_local``: each iteration is a no-grad forward, a grad forward and a backward (as
+    under reentrant activation checkpointing); fwd_ms is the no-grad forward alone."""
+    try:
+        import deepspeed.module_inject.auto_ep_layer as layer
+    except Exception:
+        return []
+    ek = _deepspeed_0198() if dev == "cuda" else None
+    shapes = AUTOEP_LOCAL if dev == "cuda" else [("tiny-cpu", 64, 2, 8, 32, 2)]
+    if quick:
+        shapes = shapes[:1]
+    recs = []
+    gen = torch.Generator().manual_seed(1)
+    for name, tokens, top_k, experts, hidden, ep in shapes:
+        local = experts // ep
+        x = (0.5 * torch.randn(tokens, hidden, generator=gen)).to(dev, dtype)
+        logits = torch.randn(tokens, experts, generator=gen)
+        scores, selected = torch.softmax(logits, -1).topk(top_k, dim=-1)
+        scores, selected = scores.to(dev), selected.to(dev)
+        dy = torch.randn(1, tokens, hidden, generator=gen).to(dev, dtype)
+        xg, sg = x.detach().requires_grad_(), scores.detach().requires_grad_()
+        tag = f"autoep_local {name} T{tokens} k{top_k} E{experts} H{hidden} EP{ep}"
+        outs = {}
+        for impl, fn, is_ours in _autoep_arms(layer, ek, tokens, top_k, ep, local):
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    return fn(x, scores, selected)
+
+            def it(fn=fn):
+                with torch.no_grad():
+                    fn(x, scores, selected)
+                xg.grad = sg.grad = None
+                out = fn(xg, sg, selected)
+                out.backward(dy)
+                return out
+
+            out = it()
+            outs[impl] = (out.detach().float(), xg.grad.float(), sg.grad.float())
+            recs.append(measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=it, ours=is_ours, rep=rep,
+                                note="fwd+bwd column: no-grad forward + grad forward + backward"))
+        ref = outs.get("DeepSpeed 0.19.8 AutoEP path") or outs["DeepSpeed <= 0.19.7 path"]
+        ours_out = outs["deepspeed_fused"]
+        err = [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(ours_out, ref)]
+        for r in recs[-len(outs):]:
+            r.extra.update(rel_err_out=err[0], rel_err_dx=err[1], rel_err_dscores=err[2])
+        recs[-len(outs)].note += f"; vs DeepSpeed: rel. error out {err[0]:.1e}, dx {err[1]:.1e}, dscores {err[2]:.1e}"
+        del x, xg, sg, dy, outs
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return recs
+
+
 def run(args) -> list:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if "--case=autoep_local" in (getattr(args, "extra", None) or []):
+        quick = getattr(args, "quick", False)
+        return run_autoep_local(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
     quick = getattr(args, "quick", False)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     shapes = SHAPES if dev == "cuda" else [("tiny-cpu", 256, 2, 8, 64)]
@@ -175,4 +295,5 @@ def run(args) -> list:
         del x, s, g_perm, g_unperm, xr, sr, h, hr, y, yr
         if dev == "cuda":
             torch.cuda.empty_cache()
+    recs += run_autoep_local(dev, dtype, rep, quick)
     return recs
