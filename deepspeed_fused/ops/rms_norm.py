@@ -188,7 +188,7 @@ if HAS_TRITON:
     def _rms_bwd_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, n_rows, N, n_tiles,
                         XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-                        GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr):
+                        GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr, FINISH: tl.constexpr):
         # One persistent program: walks row tiles pid, pid + P, ...; writes dx for them and one
         # FP32 weight-gradient partial row PART[pid, :N] (the row fits one block). With PREFETCH
         # the next tile's x and dy are loaded before the current one is processed.
@@ -227,13 +227,14 @@ if HAS_TRITON:
             xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
             acc += (dy * xn).to(out_ty).to(tl.float32)
         tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
-        _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+        if FINISH:
+            _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
 
     @triton.jit
     def _rms_bwd_loop_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, n_rows, N,
                              XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
                              BLOCK_N: tl.constexpr, GROUP: tl.constexpr, RB_P: tl.constexpr,
-                             RB_N: tl.constexpr):
+                             RB_N: tl.constexpr, FINISH: tl.constexpr):
         # Wide rows: one row at a time, two passes over column blocks (the row sum, then dx);
         # the weight-gradient partial accumulates in this program's own row PART[pid, :] (its
         # first row stores, later rows add; only this program touches the row, so no atomics).
@@ -269,7 +270,22 @@ if HAS_TRITON:
                 xn = (x * rstd).to(in_ty).to(tl.float32)
                 p = tl.where(row > pid, tl.load(prow + c, mask=cm, other=0.0), 0.0)
                 tl.store(prow + c, p + (dy * xn).to(out_ty).to(tl.float32), mask=cm)
-        _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+        if FINISH:
+            _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+
+    @triton.jit
+    def _dw_reduce_kernel(PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        # The weight-gradient sum as its own launch (wide sums, where one program's tail would
+        # be latency-bound): dW[c] = sum over programs p of PART[p, c], in a fixed order, rounded
+        # to the weight dtype, column strips in parallel.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            m = (p < P)[:, None] & cmask[None, :]
+            acc += tl.load(PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
+        tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cmask)
 
 
 
@@ -453,13 +469,22 @@ def _workspace(device: torch.device, dev: Optional[int], stream: int, numel: int
     return ws
 
 
-def _reduce_meta(progs: int, N: int) -> tuple:
-    """(GROUP, RB_P, RB_N, workspace rows, counters) of the in-launch weight-gradient sum."""
+_SMALL_ELEMS = 1 << 20  # inputs this small are host-bound: one launch whatever the tail
+_MAX_TAIL_BYTES = 65536  # in-launch weight-gradient sum only while its serial tail reads at most this
+
+
+def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> tuple:
+    """(GROUP, RB_P, RB_N, workspace rows, counters, FINISH) of the weight-gradient sum. FINISH:
+    summed in the backward's own launch (the last programs, two levels); otherwise, where the
+    serial tail (a group's rows, then the groups' rows, read by one program each) would be
+    latency-bound, a second launch sums column strips in parallel. Small inputs (host-bound: the
+    device waits for the launches anyway) always sum in the one launch."""
     group = min(64, max(2, triton.next_power_of_2(math.isqrt(max(progs - 1, 0)) + 1)))
     n_groups = triton.cdiv(progs, group)
     rb_p = 16
     rb_n = min(triton.next_power_of_2(N), 256)
-    return group, rb_p, rb_n, progs + n_groups, n_groups + 1
+    finish = (group + n_groups) * N * 4 <= _MAX_TAIL_BYTES or n_rows * N <= _SMALL_ELEMS
+    return group, rb_p, rb_n, progs + n_groups, n_groups + 1, finish
 
 
 # ---- forward ------------------------------------------------------------------------------------
@@ -564,7 +589,7 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     probe = _reduce_meta(2048, N)
     probe_ws = (torch.empty(1, dtype=_F32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
-    red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2])
+    red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2], FINISH=True)
     pargs = (gs, xs, ws, rstd, dx) + probe_ws + (ws,)
     if single:
         n_tiles = triton.cdiv(n_rows, block_r)
@@ -579,11 +604,15 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
         # each program read-modify-writes its own partial row: keep their number (and the
         # partial buffer, which stays in L2) small
         progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, num_warps=num_warps), x, n_rows, per_sm=2)
-    group, rb_p, rb_n, ws_rows, n_cnt = _reduce_meta(progs, N)
-    const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n)
+    group, rb_p, rb_n, ws_rows, n_cnt, finish = _reduce_meta(progs, N, n_rows)
+    const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=finish)
     dx_like = xcopy or x.is_contiguous()
+    red = None
+    if not finish:  # narrow column strips so the partial buffer is read by many programs at once
+        rn = min(triton.next_power_of_2(N), 32)
+        red = ((triton.cdiv(N, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
     return (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
-            ws_rows * N, n_cnt, _cuda_index(x), ("bwd",) + key)
+            ws_rows * N, n_cnt, red, _cuda_index(x), ("bwd",) + key)
 
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
@@ -599,7 +628,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
             return dx, dw.zero_()
         plan = _remember(_bwd_plans, key, _bwd_plan(dy, x, w, rstd, key))
     (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
-     n_cnt, dev, lkey) = plan
+     n_cnt, red, dev, lkey) = plan
     if convert or xcopy or gcopy:
         dy, x = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
     if wcopy:
@@ -614,9 +643,12 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
         part, cnt = _workspace(device, dev, stream, ws_numel, n_cnt)
         if not given and _current_device_is(dev):
             fn = _launches.get(lkey)
-            if fn is not None:
+            fn_red = _launches.get(("red",) + lkey) if red is not None else True
+            if fn is not None and fn_red is not None:
                 fn(stream, dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), part.data_ptr(),
                    cnt.data_ptr(), dw.data_ptr(), *ints)
+                if red is not None:
+                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, ints[1])
                 return dx, dw
     else:
         part, cnt = _workspace(device, None, 0, ws_numel, n_cnt)
@@ -624,8 +656,12 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
     with _on_device(x):
         if given:
             kernel[(progs,)](*args, **const, num_warps=num_warps)
+            if red is not None:
+                _dw_reduce_kernel[red[0]](part, dw, progs, ints[1], **red[1], num_warps=4)
         else:
             _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
+            if red is not None:
+                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red[0], (part, dw, progs, ints[1]), red[1], 4, dev)
     return dx, dw
 
 

@@ -41,7 +41,7 @@ def _eager(x, scores, sorted_a, perm, K, pre, post, y_fn):
         un = y.new_zeros((routed.shape[0] + 1, y.shape[-1]))
         un[perm.long()] = y
         y = un[:-1]
-    out = torch.zeros(x.shape[0] * K, y.shape[-1], dtype=y.dtype)
+    out = torch.zeros(x.shape[0] * K, y.shape[-1], dtype=y.dtype, device=y.device)
     out[sorted_a] = y
     out = out.reshape(x.shape[0], K, -1)
     if post:

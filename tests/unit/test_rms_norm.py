@@ -189,6 +189,24 @@ def test_tile_boundaries_and_several_programs(interpret, tune, n, rows, prefetch
     check_against_eager(x, w, dy)
 
 
+@pytest.mark.parametrize("loop", [False, True])
+def test_weight_gradient_sum_in_a_second_launch(interpret, tune, loop):
+    # wide sums go to their own launch (the in-launch tail would be latency-bound); same results
+    knobs = dict(_MAX_TAIL_BYTES=0, _SMALL_ELEMS=0)
+    if loop:
+        knobs.update(_MAX_FWD_BLOCK=32, _MAX_BWD_BLOCK=32, _LOOP_BLOCK=16)
+    x, w, dy = make_inputs((67, 40), torch.float16, seed=9, device=interpret)
+    one = fused_grads(x, w, EPS, dy)
+    tune(**knobs)
+    assert not R._reduce_meta(3, 40, 67)[-1]
+    two = check_against_eager(x, w, dy)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    torch.testing.assert_close(one[2], two[2], rtol=0, atol=float(one[2].abs().max()) * 2 ** -10)
+    dx, dw = torch.full_like(dy, float("nan")), torch.full_like(w, float("nan"))
+    R._backward_impl(dy, x, w, R._forward_impl(x, w, EPS)[1], dx=dx, dw=dw)
+    assert torch.equal(dx, two[1]) and torch.equal(dw, two[2])
+
+
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float16, torch.float32), (torch.float32, torch.float16)])
 def test_mixed_weight_dtype_promotes(interpret, dtype, wdtype):
     x, w, dy = make_inputs((3, 5, 40), dtype, wdtype, seed=3, device=interpret)
