@@ -2,6 +2,7 @@
 import argparse
 import base64
 import copy
+import dataclasses
 import importlib
 import io
 import json
@@ -372,3 +373,20 @@ def test_late_triton_interpret_says_what_to_do(tmp_path):
     assert "shape (4, 64)" in p.stdout
     assert "TRITON_INTERPRET=1 was set after deepspeed_fused defined its Triton kernels" in p.stderr
     assert "before the program starts" in p.stderr
+
+
+# ---- item 7: the report says when the torch reference runs in place of the kernels ----------------------
+
+def test_report_says_when_the_torch_reference_runs():
+    from deepspeed_fused.features.base import Environment
+
+    cpu = dataclasses.replace(Environment.detect(), cuda_available=False, gpu_name=None, interpreter=False)
+    model = build_model("llama-tiny")
+    rep = patch_model(model, {"linear_cross_entropy": {"enabled": True}}, env=cpu)
+    assert rep["linear_cross_entropy"].status == "applied (torch reference: no GPU)"
+    assert "applied (torch reference: no GPU)" in rep.table()
+    unpatch_model(model)
+    interpreted = dataclasses.replace(cpu, interpreter=True)
+    assert patch_model(model, {"linear_cross_entropy": {"enabled": True}}, env=interpreted)[
+        "linear_cross_entropy"].status == "applied"
+    unpatch_model(model)
