@@ -1,13 +1,22 @@
-"""python -m deepspeed_fused report [--config ds_config.json] [--model NAME]"""
+"""python -m deepspeed_fused report [--config ds_config.json] [--model NAME]
+
+(or ``deepspeed-fused report ...``, the console script)"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
+def _prog() -> str:
+    """How the user called us: ``deepspeed-fused`` (console script) or ``python -m deepspeed_fused``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m deepspeed_fused" if name in ("", "__main__.py", "-c", "-m") else name
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deepspeed_fused")
+    p = argparse.ArgumentParser(prog=_prog())
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("report", help="environment, and what each feature would do for a config and model")
     r.add_argument("--config", help="a ds_config.json with a deepspeed_fused section")
@@ -24,11 +33,16 @@ def main(argv=None) -> int:
         return 0
     with open(args.config) as f:
         ds_config = json.load(f)
-    from .config import parse_config
+    from .config import ConfigError, parse_config
+    from .features.registry import all_features
 
-    cfg = parse_config(ds_config)
+    try:
+        cfg = parse_config(ds_config)
+    except ConfigError as e:
+        print(f"{p.prog}: {args.config}: {e}", file=sys.stderr)
+        return 2
     print()
-    enabled = [n for n, v in cfg if v.enabled]
+    enabled = [f.name for f in all_features() if getattr(cfg, f.name).enabled]
     print(f"config {args.config}: enabled features: {', '.join(enabled) or 'none'}")
     if args.model is None:
         return 0

@@ -7,7 +7,7 @@ full key path (``deepspeed_fused.rms_norm.enabeld``) and the allowed keys.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from pydantic import StrictBool, ValidationError, create_model
 
@@ -15,12 +15,38 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 SECTION = "deepspeed_fused"
 
+# Top-level keys of a DeepSpeed config (DeepSpeed's documented ones, current and recently removed).
+# A dict holding any of them, or the "deepspeed_fused" key, is a whole ds_config; any other dict is
+# the section itself.
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset("""
+    train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
+    fp16 bf16 bfloat16 amp torch_autocast zero_optimization zero_allow_untested_optimizer
+    zero_force_ds_cpu_optimizer gradient_clipping prescale_gradients gradient_predivide_factor
+    gradient_allreduce_op communication_data_type seq_parallel_communication_data_type grad_accum_dtype
+    steps_per_print wall_clock_breakdown memory_breakdown dump_state disable_allgather disable_python_gc
+    activation_checkpointing flops_profiler comms_logger tensorboard wandb csv_monitor comet monitor_config
+    elasticity pipeline checkpoint data_types data_efficiency curriculum_learning compression_training
+    autotuning aio nebula sparse_attention sparse_gradients hybrid_engine expert_parallel tensor_parallel
+    sequence_parallel_size dataloader_drop_last weight_quantization compile timers graph_harvesting
+    use_node_local_storage load_universal eigenvalue quantize_training progressive_layer_drop log_level
+    use_data_before_expert_parallelism managed_gradient_accumulation zenflow
+    """.split())
+
 
 class FeatureConfig(DeepSpeedConfigModel):
     """Options every feature has. Subclasses add their own fields."""
 
     enabled: StrictBool = False
     """Turn the feature on. Off by default: an absent section changes nothing."""
+
+
+class SectionConfig(DeepSpeedConfigModel):
+    """Options of the section itself (next to the features' keys)."""
+
+    show_report: StrictBool = True
+    """Print the feature report (one table: each feature, whether it is applied, where or why not)
+    on rank 0 after ``deepspeed.initialize`` (false: print nothing; ``engine.deepspeed_fused_report``
+    still holds it)."""
 
 
 class ConfigError(ValueError):
@@ -37,7 +63,7 @@ def _section_model():
     key = tuple((f.name, f.config_model) for f in all_features())
     if key not in _SECTION_MODELS:
         fields = {name: (cm, cm()) for name, cm in key}
-        _SECTION_MODELS[key] = create_model("DeepSpeedFusedConfig", __base__=DeepSpeedConfigModel, **fields)
+        _SECTION_MODELS[key] = create_model("DeepSpeedFusedConfig", __base__=SectionConfig, **fields)
     return _SECTION_MODELS[key]
 
 
@@ -64,41 +90,63 @@ def _format_error(err: ValidationError, model: type) -> str:
     return "invalid deepspeed_fused config: " + "; ".join(lines)
 
 
-def parse_config(config: Any) -> Any:
+def parse_config(config: Any, ds_config: Optional[bool] = None) -> Any:
     """Validate a ``deepspeed_fused`` section.
 
     ``config`` may be the whole ds_config dict (the section is read from its
     ``"deepspeed_fused"`` key), the section itself, ``None`` (every feature off), or an
-    already-validated model. Raises :class:`ConfigError` (a ``ValueError``) on a bad section.
+    already-validated model. A dict is read as a whole ds_config when it has the
+    ``"deepspeed_fused"`` key or any DeepSpeed top-level key (``train_batch_size``,
+    ``zero_optimization``, ``bf16``, ...), else as the section (``ds_config`` True or False says
+    which, without looking). Raises :class:`ConfigError` (a ``ValueError``) on a bad section, and
+    on a ds_config with feature keys at its top level (they belong under ``"deepspeed_fused"``).
     """
     model = _section_model()
     if isinstance(config, model):
         return config
+    bare = False
     if config is None:
         section: Mapping = {}
     elif isinstance(config, Mapping):
-        section = config.get(SECTION, {}) if _looks_like_ds_config(config, model) else config
+        whole = _is_ds_config(config) if ds_config is None else ds_config
+        if whole:
+            stray = [k for k in config if k in model.model_fields]
+            if stray:
+                raise ConfigError(
+                    f"{', '.join(stray)}: deepspeed_fused keys at the top level of a ds_config are not read; "
+                    f"nest them under \"{SECTION}\": {{\"{SECTION}\": {{\"{stray[0]}\": ...}}}}")
+            section = config.get(SECTION, {})
+        else:
+            section, bare = config, True
         if section is None:
             section = {}
     else:
         raise ConfigError(f"{SECTION}: expected a dict (the ds_config or its section), got {type(config).__name__}")
     if not isinstance(section, Mapping):
         raise ConfigError(f"{SECTION}: expected an object, got {type(section).__name__}")
+    features = _feature_names(model)
     for name, value in section.items():
-        if name in model.model_fields and not isinstance(value, Mapping):
+        if name in features and not isinstance(value, Mapping):
             raise ConfigError(f"{SECTION}.{name}: expected an object like {{\"enabled\": true}}, "
                               f"got {type(value).__name__}")
     try:
         return model(strict=True, **dict(section))
     except ValidationError as err:
-        raise ConfigError(_format_error(err, model)) from None
+        msg = _format_error(err, model)
+        if bare and any(k not in model.model_fields for k in section):
+            msg += (" (read as a bare deepspeed_fused section: the dict has no DeepSpeed top-level key such as "
+                    "train_batch_size or zero_optimization; a whole ds_config holds the features under "
+                    f"\"{SECTION}\")")
+        raise ConfigError(msg) from None
 
 
-def _looks_like_ds_config(config: Mapping, model: type) -> bool:
-    if SECTION in config:
-        return True
-    # A section holds only feature names; a ds_config holds DeepSpeed keys.
-    return bool(config) and not all(k in model.model_fields for k in config)
+def _feature_names(model: type) -> set:
+    return {n for n in model.model_fields if n not in SectionConfig.model_fields}
+
+
+def _is_ds_config(config: Mapping) -> bool:
+    """A whole ds_config (it has the section key or a DeepSpeed top-level key), not a section."""
+    return SECTION in config or any(k in DEEPSPEED_TOP_LEVEL_KEYS for k in config)
 
 
 def config_reference() -> list[dict]:
@@ -106,6 +154,10 @@ def config_reference() -> list[dict]:
     from .features.registry import all_features
 
     rows = []
+    docs = _field_docs(SectionConfig)
+    for name, field in SectionConfig.model_fields.items():
+        rows.append(dict(key=f"{SECTION}.{name}", type=_type_name(field.annotation), default=field.default,
+                         doc=docs.get(name, field.description or "")))
     for f in all_features():
         cm = f.config_model
         docs = _field_docs(cm)
@@ -139,7 +191,7 @@ def _field_docs(cls: type) -> dict:
 
     out: dict = {}
     for klass in reversed(cls.__mro__):
-        if not (isinstance(klass, type) and issubclass(klass, FeatureConfig)):
+        if not (isinstance(klass, type) and issubclass(klass, (FeatureConfig, SectionConfig))):
             continue
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))

@@ -4,9 +4,10 @@
 
 The model is built from a named config with random weights (no hub access) and fed synthetic
 token batches (a learnable bigram-like stream, the same for every run with the same seed). Each
-step prints the loss, step time, tokens/s and peak GPU memory; the feature report is printed
-after initialisation. On a CPU-only machine bf16 is turned off and the fused paths fall back to
-eager (the report says so).
+step prints the loss, step time, tokens/s and peak GPU memory; the feature report is shown once,
+by the plugin's hook, after initialisation. On a CPU-only machine bf16 is turned off and the fused
+paths fall back to eager (the report says so); the first CPU run waits a few minutes, silent,
+while DeepSpeed compiles its shm_comm op (said before it starts).
 """
 from __future__ import annotations
 
@@ -112,6 +113,21 @@ def load_config(path: str, batch_size: int, cuda: bool) -> dict:
     return cfg
 
 
+def note_cpu_op_build() -> None:
+    """On CPU, ``deepspeed.init_distributed`` compiles DeepSpeed's shm_comm op the first time
+    (about 2.5 minutes without any output): say so before it starts."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        name = "deepspeed_shm_comm"
+        built = os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+    except Exception:
+        built = False
+    if not built and int(os.environ.get("RANK", "0")) == 0:
+        print("[train] first CPU run: DeepSpeed now compiles its shm_comm op (about 2-3 minutes without output; "
+              "later runs reuse it)", flush=True)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -124,6 +140,8 @@ def main(argv=None) -> dict:
     bf16 = ds_config.get("bf16", {}).get("enabled", False)
     dtype = torch.bfloat16 if bf16 else torch.float32
 
+    if not cuda:
+        note_cpu_op_build()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank = deepspeed.comm.get_rank()
     with torch.device(device):
@@ -144,7 +162,8 @@ def main(argv=None) -> dict:
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         print(f"[train] model {args.model}: {n_params / 1e6:.1f} M parameters, dtype {dtype}, device {device}, "
               f"ZeRO stage {engine.zero_optimization_stage()}, world size {deepspeed.comm.get_world_size()}")
-        print(report if report is not None else "[train] deepspeed_fused hook did not run")
+        if report is None:  # the hook showed the report (unless the section's show_report is false)
+            print("[train] deepspeed_fused hook did not run")
 
     tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size()
     history = []

@@ -1,6 +1,7 @@
 """What a feature is: a name, a config model, a support check, apply and revert.
 
-Features patch a model (``engine.module`` or a bare ``nn.Module``) and can undo it. They call
+Features patch a model (``engine.module`` or a bare ``nn.Module``), can undo it and can say
+whether it is in force on a model (``is_applied``). They call
 the ops' public functions and know nothing of Triton internals; the hook knows only the
 registry.
 """
@@ -70,12 +71,15 @@ class FeatureReport:
     where: str = ""  # e.g. "12 x Qwen3RMSNorm, 2 x LlamaRMSNorm"
     reason: str = ""  # why not applied, or notes (fallbacks, skipped modules)
     details: dict = dataclasses.field(default_factory=dict)
+    fallback: str = ""  # applied, but what runs instead of the kernels here, e.g. "torch reference: no GPU"
 
     @property
     def status(self) -> str:
-        if not self.enabled:
+        if not self.enabled and not self.applied:
             return "off"
-        return "applied" if self.applied else "not applied"
+        if self.applied:
+            return f"applied ({self.fallback})" if self.fallback else "applied"
+        return "not applied"
 
 
 class Feature:
@@ -93,3 +97,14 @@ class Feature:
 
     def revert(self, model: torch.nn.Module) -> int:
         raise NotImplementedError
+
+    def is_applied(self, model: torch.nn.Module) -> Optional[bool]:
+        """Whether the feature runs on ``model`` now, read from the model's own state (a copy or a
+        model loaded from a pickle included). None: the feature cannot tell, and the hook goes by
+        its record of what it applied to this model object."""
+        return None
+
+    def fallback(self, env: Environment) -> str:
+        """For an applied feature: what runs instead of its kernels on this machine ("" when the
+        kernels run), shown in the report's status, e.g. "torch reference: no GPU"."""
+        return ""

@@ -64,9 +64,9 @@ class LinearCrossEntropyConfig(FeatureConfig):
     accum_dtype: Literal["auto", "fp32"] = "auto"
     """Accumulation of the LM-head weight gradient across token chunks: "auto" lets the op choose
     (may keep partial sums in the weight's dtype), "fp32" keeps fp32 accumulators (more memory)."""
-    z_loss: Annotated[StrictFloat, Field(ge=0)] = 0.0
+    z_loss: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)] = 0.0
     """Weight of the z-loss term ``z_loss * logsumexp(logits)**2`` added per token (0: off)."""
-    label_smoothing: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.0
+    label_smoothing: Annotated[StrictFloat, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
     """Label smoothing of the cross-entropy, as in ``torch.nn.functional.cross_entropy``."""
     validate_targets: StrictBool = True
     """Check that every label is in [0, vocab) or ``ignore_index`` (a cheap check that syncs with
@@ -227,9 +227,14 @@ def _causal_lm_loss():
     return ForCausalLMLoss
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _State:
-    """What an opted-in instance carries: its options and what it did (for tests and reports)."""
+    """What an opted-in instance carries: its options and what it did (for tests and reports).
+
+    It keeps the class's dispatcher installed while it lives and is not revoked (``revert``
+    revokes it, which also switches off shallow copies and DataParallel replicas sharing it). A
+    deep copy of the model gets its own live state, so the copy stays fused when the original is
+    reverted; a pickled model loads the state as ``False`` (eager until it is patched again)."""
 
     spec: _Spec
     ignore_index: int
@@ -240,6 +245,18 @@ class _State:
     validate_targets: bool
     fused_calls: int = 0
     unfused_reason: str = ""
+    owner: Optional[type] = dataclasses.field(default=None, repr=False)  # the patched class
+    revoked: bool = False
+
+    def __deepcopy__(self, memo):
+        new = dataclasses.replace(self)
+        entry = _PATCHED_CLASSES.get(self.owner)
+        if not self.revoked and entry is not None:
+            entry[2].add(new)
+        return new
+
+    def __reduce__(self):
+        return (bool, (False,))
 
 
 class _Capture:
@@ -375,7 +392,10 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard:
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
         else:
-            loss = loss * 1.0  # a fresh tensor: models add the router aux loss in place (`loss += ...`)
+            # Eager's mean over no labelled token is 0/0: NaN, with zero gradients. The op's mean is
+            # 0 there; give the same NaN without a host sync (the gradients stay the op's zeros).
+            # torch.where also makes a fresh tensor: models add the router aux loss in place.
+            loss = torch.where((targets != ii).any(), loss, torch.full_like(loss, float("nan")))
         return loss
 
     return loss_function
@@ -437,9 +457,15 @@ def _fused_forward(model, st: _State, orig, args, kwargs):
     if not isinstance(out, ModelOutput):
         raise RuntimeError(f"deepspeed_fused.linear_cross_entropy: {type(model).__name__}.forward returned "
                            f"{type(out).__name__} with return_dict=True")
-    out = type(out)(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.name != "logits"})
+    fields = [f.name for f in dataclasses.fields(out)]
+    out = type(out)(**{n: getattr(out, n) for n in fields if n != "logits"})
     st.fused_calls += 1
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    # Eager's tuple holds the fields that are set, in order: keep the logits' slot (None, as the
+    # logits are never formed) so that what follows it keeps its position.
+    return tuple(None if n == "logits" else getattr(out, n) for n in fields
+                 if n == "logits" or getattr(out, n) is not None)
 
 
 def _make_dispatcher(orig):
@@ -447,9 +473,7 @@ def _make_dispatcher(orig):
 
     @functools.wraps(orig)
     def forward(self, *args, **kwargs):
-        st = self.__dict__.get(_STATE)
-        if st is not None and type(self) in _PATCHED_CLASSES:
-            _PATCHED_CLASSES[type(self)][2].add(self)  # e.g. a deepcopy: revert keeps the class patched for it
+        st = fused_state(self)
         if st is None or not self.training or _labels_of(names, args, kwargs) is None:
             return orig(self, *args, **kwargs)
         why = _unfused_reason(self)
@@ -465,7 +489,7 @@ def _make_dispatcher(orig):
     return forward
 
 
-# class -> (had its own forward in __dict__, original forward, weak set of opted-in instances)
+# class -> (had its own forward in __dict__, original forward, weak set of the live _State objects)
 _PATCHED_CLASSES: dict = {}
 
 
@@ -496,13 +520,22 @@ def _state_from_cfg(spec: _Spec, cfg) -> _State:
                   validate_targets=bool(cfg.validate_targets))
 
 
+def _own_state(module) -> Optional[_State]:
+    st = module.__dict__.get(_STATE)
+    return st if isinstance(st, _State) else None
+
+
+def fused_state(module) -> Optional[_State]:
+    """The opted-in state of a patched causal LM (None if not patched or no longer in force: revoked,
+    or its class's dispatcher is gone)."""
+    st = _own_state(module)
+    if st is None or st.revoked or type(module) not in _PATCHED_CLASSES:
+        return None
+    return st
+
+
 def is_patched(module) -> bool:
-    return _STATE in module.__dict__
-
-
-def fused_state(module):
-    """The opted-in state of a patched causal LM (None if not patched)."""
-    return module.__dict__.get(_STATE)
+    return fused_state(module) is not None
 
 
 @register
@@ -538,8 +571,10 @@ class LinearCrossEntropyFeature(Feature):
         counts: dict = {}
         for name, m, spec in plans:
             _patch_class(type(m))
-            _PATCHED_CLASSES[type(m)][2].add(m)
-            m.__dict__[_STATE] = _state_from_cfg(spec, cfg)
+            st = _state_from_cfg(spec, cfg)
+            st.owner = type(m)
+            _PATCHED_CLASSES[type(m)][2].add(st)
+            m.__dict__[_STATE] = st
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
         for m in already:
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
@@ -569,11 +604,23 @@ class LinearCrossEntropyFeature(Feature):
     def revert(self, model):
         n = 0
         for _, m in model.named_modules():
-            if m.__dict__.pop(_STATE, None) is not None:
-                n += 1
-                entry = _PATCHED_CLASSES.get(type(m))
-                if entry is not None:
-                    entry[2].discard(m)
-                    if not len(entry[2]):
-                        _unpatch_class(type(m))
+            st = _own_state(m)
+            m.__dict__.pop(_STATE, None)
+            if st is None:
+                continue
+            n += int(not st.revoked and type(m) in _PATCHED_CLASSES)
+            st.revoked = True
+            entry = _PATCHED_CLASSES.get(type(m))
+            if entry is not None:
+                entry[2].discard(st)
+                if not len(entry[2]):
+                    _unpatch_class(type(m))
         return n
+
+    def is_applied(self, model):
+        return any(is_patched(m) for m in model.modules())
+
+    def fallback(self, env):
+        if env.triton_version is None:
+            return "torch reference: no Triton"
+        return "" if env.kernels_available else "torch reference: no GPU"

@@ -303,3 +303,6 @@ class RmsNormFeature(Feature):
 
     def revert(self, model: torch.nn.Module) -> int:
         return restore_rms_norm(model)
+
+    def is_applied(self, model: torch.nn.Module) -> bool:
+        return any(is_replaced(m) for m in model.modules())

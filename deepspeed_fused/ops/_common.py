@@ -28,10 +28,21 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Triton reads TRITON_INTERPRET when a kernel is defined (``@triton.jit``, at the import of the op
+# modules, which import this one first): kernels defined without it are compiled for a GPU driver
+# and fail on CPU tensors with "0 active drivers", whatever the variable says later.
+_INTERPRET_AT_IMPORT = interpreter_active()
+LATE_INTERPRET = ("TRITON_INTERPRET=1 was set after deepspeed_fused defined its Triton kernels (Triton reads it "
+                  "when a kernel is defined); set it in the environment before the program starts "
+                  "(TRITON_INTERPRET=1 python ...) or at least before deepspeed_fused.ops is imported")
+
+
 def kernel_device_ok(t: torch.Tensor) -> tuple[bool, str]:
     """Whether a Triton kernel can take tensor ``t`` because of where it lives."""
     if not HAS_TRITON:
         return False, "Triton is not installed"
+    if t.device.type == "cpu" and interpreter_active() and not _INTERPRET_AT_IMPORT:
+        return False, LATE_INTERPRET
     if t.is_cuda:
         if interpreter_active():
             return False, "TRITON_INTERPRET=1 with CUDA tensors"

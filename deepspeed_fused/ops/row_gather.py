@@ -66,7 +66,7 @@ if HAS_TRITON:
         index = tl.load(index_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
         valid = row_ok & (index >= 0) & (index < num_src)
         if WRITE_INVERSE:
-            tl.store(inverse_ptr + index, rows, mask=valid & (pid_c == 0))
+            tl.store(inverse_ptr + index, rows, mask=valid & (tl.zeros_like(rows) == pid_c))
         cols = pid_c * BLOCK_H + tl.arange(0, BLOCK_H)
         cols = tl.max_contiguous(tl.multiple_of(cols, VEC), VEC)
         col_ok = cols < hidden

@@ -1,8 +1,12 @@
 """The report CLI and the example training job under the deepspeed launcher (CPU)."""
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
+import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -34,6 +38,28 @@ def test_cli_report_config_and_model():
     for name in ("rms_norm", "linear_cross_entropy", "moe_reorder"):
         line = next(line for line in out.splitlines() if line.startswith(name))
         assert "yes" in line  # enabled; applied or the reason it is not
+    if not torch.cuda.is_available():  # the loss is patched in, but the op runs its torch reference here
+        line = next(line for line in out.splitlines() if line.startswith("linear_cross_entropy"))
+        assert "applied (torch reference: no GPU)" in line
+
+
+def test_cli_rejects_a_bare_section_with_an_unknown_key(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rms_norm": {"enabled": True}, "lce": {"enabled": True}}))
+    p = subprocess.run([sys.executable, "-m", "deepspeed_fused", "report", "--config", str(bad)], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "deepspeed_fused.lce: unknown key" in p.stderr
+
+
+@pytest.mark.parametrize("argv0, prog", [("/usr/local/bin/deepspeed-fused", "deepspeed-fused"),
+                                         ("/x/deepspeed_fused/__main__.py", "python -m deepspeed_fused")])
+def test_cli_usage_names_how_it_was_called(monkeypatch, capsys, argv0, prog):
+    from deepspeed_fused.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: {prog} ")
 
 
 def test_cli_rejects_bad_config(tmp_path):
@@ -57,7 +83,10 @@ def test_example_job_runs_under_launcher(tmp_path):
     finally:
         remove_shm_buffers(port)
     assert "[train] step    2" in out
-    assert "deepspeed_fused report" in out
+    assert out.count("deepspeed_fused report") == 1  # shown once, by the hook
+    assert re.search(r"\] deepspeed_fused report \(torch ", out)  # on the log line itself, no empty first line
+    if not torch.cuda.is_available():
+        assert re.search(r"linear_cross_entropy +yes +applied \(torch reference: no GPU\)", out), out[-3000:]
     summary = json.loads(metrics.read_text())
     assert len(summary["history"]) == 3
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in summary["history"])  # finite, positive

@@ -88,3 +88,43 @@ def test_config_reference_lists_every_key():
         for field in f.config_model.model_fields:
             assert f"deepspeed_fused.{f.name}.{field}" in keys
     assert all(r["doc"] for r in rows), [r["key"] for r in rows if not r["doc"]]
+
+
+# ---- issue 17, item 1: a bare section is read as a section; feature keys are never dropped -------------
+
+def test_bare_section_with_an_unknown_key_raises_naming_it():
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"rms_norm": {"enabled": True}, "lce": {"enabled": True}})
+    msg = str(ei.value)
+    assert "deepspeed_fused.lce: unknown key" in msg and "linear_cross_entropy" in msg
+
+
+@pytest.mark.parametrize("ds_key", ["train_batch_size", "zero_optimization", "bf16", "optimizer"])
+def test_feature_keys_at_the_top_of_a_ds_config_raise(ds_key):
+    with pytest.raises(ConfigError, match=r'rms_norm: .*nest them under "deepspeed_fused"'):
+        parse_config({ds_key: {}, "rms_norm": {"enabled": True}})
+    with pytest.raises(ConfigError, match="nest them"):  # also next to a section
+        parse_config({ds_key: {}, "deepspeed_fused": {}, "moe_reorder": {"enabled": True}})
+
+
+def test_ds_config_or_section_can_be_forced():
+    assert parse_config({"rms_norm": {"enabled": True}}, ds_config=False).rms_norm.enabled
+    with pytest.raises(ConfigError, match="nest them"):
+        parse_config({"rms_norm": {"enabled": True}}, ds_config=True)
+    assert not parse_config({"train_micro_batch_size_per_gpu": 1}, ds_config=True).rms_norm.enabled
+
+
+def test_show_report_is_a_section_key():
+    assert parse_config(None).show_report is True
+    assert parse_config({"show_report": False}).show_report is False
+    with pytest.raises(ConfigError, match=r"deepspeed_fused\.show_report"):
+        parse_config({"deepspeed_fused": {"show_report": "no"}})
+
+
+# ---- item 6: values the op would reject at its first call fail in the config ----------------------------
+
+@pytest.mark.parametrize("key", ["z_loss", "label_smoothing"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_loss_options_are_rejected(key, value):
+    with pytest.raises(ConfigError, match=rf"deepspeed_fused\.linear_cross_entropy\.{key}: .*finite"):
+        parse_config({"deepspeed_fused": {"linear_cross_entropy": {"enabled": True, key: value}}})

@@ -1,5 +1,15 @@
 """The deepspeed.initialize hook, patch_model/unpatch_model and the report."""
+import argparse
+import base64
+import copy
+import dataclasses
 import importlib
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -160,6 +170,30 @@ class TestHookApplies(DistributedTest):
         assert unpatch_model(model) == {"dummy": 15}
         assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
 
+    def test_report_is_shown_on_rank0_unless_silenced(self, dummy):
+        from deepspeed_fused.hook import report_logger
+
+        records = []
+        catch = logging.Handler()
+        catch.emit = records.append
+        logger = report_logger()
+        logger.addHandler(catch)
+        try:
+            train_steps(build_model("llama-tiny"), ds_config(0, {"dummy": {"enabled": True}}), steps=1)
+            shown = [r for r in records if "deepspeed_fused report" in r.getMessage()]
+            assert len(shown) == 1 and shown[0].levelno == logging.INFO, records
+            text = shown[0].getMessage()
+            assert text.startswith("deepspeed_fused report") and "15 x Linear" in text  # no empty first line
+            # printed, not filtered: DeepSpeed's own logger drops INFO (its handler is at WARNING)
+            own = [h for h in logger.handlers if h is not catch]
+            assert logger.isEnabledFor(logging.INFO) and own and all(h.level <= logging.INFO for h in own)
+            records.clear()
+            train_steps(build_model("llama-tiny"), ds_config(0, {"dummy": {"enabled": True}, "show_report": False}),
+                        steps=1)
+            assert not [r for r in records if "deepspeed_fused report" in r.getMessage()]
+        finally:
+            logger.removeHandler(catch)
+
     def test_bad_section_raises_before_engine(self):
         model = build_model("llama-tiny")
         with pytest.raises(ConfigError, match=r"deepspeed_fused\.rms_norm\.enabeld"):
@@ -184,4 +218,175 @@ def test_report_to_dict_and_text(dummy):
     assert [f["name"] for f in d["features"]][-1] == "dummy"
     text = str(rep)
     assert text.startswith("deepspeed_fused report") and "feature" in text and "enabled" in text
+    unpatch_model(model)
+
+
+# ---- issue 17, item 2: what is applied is read from the model, not from what was pickled or copied -----
+
+CFG = {"rms_norm": {"enabled": True}, "linear_cross_entropy": {"enabled": True}}
+
+
+def _ids():
+    return torch.randint(0, 257, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _fused_norms(model):
+    from deepspeed_fused.features.rms_norm import is_replaced
+
+    return sum(is_replaced(m) for m in model.modules())
+
+
+def test_pickled_model_is_patched_afresh(interpret):
+    model = build_model("llama-tiny").train()
+    assert patch_model(model, CFG).applied == ["rms_norm", "linear_cross_entropy"]
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    unpatch_model(model)  # as in a fresh process: no class is patched for this model any more
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False).train()
+    ids = _ids()
+    assert loaded(input_ids=ids, labels=ids).logits is not None and _fused_norms(loaded) == 0  # eager
+    rep = patch_model(loaded, CFG)
+    assert rep.applied == ["rms_norm", "linear_cross_entropy"]
+    assert rep["rms_norm"].where == "5 x LlamaRMSNorm" and rep["linear_cross_entropy"].where == "1 x LlamaForCausalLM"
+    assert loaded(input_ids=ids, labels=ids).logits is None and _fused_norms(loaded) == 5  # really fused
+    assert unpatch_model(loaded) == {"linear_cross_entropy": 1, "rms_norm": 5}
+
+
+def test_deepcopy_stays_fused_when_the_original_is_unpatched(interpret):
+    model = build_model("llama-tiny").train()
+    patch_model(model, CFG)
+    clone = copy.deepcopy(model)  # before any forward
+    assert unpatch_model(model) == {"linear_cross_entropy": 1, "rms_norm": 5}
+    ids = _ids()
+    assert model(input_ids=ids, labels=ids).logits is not None
+    assert clone(input_ids=ids, labels=ids).logits is None and _fused_norms(clone) == 5
+    assert patch_model(clone, CFG).applied == ["rms_norm", "linear_cross_entropy"]
+    assert unpatch_model(clone) == {"linear_cross_entropy": 1, "rms_norm": 5}
+    assert clone(input_ids=ids, labels=ids).logits is not None
+
+
+def test_report_does_not_claim_a_revoked_shallow_copy():
+    model = build_model("llama-tiny").train()
+    patch_model(model, {"linear_cross_entropy": {"enabled": True}})
+    shallow = copy.copy(model)  # shares the original's per-instance state
+    unpatch_model(model)
+    ids = _ids()
+    assert shallow(input_ids=ids, labels=ids).logits is not None
+    assert unpatch_model(shallow) == {}  # nothing is running there, nothing to undo
+
+
+# ---- item 3: re-patching applies the new options, or unpatches -------------------------------------------
+
+def test_repatch_applies_new_options_or_unpatches():
+    from deepspeed_fused.features import linear_cross_entropy as lce
+
+    model = build_model("llama-tiny").train()
+    patch_model(model, {"linear_cross_entropy": {"enabled": True}})
+    assert lce.fused_state(model).z_loss == 0.0
+    rep = patch_model(model, {"linear_cross_entropy": {"enabled": True, "z_loss": 0.5}})
+    assert rep["linear_cross_entropy"].applied and lce.fused_state(model).z_loss == 0.5
+    ids = _ids()
+    ref = build_model("llama-tiny").train()
+    patch_model(ref, {"linear_cross_entropy": {"enabled": True, "z_loss": 0.5}})
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+    rep = patch_model(model, {"linear_cross_entropy": {"enabled": False}})
+    assert rep["linear_cross_entropy"].status == "off" and rep.applied == [] and not lce.is_patched(model)
+    assert model(input_ids=ids, labels=ids).logits is not None
+    unpatch_model(ref)
+
+
+def test_repatch_rms_norm_off_and_on(interpret):
+    model = build_model("llama-tiny")
+    patch_model(model, {"rms_norm": {"enabled": True}})
+    assert _fused_norms(model) == 5
+    rep = patch_model(model, {"rms_norm": {"enabled": False}})
+    assert rep["rms_norm"].status == "off" and _fused_norms(model) == 0
+    assert patch_model(model, {"rms_norm": {"enabled": True}}).applied == ["rms_norm"] and _fused_norms(model) == 5
+    assert unpatch_model(model) == {"rms_norm": 5}
+
+
+# ---- item 6: the section is checked before the engine is built, however the config arrives ---------------
+
+@pytest.fixture
+def fake_engine_builder():
+    """deepspeed.initialize replaced by a stand-in that records that DeepSpeed would build an engine."""
+    from deepspeed_fused.hook import uninstall
+
+    built = []
+
+    def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                   lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None,
+                   config=None, mesh_param=None, config_params=None):
+        built.append(True)
+        return (None, None, None, None)
+
+    uninstall()
+    real = deepspeed.initialize
+    deepspeed.initialize = initialize
+    install()
+    yield built
+    uninstall()
+    deepspeed.initialize = real
+    install()
+
+
+@pytest.mark.parametrize("bad", [{"rms_norm": {"enabeld": True}}, {"rms_norm": {"enabled": "yes"}},
+                                 {"linear_cross_entropy": {"enabled": True, "z_loss": float("inf")}}])
+@pytest.mark.parametrize("how", ["dict", "path", "base64", "config_params", "args", "positional_args"])
+def test_bad_section_fails_before_the_engine_for_every_config_form(fake_engine_builder, tmp_path, bad, how):
+    if how not in ("dict", "config_params") and "z_loss" in bad.get("linear_cross_entropy", {}):
+        pytest.skip("a non-finite number cannot be written in a file DeepSpeed reads (hjson)")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "deepspeed_fused": bad}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    calls = {
+        "dict": lambda: deepspeed.initialize(model=None, config=cfg),
+        "path": lambda: deepspeed.initialize(model=None, config=str(path)),
+        "base64": lambda: deepspeed.initialize(model=None, config=base64.urlsafe_b64encode(
+            json.dumps(cfg).encode()).decode()),
+        "config_params": lambda: deepspeed.initialize(model=None, config_params=cfg),
+        "args": lambda: deepspeed.initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=None),
+        "positional_args": lambda: deepspeed.initialize(argparse.Namespace(deepspeed_config=str(path))),
+    }
+    with pytest.raises(ConfigError, match=r"deepspeed_fused\.(rms_norm|linear_cross_entropy)\."):
+        calls[how]()
+    assert fake_engine_builder == []
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "deepspeed_fused": {}}))
+    deepspeed.initialize(args=argparse.Namespace(deepspeed_config=str(good)), model=None)
+    assert fake_engine_builder == [True]
+
+
+def test_late_triton_interpret_says_what_to_do(tmp_path):
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    script = tmp_path / "late.py"
+    script.write_text("import os, torch\n"
+                      "from deepspeed_fused.ops.rms_norm import fused_rms_norm\n"
+                      "os.environ['TRITON_INTERPRET'] = '1'  # too late: the kernels are defined\n"
+                      "y = fused_rms_norm(torch.randn(4, 64), torch.ones(64), 1e-6)\n"
+                      "print('shape', tuple(y.shape))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "shape (4, 64)" in p.stdout
+    assert "TRITON_INTERPRET=1 was set after deepspeed_fused defined its Triton kernels" in p.stderr
+    assert "before the program starts" in p.stderr
+
+
+# ---- item 7: the report says when the torch reference runs in place of the kernels ----------------------
+
+def test_report_says_when_the_torch_reference_runs():
+    from deepspeed_fused.features.base import Environment
+
+    cpu = dataclasses.replace(Environment.detect(), cuda_available=False, gpu_name=None, interpreter=False)
+    model = build_model("llama-tiny")
+    rep = patch_model(model, {"linear_cross_entropy": {"enabled": True}}, env=cpu)
+    assert rep["linear_cross_entropy"].status == "applied (torch reference: no GPU)"
+    assert "applied (torch reference: no GPU)" in rep.table()
+    unpatch_model(model)
+    interpreted = dataclasses.replace(cpu, interpreter=True)
+    assert patch_model(model, {"linear_cross_entropy": {"enabled": True}}, env=interpreted)[
+        "linear_cross_entropy"].status == "applied"
     unpatch_model(model)

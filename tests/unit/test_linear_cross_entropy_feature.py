@@ -303,7 +303,8 @@ def test_return_dict_false(op_calls):
     _apply(fused)
     b = _batch(8)
     t_r, t_f = ref(**b, return_dict=False, use_cache=False), fused(**b, return_dict=False, use_cache=False)
-    assert isinstance(t_f, tuple) and len(t_f) == len(t_r) - 1  # (loss, aux_loss, router_logits): no logits
+    # (loss, aux_loss, logits, router_logits) as eager's, the logits' slot None (never formed)
+    assert isinstance(t_f, tuple) and len(t_f) == len(t_r) and t_f[2] is None
     torch.testing.assert_close(t_f[0], t_r[0], rtol=1e-5, atol=0)
     torch.testing.assert_close(t_f[1], t_r[1])
     t_f[0].backward()
@@ -525,3 +526,47 @@ def check_ds_matches_unpatched(name, stage, tol=1e-5):
     assert ref_losses[0] != ref_losses[-1]
     for n, p in params.items():
         assert p.numel() > 0 and _relerr(p, ref_params[n]) <= tol, (n, _relerr(p, ref_params[n]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 17, item 5: the edge cases of eager's contract.
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-moe-tiny"])
+def test_every_label_ignored_gives_nan_like_eager(name, op_calls):
+    """Eager's mean over no labelled token is NaN (0/0) with zero gradients; so is the fused loss."""
+    ref, fused = _pair(name)
+    _apply(fused)
+    b = _batch(21)
+    b["labels"] = torch.full_like(b["labels"], -100)
+    out_r, out_f = ref(**b), fused(**b)
+    assert out_f.logits is None and len(op_calls) == 1
+    assert torch.isnan(out_r.loss) and torch.isnan(out_f.loss)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    for (n, p), q in zip(fused.named_parameters(), ref.parameters()):
+        gp = torch.zeros_like(p) if p.grad is None else p.grad
+        gq = torch.zeros_like(q) if q.grad is None else q.grad
+        assert torch.equal(torch.isnan(gp), torch.isnan(gq)), n
+        torch.testing.assert_close(gp.nan_to_num(), gq.nan_to_num(), msg=n)
+    # one labelled token is enough for a finite loss again
+    b["labels"][0, 5] = 3
+    _check_same(ref, fused, b)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-moe-tiny"])
+def test_return_dict_false_keeps_the_tuple_positions(name, op_calls):
+    ref, fused = _pair(name)
+    _apply(fused)
+    b = _batch(22)
+    out_r = ref(**b, return_dict=False)
+    out_f = fused(**b, return_dict=False)
+    assert isinstance(out_f, tuple) and len(out_f) == len(out_r) and len(op_calls) == 1
+    logits_at = 2 if name == "qwen3-moe-tiny" else 1  # (loss, aux_loss, logits, ...) for MoE outputs
+    assert out_f[logits_at] is None and out_r[logits_at].shape[-1] == V
+    for i, (a, r) in enumerate(zip(out_f, out_r)):
+        if i != logits_at:
+            assert type(a) is type(r), (i, type(a), type(r))
+    torch.testing.assert_close(out_f[0], out_r[0], rtol=1e-5, atol=1e-7)
+    if name == "qwen3-moe-tiny":
+        torch.testing.assert_close(out_f[1], out_r[1])  # aux_loss in its slot

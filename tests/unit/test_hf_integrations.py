@@ -1,0 +1,116 @@
+"""HF Trainer and Accelerate call ``deepspeed.initialize`` themselves: with the section in their
+DeepSpeed config (HF style, ``"auto"`` values), the features apply, the report is shown once on
+rank 0, and the losses match a run without the section (CPU, gloo, one rank, a few steps)."""
+import logging
+
+import pytest
+import torch
+
+from deepspeed_fused.features import linear_cross_entropy as lce
+from deepspeed_fused.hook import report_logger
+from tiny_models import build_model
+from unit.common import DistributedTest
+
+SECTION = {"rms_norm": {"enabled": True}, "linear_cross_entropy": {"enabled": True},
+           "moe_reorder": {"enabled": True}}
+STEPS = 3
+RTOL = 1e-6  # fp32 on CPU; measured differences are about 2e-7
+
+
+def hf_ds_config(stage, section=None):
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": stage},
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    if section is not None:
+        cfg["deepspeed_fused"] = section
+    return cfg
+
+
+def _batches(n, seq=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (seq,), generator=g) for _ in range(n)]
+
+
+class _Shown:
+    """Records what the plugin's logger shows."""
+
+    def __init__(self):
+        self.records = []
+        self.handler = logging.Handler()
+        self.handler.emit = self.records.append
+
+    def __enter__(self):
+        report_logger().addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        report_logger().removeHandler(self.handler)
+
+    def reports(self):
+        return [r.getMessage() for r in self.records if "deepspeed_fused report" in r.getMessage()]
+
+
+def _check(engine, shown, losses, ref, expect_applied):
+    rep = engine.deepspeed_fused_report
+    assert [f.name for f in rep.features if f.applied] == expect_applied, str(rep)
+    assert len(shown.reports()) == 1 and "linear_cross_entropy" in shown.reports()[0]
+    assert lce.fused_state(engine.module).fused_calls == STEPS
+    assert len(losses) == len(ref) == STEPS
+    for a, b in zip(losses, ref):
+        assert abs(a - b) <= RTOL * abs(b), (losses, ref)
+
+
+class TestTrainer(DistributedTest):
+    world_size = 1
+    init_distributed = False  # the Trainer sets up the process group, as in a user's script
+
+    def test_trainer_applies_and_matches(self, tmp_path):
+        from transformers import Trainer, TrainingArguments
+
+        data = [{"input_ids": ids, "labels": ids} for ids in _batches(2 * STEPS)]
+        losses = {}
+        for key, section in (("off", None), ("on", SECTION)):
+            args = TrainingArguments(output_dir=str(tmp_path / key), deepspeed=hf_ds_config(2, section),
+                                     per_device_train_batch_size=2, max_steps=STEPS, logging_steps=1, report_to=[],
+                                     save_strategy="no", learning_rate=1e-3, use_cpu=True, disable_tqdm=True, seed=0)
+            trainer = Trainer(model=build_model("llama-tiny"), args=args, train_dataset=data)
+            with _Shown() as shown:
+                trainer.train()
+            losses[key] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+            if section is None:
+                assert shown.reports() == []  # no section: nothing shown, nothing patched
+                assert trainer.model_wrapped.deepspeed_fused_report.applied == []
+        # the on-run's engine (the section survived the Trainer's "auto" resolution)
+        _check(trainer.model_wrapped, shown, losses["on"], losses["off"], ["rms_norm", "linear_cross_entropy"])
+
+
+class TestAccelerate(DistributedTest):
+    world_size = 1
+    init_distributed = False
+
+    def test_accelerate_applies_and_matches(self):
+        pytest.importorskip("accelerate")
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DeepSpeedPlugin
+
+        losses = {}
+        for key, section in (("off", None), ("on", SECTION)):
+            cfg = hf_ds_config(3, section)
+            cfg["gradient_accumulation_steps"], cfg["gradient_clipping"] = 1, 1.0
+            acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+            model = build_model("qwen3-moe-tiny")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            loader = torch.utils.data.DataLoader(_batches(2 * STEPS), batch_size=2)
+            with _Shown() as shown:
+                engine, opt, loader = acc.prepare(model, opt, loader)
+            engine.train()
+            losses[key] = []
+            for ids in loader:
+                out = engine(input_ids=ids, labels=ids)
+                acc.backward(out.loss)
+                opt.step()
+                opt.zero_grad()
+                losses[key].append(out.loss.item())
+            AcceleratorState._reset_state(True)
+        _check(engine, shown, losses["on"], losses["off"], ["rms_norm", "linear_cross_entropy", "moe_reorder"])
