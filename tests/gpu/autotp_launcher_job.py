@@ -20,8 +20,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)  # the launcher may pass it
     args = parser.parse_args()
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend="nccl")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")  # gloo: a CPU try
     assert dist.get_world_size() == 2, dist.get_world_size()
     done = []
     for case, (name, tp_extra) in CASES.items():

@@ -423,4 +423,6 @@ def _wrap(fn, world_size):
     return wrapper
 
 
+if getattr(mp.current_process(), "_inheriting", False):  # a spawned rank importing: before any test module
+    _rewrite_asserts_in_test_modules()
 _preload_from_env()
