@@ -32,6 +32,22 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long CPU test")
 
 
+def pytest_collection_finish(session):
+    """Start the server DistributedTest ranks are forked from, here in the process whose forks
+    (``--forked``) run the tests, importing the modules of the collected distributed tests in it
+    once (see unit/common.py)."""
+    from unit.common import DistributedTest, start_worker_server
+
+    modules = []
+    for item in session.items:
+        cls = getattr(item, "cls", None)
+        if cls is not None and issubclass(cls, DistributedTest) and not item.get_closest_marker("skip") \
+                and cls.__module__ not in modules:
+            modules.append(cls.__module__)
+    if modules:
+        start_worker_server(["worker_warmup"] + modules)
+
+
 def pytest_collection_modifyitems(config, items):
     if _CUDA:
         return

@@ -75,7 +75,10 @@ def test_large_vocab_bf16_memory_and_accuracy():
 
 
 class TestZeroGPU(DistributedTest):
+    """ZeRO-2 and ZeRO-3 with the fused loss on 2 ranks over NCCL."""
+
     world_size = 2
+    backend = "nccl"
 
     @pytest.mark.parametrize("stage,name", [(2, "qwen3-moe-tiny"), (3, "llama-tiny"), (3, "llama-tied-tiny")])
     def test_matches_unpatched(self, stage, name):

@@ -1,9 +1,11 @@
 """moe_reorder on CUDA: the full matrix of dtypes, hidden sizes, row counts and index dtypes against
-the eager formulations (torch.equal), the fused combine, and the transformers path with grouped_mm."""
+the eager formulations (torch.equal), the fused combine, and the transformers path with grouped_mm;
+DeepSpeed AutoEP over NCCL on 2 GPUs."""
 import pytest
 import torch
 
 from deepspeed_fused.ops import row_gather as rg
+from unit.common import DistributedTest
 
 pytestmark = pytest.mark.gpu
 
@@ -164,3 +166,22 @@ def test_transformers_path_grouped_mm(name):
         err_us = float((g_us[k] - g_ref[k]).norm() / norm)
         err_mm = float((g_mm[k] - g_ref[k]).norm() / norm)
         assert err_us <= 1.5 * err_mm + 1e-3, (k, err_us, err_mm)
+
+
+class TestAutoEPNCCL(DistributedTest):
+    """DeepSpeed AutoEP with ``autoep_size`` 2 on 2 GPUs: 20 training steps with the feature on and
+    off give the same losses (the unit test's runner, tests/unit/test_moe_reorder.py)."""
+
+    world_size = 2
+    backend = "nccl"
+
+    @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-moe-tiny"])
+    def test_autoep_20_steps_equal_with_and_without(self, name):
+        from unit.test_moe_reorder import _autoep_run, _transformers_recorder_compat
+
+        _transformers_recorder_compat()
+        losses_ref, _ = _autoep_run(name, 2, feature=False, steps=20)
+        losses, _ = _autoep_run(name, 2, feature=True, steps=20)
+        # DeepSpeed's own router backward accumulates with atomics (run-to-run noise, with or
+        # without the feature) and 20 SGD steps carry it forward: a tight tolerance, not bitwise.
+        torch.testing.assert_close(torch.stack(losses), torch.stack(losses_ref), rtol=1e-4, atol=1e-5)

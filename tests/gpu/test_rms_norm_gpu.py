@@ -11,6 +11,7 @@ import torch
 from deepspeed_fused.features import rms_norm as F
 from deepspeed_fused.ops import rms_norm as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
+from unit.common import NCCL_ENV
 from unit.test_rms_norm import (EPS, _norms, _randomize_norms, _step, assert_dw_close, check_against_eager,
                                 dw_flip_allowance, eager_normalized,
                                 fused_grads, make_inputs, oracle_forward)
@@ -189,8 +190,12 @@ def test_installer_bf16_training_step(name):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_data_parallel_replicas_use_own_device(monkeypatch):
+    """nn.DataParallel on 2 GPUs: each replica keeps the opt-in and runs the fused op with its own
+    weights on its own device; outputs and gradients equal the single-GPU fused model's."""
     from tiny_models import build_model
 
+    for k, v in NCCL_ENV.items():  # DataParallel broadcasts the replicas' parameters through NCCL
+        monkeypatch.setenv(k, v)
     devices = []
     real = F.try_fused_rms_norm
 
@@ -201,17 +206,28 @@ def test_data_parallel_replicas_use_own_device(monkeypatch):
     monkeypatch.setattr(F, "try_fused_rms_norm", spy)
     model = _randomize_norms(build_model("llama-tiny")).cuda()
     single = copy.deepcopy(model)
-    F.replace_rms_norm(model)
-    F.replace_rms_norm(single)
+    assert F.replace_rms_norm(model) == F.replace_rms_norm(single) == 5
+    replicas = torch.nn.parallel.replicate(model, [0, 1])
+    for dev, rep in enumerate(replicas):
+        norms = _norms(rep)
+        assert len(norms) == 5 and all(F.is_replaced(m) for m in norms)
+        assert all(m.weight.device == torch.device("cuda", dev) for m in norms)
+    del replicas
     dp = torch.nn.DataParallel(model, device_ids=[0, 1])
     ids = torch.randint(0, 257, (4, 16), device="cuda")
     out = dp(input_ids=ids)
-    assert {d for d, _ in devices} == {torch.device("cuda", 0), torch.device("cuda", 1)}
+    assert sorted(d.index for d, _ in devices) == [0] * 5 + [1] * 5  # every norm of both replicas fused
     assert all(a == b for a, b in devices)
+    devices.clear()
     ref = single(input_ids=ids)
+    assert len(devices) == 5
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
     out.logits.float().pow(2).mean().backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    ref.logits.float().pow(2).mean().backward()
+    grads = dict(single.named_parameters())
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-3, atol=1e-5, msg=n)
 
 
 def test_bad_inputs_and_fallbacks():

@@ -1,24 +1,52 @@
-"""A forked DistributedTest harness in the manner of DeepSpeed's tests/unit/common.py.
+"""A DistributedTest harness in the manner of DeepSpeed's tests/unit/common.py.
 
 A test class derives from :class:`DistributedTest` and sets ``world_size`` (an int or a list,
 or use ``@pytest.mark.world_size(n)`` on a method). Each test method then runs in
-``world_size`` forked processes, each with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_SIZE and a fresh
-rendezvous port set, and a process group initialised through ``deepspeed.comm``: gloo on CPU,
-NCCL on GPU. Failures in any rank fail the test with that rank's traceback.
+``world_size`` worker processes, each with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_SIZE and a fresh
+rendezvous port set, and a process group initialised through ``deepspeed.comm`` over a
+``file://`` store: gloo on CPU, NCCL on GPU (or the class's ``backend``). Failures in any rank
+fail the test with that rank's traceback; a rank that hangs is killed after ``timeout`` seconds.
+
+Workers start clean: they are forked from a forkserver (a fresh interpreter started once, not
+the test process), or spawned where there is no forkserver. A parent that has initialised CUDA
+(or anything else fork-unsafe) therefore does not hand that state to its ranks. What a worker
+needs comes through pickles: the test class by reference (its module is imported in the worker),
+the parameters and fixture values by value, and the parent's environment, applied before the
+test module is imported (``TRITON_INTERPRET`` decides at import whether kernels are interpreted).
+
+Speed: the forkserver imports the heavy modules once (:func:`start_worker_server`, called by
+tests/conftest.py after collection with the test modules that hold DistributedTest classes; on
+CPU it imports those modules too, so their module-level warm-ups are paid once). Under
+``pytest --forked`` every test runs in a fork of the pytest process, and each one reuses the
+forkserver that process started.
 """
 from __future__ import annotations
 
+import ast
 import glob
+import importlib.abc
+import importlib.machinery
 import inspect
+import json
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_mod
+import shutil
 import socket
+import sys
+import tempfile
+import time
 import traceback
 
 import pytest
 import torch
 
 DEFAULT_TIMEOUT = 600
+GRACE_AFTER_FAILURE = 10.0  # seconds the other ranks get to report once one rank failed
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # NVLink multicast off
+_PRELOAD_ENV = "DSF_TEST_WORKER_PRELOAD"  # set only in the forkserver's environment
+_SERVER_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")  # as this interpreter imported kernels
 
 
 def _free_port() -> int:
@@ -41,20 +69,167 @@ def _backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _run_rank(rank, world_size, port, fn, kwargs, queue, init_dist):
+# ---- the worker server ------------------------------------------------------------------------
+
+def _start_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _adopt_inherited_forkserver() -> None:
+    """Let a plain fork of the process that started the forkserver (``pytest --forked``) use it.
+
+    The stdlib checks its server with ``waitpid``, which fails with ChildProcessError in a fork
+    (the server is its parent's child, not its own); the server itself would serve this process
+    as well as any other. Here liveness is checked with a signal 0 instead; a dead server is
+    forgotten, so the stdlib starts a fresh one."""
+    from multiprocessing import forkserver
+
+    srv = getattr(forkserver, "_forkserver", None)
+    pid = getattr(srv, "_forkserver_pid", None)
+    if pid is None or "ensure_running" in vars(srv):
+        return
     try:
+        os.waitpid(pid, os.WNOHANG)
+        return  # our own child: the stdlib's check works
+    except ChildProcessError:
+        pass
+    stdlib_ensure_running = srv.ensure_running
+
+    def ensure_running():
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            srv._forkserver_pid = None
+            srv._forkserver_address = None
+            srv._forkserver_alive_fd = None
+            del srv.ensure_running
+            return stdlib_ensure_running()
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+
+    srv.ensure_running = ensure_running
+
+
+def start_worker_server(modules=()) -> None:
+    """Start the forkserver the ranks are forked from, importing ``modules`` there once.
+
+    Call it in the process whose forks run the tests (conftest does, after collection). On CPU
+    the test modules are imported in the server as well; on GPU only torch and this module, since
+    a test module may query CUDA at import, and a server that has initialised the CUDA driver
+    would hand that to its forks again."""
+    if _start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return
+    names = [m for m in modules if m] if not torch.cuda.is_available() else []
+    mp.set_forkserver_preload([__name__])
+    # The server starts with the interpreter's default sys.path (Python < 3.13 ignores the
+    # parent's): PYTHONPATH finds this module, which then takes the parent's sys.path.
+    saved = {k: os.environ.get(k) for k in (_PRELOAD_ENV, "PYTHONPATH")}
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding unit/
+    os.environ[_PRELOAD_ENV] = json.dumps({"modules": names, "sys_path": sys.path, "pythonpath": saved["PYTHONPATH"]})
+    os.environ["PYTHONPATH"] = here + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _RewritingLoader(importlib.machinery.SourceFileLoader):
+    """Compiles a test module with pytest's assertion rewriting (as pytest does in its own process),
+    so that a failing ``assert`` in a rank reports its operands. Never writes bytecode caches."""
+
+    def get_code(self, fullname):
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        path = self.get_filename(fullname)
+        source = self.get_data(path)
+        tree = ast.parse(source, filename=path)
+        rewrite_asserts(tree, source, path, None)
+        return compile(tree, path, "exec", dont_inherit=True)
+
+
+class _RewriteTestModules(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        base = name.rpartition(".")[2]
+        if not (base.startswith("test_") or base == "conftest"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not (spec.origin or "").endswith(".py"):
+            return None
+        spec.loader = _RewritingLoader(name, spec.origin)
+        return spec
+
+
+def _rewrite_asserts_in_test_modules() -> None:
+    """In a worker (or its server): test modules imported from now on get pytest's rewriting."""
+    if not any(isinstance(f, _RewriteTestModules) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RewriteTestModules())
+
+
+def _preload_from_env() -> None:
+    """In the forkserver: import the modules the parent asked for (their failures are the test's
+    to report, in the worker that imports them again, not the server's)."""
+    if _PRELOAD_ENV not in os.environ:
+        return
+    spec = json.loads(os.environ.pop(_PRELOAD_ENV))
+    sys.path[:] = spec["sys_path"]
+    if spec["pythonpath"] is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = spec["pythonpath"]
+    _rewrite_asserts_in_test_modules()
+    for name in spec["modules"]:
+        try:
+            __import__(name)
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+
+
+# ---- one rank ---------------------------------------------------------------------------------
+
+def _run_rank(rank, world_size, port, payload, env, backend, store, log_path, queue, init_dist):
+    """A worker: redirect output, take the parent's environment, then import and run the test."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
         os.environ.update({
             "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CROSS_RANK": "0", "CROSS_SIZE": "1",
         })
+        if backend == "nccl":
+            for k, v in NCCL_ENV.items():
+                os.environ.setdefault(k, v)
+        interp = env.get("TRITON_INTERPRET")
+        if interp != _SERVER_TRITON_INTERPRET and any(m.startswith("deepspeed_fused.ops") for m in sys.modules):
+            raise RuntimeError(f"the worker server imported the kernels with TRITON_INTERPRET="
+                               f"{_SERVER_TRITON_INTERPRET!r}, the test's process has {interp!r}")
+        _rewrite_asserts_in_test_modules()
+        fn, kwargs = pickle.loads(payload)  # imports the test's module here, under the parent's env
         torch.manual_seed(1234)
-        if torch.cuda.is_available():
+        if backend != "nccl":  # the ranks share the CPU's cores: no oversubscribed thread pools
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+        if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if init_dist:
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend=_backend(), auto_mpi_discovery=False)
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=store,
+                                       rank=rank, world_size=world_size)
         fn(**kwargs)
         if init_dist:
             import deepspeed.comm as dist
@@ -72,55 +247,140 @@ def _run_rank(rank, world_size, port, fn, kwargs, queue, init_dist):
                     tdist.destroy_process_group()
             except Exception:
                 pass
+        sys.stdout.flush(), sys.stderr.flush()
 
 
-def run_distributed(fn, world_size: int, timeout: float = DEFAULT_TIMEOUT, init_dist: bool = True, **kwargs):
-    """Run ``fn(**kwargs)`` in ``world_size`` forked ranks; raise if any rank fails."""
-    if torch.cuda.is_available() and _backend() == "nccl" and torch.cuda.device_count() < world_size:
+def _tail(path, lines=30):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_distributed(fn, world_size: int, timeout: float = DEFAULT_TIMEOUT, init_dist: bool = True,
+                    backend: str | None = None, **kwargs):
+    """Run ``fn(**kwargs)`` in ``world_size`` clean worker processes; raise if any rank fails.
+
+    ``fn`` and ``kwargs`` must pickle: a module-level function or :class:`_Method`, and values
+    (the worker imports ``fn``'s module; nothing else of this process reaches it)."""
+    backend = backend or _backend()
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
         pytest.skip(f"{world_size} GPUs required, {torch.cuda.device_count()} available")
-    ctx = mp.get_context("fork")
+    try:
+        payload = pickle.dumps((fn, kwargs))
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(f"a distributed test's function and arguments must pickle (workers start clean): {e!r}",
+                    pytrace=False)
+    method = _start_method()
+    if method == "forkserver":
+        _adopt_inherited_forkserver()
+    ctx = mp.get_context(method)
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_run_rank, args=(r, world_size, port, fn, kwargs, queue, init_dist))
+    tmp = tempfile.mkdtemp(prefix="dsf_dist_")
+    store = "file://" + os.path.join(tmp, "store")
+    logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_run_rank,
+                         args=(r, world_size, port, payload, env, backend, store, logs[r], queue, init_dist))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
-    errors = {}
+    errors, done = {}, set()
     try:
-        for _ in procs:
-            rank, err = queue.get(timeout=timeout)
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(done) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                why = "killed after another rank failed" if errors else f"timed out after {timeout}s"
+                for r in sorted(set(range(world_size)) - done):
+                    errors[r] = f"{why}; its last output:\n{_tail(logs[r])}"
+                break
+            try:
+                rank, err = queue.get(timeout=min(0.5, deadline - now))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if not dead:
+                    continue
+                try:  # its report may still be in the pipe
+                    rank, err = queue.get(timeout=2)
+                except queue_mod.Empty:
+                    for r in dead:
+                        errors[r] = (f"exited with code {procs[r].exitcode} without reporting; "
+                                     f"its last output:\n{_tail(logs[r])}")
+                        done.add(r)
+                    deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
+                    continue
+            done.add(rank)
             if err:
                 errors[rank] = err
-    except Exception:
-        errors[-1] = f"timed out after {timeout}s waiting for ranks"
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
     finally:
+        for p in procs:  # a rank that reported exits by itself; the others are killed
+            if p.pid is not None:
+                if errors or len(done) < world_size:
+                    p.kill()
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+        queue.close()
+        queue.join_thread()
         for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+            if p.exitcode is not None:
+                p.close()
+        del procs, p, queue  # the queue's semaphores are unlinked now, not leaked by a forked test's exit
+        for r, path in enumerate(logs):  # pytest shows this with a failing test's captured output
+            out = _tail(path, 200)
+            if out:
+                print(f"----- rank {r} output -----\n{out}", end="" if out.endswith("\n") else "\n")
         remove_shm_buffers(port)
+        shutil.rmtree(tmp, ignore_errors=True)
     if errors:
         msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-        pytest.fail(f"distributed test failed:\n{msg}", pytrace=False)
+        pytest.fail(f"distributed test failed ({backend}, world size {world_size}):\n{msg}", pytrace=False)
+
+
+# ---- the test classes -------------------------------------------------------------------------
+
+class _Method:
+    """A DistributedTest method as a worker calls it: the class by reference, the method by name."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __call__(self, **kwargs):
+        getattr(self.cls, self.name)._dist_fn(self.cls(), **kwargs)
 
 
 class DistributedTest:
-    """Base class: every ``test_*`` method runs in forked ranks (see module docstring)."""
+    """Base class: every ``test_*`` method runs in clean worker ranks (see module docstring).
+
+    ``world_size``: an int or a list (one test per size); a method's ``world_size`` marker
+    overrides it. A subclass that sets ``world_size`` or ``backend`` re-runs the inherited tests
+    with them (the subclass's ``world_size`` then overrides the markers too). ``backend``: None
+    (NCCL on GPUs, else gloo), "gloo" or "nccl"."""
 
     world_size = 2
+    backend = None
     init_distributed = True
     timeout = DEFAULT_TIMEOUT
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        ws = cls.world_size
-        for name, fn in list(vars(cls).items()):
-            if name.startswith("test") and callable(fn) and not getattr(fn, "_dist_wrapped", False):
-                many = isinstance(ws, (list, tuple)) and not _marker_world_size(fn)
-                wrapped = _wrap(fn, many)
-                if many:
-                    wrapped = pytest.mark.parametrize("_world_size", list(ws))(wrapped)
-                setattr(cls, name, wrapped)
+        own = vars(cls)
+        for name, fn in list(own.items()):
+            if name.startswith("test") and callable(fn):
+                orig = getattr(fn, "_dist_fn", fn)
+                setattr(cls, name, _wrap(orig, _marker_world_size(orig) or cls.world_size))
+        if "world_size" in own or "backend" in own:
+            for name in dir(cls):
+                if name.startswith("test") and name not in own:
+                    fn = getattr(cls, name)
+                    if callable(fn) and hasattr(fn, "_dist_fn"):
+                        ws = cls.world_size if "world_size" in own else fn._dist_world_size
+                        setattr(cls, name, _wrap(fn._dist_fn, ws))
 
 
 def _marker_world_size(fn):
@@ -130,28 +390,39 @@ def _marker_world_size(fn):
     return None
 
 
-def _wrap(fn, parametrized: bool):
+def _wrap(fn, world_size):
+    """The method pytest calls in the parent: runs ``fn`` in ``world_size`` ranks (a list: one
+    parametrized test per size)."""
+    many = isinstance(world_size, (list, tuple)) and len(world_size) > 1
+    fixed = world_size[0] if isinstance(world_size, (list, tuple)) else world_size
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.name != "self"]
+    names = [p.name for p in params]
 
     def wrapper(self, *args, _world_size=None, **kwargs):
-        ws = _world_size or _marker_world_size(wrapper) or self.world_size
-        if isinstance(ws, (list, tuple)):
-            ws = ws[0]
-        bound = {**dict(zip([p.name for p in params], args)), **kwargs}
-
-        def body(**kw):
-            fn(self, **kw)
-
-        run_distributed(body, ws, timeout=self.timeout, init_dist=self.init_distributed, **bound)
+        bound = {**dict(zip(names, args)), **kwargs}
+        run_distributed(_Method(type(self), fn.__name__), _world_size or fixed, timeout=self.timeout,
+                        init_dist=self.init_distributed, backend=self.backend, **bound)
 
     new_params = [sig.parameters["self"]] + params
-    if parametrized:
+    if many:
         new_params.append(inspect.Parameter("_world_size", inspect.Parameter.KEYWORD_ONLY))
     wrapper.__signature__ = sig.replace(parameters=new_params)
     wrapper.__name__ = fn.__name__
     wrapper.__qualname__ = fn.__qualname__
     wrapper.__doc__ = fn.__doc__
-    wrapper.__dict__.update(fn.__dict__)
-    wrapper._dist_wrapped = True
+    wrapper.__module__ = fn.__module__
+    wrapper.__dict__.update({k: v for k, v in fn.__dict__.items() if k != "pytestmark"})
+    marks = [m for m in getattr(fn, "pytestmark", []) if m.name != "world_size" or not many]
+    if marks:
+        wrapper.pytestmark = marks
+    if many:
+        wrapper = pytest.mark.parametrize("_world_size", list(world_size))(wrapper)
+    wrapper._dist_fn = fn
+    wrapper._dist_world_size = world_size
     return wrapper
+
+
+if getattr(mp.current_process(), "_inheriting", False):  # a spawned rank importing: before any test module
+    _rewrite_asserts_in_test_modules()
+_preload_from_env()

@@ -1,6 +1,7 @@
 """The deepspeed.initialize hook, patch_model/unpatch_model and the report."""
 import argparse
 import base64
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -69,13 +70,22 @@ class DummyFeature(Feature):
 _STATE = {"supported": True}
 
 
-@pytest.fixture
-def dummy():
+@contextlib.contextmanager
+def dummy_registered():
+    """The test feature registered (in the process that runs the test: a rank registers its own)."""
     _STATE["supported"] = True
     DummyFeature.applies = 0
     register(DummyFeature)
-    yield DummyFeature
-    unregister("dummy")
+    try:
+        yield DummyFeature
+    finally:
+        unregister("dummy")
+
+
+@pytest.fixture
+def dummy():
+    with dummy_registered() as feature:
+        yield feature
 
 
 def ds_config(stage, section=None):
@@ -138,61 +148,65 @@ class TestHookOffIsInvisible(DistributedTest):
 class TestHookApplies(DistributedTest):
     world_size = 1
 
-    def test_unsupported_feature_warns_and_leaves_model(self, dummy):
-        _STATE["supported"] = False
-        model = build_model("llama-tiny")
-        with pytest.warns(RuntimeWarning, match="dummy support check failed"):
-            engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True}}), steps=1)
-        rep = engine.deepspeed_fused_report["dummy"]
-        assert rep.enabled and not rep.applied and "no widget" in rep.reason
-        assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
-        assert "dummy support check failed" in str(engine.deepspeed_fused_report)
+    def test_unsupported_feature_warns_and_leaves_model(self):
+        with dummy_registered():
+            _STATE["supported"] = False
+            model = build_model("llama-tiny")
+            with pytest.warns(RuntimeWarning, match="dummy support check failed"):
+                engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True}}), steps=1)
+            rep = engine.deepspeed_fused_report["dummy"]
+            assert rep.enabled and not rep.applied and "no widget" in rep.reason
+            assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
+            assert "dummy support check failed" in str(engine.deepspeed_fused_report)
 
-    def test_failing_apply_is_rolled_back(self, dummy):
-        model = build_model("llama-tiny")
-        with pytest.warns(RuntimeWarning, match="failed to apply"):
-            engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True, "explode": True}}), steps=1)
-        assert not engine.deepspeed_fused_report["dummy"].applied
-        assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
+    def test_failing_apply_is_rolled_back(self):
+        with dummy_registered():
+            model = build_model("llama-tiny")
+            with pytest.warns(RuntimeWarning, match="failed to apply"):
+                engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True, "explode": True}}), steps=1)
+            assert not engine.deepspeed_fused_report["dummy"].applied
+            assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
 
-    def test_applied_feature_reported_once_per_model(self, dummy):
-        model = build_model("llama-tiny")
-        cfg = ds_config(0, {"dummy": {"enabled": True}})
-        engine, _ = train_steps(model, cfg, steps=1)
-        rep = engine.deepspeed_fused_report
-        assert rep["dummy"].applied and rep["dummy"].where == "15 x Linear"
-        assert rep.applied == ["dummy"]
-        table = rep.table()
-        assert "dummy" in table and "applied" in table and "15 x Linear" in table
-        # initialize again on the same model: not applied twice
-        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
-        assert DummyFeature.applies == 1
-        assert unpatch_model(model) == {"dummy": 15}
-        assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
+    def test_applied_feature_reported_once_per_model(self):
+        with dummy_registered():
+            model = build_model("llama-tiny")
+            cfg = ds_config(0, {"dummy": {"enabled": True}})
+            engine, _ = train_steps(model, cfg, steps=1)
+            rep = engine.deepspeed_fused_report
+            assert rep["dummy"].applied and rep["dummy"].where == "15 x Linear"
+            assert rep.applied == ["dummy"]
+            table = rep.table()
+            assert "dummy" in table and "applied" in table and "15 x Linear" in table
+            # initialize again on the same model: not applied twice
+            deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+            assert DummyFeature.applies == 1
+            assert unpatch_model(model) == {"dummy": 15}
+            assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
 
-    def test_report_is_shown_on_rank0_unless_silenced(self, dummy):
+    def test_report_is_shown_on_rank0_unless_silenced(self):
         from deepspeed_fused.hook import report_logger
 
-        records = []
-        catch = logging.Handler()
-        catch.emit = records.append
-        logger = report_logger()
-        logger.addHandler(catch)
-        try:
-            train_steps(build_model("llama-tiny"), ds_config(0, {"dummy": {"enabled": True}}), steps=1)
-            shown = [r for r in records if "deepspeed_fused report" in r.getMessage()]
-            assert len(shown) == 1 and shown[0].levelno == logging.INFO, records
-            text = shown[0].getMessage()
-            assert text.startswith("deepspeed_fused report") and "15 x Linear" in text  # no empty first line
-            # printed, not filtered: DeepSpeed's own logger drops INFO (its handler is at WARNING)
-            own = [h for h in logger.handlers if h is not catch]
-            assert logger.isEnabledFor(logging.INFO) and own and all(h.level <= logging.INFO for h in own)
-            records.clear()
-            train_steps(build_model("llama-tiny"), ds_config(0, {"dummy": {"enabled": True}, "show_report": False}),
-                        steps=1)
-            assert not [r for r in records if "deepspeed_fused report" in r.getMessage()]
-        finally:
-            logger.removeHandler(catch)
+        with dummy_registered():
+            records = []
+            catch = logging.Handler()
+            catch.emit = records.append
+            logger = report_logger()
+            logger.addHandler(catch)
+            try:
+                train_steps(build_model("llama-tiny"), ds_config(0, {"dummy": {"enabled": True}}), steps=1)
+                shown = [r for r in records if "deepspeed_fused report" in r.getMessage()]
+                assert len(shown) == 1 and shown[0].levelno == logging.INFO, records
+                text = shown[0].getMessage()
+                assert text.startswith("deepspeed_fused report") and "15 x Linear" in text  # no empty first line
+                # printed, not filtered: DeepSpeed's own logger drops INFO (its handler is at WARNING)
+                own = [h for h in logger.handlers if h is not catch]
+                assert logger.isEnabledFor(logging.INFO) and own and all(h.level <= logging.INFO for h in own)
+                records.clear()
+                train_steps(build_model("llama-tiny"), ds_config(0, {"dummy": {"enabled": True}, "show_report": False}),
+                            steps=1)
+                assert not [r for r in records if "deepspeed_fused report" in r.getMessage()]
+            finally:
+                logger.removeHandler(catch)
 
     def test_bad_section_raises_before_engine(self):
         model = build_model("llama-tiny")

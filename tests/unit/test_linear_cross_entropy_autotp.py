@@ -1,6 +1,6 @@
 """The "linear_cross_entropy" feature on DeepSpeed AutoTP LM heads split by vocabulary.
 
-Two forked gloo ranks form one tensor-parallel group (autotp_size 2, data-parallel size 1). A tiny
+Two gloo ranks (NCCL on GPUs) form one tensor-parallel group (autotp_size 2, data-parallel size 1). A tiny
 Llama (vocabulary 257: ragged shards of 129 and 128 rows) trains two steps through
 ``deepspeed.initialize`` with the feature on (via the hook and the ds_config section) and off:
 the losses and every parameter's gradient must agree, which also proves that the gradient of the
@@ -17,7 +17,7 @@ from deepspeed_fused.features import linear_cross_entropy as lce
 from tiny_models import build_model
 from unit.common import DistributedTest
 
-# Imported in the parent process: each forked rank would pay seconds for it.
+# Imported once by the worker server too (unit/common.py): each rank would pay seconds for it.
 import deepspeed  # noqa: F401,E402
 import deepspeed.module_inject.layers  # noqa: F401,E402
 import deepspeed.sequence.cross_entropy  # noqa: F401,E402
@@ -154,24 +154,32 @@ def _check_unfused_reasons(engine):
     assert lce._unfused_reason(m) == ""
 
 
+CASES = {  # id: (model, tensor_parallel extras)
+    "vocab_parallel_head": ("llama-tiny", {"vocab_parallel_lm_head": True}),  # VocabParallelLinear + DS's VP loss
+    "gather_output_head": ("llama-tiny", {}),  # training-mode LinearLayer(gather_output=True) + ForCausalLMLoss
+    "tied_vocab_parallel_head": ("llama-tied-tiny", {"vocab_parallel_lm_head": True}),  # tied to a VP embedding
+}
+
+
+def check_matches_unfused(name, tp_extra):
+    """One rank of the TP group: the fused AutoTP model's losses and gradients against the unfused."""
+    ref_losses, ref_grads, _ = _run(name, tp_extra, fused=False)
+    losses, grads, engine = _run(name, tp_extra, fused=True)
+    tol = 1e-4 if torch.cuda.is_available() else 1e-5
+    torch.testing.assert_close(losses, ref_losses, rtol=tol, atol=0)
+    assert ref_losses[0] != ref_losses[1]
+    for step, (g, rg) in enumerate(zip(grads, ref_grads)):
+        assert g.keys() == rg.keys() and "model.embed_tokens.weight" in g and len(g) > 10
+        for n, t in g.items():
+            assert rg[n].abs().max() > 0, n
+            err = _relerr(t, rg[n])
+            assert err <= tol, f"step {step}: {n}: grad rel err {err:.2e}"
+    _check_unfused_reasons(engine)
+
+
 class TestAutoTP(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("name,tp_extra", [
-        ("llama-tiny", {"vocab_parallel_lm_head": True}),  # VocabParallelLinear + DeepSpeed's VP loss
-        ("llama-tiny", {}),  # training-mode LinearLayer(gather_output=True) + ForCausalLMLoss
-        ("llama-tied-tiny", {"vocab_parallel_lm_head": True}),  # head tied to a vocab-parallel embedding
-    ], ids=["vocab_parallel_head", "gather_output_head", "tied_vocab_parallel_head"])
+    @pytest.mark.parametrize("name,tp_extra", list(CASES.values()), ids=list(CASES))
     def test_matches_unfused(self, name, tp_extra):
-        ref_losses, ref_grads, _ = _run(name, tp_extra, fused=False)
-        losses, grads, engine = _run(name, tp_extra, fused=True)
-        tol = 1e-4 if torch.cuda.is_available() else 1e-5
-        torch.testing.assert_close(losses, ref_losses, rtol=tol, atol=0)
-        assert ref_losses[0] != ref_losses[1]
-        for step, (g, rg) in enumerate(zip(grads, ref_grads)):
-            assert g.keys() == rg.keys() and "model.embed_tokens.weight" in g and len(g) > 10
-            for n, t in g.items():
-                assert rg[n].abs().max() > 0, n
-                err = _relerr(t, rg[n])
-                assert err <= tol, f"step {step}: {n}: grad rel err {err:.2e}"
-        _check_unfused_reasons(engine)
+        check_matches_unfused(name, tp_extra)

@@ -16,7 +16,7 @@ from deepspeed_fused.ops import _common
 from deepspeed_fused.ops import row_gather as rg
 from unit.common import DistributedTest
 
-# Import the model classes once here, not in every forked test.
+# Import the model classes once here (and in the worker server the ranks fork from), not in every rank.
 for _cls in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
              "LlamaForCausalLM"):
     getattr(transformers, _cls)
