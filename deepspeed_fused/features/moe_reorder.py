@@ -18,6 +18,7 @@ Two integrations, chosen per model:
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -30,6 +31,27 @@ from .registry import register
 
 IMPL_NAME = "deepspeed_fused"
 _STATE_ATTR = "_deepspeed_fused_moe_reorder"
+# Models whose apply installed the process-wide AutoEP patches (a copy of one shares the patch
+# while it lasts, but never owns it: reverting a copy leaves the original's patch in place).
+_AUTOEP_OWNERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class _State(dict):
+    """The feature's record on a model. Unpickled in another process it registers the experts
+    implementation again (transformers path: the loaded model keeps running the gathers) and is
+    otherwise only a record: what runs is read from the process's state (``is_applied``)."""
+
+    def __reduce__(self):
+        return (_restore_state, (dict(self),))
+
+
+def _restore_state(d: dict) -> "_State":
+    if d.get("path") == "transformers":
+        try:
+            register_experts_implementation()
+        except Exception:  # transformers missing there: the load still succeeds
+            pass
+    return _State(d)
 
 
 with warnings.catch_warnings():  # "validate" shadows pydantic's deprecated BaseModel.validate: intended
@@ -110,8 +132,19 @@ def _direct_matches(original_permute) -> bool:
         return False
 
 
+def check_counts(local_counts: torch.Tensor, n_rows: int) -> None:
+    """Inconsistent routing counts fail loudly without a host sync: a device-side assert that the
+    counts sum to the rows (on CUDA it raises at the next synchronisation, as a device-side
+    assert; on CPU at once). Without it, counts above the rows would leave zero rows where tokens
+    should be (DeepSpeed's own function raises IndexError there)."""
+    if isinstance(local_counts, torch.Tensor) and local_counts.numel():
+        torch._assert_async(local_counts.sum() == n_rows,
+                            f"deepspeed_fused moe_reorder: local_counts must sum to the {n_rows} token rows")
+
+
 def _make_autoep_functions(original_permute, original_unpermute, direct: bool):
     def permute_by_local_expert(tokens, local_counts):
+        check_counts(local_counts, tokens.shape[0])
         if direct:
             permuted_indices, aligned_counts, n_tokens = _direct_indices(tokens, local_counts)
         else:
@@ -229,6 +262,7 @@ def _fused_local_forward(self, hidden_states):
     validate = _AUTOEP["validate"] > 0
     if self.ep_size == 1:
         n_routed = sorted_assignments.numel()
+        check_counts(ro.num_tokens_per_expert, n_routed)
         stand_in = x.new_empty((n_routed, 0))
         if _AUTOEP["direct"]:
             permuted_indices, aligned_counts, _ = _direct_indices(stand_in, ro.num_tokens_per_expert)
@@ -408,13 +442,16 @@ class MoeReorderFeature(Feature):
     def apply(self, model, engine, cfg) -> FeatureReport:
         rep = FeatureReport(name=self.name, enabled=True)
         if getattr(model, _STATE_ATTR, None) is not None:
-            rep.applied, rep.reason = True, "already applied"
-            return rep
+            if self.is_applied(model):
+                rep.applied, rep.reason = True, "already applied"
+                return rep
+            model.__dict__.pop(_STATE_ATTR, None)  # a stale record (copied or loaded): apply afresh
         n_autoep = _autoep_layers(model)
         if n_autoep:
             _install_autoep(cfg.validate)
             _install_local_path()
-            model.__dict__[_STATE_ATTR] = {"path": "autoep", "layers": n_autoep, "validate": cfg.validate}
+            model.__dict__[_STATE_ATTR] = _State(path="autoep", layers=n_autoep, validate=cfg.validate)
+            _AUTOEP_OWNERS.add(model)
             from deepspeed.moe import ep_kernels
 
             replaces = ("DeepSpeed's Triton permute_rows/unpermute_rows" if hasattr(ep_kernels, "permute_rows")
@@ -450,7 +487,7 @@ class MoeReorderFeature(Feature):
         except Exception:
             model.set_experts_implementation(previous)
             raise
-        model.__dict__[_STATE_ATTR] = {"path": "transformers", "layers": len(selected), "previous": previous}
+        model.__dict__[_STATE_ATTR] = _State(path="transformers", layers=len(selected), previous=previous)
         kinds = sorted({type(m).__name__ for m in selected})
         rep.applied = True
         rep.where = f"{len(selected)} x {', '.join(kinds)} (transformers experts implementation {IMPL_NAME!r})"
@@ -461,11 +498,32 @@ class MoeReorderFeature(Feature):
         rep.details = {"path": "transformers", "layers": len(selected), "previous": previous}
         return rep
 
+    def is_applied(self, model) -> bool:
+        """AutoEP: the process-wide patch is in place (a copy of a patched model runs it too,
+        until the original is unpatched). transformers: the model's experts modules select the
+        implementation and it is registered in this process."""
+        state = model.__dict__.get(_STATE_ATTR)
+        if state is None:
+            return False
+        if state.get("path") == "autoep":
+            return autoep_patched()
+        try:
+            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+            registered = ALL_EXPERTS_FUNCTIONS.get(IMPL_NAME, None) is deepspeed_fused_experts_forward
+        except Exception:
+            return False
+        return registered and any(getattr(m.config, "_experts_implementation", None) == IMPL_NAME
+                                  for m in _experts_modules(model))
+
     def revert(self, model) -> int:
         state = model.__dict__.pop(_STATE_ATTR, None)
         if state is None:
             return 0
         if state["path"] == "autoep":
+            if model not in _AUTOEP_OWNERS:  # a copy: the patch belongs to the model that installed it
+                return state["layers"]
+            _AUTOEP_OWNERS.discard(model)
             _uninstall_local_path()
             _uninstall_autoep(state["validate"])
         else:

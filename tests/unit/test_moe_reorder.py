@@ -540,3 +540,39 @@ class TestTransformersZero3(DistributedTest):
         ref = _zero3_run(False)
         ours = _zero3_run(True)
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+# ---- issue 17: bad counts fail loudly; the record is read from the model's state ---------------
+def test_inconsistent_counts_fail_loudly(interpret):
+    orig = moe_reorder._make_autoep_functions(lambda t, c: None, lambda *a: None, direct=True)[0]
+    with pytest.raises(RuntimeError, match="local_counts must sum to the 4 token rows"):
+        orig(torch.randn(4, 8, device=interpret), torch.tensor([3, 3], dtype=torch.int32, device=interpret))
+
+
+def test_transformers_path_survives_pickle_and_copies(interpret):
+    import copy as _copy
+    import io as _io
+
+    from deepspeed_fused import patch_model, unpatch_model
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    model = build_model("qwen3-moe-tiny", torch.float32, seed=0)
+    rep = patch_model(model, {"moe_reorder": {"enabled": True}})
+    assert rep["moe_reorder"].applied
+    feat = moe_reorder.MoeReorderFeature()
+    clone = _copy.deepcopy(model)
+    assert feat.is_applied(model) and feat.is_applied(clone)
+    buf = _io.BytesIO()
+    torch.save(model, buf)
+    unpatch_model(model)
+    assert not feat.is_applied(model)
+    type(ALL_EXPERTS_FUNCTIONS)._global_mapping.pop(moe_reorder.IMPL_NAME, None)  # as in a fresh process
+    assert ALL_EXPERTS_FUNCTIONS.get(moe_reorder.IMPL_NAME, None) is None
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)  # loading registers it again
+    assert feat.is_applied(loaded)
+    ids = torch.randint(0, 257, (2, 8))
+    loaded(input_ids=ids)  # runs (no KeyError) through the gathers
+    again = patch_model(loaded, {"moe_reorder": {"enabled": True}})
+    assert again["moe_reorder"].applied
+    assert unpatch_model(loaded) == {"moe_reorder": 2} and not feat.is_applied(loaded)
