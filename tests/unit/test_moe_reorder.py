@@ -391,20 +391,26 @@ def _transformers_recorder_compat():
     cls.get = get
 
 
-def _autoep_run(name, ep_size, feature, steps=2):
+def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
     import deepspeed
 
     import deepspeed_fused  # noqa: F401  (installs the initialize hook)
 
     model = build_model(name, torch.float32, seed=0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0},
-           "zero_allow_untested_optimizer": True, "expert_parallel": {"enabled": True, "autoep_size": ep_size}}
+           "zero_allow_untested_optimizer": True,
+           "expert_parallel": {"enabled": True, "autoep_size": ep_size, **(ep_extra or {})}}
     if feature:
         cfg["deepspeed_fused"] = {"moe_reorder": {"enabled": True, "validate": True}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=cfg)
     rep = {f.name: f for f in engine.deepspeed_fused_report.features}["moe_reorder"]
     assert rep.applied == feature, rep
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+    for key, value in (ep_extra or {}).items():  # the modes under test are the ones the layers run
+        assert layers and all(getattr(m, key) == value for m in layers), key
     assert moe_reorder.autoep_patched() == feature
     if feature:
         assert rep.details == {"path": "autoep", "layers": 2}
@@ -451,15 +457,17 @@ def _autoep_run(name, ep_size, feature, steps=2):
 class TestAutoEP(DistributedTest):
     world_size = [1, 2]
 
-    @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-moe-tiny"])
-    def test_autoep_equal_with_and_without(self, name):
+    @pytest.mark.parametrize("name,ep_extra", [("mixtral-tiny", None), ("qwen3-moe-tiny", None),
+                                               ("qwen3-moe-tiny", {"score_apply": "pre", "combine_impl": "legacy_bmm"})],
+                             ids=["mixtral", "qwen3", "qwen3-pre-bmm"])
+    def test_autoep_equal_with_and_without(self, name, ep_extra):
         import deepspeed.comm as dist
 
         _transformers_recorder_compat()
         assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
         ep = dist.get_world_size()
-        losses_ref, grads_ref = _autoep_run(name, ep, feature=False)
-        losses, grads = _autoep_run(name, ep, feature=True)
+        losses_ref, grads_ref = _autoep_run(name, ep, feature=False, ep_extra=ep_extra)
+        losses, grads = _autoep_run(name, ep, feature=True, ep_extra=ep_extra)
         # Not bitwise: the fused combine sums a token's k expert rows in FP32 in order j = 0..k-1
         # and the token gradient sums its k slot gradients the same way, where DeepSpeed's weighted
         # sum and index backward use torch's own reduction orders (FP32 summation noise). On CUDA
@@ -518,6 +526,11 @@ def _zero3_run(feature, steps=2):
                                       config=cfg)
     rep = {f.name: f for f in engine.deepspeed_fused_report.features}["moe_reorder"]
     assert rep.applied == feature, rep
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+    for key, value in (ep_extra or {}).items():  # the modes under test are the ones the layers run
+        assert layers and all(getattr(m, key) == value for m in layers), key
     if feature:
         assert rep.details["path"] == "transformers" and rep.details["layers"] == 2
     gen = torch.Generator().manual_seed(7)
