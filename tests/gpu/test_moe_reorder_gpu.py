@@ -185,3 +185,25 @@ class TestAutoEPNCCL(DistributedTest):
         # DeepSpeed's own router backward accumulates with atomics (run-to-run noise, with or
         # without the feature) and 20 SGD steps carry it forward: a tight tolerance, not bitwise.
         torch.testing.assert_close(torch.stack(losses), torch.stack(losses_ref), rtol=1e-4, atol=1e-5)
+
+
+class TestAutoEPLocalPathGPU(DistributedTest):
+    """One GPU, ``autoep_size`` 1: the fused local token path against DeepSpeed's forward for every
+    ``combine_impl`` and both ``score_apply`` modes, 20 training steps (equal loss curves)."""
+
+    world_size = 1
+    backend = "nccl"
+
+    @pytest.mark.parametrize("ep_extra", [{"combine_impl": "weighted_sum"}, {"combine_impl": "fused_weighted_sum"},
+                                          {"combine_impl": "legacy_bmm"},
+                                          {"score_apply": "pre", "combine_impl": "weighted_sum"}],
+                             ids=["weighted_sum", "fused_weighted_sum", "legacy_bmm", "pre"])
+    def test_local_path_20_steps(self, ep_extra):
+        from deepspeed_fused.features import moe_reorder as feat
+        from unit.test_moe_reorder import _autoep_run, _transformers_recorder_compat
+
+        _transformers_recorder_compat()
+        losses_ref, _ = _autoep_run("qwen3-moe-tiny", 1, feature=False, steps=20, ep_extra=ep_extra)
+        losses, _ = _autoep_run("qwen3-moe-tiny", 1, feature=True, steps=20, ep_extra=ep_extra)
+        assert not feat.local_path_patched()
+        torch.testing.assert_close(torch.stack(losses), torch.stack(losses_ref), rtol=1e-4, atol=1e-5)
