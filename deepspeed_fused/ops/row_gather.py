@@ -757,21 +757,35 @@ def _route_kernels(x: torch.Tensor) -> bool:
     return ok and not (x.dtype == torch.bfloat16 and x.device.type == "cpu")
 
 
+def _slot_pass(a_rows: torch.Tensor, b_slots: torch.Tensor, m: RouteMaps,
+               scale: Optional[torch.Tensor] = None) -> tuple:
+    """One pass over the slots (kernels only): ``d[a] = <a_rows[a // k], b_slots[slot[a]]>`` in FP32
+    (0 where unplaced), ``[T * k]``; with ``scale`` (per assignment) also
+    ``g[s] = a_rows[token[s]] * scale[assignment[s]]`` in ``b_slots``'s dtype (else None)."""
+    num_slots, hidden = b_slots.shape
+    a_rows, b_slots = a_rows.contiguous(), b_slots.contiguous()
+    dot = torch.empty(num_slots, dtype=torch.float32, device=b_slots.device)
+    g = torch.empty_like(b_slots) if scale is not None else None
+    rows, block_h, vec, warps = _tile(num_slots, hidden, b_slots.element_size(), b_slots.device, 16384)
+    _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
+        a_rows, m.token, scale.reshape(-1).contiguous() if scale is not None else dot, b_slots,
+        g if g is not None else dot, dot, m.assignment, num_slots, a_rows.shape[0], hidden, ROWS=rows,
+        BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=True, WRITE_GRAD_SRC=g is not None,
+        num_warps=warps)
+    return g, _per_assignment(dot, m)
+
+
+def _per_assignment(per_slot: torch.Tensor, m: RouteMaps) -> torch.Tensor:
+    slot = m.slot.to(torch.int64)
+    n = per_slot.numel()
+    return torch.where(slot >= 0, per_slot[slot.clamp(0, max(n - 1, 0))] if n else 0.0, 0.0)
+
+
 def _slot_dot(a_rows: torch.Tensor, b_slots: torch.Tensor, m: RouteMaps) -> torch.Tensor:
     """``d[a] = <a_rows[a // k], b_slots[slot[a]]>`` in FP32 (0 where unplaced), ``[T * k]``."""
-    num_slots, hidden = b_slots.shape
-    if _route_kernels(b_slots) and num_slots and hidden:
-        a_rows, b_slots = a_rows.contiguous(), b_slots.contiguous()
-        dot = torch.empty(num_slots, dtype=torch.float32, device=b_slots.device)
-        rows, block_h, vec, warps = _tile(num_slots, hidden, b_slots.element_size(), b_slots.device, 16384)
-        _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
-            a_rows, m.token, dot, b_slots, dot, dot, m.assignment, num_slots, a_rows.shape[0], hidden, ROWS=rows,
-            BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=False, WRITE_GRAD_SRC=False,
-            num_warps=warps)
-    else:
-        dot = (permute_rows_reference(a_rows, m.token).float() * b_slots.float()).sum(-1)
-    slot = m.slot.to(torch.int64)
-    return torch.where(slot >= 0, dot[slot.clamp(0, max(num_slots - 1, 0))] if num_slots else 0.0, 0.0)
+    if _route_kernels(b_slots) and b_slots.shape[0] and b_slots.shape[1]:
+        return _slot_pass(a_rows, b_slots, m)[1]
+    return _per_assignment((permute_rows_reference(a_rows, m.token).float() * b_slots.float()).sum(-1), m)
 
 
 def _dispatch_impl(x: torch.Tensor, m: RouteMaps, scores: Optional[torch.Tensor]) -> torch.Tensor:
@@ -833,17 +847,8 @@ class _RouteCombine(torch.autograd.Function):
         need_y, need_w = ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[1]
         num_slots = m.token.numel()
         if (not torch.is_grad_enabled() and need_y and need_w and _route_kernels(grad) and num_slots
-                and grad.shape[1]):
-            grad = grad.contiguous()
-            dy = torch.empty((num_slots, grad.shape[1]), dtype=y.dtype, device=grad.device)
-            dot = torch.empty(num_slots, dtype=torch.float32, device=grad.device)
-            rows, block_h, vec, warps = _tile(num_slots, grad.shape[1], grad.element_size(), grad.device, 16384)
-            _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
-                grad, m.token, weights.reshape(-1).contiguous(), y.contiguous(), dy, dot, m.assignment, num_slots,
-                grad.shape[0], grad.shape[1], ROWS=rows, BLOCK_H=block_h, VEC=vec,
-                ALIGNED=grad.shape[1] % vec == 0, SCALE_BY_ASSIGN=True, WRITE_GRAD_SRC=True, num_warps=warps)
-            slot = m.slot.to(torch.int64)
-            dw = torch.where(slot >= 0, dot[slot.clamp(min=0)], 0.0)
+                and grad.shape[1]):  # one fused pass: dy and the weights' gradient
+            dy, dw = _slot_pass(grad, y, m, weights)
             return dy, dw.view(weights.shape).to(weights.dtype), None
         dy = _RouteDispatch.apply(grad, weights, m) if need_y else None
         dw = _RouteDot.apply(grad, y, m).view(weights.shape).to(weights.dtype) if need_w else None
