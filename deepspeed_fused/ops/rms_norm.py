@@ -15,10 +15,12 @@ and the ones eager autograd applies in the backward:
 Kernels: a forward over ``[BLOCK_R, BLOCK_N]`` tiles (many rows per program for narrow widths,
 one row per program for wide ones, looping over column blocks when a row does not fit one
 block), and a persistent backward (a bounded grid; each program walks row tiles, writes ``dx``
-and keeps its own FP32 weight-gradient partial in registers). The partials ``[programs, N]`` are
-summed by a small Triton reduction kernel in a fixed order, so the results are bitwise repeatable. Launch
-plans (configs, grids, compiled kernels) are cached per shape/stride/dtype/alignment key so a
-repeated call does only its allocations and direct launches. Rows may be
+and keeps its own FP32 weight-gradient partial, stored as its row of a per-stream workspace).
+The partials are summed in a fixed order, so results are bitwise repeatable: in the backward's
+own launch by its last programs (two levels: per group, then the groups) where that tail is
+short, else by a second launch over column strips. Launch plans (configs, grids, compiled
+kernels) are cached per shape/stride/dtype/alignment key: a repeated call builds its key,
+allocates its outputs and launches through the compiled kernel's C launcher. Rows may be
 strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
 slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
 """
@@ -721,11 +723,7 @@ class _FusedRMSNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         # create_graph=True: the gradient is not differentiable again (once_differentiable makes a
         # second differentiation raise); otherwise skip that wrapper's cost
-        if torch.is_grad_enabled():
-            return _backward_once(ctx, dy)
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = _backward_impl(dy, x, w, rstd)
-        return dx, dw, None, None
+        return (_backward_once if torch.is_grad_enabled() else _backward_body)(ctx, dy)
 
 
 def _backward_body(ctx, dy):
