@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
-from deepspeed_fused.ops import linear_cross_entropy as lce_mod
+from deepspeed_fused.ops.linear_cross_entropy import kernels as lce_kernels, stats as lce_stats
 from deepspeed_fused.ops.linear_cross_entropy import (auto_chunk_tokens, linear_cross_entropy,
                                                       linear_cross_entropy_reference, merge_partial_stats)
 
@@ -137,9 +137,9 @@ def test_kernel_writes_every_element(interpret):
     t = torch.randint(0, V, (n,), generator=g)
     t[2] = -100
     stats = torch.full((n, 5), float("nan"))
-    lce_mod._launch_rows(x, t, stats=stats, need_ent=True, smoothing=0.1)
+    lce_kernels._launch_rows(x, t, stats=stats, need_ent=True, smoothing=0.1)
     assert torch.isfinite(stats).all()
-    loss, lse, ent = lce_mod._finalize_stats(stats, t != -100, V, 0.0, 0.1, True)
+    loss, lse, ent = lce_stats._finalize_stats(stats, t != -100, V, 0.0, 0.1, True)
     z = x.double()
     assert torch.allclose(lse.double(), torch.logsumexp(z, -1), rtol=1e-6)
     assert torch.allclose(ent.double(), torch.distributions.Categorical(logits=z).entropy(), rtol=1e-5, atol=1e-6)
@@ -150,7 +150,7 @@ def test_kernel_writes_every_element(interpret):
     entr = torch.distributions.Categorical(logits=zz).entropy()
     (lossr * gl.double() + entr * ge.double()).sum().backward()
     y = x.clone()
-    lce_mod._launch_rows(y, t, lse=lse, ent=ent, g_loss=gl, g_ent=ge, per_token=True, smoothing=0.1)
+    lce_kernels._launch_rows(y, t, lse=lse, ent=ent, g_loss=gl, g_ent=ge, per_token=True, smoothing=0.1)
     assert torch.allclose(y.double(), zz.grad, atol=1e-6)
 
 
@@ -162,17 +162,17 @@ def test_vocab_shards_merge(interpret):
     t = torch.randint(0, V, (n,), generator=g)
     t[0] = -100
     full = torch.empty(n, 5)
-    lce_mod._launch_rows(x, t, stats=full, need_ent=True, smoothing=0.2)
+    lce_kernels._launch_rows(x, t, stats=full, need_ent=True, smoothing=0.2)
     bounds = [0, 70, 71, 200]  # ragged shards, one of one column
     parts = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         st = torch.empty(n, 5)
-        lce_mod._launch_rows(x[:, lo:hi].contiguous(), t, stats=st, need_ent=True, smoothing=0.2, vocab_start=lo,
-                             vocab_total=V)
+        lce_kernels._launch_rows(x[:, lo:hi].contiguous(), t, stats=st, need_ent=True, smoothing=0.2,
+                                 vocab_start=lo, vocab_total=V)
         parts.append(st)
     merged = merge_partial_stats(torch.stack(parts))
-    a = lce_mod._finalize_stats(full, t != -100, V, 0.01, 0.2, True)
-    b = lce_mod._finalize_stats(merged, t != -100, V, 0.01, 0.2, True)
+    a = lce_stats._finalize_stats(full, t != -100, V, 0.01, 0.2, True)
+    b = lce_stats._finalize_stats(merged, t != -100, V, 0.01, 0.2, True)
     for u, v in zip(a, b):
         assert torch.allclose(u, v, rtol=1e-5, atol=1e-6)
 

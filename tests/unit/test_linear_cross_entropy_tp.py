@@ -15,7 +15,7 @@ from unit.common import DistributedTest
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
-from deepspeed_fused.ops import linear_cross_entropy as lce_mod
+from deepspeed_fused.ops.linear_cross_entropy import parallel as lce_parallel
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL ranks on GPUs (skipped without enough of them)
@@ -270,7 +270,7 @@ class TestVocabParallel(DistributedTest):
         assert out.item() == 0 and hh.grad.shape == (0, 8)
         # the layout check is cached: a valid call still works after all of the above
         linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], t, tp_group=g, validate_targets=False)
-        lce_mod._TP_LAYOUTS.clear()
+        lce_parallel._TP_LAYOUTS.clear()
 
 
 def _check_sp(h, w, t, b, rank, size, fn=linear_cross_entropy, dtype=torch.float32, **kw):

@@ -1,0 +1,116 @@
+"""Argument checks of the linear cross-entropy op and the flattening of its inputs.
+
+:func:`_prepare` is the first step of both entry points (:mod:`.api` and :mod:`.reference`):
+it checks the arguments (:func:`_check`: types, shapes, dtypes, options; :func:`_check_values`:
+targets and temperatures, one host sync, unless ``validate_targets=False``), resolves the
+tensor-parallel group (:func:`.parallel._tp_setup`) and flattens hidden/target to rows.
+"""
+import math
+
+import torch
+
+from .parallel import _tp_setup
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
+           accum_dtype, chunk_tokens, tp_group):
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise TypeError("linear_cross_entropy: `hidden` must be a tensor [..., H]")
+    if hidden.dtype not in _FLOATS:
+        raise TypeError(f"linear_cross_entropy: `hidden` must be float16/bfloat16/float32/float64, got {hidden.dtype}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("linear_cross_entropy: `weight` must be a 2-D tensor [V, H]")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: `weight` is {tuple(weight.shape)}, expected [V, {hidden.shape[-1]}] "
+                         f"(hidden's last dimension)")
+    if weight.shape[0] < 1:
+        raise ValueError("linear_cross_entropy: `weight` has an empty vocabulary")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"linear_cross_entropy: `weight` dtype {weight.dtype} differs from `hidden` dtype {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"linear_cross_entropy: `weight` is on {weight.device}, `hidden` on {hidden.device}")
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8,
+                                                                     torch.int8):
+        raise TypeError("linear_cross_entropy: `target` must be an integer tensor")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"linear_cross_entropy: `target` shape {tuple(target.shape)} must equal hidden.shape[:-1] "
+                         f"= {tuple(hidden.shape[:-1])}")
+    if target.device != hidden.device:
+        raise ValueError(f"linear_cross_entropy: `target` is on {target.device}, `hidden` on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"linear_cross_entropy: `bias` must be a tensor [{weight.shape[0]}]")
+        if bias.dtype != weight.dtype or bias.device != weight.device:
+            raise TypeError("linear_cross_entropy: `bias` must have the dtype and device of `weight`")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError("linear_cross_entropy: `ignore_index` must be an int")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"linear_cross_entropy: `reduction` must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if isinstance(temperature, torch.Tensor):
+        if tuple(temperature.shape) != tuple(target.shape):
+            raise ValueError(f"linear_cross_entropy: per-token `temperature` shape {tuple(temperature.shape)} must "
+                             f"equal target's {tuple(target.shape)}")
+        if not temperature.is_floating_point():
+            raise TypeError("linear_cross_entropy: `temperature` tensor must be floating point")
+        if temperature.device != hidden.device:
+            raise ValueError("linear_cross_entropy: `temperature` must be on hidden's device")
+    elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"linear_cross_entropy: `temperature` must be a float > 0 or a tensor, got {temperature!r}")
+    for name, v in (("z_loss", z_loss), ("label_smoothing", label_smoothing)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"linear_cross_entropy: `{name}` must be a float >= 0, got {v!r}")
+    if label_smoothing >= 1:
+        raise ValueError(f"linear_cross_entropy: `label_smoothing` must be < 1, got {label_smoothing!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not (softcap > 0 and math.isfinite(softcap))):
+        raise ValueError(f"linear_cross_entropy: `softcap` must be None or a float > 0, got {softcap!r}")
+    if accum_dtype in (None, "auto", weight.dtype):
+        accum_fp32 = False
+    elif accum_dtype in (torch.float32, "fp32", "float32"):
+        accum_fp32 = True
+    else:
+        raise ValueError(f"linear_cross_entropy: `accum_dtype` must be None ('auto') or torch.float32, "
+                         f"got {accum_dtype!r}")
+    if chunk_tokens not in (None, "auto") and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                               or chunk_tokens < 1):
+        raise ValueError(f"linear_cross_entropy: `chunk_tokens` must be a positive int or None, got {chunk_tokens!r}")
+    return accum_fp32
+
+
+def _check_values(target, temperature, V, ignore_index):
+    """Targets in [0, V) or ignore_index, temperatures > 0: one device reduction, one sync."""
+    t = target
+    bad_t = ((t != ignore_index) & ((t < 0) | (t >= V))).any()
+    if isinstance(temperature, torch.Tensor):
+        bad_temp = ~(temperature > 0).all()
+        flags = torch.stack([bad_t, bad_temp]).tolist()
+    else:
+        flags = [bool(bad_t), False]
+    if flags[0]:
+        raise ValueError(f"linear_cross_entropy: `target` has values outside [0, {V}) other than "
+                         f"ignore_index={ignore_index}")
+    if flags[1]:
+        raise ValueError("linear_cross_entropy: `temperature` tensor has values <= 0")
+
+
+def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
+             accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None, sequence_parallel=False):
+    accum_fp32 = _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing,
+                        softcap, accum_dtype, chunk_tokens, tp_group)
+    tp = _tp_setup(tp_group, vocab_start, weight.shape[0])
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"linear_cross_entropy: `sequence_parallel` must be a bool, got {sequence_parallel!r}")
+    if sequence_parallel and tp is None:
+        raise ValueError("linear_cross_entropy: `sequence_parallel=True` needs a `tp_group` of more than one rank "
+                         "(hidden/target are then this rank's token shard of the group's sequence)")
+    V, H = weight.shape
+    if validate_targets and target.numel() and tp is None:  # TP: checked against the global V after the gather
+        _check_values(target, temperature, V, ignore_index)
+    h = hidden.reshape(-1, H)
+    t = target.reshape(-1)
+    temp = temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else None
+    return accum_fp32, h, t, temp, tp

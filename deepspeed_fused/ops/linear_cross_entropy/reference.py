@@ -1,0 +1,167 @@
+"""The plain torch reference of the linear cross-entropy, and the token chunk sizing.
+
+:func:`linear_cross_entropy_reference` has the API and semantics of the fused op: chunked
+over tokens (each chunk checkpointed when gradients are on), math in fp32 (float64 for float64
+inputs), autograd does the gradients. Over a tensor-parallel group it computes the kernel's
+partial statistics in torch and exchanges them with the collectives of :mod:`.parallel`. The
+fused op (:mod:`.api`) falls back to it where the kernels cannot run.
+:func:`auto_chunk_tokens` sizes the token chunks of both.
+"""
+import torch
+
+from .checks import _prepare
+from .parallel import _CopyToGroup, _sp_gather, _sp_local, _tp_exchange, _tp_meta_rows, _tp_pack
+from .stats import _finalize_stats, _pack, merge_partial_stats
+
+
+# Logits chunk budget: with the per-token statistics and cuBLAS workspace the total extra
+# memory stays under 512 MiB.
+DEFAULT_WORKSPACE_BYTES = 480 * 1024 * 1024
+
+
+def auto_chunk_tokens(V: int, dtype: torch.dtype, tokens: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
+    """Tokens per chunk so the ``chunk x V`` logits workspace fits ``workspace_bytes``.
+
+    A multiple of 128 where possible, and balanced: the fewest chunks, of near-equal size
+    (no small ragged last chunk for the GEMMs).
+    """
+    cmax = workspace_bytes // max(1, V * dtype.itemsize)
+    if cmax >= 128:
+        cmax = cmax // 128 * 128
+    cmax = max(1, cmax)
+    tokens = max(tokens, 1)
+    if tokens <= cmax:
+        return int(tokens)
+    n = -(-tokens // cmax)
+    c = -(-tokens // n)
+    c128 = -(-c // 128) * 128
+    return int(c128 if c128 <= cmax else c)
+
+
+def _ref_chunk(h, weight, bias, t, temp, temperature, ignore_index, z_loss, smoothing, softcap, need_ent):
+    logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(cdt)
+    z = z / temp.to(cdt)[:, None] if temp is not None else z / temperature
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = t != ignore_index
+    zt = z.gather(1, torch.where(valid, t, torch.zeros_like(t)).long()[:, None]).squeeze(1)
+    loss = lse - (1.0 - smoothing) * zt
+    if smoothing:
+        loss = loss - smoothing * z.mean(-1)
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if need_ent else lse.new_empty(0)
+    return loss, lse, ent
+
+
+def _reference_impl(h, weight, t, bias, temp, temperature, ignore_index, z_loss, smoothing, softcap, chunk,
+                    need_ent):
+    M = h.shape[0]
+    outs = []
+    ckpt = torch.is_grad_enabled() and M > chunk and not torch.compiler.is_compiling()
+    for s in range(0, max(M, 1), chunk):
+        e = min(M, s + chunk)
+        args = (h[s:e], weight, bias, t[s:e], None if temp is None else temp[s:e], temperature, ignore_index,
+                z_loss, smoothing, softcap, need_ent)
+        if ckpt:
+            outs.append(torch.utils.checkpoint.checkpoint(_ref_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_ref_chunk(*args))
+    loss, lse, ent = (torch.cat([o[i] for o in outs]) for i in range(3))
+    return loss, lse, (ent if need_ent else None)
+
+
+def _ref_partial_chunk(h, weight, bias, t, temp, temperature, ignore_index, softcap, vocab_start, need_ent,
+                       need_sumz):
+    """Torch version of the kernel's partial statistics [rows, 5] for a vocabulary shard.
+
+    The running max m is detached: (m, d, a) represent the same values for any m, so the
+    gradient is exact without flowing through the max."""
+    logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(cdt)
+    z = z / temp.to(cdt)[:, None] if temp is not None else z / temperature
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    m = z.amax(-1).detach()
+    zm = z - m[:, None]
+    e = torch.exp(zm)
+    d = e.sum(-1)
+    a = (e * zm).sum(-1) if need_ent else torch.zeros_like(d)
+    sz = z.sum(-1) if need_sumz else torch.zeros_like(d)
+    lt = t.long() - vocab_start
+    ins = (t != ignore_index) & (lt >= 0) & (lt < z.shape[1])
+    zt = z.gather(1, torch.where(ins, lt, torch.zeros_like(lt))[:, None]).squeeze(1)
+    zt = torch.where(ins, zt, torch.zeros_like(zt))
+    return torch.stack([m, d, a, sz, zt], dim=-1)
+
+
+def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, smoothing, softcap, chunk, need_ent,
+                  tp, meta, validate, accum_fp32, sp=False):
+    """Reference over a tensor-parallel group: local partial statistics (autograd), the same
+    all-gather and merge as the kernels; the other ranks' statistics are constants here, and
+    dhidden is summed over the group by _CopyToGroup (by _SeqGather's reduce-scatter under
+    sequence parallelism, where ``h`` is already the group's gathered tokens)."""
+    M = h.shape[0]
+    if h.requires_grad and not sp:
+        h = _CopyToGroup.apply(h, tp.group, accum_fp32)
+    ckpt = torch.is_grad_enabled() and M > chunk and not torch.compiler.is_compiling()
+    parts = []
+    for s in range(0, max(M, 1), chunk):
+        e = min(M, s + chunk)
+        args = (h[s:e], weight, bias, t[s:e], None if temp is None else temp[s:e], temperature, ignore_index,
+                softcap, tp.start, need_ent, bool(smoothing))
+        if ckpt:
+            parts.append(torch.utils.checkpoint.checkpoint(_ref_partial_chunk, *args, use_reentrant=False))
+        else:
+            parts.append(_ref_partial_chunk(*args))
+    stats = torch.cat(parts)
+    packed = _tp_pack(M, meta, stats.dtype, stats.device, stats.detach())
+    gathered, V_total = _tp_exchange(packed, M, meta, tp, validate, t, temp, ignore_index)
+    shards = list(gathered.unbind(0))
+    shards[tp.rank] = stats  # the local shard, differentiable (bitwise the gathered values)
+    return _finalize_stats(merge_partial_stats(torch.stack(shards)), t != ignore_index, V_total, z_loss, smoothing,
+                           need_ent)
+
+
+def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
+                                   temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
+                                   label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
+                                   validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False):
+    """Plain torch version of :func:`linear_cross_entropy` (same API and semantics).
+
+    Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
+    (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored
+    (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32).
+    With a ``tp_group`` it computes the same partial statistics of the local vocabulary
+    shard as the kernels and combines them with the same single all-gather and merge
+    (``sequence_parallel``: after the same all-gather of the token shards as the kernels).
+    """
+    accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
+                                          label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
+                                          tp_group, vocab_start, sequence_parallel)
+    temperature_f = None if temp is not None else float(temperature)
+    if tp is not None:
+        meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, label_smoothing,
+                             softcap, return_entropy, return_lse, bias, accum_fp32)
+        temp = None if temp is None else temp.detach()
+        if sequence_parallel:
+            h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
+        chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
+                                                                                     h.shape[0])
+        loss, lse, ent = _reference_tp(h, weight, t, bias, temp, temperature_f, ignore_index, float(z_loss),
+                                       float(label_smoothing), softcap, chunk, bool(return_entropy), tp, meta,
+                                       validate_targets, accum_fp32, sequence_parallel)
+        if sequence_parallel:
+            loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
+        return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
+    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
+                                                                                 h.shape[0])
+    loss, lse, ent = _reference_impl(h, weight, t, bias, None if temp is None else temp.detach(), temperature_f,
+                                     ignore_index, float(z_loss), float(label_smoothing), softcap, chunk,
+                                     return_entropy)
+    return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
