@@ -526,11 +526,6 @@ def _zero3_run(feature, steps=2):
                                       config=cfg)
     rep = {f.name: f for f in engine.deepspeed_fused_report.features}["moe_reorder"]
     assert rep.applied == feature, rep
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-
-    layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
-    for key, value in (ep_extra or {}).items():  # the modes under test are the ones the layers run
-        assert layers and all(getattr(m, key) == value for m in layers), key
     if feature:
         assert rep.details["path"] == "transformers" and rep.details["layers"] == 2
     gen = torch.Generator().manual_seed(7)
