@@ -420,6 +420,7 @@ def _wrap(fn, world_size, name):
         wrapper = pytest.mark.parametrize("_world_size", list(world_size))(wrapper)
     wrapper._dist_fn = fn
     wrapper._dist_world_size = world_size
+    wrapper.__wrapped__ = fn  # pytest reports the test's own file and line
     return wrapper
 
 
