@@ -38,6 +38,8 @@ def pytest_collection_finish(session):
     once (see unit/common.py)."""
     from unit.common import DistributedTest, start_worker_server
 
+    if session.config.option.collectonly:
+        return
     modules = []
     for item in session.items:
         cls = getattr(item, "cls", None)

@@ -373,14 +373,14 @@ class DistributedTest:
         for name, fn in list(own.items()):
             if name.startswith("test") and callable(fn):
                 orig = getattr(fn, "_dist_fn", fn)
-                setattr(cls, name, _wrap(orig, _marker_world_size(orig) or cls.world_size))
+                setattr(cls, name, _wrap(orig, _marker_world_size(orig) or cls.world_size, name))
         if "world_size" in own or "backend" in own:
             for name in dir(cls):
                 if name.startswith("test") and name not in own:
                     fn = getattr(cls, name)
                     if callable(fn) and hasattr(fn, "_dist_fn"):
                         ws = cls.world_size if "world_size" in own else fn._dist_world_size
-                        setattr(cls, name, _wrap(fn._dist_fn, ws))
+                        setattr(cls, name, _wrap(fn._dist_fn, ws, name))
 
 
 def _marker_world_size(fn):
@@ -390,9 +390,9 @@ def _marker_world_size(fn):
     return None
 
 
-def _wrap(fn, world_size):
-    """The method pytest calls in the parent: runs ``fn`` in ``world_size`` ranks (a list: one
-    parametrized test per size)."""
+def _wrap(fn, world_size, name):
+    """The method ``name`` as pytest calls it in the parent: runs ``fn`` in ``world_size`` ranks
+    (a list: one parametrized test per size)."""
     many = isinstance(world_size, (list, tuple)) and len(world_size) > 1
     fixed = world_size[0] if isinstance(world_size, (list, tuple)) else world_size
     sig = inspect.signature(fn)
@@ -401,7 +401,7 @@ def _wrap(fn, world_size):
 
     def wrapper(self, *args, _world_size=None, **kwargs):
         bound = {**dict(zip(names, args)), **kwargs}
-        run_distributed(_Method(type(self), fn.__name__), _world_size or fixed, timeout=self.timeout,
+        run_distributed(_Method(type(self), name), _world_size or fixed, timeout=self.timeout,
                         init_dist=self.init_distributed, backend=self.backend, **bound)
 
     new_params = [sig.parameters["self"]] + params
@@ -420,6 +420,7 @@ def _wrap(fn, world_size):
         wrapper = pytest.mark.parametrize("_world_size", list(world_size))(wrapper)
     wrapper._dist_fn = fn
     wrapper._dist_world_size = world_size
+    wrapper.__wrapped__ = fn  # pytest reports the test's own file and line
     return wrapper
 
 
