@@ -213,8 +213,9 @@ def search(engine, args, rank: int, device, vocab: int, write=None) -> dict:
             del e
             free_memory(engine)
             break
+        total = torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else None
         trials.append(dict(batch=b, status="ok", **summarize(history, args.warmup),
-                           final_loss=history[-1]["loss"], history=history))
+                           final_loss=history[-1]["loss"], device_total_mib=total, history=history))
         if rank == 0:
             t = trials[-1]
             print(f"[train] micro-batch {b}: median {t['median_step_s'] * 1e3:.1f} ms, "
@@ -263,6 +264,13 @@ def main(argv=None) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     report = getattr(engine, "deepspeed_fused_report", None)
+    if liger and engine.zero_optimization_stage() == 3:
+        # Liger's fused loss reads lm_head.weight without calling lm_head, so ZeRO-3's per-module
+        # fetch would leave it partitioned: make the model's own forward gather it (DeepSpeed's API)
+        deepspeed.zero.register_external_parameter(engine.module, engine.module.get_output_embeddings().weight)
+        liger += "; ZeRO-3: lm_head.weight registered as an external parameter of the model"
+        if rank == 0:
+            print(f"[train] {liger}", flush=True)
     if rank == 0:
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         print(f"[train] model {args.model}: {n_params / 1e6:.1f} M parameters, dtype {dtype}, device {device}, "
@@ -294,11 +302,13 @@ def main(argv=None) -> dict:
     if bar is not None:
         bar.close()
     breakdown = None
-    if args.profile_out and rank == 0:
-        breakdown = profile_step(engine, synthetic_batch(args.steps, args.batch_size, args.seq_len, vocab, args.seed,
-                                                         device), args.trace_out)
-        with open(args.profile_out, "w") as f:
-            json.dump(breakdown, f, indent=1)
+    if args.profile_out:  # every rank steps (collectives), rank 0's profile is written
+        breakdown = profile_step(engine, synthetic_batch(args.steps * deepspeed.comm.get_world_size() + rank,
+                                                         args.batch_size, args.seq_len, vocab, args.seed, device),
+                                 args.trace_out if rank == 0 else None)
+        if rank == 0:
+            with open(args.profile_out, "w") as f:
+                json.dump(breakdown, f, indent=1)
     summary = dict(common, steps=args.steps, warmup=args.warmup, tokens_per_step=tokens_per_step,
                    **summarize(history, args.warmup), history=history, breakdown=breakdown)
     if rank == 0:

@@ -29,7 +29,9 @@ Used by the ``e2e`` suite (through ``examples/train.py --profile-out``). Two par
      forward op that created that node (the profiler's forward-backward flow, or its sequence
      number) and takes the category of the ranges around that op; ``AccumulateGrad`` (where
      ZeRO's gradient hooks run) is ``zero: gradients``;
-  3. ``other``.
+  3. for a kernel whose launch is missing from the trace: the device-side copy of an ``e2e::``
+     range around it on its stream (``gpu_user_annotation``, used only here, never counted);
+  4. ``other``.
 
   So each kernel is counted once, and the categories add up exactly to the total kernel time.
 """
@@ -127,7 +129,8 @@ class _Trace:
     def __init__(self, events: list, device: bool):
         self.ranges = collections.defaultdict(list)  # tid -> category ranges and evaluate_function spans
         self.launch = {}  # correlation -> (tid, ts)
-        self.kernels = []  # (name, dur_us, correlation or None, (tid, ts) or None)
+        self.kernels = []  # (name, dur_us, correlation or None, (tid, ts) or None, device (pid, tid, ts))
+        self.device_ranges = collections.defaultdict(list)  # (pid, tid) -> device-side copies of our ranges
         flows_s, flows_f = {}, collections.defaultdict(list)
         fwd_seq = collections.defaultdict(list)  # sequence number -> [(tid, ts)] of forward ops
         cpu_ops = collections.defaultdict(list)
@@ -145,7 +148,11 @@ class _Trace:
             args = ev.get("args") or {}
             if cat in DEVICE_CATS:
                 if device:
-                    self.kernels.append((name, float(ev.get("dur", 0.0)), args.get("correlation"), None))
+                    self.kernels.append((name, float(ev.get("dur", 0.0)), args.get("correlation"), None,
+                                         (ev.get("pid"), ev.get("tid"), float(ev.get("ts", 0.0)))))
+            elif cat == "gpu_user_annotation":  # never counted; only a fallback for kernels without a launch
+                if name.startswith(PREFIX) or name.startswith(OPTIMIZER_PREFIX):
+                    self.device_ranges[(ev.get("pid"), ev.get("tid"))].append(_Span(ev, "range"))
             elif cat in LAUNCH_CATS:
                 if "correlation" in args:
                     self.launch[args["correlation"]] = (ev.get("tid"), float(ev["ts"]))
@@ -167,7 +174,7 @@ class _Trace:
                         continue
                     if i + 1 < len(ops) and ops[i + 1].start < op.end:
                         continue  # has a child op
-                    self.kernels.append((op.name, op.end - op.start, None, (tid, op.start)))
+                    self.kernels.append((op.name, op.end - op.start, None, (tid, op.start), None))
         for v in flows_f.values():
             v.sort()
         self.flows_s, self.flows_f = flows_s, flows_f
@@ -193,6 +200,18 @@ class _Trace:
             by_tid[tid].append((ts, (tid, ts)))
         for tid, pts in by_tid.items():
             self._cache.update(_enclosing(self.ranges.get(tid, []), pts))
+
+    def device_category(self, pid, tid, ts):
+        """The category of the innermost device-side copy of our ranges around a kernel's start on its
+        stream, for a kernel whose launch is not in the trace; None if none."""
+        spans = [s for s in self.device_ranges.get((pid, tid), []) if s.start <= ts <= s.end]
+        for sp in sorted(spans, key=lambda s: (s.start, -s.end), reverse=True):
+            if sp.name.startswith(OPTIMIZER_PREFIX):
+                return OPTIMIZER
+            cat = RANGE_CATEGORIES.get(sp.name[len(PREFIX):])
+            if cat is not None:
+                return cat
+        return None
 
     def forward_of(self, ev: _Span):
         """(tid, ts) of the forward op whose autograd node this evaluate_function runs, or None."""
@@ -239,7 +258,7 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
     kernels with their category."""
     tr = _Trace(_events(trace), device)
     points = []
-    for name, dur, corr, at in tr.kernels:
+    for name, dur, corr, at, _ in tr.kernels:
         p = at if at is not None else tr.launch.get(corr)
         if p is not None:
             points.append(p)
@@ -248,7 +267,7 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
     how = collections.Counter()
     per_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
     total = 0.0
-    for name, dur, corr, at in tr.kernels:
+    for name, dur, corr, at, dev in tr.kernels:
         ms = dur / 1e3
         total += ms
         cat, via = None, "none"
@@ -264,7 +283,8 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
                 cat, why = tr.category_at(*p)
                 via = why if cat is not None else (why or "none")
             else:
-                via = "no_launch"
+                cat = tr.device_category(*dev) if dev is not None else None
+                via = "device_range" if cat is not None else "no_launch"
         if cat == "moe":
             cat = MOE_GEMM if GEMM_KERNEL.search(name) else MOE_OTHER
         if cat is None:
@@ -375,7 +395,10 @@ def install_ranges(engine_or_model) -> Ranges:
     if base is not None and base is not model:
         _open_close(model, "lm_head_loss", r, open_on=base, close_on=model)
     for mod in list(sys.modules.values()):
-        fn = getattr(mod, "load_balancing_loss_func", None) if mod is not None else None
+        try:  # the module's own namespace only: no lazy-module __getattr__ imports
+            fn = vars(mod).get("load_balancing_loss_func")
+        except TypeError:
+            continue
         if callable(fn) and not getattr(fn, "_e2e_range", False):
             try:
                 setattr(mod, "load_balancing_loss_func", _wrap("router_aux_loss", fn))

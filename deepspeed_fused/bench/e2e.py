@@ -29,8 +29,9 @@ has a time limit (``--arm-timeout``); a run over it is recorded as a timeout, no
 Micro-batch search (``--search PAIRS``, e.g. ``--search zero2,zero3``; arms ``--search-arms``):
 for each arm, the largest micro-batch of ``--seq-len``-token sequences that trains without
 running out of memory, and the tokens/s at that size. Sizes double from ``--search-start`` up to
-``--search-max``, then bisect between the largest size that fit and the smallest that did not.
-One process runs an ascending chain of sizes (``train.py --batch-sizes``: ``--search-steps``
+``--search-max``; then, between the largest size that fit and the smallest that did not, the sizes
+around a guess from the peak memory of the sizes that ran come first and a bisection of the rest
+after, until the two are adjacent. One process runs an ascending chain of sizes (``train.py --batch-sizes``: ``--search-steps``
 timed steps after ``--search-warmup``, memory freed between sizes); an out-of-memory size is
 recorded and ends that process, and the next, smaller, candidates run in a fresh process. A
 failed size is a result, not an error of the suite.
@@ -271,13 +272,33 @@ def bisect_chain(lo: int, hi: int) -> list:
     return chain
 
 
+def predict_largest(trials: list, margin: float = 1.0) -> Optional[int]:
+    """A guess at the largest micro-batch from the peak memory of the two largest sizes that ran
+    (allocated memory taken as linear in the micro-batch) and the device's memory
+    (``device_total_mib``); None without two such sizes. Only orders the candidates: the answer
+    is still what runs and what does not."""
+    ok = sorted((t["batch"], t.get("peak_alloc_mib"), t.get("device_total_mib")) for t in trials
+                if t["status"] == "ok" and t.get("peak_alloc_mib"))
+    if len(ok) < 2 or not ok[-1][2]:
+        return None
+    (b0, m0, _), (b1, m1, total) = ok[-2], ok[-1]
+    slope = (m1 - m0) / (b1 - b0)
+    if slope <= 0:
+        return None
+    return int((margin * total - (m1 - slope * b1)) // slope)
+
+
 def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: int = 64) -> dict:
-    """The largest micro-batch that runs: doubling from ``start`` to ``max_size``, then bisection.
+    """The largest micro-batch that runs: doubling from ``start`` to ``max_size``, then a search
+    between the largest size that ran and the smallest that ran out of memory.
 
     ``run_sizes(chain)`` runs an ascending chain of sizes in one fresh process and returns one
     trial per size it reached (``dict(batch, status="ok"|"oom"|"error"|"timeout", ...)``), stopping
     after the first that is not ok. An out-of-memory size bounds the search; any other failure
-    ends it (``stopped``)."""
+    ends it (``stopped``). After the doubling, each process walks upwards through the sizes
+    around the memory-based guess (:func:`predict_largest`) and then a bisection of the rest of
+    the interval; the search ends when the largest size that ran and the smallest that did not
+    are adjacent, so the guess only saves processes, it never decides the answer."""
     chain, size = [], start
     while size <= max_size:
         chain.append(size)
@@ -304,7 +325,14 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
             break
         if bad is None:
             break  # every size up to max_size fit
-        chain = [b for b in bisect_chain(good or 0, bad) if not any(t["batch"] == b for t in trials)]
+        lo = good or 0
+        guess = predict_largest(trials)
+        if guess is not None:
+            guess = min(max(guess, lo + 1), bad - 1)
+        # the caching allocator cannot use all of the device: the guess errs high more often than low
+        near = [b for b in range(guess - 2, guess + 2) if lo < b < bad] if guess is not None else []
+        chain = near + bisect_chain(near[-1] if near else lo, bad)
+        chain = [b for b in chain if not any(t["batch"] == b for t in trials)]
     best = next((t for t in trials if t["status"] == "ok" and t["batch"] == good), None)
     return dict(trials=trials, largest=good, smallest_failed=bad, capped=bad is None and good is not None,
                 stopped=stopped, processes=proc,
@@ -563,7 +591,8 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
         lines += ["", "## Memory -> throughput: the largest micro-batch of each arm", "",
                   "![tokens/s vs micro-batch](e2e_throughput.png)", "",
                   f"Micro-batches of {meta.get('seq')}-token sequences doubled from {meta.get('search_start')} up to "
-                  f"{meta.get('search_max')}, then bisected; each size ran {meta.get('search_steps')} timed steps "
+                  f"{meta.get('search_max')}, then searched between the largest that ran and the smallest that did not "
+                  f"(a memory-based guess first, then bisection) until the two are adjacent; each size ran {meta.get('search_steps')} timed steps "
                   f"after {meta.get('search_warmup')} warm-up (tokens/s: their median). Target: fused >= "
                   f"{SEARCH_TARGET}x the baseline's tokens/s, each at its own largest micro-batch.", "",
                   "| pair | arm | largest micro-batch | smallest failed | tokens/s at largest | step ms | peak alloc GiB "
@@ -633,6 +662,9 @@ def main(args) -> dict:
     for x in pairs + [y for y in o.search.split(",") if y]:
         if x not in PAIRS:
             raise SystemExit(f"e2e: unknown pair {x!r}; expected one of {', '.join(PAIRS)}")
+    for x in [y for y in o.search.split(",") if y]:
+        if PAIRS[x][2] != 1:
+            raise SystemExit(f"e2e: the micro-batch search runs on one GPU; {x} uses {PAIRS[x][2]}")
     for x in arms + [y for y in o.search_arms.split(",") if y]:
         if x not in ARMS:
             raise SystemExit(f"e2e: unknown arm {x!r}; expected one of {', '.join(ARMS)}")

@@ -137,6 +137,20 @@ def test_our_kernels_by_name_nccl_moe_split_and_innermost_range():
     _sums_to_total(b)
 
 
+def test_a_kernel_without_its_launch_falls_back_to_the_device_side_range():
+    t = Trace()
+    t.events.append(dict(ph="X", cat="gpu_user_annotation", name="e2e::rms_norm", ts=100, dur=50, tid=7, pid=0,
+                         args={}))
+    t.events.append(dict(ph="X", cat="kernel", name="some_kernel", ts=110, dur=20, tid=7, pid=0,
+                         args=dict(correlation=12345)))
+    t.events.append(dict(ph="X", cat="kernel", name="late_kernel", ts=400, dur=30, tid=7, pid=0,
+                         args=dict(correlation=12346)))
+    b = attribute(t.events)
+    assert b["total_gpu_ms"] == pytest.approx(0.05)  # the annotation row itself is not counted
+    assert b["categories"]["rms_norm"] == pytest.approx(0.02) and b["how"]["device_range"] == pytest.approx(0.02)
+    assert b["categories"]["other"] == pytest.approx(0.03) and b["how"]["no_launch"] == pytest.approx(0.03)
+
+
 def test_triton_kernels_launched_through_the_driver_api_are_linked():
     t = Trace()
     t.range("e2e::rms_norm", 0, 100)

@@ -47,6 +47,40 @@ def test_search_finds_the_largest_size_that_fits(fits):
     assert [t["process"] for t in r["trials"]] == sorted(t["process"] for t in r["trials"])
 
 
+@pytest.mark.parametrize("static, per_sample", [(50000, 8000), (60000, 3000), (20000, 20000), (90000, 700)])
+def test_search_with_the_memory_guess_takes_two_processes_and_finds_the_same_size(static, per_sample):
+    """Peak memory linear in the micro-batch, as on a GPU: the guess from the doubling run's two
+    largest sizes lands on the answer, so one more process settles it; without the device's
+    memory in the trials the plain bisection finds the same size."""
+    total = 143000.0
+
+    def run_sizes(chain, with_total=True):
+        out = []
+        for b in chain:
+            peak = static + per_sample * b
+            if peak > total:
+                out.append(dict(batch=b, status="oom"))
+                break
+            out.append(dict(batch=b, status="ok", median_tokens_per_s=10.0 * b, median_step_s=0.1,
+                            peak_alloc_mib=peak, device_total_mib=total if with_total else None))
+        return out
+
+    fits = int((total - static) // per_sample)
+    r = e2e.search_largest(run_sizes, 1, 256)
+    assert r["largest"] == fits and r["smallest_failed"] == fits + 1 and r["processes"] <= 2
+    plain = e2e.search_largest(lambda c: run_sizes(c, False), 1, 256)
+    assert plain["largest"] == fits and plain["processes"] >= r["processes"]
+
+
+def test_a_wrong_guess_costs_processes_not_the_answer(monkeypatch):
+    monkeypatch.setattr(e2e, "predict_largest", lambda trials: 3)  # far too small
+    run, _ = fake_runner(21)
+    assert e2e.search_largest(run, 1, 64)["largest"] == 21
+    monkeypatch.setattr(e2e, "predict_largest", lambda trials: 1000)  # far too large
+    run, _ = fake_runner(21)
+    assert e2e.search_largest(run, 1, 64)["largest"] == 21
+
+
 def test_search_capped_nothing_fits_and_other_failures():
     r = e2e.search_largest(fake_runner(100)[0], start=1, max_size=16)
     assert r["largest"] == 16 and r["capped"] and r["smallest_failed"] is None
