@@ -264,13 +264,6 @@ def main(argv=None) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     report = getattr(engine, "deepspeed_fused_report", None)
-    if liger and engine.zero_optimization_stage() == 3:
-        # Liger's fused loss reads lm_head.weight without calling lm_head, so ZeRO-3's per-module
-        # fetch would leave it partitioned: make the model's own forward gather it (DeepSpeed's API)
-        deepspeed.zero.register_external_parameter(engine.module, engine.module.get_output_embeddings().weight)
-        liger += "; ZeRO-3: lm_head.weight registered as an external parameter of the model"
-        if rank == 0:
-            print(f"[train] {liger}", flush=True)
     if rank == 0:
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         print(f"[train] model {args.model}: {n_params / 1e6:.1f} M parameters, dtype {dtype}, device {device}, "

@@ -262,7 +262,7 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
         p = at if at is not None else tr.launch.get(corr)
         if p is not None:
             points.append(p)
-    tr.prefill(points)
+    tr.prefill(points + list(tr.flows_s.values()) + list(tr.fwd_seq.values()))  # one sweep per thread
     cats = {c: 0.0 for c in CATEGORIES}
     how = collections.Counter()
     per_kernel = collections.defaultdict(lambda: [0.0, 0, ""])

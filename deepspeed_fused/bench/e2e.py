@@ -42,6 +42,12 @@ Outputs (under ``--out``, default ``docs/benchmarks/``): ``e2e.json``, ``e2e.md`
 merges earlier runs (arm by arm, searches too) and writes the outputs without running anything,
 so the suite can be run in parts, each under a machine's per-command time limit.
 
+Flags: ``--model --steps --warmup --batch-size --seq-len`` (the fixed setup), ``--pairs --arms``,
+``--arm-timeout`` (s per run, default 900), ``--liger-swiglu-timeout`` (default 420),
+``--keep-traces DIR`` (each profiled step's Chrome trace), ``--search PAIRS --search-arms
+--search-start --search-max --search-steps --search-warmup --search-timeout`` (s per search
+process), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (3 steps, 512 tokens).
+
     python -m deepspeed_fused.bench e2e                                   # the three pairs, three arms
     python -m deepspeed_fused.bench e2e --pairs zero2 --arms liger_swiglu --out /tmp/e2e_swiglu
     python -m deepspeed_fused.bench e2e --pairs none --search zero2 --out /tmp/e2e_search_z2
@@ -583,6 +589,21 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                               "|---|---|---:|" + "---:|" * len(cats)]
                 lines.append(f"| {k} | {arm} | {b['total_gpu_ms']:.1f} | " +
                              " | ".join(f"{b['categories'].get(c, 0.0):.1f}" for c in cats) + " |")
+        checks = [(k, arm, v[arm]["breakdown"]) for k, v in results.items() for arm in _arms_of(v)
+                  if _ok(v[arm]) and _attributed(v[arm].get("breakdown"))]
+        if checks:
+            ways = ["name", "range", "backward_link", "accumulate_grad", "device_range", "backward_unlinked",
+                    "no_launch", "none"]
+            lines += ["", "How each arm's kernel time was attributed (ms): by kernel name, by the range around "
+                      "the launch, through the autograd node to its forward op, in `AccumulateGrad`, by a "
+                      "device-side range (launch missing); and what fell to `other` unattributed (a backward "
+                      "node whose forward op was not found, a kernel without its launch, a launch outside "
+                      "every range).", "", "| pair | arm | kernels | " + " | ".join(ways) + " |",
+                      "|---|---|---:|" + "---:|" * len(ways)]
+            for k, arm, b in checks:
+                how = b.get("how", {})
+                lines.append(f"| {k} | {arm} | {b.get('n_kernels', '')} | "
+                             + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
         if earlier:
             lines += ["", "Breakdowns written by the earlier kernel-name heuristic (before issue 16) are in "
                       "`e2e.json` but not shown: they counted annotation rows with their kernels and matched "
