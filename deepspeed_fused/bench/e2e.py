@@ -40,10 +40,12 @@ Outputs (under ``--out``, default ``docs/benchmarks/``): ``e2e.json``, ``e2e.md`
 ``e2e_loss.png``, ``e2e_speed_memory.png``, ``e2e_breakdown.png`` and, with a search,
 ``e2e_throughput.png`` (tokens/s against micro-batch). ``--render A/e2e.json B/e2e.json ...``
 merges earlier runs (arm by arm, searches too) and writes the outputs without running anything,
-so the suite can be run in parts, each under a machine's per-command time limit.
+so the suite can be run in parts, each under a machine's per-command time limit; ``e2e.json`` is
+also written after every run (marked ``partial``), so a part stopped from outside keeps the runs
+that finished.
 
 Flags: ``--model --steps --warmup --batch-size --seq-len`` (the fixed setup), ``--pairs --arms``,
-``--arm-timeout`` (s per run, default 900), ``--liger-swiglu-timeout`` (default 420),
+``--arm-timeout`` (s per run, default 600), ``--liger-swiglu-timeout`` (default 420),
 ``--keep-traces DIR`` (each profiled step's Chrome trace), ``--search PAIRS --search-arms
 --search-start --search-max --search-steps --search-warmup --search-timeout`` (s per search
 process), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (3 steps, 512 tokens).
@@ -659,7 +661,7 @@ def main(args) -> dict:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--pairs", default="zero2,autoep,zero3", help=f"of {', '.join(PAIRS)}; 'none' for none")
     p.add_argument("--arms", default="baseline,liger,fused", help=f"of {', '.join(ARMS)}")
-    p.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per arm run")
+    p.add_argument("--arm-timeout", type=float, default=600.0, help="seconds per arm run")
     p.add_argument("--liger-swiglu-timeout", type=float, default=420.0, help="seconds for the liger_swiglu arm")
     p.add_argument("--keep-traces", default=None, metavar="DIR", help="keep each profiled step's Chrome trace here")
     p.add_argument("--search", default="", help="pairs to run the micro-batch search for (e.g. zero2,zero3)")
@@ -668,7 +670,7 @@ def main(args) -> dict:
     p.add_argument("--search-max", type=int, default=64)
     p.add_argument("--search-steps", type=int, default=5)
     p.add_argument("--search-warmup", type=int, default=2)
-    p.add_argument("--search-timeout", type=float, default=900.0, help="seconds per search process")
+    p.add_argument("--search-timeout", type=float, default=600.0, help="seconds per search process")
     p.add_argument("--render", nargs="+", default=None, metavar="E2E_JSON",
                    help="do not run: merge the results of earlier runs (e2e.json files) and write the outputs")
     o = p.parse_args(getattr(args, "extra", []))
@@ -690,16 +692,27 @@ def main(args) -> dict:
         if x not in ARMS:
             raise SystemExit(f"e2e: unknown arm {x!r}; expected one of {', '.join(ARMS)}")
     results, search = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in pairs:
-            results[name] = {arm: run_arm(name, arm, o, tmp) for arm in arms}
-            results[name]["compare"] = compare(name, results[name])
-        for name in [y for y in o.search.split(",") if y]:
-            s = {arm: run_search(name, arm, o, tmp) for arm in o.search_arms.split(",") if arm}
-            search[name] = dict(arms=s, compare=search_compare(s))
     meta = dict(env_fields(), liger_kernel=_liger_version(), model=o.model, batch=o.batch_size, seq=o.seq_len,
                 steps=o.steps, warmup=o.warmup, search_start=o.search_start, search_max=o.search_max,
                 search_steps=o.search_steps, search_warmup=o.search_warmup)
+
+    def partial():  # e2e.json after every run: a job stopped from outside keeps what finished
+        with open(os.path.join(out_dir, "e2e.json"), "w") as f:
+            json.dump(dict(meta=meta, results=results, search=search, partial=True), f, indent=1, default=str)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in pairs:
+            results[name] = {}
+            for arm in arms:
+                results[name][arm] = run_arm(name, arm, o, tmp)
+                partial()
+            results[name]["compare"] = compare(name, results[name])
+        for name in [y for y in o.search.split(",") if y]:
+            search[name] = dict(arms={})
+            for arm in [a for a in o.search_arms.split(",") if a]:
+                search[name]["arms"][arm] = run_search(name, arm, o, tmp)
+                partial()
+            search[name]["compare"] = search_compare(search[name]["arms"])
     return _write(results, search, meta, out_dir)
 
 
