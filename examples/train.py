@@ -41,45 +41,40 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, devi
     return ids.to(device)
 
 
-# Kernel-name patterns that attribute GPU time to the parts the plugin replaces.
-CATEGORIES = [
-    ("rms_norm", r"rms|norm|rsqrt|pow_|mean"),
-    ("loss (lm head + cross-entropy)", r"cross_entropy|log_softmax|nll|softmax|logsumexp|lce|_ce_|linear_ce"),
-    ("moe reorder / gather", r"gather|index|scatter|permute|sort|unpermute|combine|histc|bincount|cumsum"),
-    ("gemm", r"gemm|cutlass|sm90|xmma|wgmma|matmul|mm_|nvjet|grouped"),
-    ("nccl", r"nccl"),
-]
+def profile_step(engine, ids, trace_out=None) -> dict:
+    """One training step under the torch profiler: kernel time per category, each kernel once
+    (``deepspeed_fused.bench.breakdown``: ranges around the modules the features replace and
+    around DeepSpeed's work, our kernels by name). On CPU, leaf CPU ops stand for kernels."""
+    from deepspeed_fused.bench.breakdown import profile_step as run
 
-
-def profile_step(engine, ids) -> dict:
-    """One training step under the torch profiler: GPU time per kernel, and per category."""
-    import re
-
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    def step():
         out = engine(input_ids=ids, labels=ids)
         engine.backward(out.loss)
         engine.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
-            rows.append(dict(name=ev.key, ms=t / 1e3, calls=ev.count))
-    rows.sort(key=lambda r: -r["ms"])
-    cats = {name: 0.0 for name, _ in CATEGORIES}
-    cats["other"] = 0.0
-    for r in rows:
-        for name, pat in CATEGORIES:
-            if re.search(pat, r["name"], re.IGNORECASE):
-                cats[name] += r["ms"]
-                break
-        else:
-            cats["other"] += r["ms"]
-    return dict(total_gpu_ms=sum(r["ms"] for r in rows), categories=cats, top_kernels=rows[:40])
+
+    return run(step, engine, device=torch.cuda.is_available(), trace_out=trace_out)
+
+
+def apply_liger(model_name: str, swiglu: bool) -> str:
+    """Liger-Kernel's patches for the model's type, before the model is built: RoPE, RMSNorm and
+    the fused linear cross-entropy; its SwiGLU/experts only with ``swiglu``. Returns a description."""
+    from importlib.metadata import version
+
+    from liger_kernel.transformers import monkey_patch
+
+    from deepspeed_fused.models import model_config
+
+    model_type = model_config(model_name).model_type
+    fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        raise SystemExit(f"liger-kernel {version('liger_kernel')} has no patch for {model_type}")
+    kw = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, swiglu=swiglu)
+    fn(**kw)
+    return f"liger-kernel {version('liger_kernel')}: {fn.__name__}({', '.join(f'{k}={v}' for k, v in kw.items())})"
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def parse_args(argv=None):
@@ -95,7 +90,18 @@ def parse_args(argv=None):
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--profile-out", default=None,
-                   help="after the timed steps, profile one more step and write a per-kernel breakdown here")
+                   help="after the timed steps, profile one more step and write its GPU time per category here")
+    p.add_argument("--trace-out", default=None, help="keep the profiled step's Chrome trace here")
+    p.add_argument("--liger", action="store_true",
+                   help="apply Liger-Kernel (RoPE, RMSNorm, fused linear cross-entropy) before building the model")
+    p.add_argument("--liger-swiglu", action="store_true", help="with --liger: also Liger's SwiGLU/experts")
+    p.add_argument("--batch-sizes", default=None,
+                   help="search mode: comma-separated ascending micro-batch sizes, each run for --steps steps "
+                        "(--warmup of them untimed) in this process; the first that runs out of memory is "
+                        "recorded and ends the run (exit code 0)")
+    p.add_argument("--dump-stacks-after", type=float, default=None,
+                   help="print every thread's Python stack to stderr after this many seconds (for a job that "
+                        "may hang under a time limit)")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args(argv)
 
@@ -128,22 +134,122 @@ def note_cpu_op_build() -> None:
               "later runs reuse it)", flush=True)
 
 
+def run_steps(engine, args, batch: int, steps: int, rank: int, device, vocab: int, bar=None) -> list:
+    """``steps`` training steps of micro-batch ``batch``; one record per step."""
+    cuda = device.type == "cuda"
+    world = deepspeed.comm.get_world_size()
+    tokens_per_step = batch * args.seq_len * world
+    history = []
+    for step in range(steps):
+        ids = synthetic_batch(step * world + rank, batch, args.seq_len, vocab, args.seed, device)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        loss = float(out.loss.detach().float())
+        del out, ids
+        rec = dict(step=step, loss=loss, step_s=dt, tokens_per_s=tokens_per_step / dt,
+                   peak_alloc_mib=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+                   peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if cuda else None)
+        history.append(rec)
+        if rank == 0:
+            mem = f", peak {rec['peak_alloc_mib']:.0f} MiB" if cuda else ""
+            msg = (f"[train] step {step:4d}  loss {loss:.4f}  {dt * 1e3:8.1f} ms  {rec['tokens_per_s']:9.0f} tok/s{mem}"
+                   + (f"  (micro-batch {batch})" if args.batch_sizes else ""))
+            (bar.write(msg) if bar is not None else print(msg, flush=True))
+            if bar is not None:
+                bar.update(1)
+    return history
+
+
+def summarize(history: list, warmup: int) -> dict:
+    timed = history[warmup:] or history
+    cuda = history and history[0]["peak_alloc_mib"] is not None
+    return dict(median_step_s=statistics.median(r["step_s"] for r in timed),
+                median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+                peak_alloc_mib=max((r["peak_alloc_mib"] or 0) for r in history) if cuda else None,
+                peak_reserved_mib=max((r["peak_reserved_mib"] or 0) for r in history) if cuda else None)
+
+
+def free_memory(engine) -> None:
+    """What a step that ran out of memory left behind: gradients and cached blocks."""
+    import gc
+
+    try:
+        engine.zero_grad()
+    except Exception:
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def search(engine, args, rank: int, device, vocab: int, write=None) -> dict:
+    """Search mode: the listed micro-batch sizes in ascending order, in this process, until one
+    runs out of memory (recorded, memory freed, the run ends) or fails otherwise (recorded).
+    ``write(trials)`` is called after each size, so a crash still leaves the sizes before it."""
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    trials = []
+    for b in sizes:
+        if write is not None:
+            write(trials)
+        if hasattr(engine, "set_train_micro_batch_size"):
+            engine.set_train_micro_batch_size(b)
+        try:
+            history = run_steps(engine, args, b, args.steps, rank, device, vocab)
+        except Exception as e:  # noqa: BLE001 - an OOM is a result of the search, not an error
+            oom = is_oom(e)
+            trials.append(dict(batch=b, status="oom" if oom else "error",
+                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"))
+            if rank == 0:
+                print(f"[train] micro-batch {b}: {'out of memory' if oom else 'failed'} ({trials[-1]['error']})",
+                      flush=True)
+            del e
+            free_memory(engine)
+            break
+        total = torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else None
+        trials.append(dict(batch=b, status="ok", **summarize(history, args.warmup),
+                           final_loss=history[-1]["loss"], device_total_mib=total, history=history))
+        if rank == 0:
+            t = trials[-1]
+            print(f"[train] micro-batch {b}: median {t['median_step_s'] * 1e3:.1f} ms, "
+                  f"{t['median_tokens_per_s']:.0f} tok/s", flush=True)
+        free_memory(engine)
+    if write is not None:
+        write(trials)
+    return dict(trials=trials)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.dump_stacks_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(args.local_rank)
     device = torch.device("cuda", args.local_rank) if cuda else torch.device("cpu")
     if not args.deepspeed_config:
         raise SystemExit("pass --deepspeed_config configs/fused_all.json (or another file in configs/)")
-    ds_config = load_config(args.deepspeed_config, args.batch_size, cuda)
+    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else None
+    ds_config = load_config(args.deepspeed_config, sizes[0] if sizes else args.batch_size, cuda)
     bf16 = ds_config.get("bf16", {}).get("enabled", False)
     dtype = torch.bfloat16 if bf16 else torch.float32
 
+    liger = apply_liger(args.model, args.liger_swiglu) if args.liger else None
     if not cuda:
         note_cpu_op_build()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank = deepspeed.comm.get_rank()
+    if liger and rank == 0:
+        print(f"[train] {liger}", flush=True)
     with torch.device(device):
         model = build_model(args.model, dtype=dtype, seed=args.seed)
     vocab = model.config.vocab_size
@@ -161,59 +267,43 @@ def main(argv=None) -> dict:
     if rank == 0:
         n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
         print(f"[train] model {args.model}: {n_params / 1e6:.1f} M parameters, dtype {dtype}, device {device}, "
-              f"ZeRO stage {engine.zero_optimization_stage()}, world size {deepspeed.comm.get_world_size()}")
+              f"ZeRO stage {engine.zero_optimization_stage()}, world size {deepspeed.comm.get_world_size()}",
+              flush=True)
         if report is None:  # the hook showed the report (unless the section's show_report is false)
             print("[train] deepspeed_fused hook did not run")
+    engine.train()
+    common = dict(model=args.model, config=args.deepspeed_config, liger=liger, seq_len=args.seq_len,
+                  world_size=deepspeed.comm.get_world_size(), report=report.to_dict() if report is not None else None)
+
+    if sizes:
+        def write(trials):
+            if rank == 0 and args.metrics_out:
+                with open(args.metrics_out + ".tmp", "w") as f:
+                    json.dump(dict(common, steps=args.steps, warmup=args.warmup, trials=trials), f, indent=1,
+                              default=str)
+                os.replace(args.metrics_out + ".tmp", args.metrics_out)
+
+        return dict(common, steps=args.steps, warmup=args.warmup, **search(engine, args, rank, device, vocab, write))
 
     tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size()
-    history = []
     try:
         from tqdm import tqdm
         bar = tqdm(total=args.steps, disable=args.no_progress or rank != 0, desc="train", dynamic_ncols=True)
     except ImportError:  # pragma: no cover
         bar = None
-    engine.train()
-    for step in range(args.steps):
-        ids = synthetic_batch(step * deepspeed.comm.get_world_size() + rank, args.batch_size, args.seq_len, vocab,
-                              args.seed, device)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = engine(input_ids=ids, labels=ids)
-        engine.backward(out.loss)
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        loss = float(out.loss.detach().float())
-        rec = dict(step=step, loss=loss, step_s=dt, tokens_per_s=tokens_per_step / dt,
-                   peak_alloc_mib=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
-                   peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if cuda else None)
-        history.append(rec)
-        if rank == 0:
-            mem = f", peak {rec['peak_alloc_mib']:.0f} MiB" if cuda else ""
-            msg = f"[train] step {step:4d}  loss {loss:.4f}  {dt * 1e3:8.1f} ms  {rec['tokens_per_s']:9.0f} tok/s{mem}"
-            (bar.write(msg) if bar is not None else print(msg))
-            if bar is not None:
-                bar.update(1)
+    history = run_steps(engine, args, args.batch_size, args.steps, rank, device, vocab, bar)
     if bar is not None:
         bar.close()
     breakdown = None
-    if args.profile_out and rank == 0:
-        breakdown = profile_step(engine, synthetic_batch(args.steps, args.batch_size, args.seq_len, vocab, args.seed,
-                                                         device))
-        with open(args.profile_out, "w") as f:
-            json.dump(breakdown, f, indent=1)
-    timed = history[args.warmup:] or history
-    summary = dict(model=args.model, config=args.deepspeed_config, steps=args.steps, warmup=args.warmup,
-                   tokens_per_step=tokens_per_step,
-                   median_step_s=statistics.median(r["step_s"] for r in timed),
-                   median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
-                   peak_alloc_mib=max((r["peak_alloc_mib"] or 0) for r in history) if cuda else None,
-                   peak_reserved_mib=max((r["peak_reserved_mib"] or 0) for r in history) if cuda else None,
-                   report=report.to_dict() if report is not None else None, history=history,
-                   breakdown=breakdown)
+    if args.profile_out:  # every rank steps (collectives), rank 0's profile is written
+        breakdown = profile_step(engine, synthetic_batch(args.steps * deepspeed.comm.get_world_size() + rank,
+                                                         args.batch_size, args.seq_len, vocab, args.seed, device),
+                                 args.trace_out if rank == 0 else None)
+        if rank == 0:
+            with open(args.profile_out, "w") as f:
+                json.dump(breakdown, f, indent=1)
+    summary = dict(common, steps=args.steps, warmup=args.warmup, tokens_per_step=tokens_per_step,
+                   **summarize(history, args.warmup), history=history, breakdown=breakdown)
     if rank == 0:
         print(f"[train] done: median step {summary['median_step_s'] * 1e3:.1f} ms, "
               f"{summary['median_tokens_per_s']:.0f} tok/s, final loss {history[-1]['loss']:.4f}")

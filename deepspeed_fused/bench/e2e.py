@@ -1,157 +1,653 @@
-"""Suite ``e2e``: a real MoE training run with every feature off vs on, one GPU.
+"""Suite ``e2e``: a real MoE training run, features off vs Liger-Kernel vs features on.
 
-Runs ``examples/train.py`` through the deepspeed launcher for each arm (a fresh process per arm,
-so memory figures are not polluted): the Qwen3-30B-A3B layer shape cut to 4 layers, bf16, batches
-of 2 x 4096 synthetic tokens (same seed and data in both arms). Pairs: ZeRO-2, AutoEP
-(autoep_size 1) and ZeRO-3. Writes ``docs/benchmarks/e2e.json``, ``e2e.md``, ``e2e_loss.png``
-and ``e2e_speed_memory.png``, with a per-kernel-category GPU time breakdown of one profiled step.
+Runs ``examples/train.py`` through the deepspeed launcher, a fresh process per run (memory
+figures are not polluted): the Qwen3-30B-A3B layer shape cut to 4 layers, bf16, 4096-token
+sequences of synthetic tokens (same seed and data in every arm).
+
+Arms of each pair (``--arms``, default ``baseline,liger,fused``):
+
+* ``baseline``: every feature off (``configs/*baseline.json``);
+* ``liger``: the baseline config with ``liger_kernel.transformers.apply_liger_kernel_to_qwen3_moe(
+  rope=True, rms_norm=True, fused_linear_cross_entropy=True, swiglu=False)`` applied before the
+  model is built;
+* ``liger_swiglu``: the same with ``swiglu=True`` (Liger's fused-MoE experts); not in the default
+  list; it runs under ``--liger-swiglu-timeout`` and a run that does not finish is recorded as a
+  timeout, with the steps it printed and the Python stacks dumped shortly before the limit;
+* ``liger_swiglu_noautotune``: as ``liger_swiglu`` with ``LIGER_FUSED_MOE_AUTOTUNE=0`` (Liger's
+  switch for one fixed kernel configuration instead of autotuning each GEMM kernel over 32 on its
+  first call), same time limit;
+* ``fused``: every feature on (``configs/*fused*.json``).
+
+Pairs (``--pairs``, default ``zero2,autoep,zero3``; ``none`` for none): ZeRO-2, AutoEP
+(autoep_size 1, ZeRO-2), ZeRO-3 on one GPU, and ``zero2_2gpu`` (ZeRO-2 on two GPUs of one host).
+Each arm runs ``--steps`` timed steps after ``--warmup`` at micro-batch ``--batch-size`` x
+``--seq-len``, then profiles one more step: its kernel time per category, each kernel once
+(``deepspeed_fused.bench.breakdown``: ranges around the modules the features replace and around
+DeepSpeed's work, our kernels by name; the categories add up to the arm's kernel time). Every run
+has a time limit (``--arm-timeout``); a run over it is recorded as a timeout, not waited for.
+
+Micro-batch search (``--search PAIRS``, e.g. ``--search zero2,zero3``; arms ``--search-arms``):
+for each arm, the largest micro-batch of ``--seq-len``-token sequences that trains without
+running out of memory, and the tokens/s at that size. Sizes double from ``--search-start`` up to
+``--search-max``; then, between the largest size that fit and the smallest that did not, the sizes
+around a guess from the peak memory of the sizes that ran come first and a bisection of the rest
+after, until the two are adjacent. One process runs an ascending chain of sizes (``train.py --batch-sizes``: ``--search-steps``
+timed steps after ``--search-warmup``, memory freed between sizes); an out-of-memory size is
+recorded and ends that process, and the next, smaller, candidates run in a fresh process. A
+failed size is a result, not an error of the suite.
+
+Outputs (under ``--out``, default ``docs/benchmarks/``): ``e2e.json``, ``e2e.md``,
+``e2e_loss.png``, ``e2e_speed_memory.png``, ``e2e_breakdown.png`` and, with a search,
+``e2e_throughput.png`` (tokens/s against micro-batch). ``--render A/e2e.json B/e2e.json ...``
+merges earlier runs (arm by arm, searches too) and writes the outputs without running anything,
+so the suite can be run in parts, each under a machine's per-command time limit; ``e2e.json`` is
+also written after every run (marked ``partial``), so a part stopped from outside keeps the runs
+that finished.
+
+Flags: ``--model --steps --warmup --batch-size --seq-len`` (the fixed setup), ``--pairs --arms``,
+``--arm-timeout`` (s per run, default 600), ``--liger-swiglu-timeout`` (default 420),
+``--keep-traces DIR`` (each profiled step's Chrome trace), ``--search PAIRS --search-arms
+--search-start --search-max --search-steps --search-warmup --search-timeout`` (s per search
+process), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (3 steps, 512 tokens).
+
+    python -m deepspeed_fused.bench e2e                                   # the three pairs, three arms
+    python -m deepspeed_fused.bench e2e --pairs zero2 --arms liger_swiglu --out /tmp/e2e_swiglu
+    python -m deepspeed_fused.bench e2e --pairs none --search zero2 --out /tmp/e2e_search_z2
+    python -m deepspeed_fused.bench e2e --render /tmp/e2e_*/e2e.json      # merge into docs/benchmarks/
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from typing import Callable, Optional
 
 from .common import OUT_DIR, env_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAIRS = [
-    ("zero2", "configs/baseline.json", "configs/fused_all.json"),
-    ("autoep", "configs/autoep_baseline.json", "configs/autoep_fused.json"),
-    ("zero3", "configs/zero3_baseline.json", "configs/zero3_fused.json"),
-]
+# pair -> (baseline config, fused config, GPUs)
+PAIRS = {
+    "zero2": ("configs/baseline.json", "configs/fused_all.json", 1),
+    "autoep": ("configs/autoep_baseline.json", "configs/autoep_fused.json", 1),
+    "zero3": ("configs/zero3_baseline.json", "configs/zero3_fused.json", 1),
+    "zero2_2gpu": ("configs/baseline.json", "configs/fused_all.json", 2),
+}
+# arm -> (which config of the pair, extra train.py arguments, extra environment)
+ARMS = {
+    "baseline": ("baseline", [], {}),
+    "liger": ("baseline", ["--liger"], {}),
+    "liger_swiglu": ("baseline", ["--liger", "--liger-swiglu"], {}),
+    # Liger's fused MoE autotunes each GEMM kernel over 32 configurations on its first call;
+    # LIGER_FUSED_MOE_AUTOTUNE=0 (liger's own switch) takes one fixed configuration instead
+    "liger_swiglu_noautotune": ("baseline", ["--liger", "--liger-swiglu"], {"LIGER_FUSED_MOE_AUTOTUNE": "0"}),
+    "fused": ("fused", [], {}),
+}
+SWIGLU_ARMS = ("liger_swiglu", "liger_swiglu_noautotune")
+ARM_ORDER = list(ARMS)
+# targets of issue 16 at the fixed setup (ZeRO-2) and for the searched throughput
+STEP_TARGETS = {"zero2": dict(vs_baseline=1.22, vs_liger=1.2), "zero2_2gpu": dict(vs_baseline=1.22, vs_liger=1.2)}
+LOSS_TARGET = 0.005
+SEARCH_TARGET = 1.3
 
 
-def run_arm(config: str, model: str, steps: int, warmup: int, batch: int, seq: int, tmp: str) -> dict:
-    metrics = os.path.join(tmp, os.path.basename(config) + ".metrics.json")
-    prof = os.path.join(tmp, os.path.basename(config) + ".profile.json")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port",
-           str(29500 + abs(hash(config)) % 1000), os.path.join(ROOT, "examples", "train.py"),
-           "--deepspeed_config", os.path.join(ROOT, config), "--model", model, "--steps", str(steps + warmup),
-           "--warmup", str(warmup), "--batch-size", str(batch), "--seq-len", str(seq), "--no-progress",
-           "--metrics-out", metrics, "--profile-out", prof]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    print("[e2e] running", " ".join(cmd[3:]), flush=True)
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    sys.stdout.write(p.stdout[-4000:])
-    if p.returncode != 0 or not os.path.exists(metrics):
-        sys.stdout.write(p.stderr[-6000:])
-        return dict(config=config, error=f"exit {p.returncode}: {p.stderr[-1500:]}")
+# ---------------------------------------------------------------------------------------------
+# Running train.py with a time limit
+# ---------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(train_args: list, num_gpus: int, timeout: float, tmp: str, env_extra: Optional[dict] = None) -> dict:
+    """Run ``examples/train.py`` under the deepspeed launcher with a time limit (:func:`run_limited`)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
+           str(port), os.path.join(ROOT, "examples", "train.py"), *train_args]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
+    print("[e2e] running", " ".join(f"{k}={v}" for k, v in (env_extra or {}).items()), " ".join(cmd[5:]),
+          f"(limit {timeout:.0f} s)", flush=True)
+    try:
+        return run_limited(cmd, timeout, tmp, env)
+    finally:
+        # a CPU run's shared-memory all-reduce leaves a /dev/shm buffer per rank and port behind
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+
+
+def run_limited(cmd: list, timeout: float, tmp: str, env: Optional[dict] = None) -> dict:
+    """Run ``cmd`` in its own process group; past ``timeout`` seconds the whole group (the launcher
+    and the ranks it started) gets SIGTERM, then SIGKILL. Returns rc (None on timeout), stdout,
+    stderr and wall seconds."""
+    fd_out, out_path = tempfile.mkstemp(dir=tmp, suffix=".out")
+    fd_err, err_path = tempfile.mkstemp(dir=tmp, suffix=".err")
+    t0 = time.time()
+    with os.fdopen(fd_out, "w") as fo, os.fdopen(fd_err, "w") as fe:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        # the group goes either way: ranks a finished or timed-out launcher left behind hold the GPU
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 20)):
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            if rc is None:
+                try:
+                    p.wait(timeout=wait)
+                except subprocess.TimeoutExpired:
+                    continue
+            deadline = time.time() + wait
+            while time.time() < deadline and _group_alive(p.pid):
+                time.sleep(0.2)
+            if not _group_alive(p.pid):
+                break
+    wall = time.time() - t0
+    with open(out_path, errors="replace") as f:
+        stdout = f.read()
+    with open(err_path, errors="replace") as f:
+        stderr = f.read()
+    os.remove(out_path)
+    os.remove(err_path)
+    return dict(rc=rc, stdout=stdout, stderr=stderr, wall_s=wall)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+STEP_LINE = re.compile(r"\[train\] step +(\d+) +loss ([0-9.naif]+) +([0-9.]+) ms")
+
+
+def steps_seen(stdout: str) -> list:
+    """The per-step lines a run printed: [(step, loss, ms)]."""
+    return [(int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in STEP_LINE.finditer(stdout)]
+
+
+def _stack_dump(stderr: str) -> str:
+    """The Python stacks faulthandler printed (``--dump-stacks-after``), trimmed."""
+    i = stderr.find("Thread 0x")
+    if i < 0:
+        i = stderr.find("Current thread 0x")
+    return stderr[i:i + 6000] if i >= 0 else ""
+
+
+def run_arm(pair: str, arm: str, o, tmp: str) -> dict:
+    base_cfg, fused_cfg, gpus = PAIRS[pair]
+    which, extra, env_extra = ARMS[arm]
+    config = base_cfg if which == "baseline" else fused_cfg
+    tag = f"{pair}.{arm}"
+    metrics = os.path.join(tmp, tag + ".metrics.json")
+    timeout = o.liger_swiglu_timeout if arm in SWIGLU_ARMS else o.arm_timeout
+    args = ["--deepspeed_config", os.path.join(ROOT, config), "--model", o.model, "--steps", str(o.steps + o.warmup),
+            "--warmup", str(o.warmup), "--batch-size", str(o.batch_size), "--seq-len", str(o.seq_len),
+            "--no-progress", "--metrics-out", metrics, "--profile-out", os.path.join(tmp, tag + ".profile.json"),
+            "--dump-stacks-after", str(max(10.0, timeout - 45)), *extra]
+    if o.keep_traces:
+        os.makedirs(o.keep_traces, exist_ok=True)
+        args += ["--trace-out", os.path.join(o.keep_traces, tag + ".trace.json")]
+    r = launch(args, gpus, timeout, tmp, env_extra)
+    sys.stdout.write(r["stdout"][-3000:])
+    seen = steps_seen(r["stdout"])
+    if r["rc"] is None:
+        return dict(config=config, arm=arm, env=env_extra, timeout=True, wall_s=r["wall_s"],
+                    error=f"timeout: no result within {timeout:.0f} s ({len(seen)} steps printed)",
+                    steps_seen=seen, stacks=_stack_dump(r["stderr"]), output_tail=r["stdout"][-2000:])
+    if r["rc"] != 0 or not os.path.exists(metrics):
+        sys.stdout.write(r["stderr"][-6000:])
+        return dict(config=config, arm=arm, env=env_extra, wall_s=r["wall_s"], steps_seen=seen,
+                    error=f"exit {r['rc']}: {r['stderr'][-1500:]}")
     with open(metrics) as f:
         out = json.load(f)
-    times = [r["step_s"] for r in out["history"][warmup:]]
-    out["step_s_p10"] = sorted(times)[max(0, int(0.1 * len(times)) - 1)] if times else None
-    out["step_s_p90"] = sorted(times)[min(len(times) - 1, int(0.9 * len(times)))] if times else None
+    times = sorted(x["step_s"] for x in out["history"][o.warmup:])
+    out.update(arm=arm, env=env_extra, wall_s=r["wall_s"], steps_seen=seen if arm in SWIGLU_ARMS else None)
+    out["step_s_p10"] = times[max(0, int(0.1 * len(times)) - 1)] if times else None
+    out["step_s_p90"] = times[min(len(times) - 1, int(0.9 * len(times)))] if times else None
     out["step_s_stdev"] = statistics.pstdev(times) if len(times) > 1 else 0.0
     return out
 
 
-def compare(base: dict, fused: dict, warmup: int) -> dict:
-    if "error" in base or "error" in fused:
-        return dict(error=base.get("error") or fused.get("error"))
-    lb = [r["loss"] for r in base["history"]]
-    lf = [r["loss"] for r in fused["history"]]
-    rel = [abs(a - b) / abs(a) for a, b in zip(lb, lf)]
-
-    def reduction(key):  # None on a CPU run (no GPU memory figures)
-        return 1 - fused[key] / base[key] if base.get(key) and fused.get(key) is not None else None
-
-    speedup = base["median_step_s"] / fused["median_step_s"]
-    mem = reduction("peak_alloc_mib")
-    return dict(
-        speedup=speedup, peak_alloc_reduction=mem, peak_reserved_reduction=reduction("peak_reserved_mib"),
-        max_loss_rel_diff=max(rel), nan=any(math.isnan(x) for x in lb + lf),
-        targets=dict(speedup_1_25=speedup >= 1.25, memory_20pct=mem is not None and mem >= 0.20,
-                     loss_0_5pct=max(rel) <= 0.005),
-    )
+def _ok(a: Optional[dict]) -> bool:
+    return bool(a) and "error" not in a
 
 
-def plots(results: dict, out_dir: str) -> None:
+def compare(pair: str, arms: dict) -> dict:
+    """Ratios of the fused arm to the baseline and Liger arms, loss differences, targets."""
+    base, fused, liger = arms.get("baseline"), arms.get("fused"), arms.get("liger")
+    out: dict = {}
+    if not (_ok(base) and _ok(fused)):
+        bad = next((a for a in (base, fused) if a and "error" in a), None)
+        return dict(error=bad["error"][:300] if bad else "baseline or fused arm missing")
+
+    def loss_diff(a, b):
+        rel = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a["history"], b["history"])]
+        return max(rel) if rel else None
+
+    def reduction(a, key):  # None on a CPU run (no GPU memory figures)
+        return 1 - a[key] / base[key] if base.get(key) and a.get(key) is not None else None
+
+    lb = [r["loss"] for r in base["history"]] + [r["loss"] for r in fused["history"]]
+    out.update(speedup=base["median_step_s"] / fused["median_step_s"],
+               peak_alloc_reduction=reduction(fused, "peak_alloc_mib"),
+               peak_reserved_reduction=reduction(fused, "peak_reserved_mib"),
+               max_loss_rel_diff=loss_diff(base, fused), nan=any(math.isnan(x) for x in lb))
+    if _ok(liger):
+        out.update(speedup_vs_liger=liger["median_step_s"] / fused["median_step_s"],
+                   liger_speedup=base["median_step_s"] / liger["median_step_s"],
+                   liger_peak_alloc_reduction=reduction(liger, "peak_alloc_mib"),
+                   liger_max_loss_rel_diff=loss_diff(base, liger),
+                   liger_nan=any(math.isnan(r["loss"]) for r in liger["history"]))
+    t = STEP_TARGETS.get(pair)
+    targets = dict(loss_0_5pct=out["max_loss_rel_diff"] is not None and out["max_loss_rel_diff"] <= LOSS_TARGET)
+    if t:
+        targets[f"speedup_{t['vs_baseline']}"] = out["speedup"] >= t["vs_baseline"]
+        targets[f"vs_liger_{t['vs_liger']}"] = (out["speedup_vs_liger"] >= t["vs_liger"]
+                                                if "speedup_vs_liger" in out else None)
+    out["targets"] = targets
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batch search
+# ---------------------------------------------------------------------------------------------
+
+def bisect_chain(lo: int, hi: int) -> list:
+    """The ascending candidates between a size that fit (``lo``, 0 for none) and one that did
+    not (``hi``), if each candidate fits: a bisection that one process can walk upwards."""
+    chain = []
+    while hi - lo > 1:
+        lo = (lo + hi) // 2
+        chain.append(lo)
+    return chain
+
+
+def predict_largest(trials: list, margin: float = 1.0) -> Optional[int]:
+    """A guess at the largest micro-batch from the peak memory of the two largest sizes that ran
+    (allocated memory taken as linear in the micro-batch) and the device's memory
+    (``device_total_mib``); None without two such sizes. Only orders the candidates: the answer
+    is still what runs and what does not."""
+    ok = sorted((t["batch"], t.get("peak_alloc_mib"), t.get("device_total_mib")) for t in trials
+                if t["status"] == "ok" and t.get("peak_alloc_mib"))
+    if len(ok) < 2 or not ok[-1][2]:
+        return None
+    (b0, m0, _), (b1, m1, total) = ok[-2], ok[-1]
+    slope = (m1 - m0) / (b1 - b0)
+    if slope <= 0:
+        return None
+    return int((margin * total - (m1 - slope * b1)) // slope)
+
+
+def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: int = 64) -> dict:
+    """The largest micro-batch that runs: doubling from ``start`` to ``max_size``, then a search
+    between the largest size that ran and the smallest that ran out of memory.
+
+    ``run_sizes(chain)`` runs an ascending chain of sizes in one fresh process and returns one
+    trial per size it reached (``dict(batch, status="ok"|"oom"|"error"|"timeout", ...)``), stopping
+    after the first that is not ok. An out-of-memory size bounds the search; any other failure
+    ends it (``stopped``). After the doubling, each process walks upwards through the sizes
+    around the memory-based guess (:func:`predict_largest`) and then a bisection of the rest of
+    the interval; the search ends when the largest size that ran and the smallest that did not
+    are adjacent, so the guess only saves processes, it never decides the answer."""
+    chain, size = [], start
+    while size <= max_size:
+        chain.append(size)
+        size *= 2
+    trials, good, bad, stopped, proc = [], None, None, None, 0
+    while chain:
+        proc += 1
+        res = run_sizes(chain)
+        for t in res:
+            t["process"] = proc
+        trials += res
+        for t in res:
+            if t["status"] == "ok":
+                good = max(good or 0, t["batch"])
+        failed = [t for t in res if t["status"] != "ok"]
+        if failed:
+            f = failed[0]
+            if f["status"] != "oom":
+                stopped = f"{f['status']} at micro-batch {f['batch']}: {f.get('error', '')[:300]}"
+                break
+            bad = f["batch"] if bad is None else min(bad, f["batch"])
+        elif len(res) < len(chain):
+            stopped = f"the process ended after micro-batch {res[-1]['batch'] if res else None} without a record"
+            break
+        if bad is None:
+            break  # every size up to max_size fit
+        lo = good or 0
+        guess = predict_largest(trials)
+        if guess is not None:
+            guess = min(max(guess, lo + 1), bad - 1)
+        # the caching allocator cannot use all of the device: the guess errs high more often than low
+        near = [b for b in range(guess - 2, guess + 2) if lo < b < bad] if guess is not None else []
+        chain = near + bisect_chain(near[-1] if near else lo, bad)
+        chain = [b for b in chain if not any(t["batch"] == b for t in trials)]
+    best = next((t for t in trials if t["status"] == "ok" and t["batch"] == good), None)
+    return dict(trials=trials, largest=good, smallest_failed=bad, capped=bad is None and good is not None,
+                stopped=stopped, processes=proc,
+                tokens_per_s=best["median_tokens_per_s"] if best else None,
+                median_step_s=best["median_step_s"] if best else None,
+                peak_alloc_mib=best.get("peak_alloc_mib") if best else None,
+                peak_reserved_mib=best.get("peak_reserved_mib") if best else None)
+
+
+def run_search(pair: str, arm: str, o, tmp: str) -> dict:
+    base_cfg, fused_cfg, gpus = PAIRS[pair]
+    which, extra, env_extra = ARMS[arm]
+    config = base_cfg if which == "baseline" else fused_cfg
+    count = [0]
+
+    def run_sizes(chain: list) -> list:
+        count[0] += 1
+        metrics = os.path.join(tmp, f"{pair}.{arm}.search{count[0]}.json")
+        args = ["--deepspeed_config", os.path.join(ROOT, config), "--model", o.model,
+                "--steps", str(o.search_steps + o.search_warmup), "--warmup", str(o.search_warmup),
+                "--seq-len", str(o.seq_len), "--batch-sizes", ",".join(map(str, chain)), "--no-progress",
+                "--metrics-out", metrics, "--dump-stacks-after", str(max(10.0, o.search_timeout - 45)), *extra]
+        r = launch(args, gpus, o.search_timeout, tmp, env_extra)
+        sys.stdout.write(r["stdout"][-1500:])
+        trials = []
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                trials = json.load(f)["trials"]
+        for t in trials:  # keep the JSON small: step times only
+            if "history" in t:
+                t["step_ms"] = [round(x["step_s"] * 1e3, 2) for x in t.pop("history")]
+        if len(trials) < len(chain) and (not trials or trials[-1]["status"] == "ok"):
+            nxt = chain[len(trials)]
+            if r["rc"] is None:
+                trials.append(dict(batch=nxt, status="timeout", error=f"no result within {o.search_timeout:.0f} s",
+                                   stacks=_stack_dump(r["stderr"])))
+            elif r["rc"] != 0:
+                oom = "out of memory" in r["stderr"].lower()
+                trials.append(dict(batch=nxt, status="oom" if oom else "error",
+                                   error=f"exit {r['rc']}: {r['stderr'][-800:]}"))
+        return trials
+
+    res = search_largest(run_sizes, o.search_start, o.search_max)
+    res.update(config=config, arm=arm, seq_len=o.seq_len)
+    return res
+
+
+def search_compare(arms: dict) -> dict:
+    base, fused, liger = arms.get("baseline"), arms.get("fused"), arms.get("liger")
+    out: dict = {}
+    if base and fused and base.get("tokens_per_s") and fused.get("tokens_per_s"):
+        out["fused_vs_baseline"] = fused["tokens_per_s"] / base["tokens_per_s"]
+        out["target_1_3"] = out["fused_vs_baseline"] >= SEARCH_TARGET
+    if liger and fused and liger.get("tokens_per_s") and fused.get("tokens_per_s"):
+        out["fused_vs_liger"] = fused["tokens_per_s"] / liger["tokens_per_s"]
+    if liger and base and liger.get("tokens_per_s") and base.get("tokens_per_s"):
+        out["liger_vs_baseline"] = liger["tokens_per_s"] / base["tokens_per_s"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+
+def _arms_of(v: dict) -> list:
+    return [a for a in ARM_ORDER if a in v]
+
+
+def plots(results: dict, search: dict, out_dir: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pairs = [k for k in results if "error" not in results[k]["compare"]]
-    fig, axes = plt.subplots(1, max(1, len(pairs)), figsize=(5 * max(1, len(pairs)), 4), squeeze=False)
-    for ax, k in zip(axes[0], pairs):
-        for arm, style in (("baseline", "-"), ("fused", "--")):
-            h = results[k][arm]["history"]
-            ax.plot([r["step"] for r in h], [r["loss"] for r in h], style, label=arm)
-        ax.set_title(f"{k}: loss per step")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "e2e_loss.png"), dpi=110)
-    plt.close(fig)
+    styles = {"baseline": "-", "liger": ":", "liger_swiglu": "-.", "liger_swiglu_noautotune": "-.", "fused": "--"}
+    pairs = [k for k in results if any(_ok(results[k].get(a)) for a in ARM_ORDER)]
+    if pairs:
+        fig, axes = plt.subplots(1, len(pairs), figsize=(5 * len(pairs), 4), squeeze=False)
+        for ax, k in zip(axes[0], pairs):
+            for arm in _arms_of(results[k]):
+                if _ok(results[k][arm]):
+                    h = results[k][arm]["history"]
+                    ax.plot([r["step"] for r in h], [r["loss"] for r in h], styles.get(arm, "-"), label=arm)
+            ax.set_title(f"{k}: loss per step")
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_loss.png"), dpi=110)
+        plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    x = range(len(pairs))
-    w = 0.38
-    for i, arm in enumerate(("baseline", "fused")):
-        axes[0].bar([j + i * w for j in x], [results[k][arm]["median_step_s"] * 1e3 for k in pairs], w, label=arm)
-        axes[1].bar([j + i * w for j in x], [(results[k][arm]["peak_alloc_mib"] or 0) / 1024 for k in pairs], w,
-                    label=arm)
-    for ax, lab in ((axes[0], "median step time (ms)"), (axes[1], "peak allocated GPU memory (GiB)")):
-        ax.set_xticks([j + w / 2 for j in x])
-        ax.set_xticklabels(pairs)
-        ax.set_ylabel(lab)
-        ax.legend()
-    fig.suptitle("end-to-end: Qwen3-30B-A3B shape, 4 layers, 2 x 4096 tokens, bf16")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "e2e_speed_memory.png"), dpi=110)
-    plt.close(fig)
+        arms = [a for a in ARM_ORDER if any(a in results[k] for k in pairs)]
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        w = 0.8 / max(1, len(arms))
+        for i, arm in enumerate(arms):
+            xs = [j + i * w for j in range(len(pairs))]
+            ok = [results[k].get(arm) if _ok(results[k].get(arm)) else None for k in pairs]
+            axes[0].bar(xs, [a["median_step_s"] * 1e3 if a else 0 for a in ok], w, label=arm)
+            axes[1].bar(xs, [(a["peak_alloc_mib"] or 0) / 1024 if a else 0 for a in ok], w, label=arm)
+        for ax, lab in ((axes[0], "median step time (ms)"), (axes[1], "peak allocated GPU memory (GiB)")):
+            ax.set_xticks([j + w * (len(arms) - 1) / 2 for j in range(len(pairs))])
+            ax.set_xticklabels(pairs)
+            ax.set_ylabel(lab)
+            ax.legend()
+        fig.suptitle("end-to-end: Qwen3-30B-A3B shape, 4 layers, bf16 (0 = failed or not run)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_speed_memory.png"), dpi=110)
+        plt.close(fig)
+
+        rows = [(f"{k} {a}", results[k][a]["breakdown"]) for k in pairs for a in _arms_of(results[k])
+                if _ok(results[k][a]) and _attributed(results[k][a].get("breakdown"))]
+        if rows:
+            cats = list(rows[0][1]["categories"])
+            fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 2))
+            left = [0.0] * len(rows)
+            cmap = plt.get_cmap("tab20")
+            for ci, c in enumerate(cats):
+                vals = [b["categories"].get(c, 0.0) for _, b in rows]
+                ax.barh(range(len(rows)), vals, left=left, color=cmap(ci % 20), label=c)
+                left = [x + y for x, y in zip(left, vals)]
+            ax.set_yticks(range(len(rows)))
+            ax.set_yticklabels([r[0] for r in rows])
+            ax.invert_yaxis()
+            ax.set_xlabel("kernel time of one profiled step (ms)")
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+            fig.tight_layout()
+            fig.savefig(os.path.join(out_dir, "e2e_breakdown.png"), dpi=110)
+            plt.close(fig)
+
+    spairs = [k for k in search if search[k].get("arms")]
+    if spairs:
+        fig, axes = plt.subplots(1, len(spairs), figsize=(5.5 * len(spairs), 4), squeeze=False)
+        for ax, k in zip(axes[0], spairs):
+            for arm, s in search[k]["arms"].items():
+                ok = sorted((t["batch"], t["median_tokens_per_s"]) for t in s.get("trials", []) if t["status"] == "ok")
+                if ok:
+                    line, = ax.plot([b for b, _ in ok], [v for _, v in ok], styles.get(arm, "-"), marker="o",
+                                    label=f"{arm} (largest {s.get('largest')})")
+                    if s.get("largest") is not None:
+                        ax.plot([s["largest"]], [s["tokens_per_s"]], marker="*", markersize=14,
+                                color=line.get_color())
+                    failed = [t["batch"] for t in s.get("trials", []) if t["status"] == "oom"]
+                    if failed:
+                        ax.plot(failed, [0] * len(failed), "x", color=line.get_color())
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("micro-batch (sequences)")
+            ax.set_ylabel("tokens/s")
+            ax.set_title(f"{k}: tokens/s vs micro-batch (x: out of memory)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_throughput.png"), dpi=110)
+        plt.close(fig)
 
 
-def markdown(results: dict, meta: dict) -> str:
-    lines = ["# Benchmark `e2e`: training step, every feature off vs on", "",
-             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}. Model "
-             f"`{meta['model']}` (Qwen3-30B-A3B layer shape, 4 layers, random init), bf16, micro-batch "
-             f"{meta['batch']} x {meta['seq']} tokens, {meta['steps']} timed steps after {meta['warmup']} warm-up. "
-             "Generated by `python -m deepspeed_fused.bench e2e`.", "",
-             "![loss](e2e_loss.png)", "", "![speed and memory](e2e_speed_memory.png)", "",
-             "| pair | arm | median step ms | p10-p90 ms | tokens/s | peak alloc GiB | peak reserved GiB | final loss |",
-             "|---|---|---:|---|---:|---:|---:|---:|"]
-    for k, v in results.items():
-        for arm in ("baseline", "fused"):
-            a = v[arm]
-            if "error" in a:
-                lines.append(f"| {k} | {arm} | failed | | | | | {a['error'][:200]!r} |")
+def _attributed(b) -> bool:
+    """A breakdown of deepspeed_fused.bench.breakdown (not the earlier name heuristic)."""
+    return bool(b) and "method" in b
+
+
+def _f(v, fmt="{:.2f}", none="n/a"):
+    return none if v is None else fmt.format(v)
+
+
+def markdown(results: dict, search: dict, meta: dict) -> str:
+    lines = ["# Benchmark `e2e`: training step, features off vs Liger-Kernel vs features on", "",
+             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, "
+             f"liger-kernel {meta.get('liger_kernel') or 'not installed'}. Model `{meta['model']}` "
+             f"({'Qwen3-30B-A3B layer shape, 4 layers, ' if meta['model'] == 'qwen3-moe-30b-a3b-4l' else ''}"
+             f"random init), bf16 on GPU, micro-batch {meta['batch']} x {meta['seq']} tokens, "
+             f"{meta['steps']} timed steps after {meta['warmup']} warm-up. Arms: `baseline` (features off), `liger` "
+             "(Liger-Kernel RoPE, RMSNorm and fused linear cross-entropy applied before the model is built, features "
+             "off), `fused` (features on). Generated by `python -m deepspeed_fused.bench e2e`.", ""]
+    if results:
+        lines += ["![loss](e2e_loss.png)", "", "![speed and memory](e2e_speed_memory.png)", "",
+                  "| pair | arm | median step ms | p10-p90 ms | tokens/s | peak alloc GiB | peak reserved GiB | "
+                  "final loss |", "|---|---|---:|---|---:|---:|---:|---:|"]
+        for k, v in results.items():
+            for arm in _arms_of(v):
+                a = v[arm]
+                if "error" in a:
+                    lines.append(f"| {k} | {arm} | {'timeout' if a.get('timeout') else 'failed'} | | | | | "
+                                 f"{a['error'][:200]!r} |".replace("\n", " "))
+                    continue
+                lines.append(f"| {k} | {arm} | {a['median_step_s'] * 1e3:.1f} | {a['step_s_p10'] * 1e3:.1f}-"
+                             f"{a['step_s_p90'] * 1e3:.1f} | {a['median_tokens_per_s']:.0f} | "
+                             f"{(a['peak_alloc_mib'] or 0) / 1024:.2f} | {(a['peak_reserved_mib'] or 0) / 1024:.2f} | "
+                             f"{a['history'][-1]['loss']:.4f} |")
+        lines += ["", "Targets (issue 16, ZeRO-2): fused step >= 1.22x the baseline and >= 1.2x the Liger arm; "
+                  "losses within 0.5% of the baseline at every step.", "",
+                  "| pair | fused vs baseline | fused vs Liger | Liger vs baseline | peak alloc reduction fused / "
+                  "Liger | max loss rel. diff fused / Liger | NaN | targets met |",
+                  "|---|---:|---:|---:|---|---|---|---|"]
+        for k, v in results.items():
+            c = v.get("compare") or {}
+            if "error" in c:
+                lines.append(f"| {k} | failed | | | | | | |")
                 continue
-            lines.append(f"| {k} | {arm} | {a['median_step_s'] * 1e3:.1f} | {a['step_s_p10'] * 1e3:.1f}-"
-                         f"{a['step_s_p90'] * 1e3:.1f} | {a['median_tokens_per_s']:.0f} | "
-                         f"{(a['peak_alloc_mib'] or 0) / 1024:.2f} | {(a['peak_reserved_mib'] or 0) / 1024:.2f} | "
-                         f"{a['history'][-1]['loss']:.4f} |")
-    lines += ["", "| pair | speed-up (target >= 1.25) | peak alloc reduction (target >= 20%) | "
-              "max loss rel. diff (target <= 0.5%) | NaN |", "|---|---:|---:|---:|---|"]
-    for k, v in results.items():
-        c = v["compare"]
-        if "error" in c:
-            lines.append(f"| {k} | failed | | | |")
-            continue
-        mem = "n/a" if c["peak_alloc_reduction"] is None else f"{100 * c['peak_alloc_reduction']:.1f}%"
-        lines.append(f"| {k} | {c['speedup']:.2f} | {mem} | "
-                     f"{100 * c['max_loss_rel_diff']:.3f}% | {c['nan']} |")
-    lines += ["", "## GPU time per category (one profiled step, ms)", "",
-              "Categories are matched on kernel names (a heuristic; see `examples/train.py`).", ""]
-    cats = None
-    for k, v in results.items():
-        for arm in ("baseline", "fused"):
-            b = v[arm].get("breakdown") if "error" not in v[arm] else None
-            if not b:
-                continue
-            if cats is None:
-                cats = list(b["categories"])
-                lines += ["| pair | arm | total | " + " | ".join(cats) + " |",
-                          "|---|---|---:|" + "---:|" * len(cats)]
-            lines.append(f"| {k} | {arm} | {b['total_gpu_ms']:.1f} | " +
-                         " | ".join(f"{b['categories'][c]:.1f}" for c in cats) + " |")
+            mem = (f"{_f(c.get('peak_alloc_reduction'), '{:.1%}')} / "
+                   f"{_f(c.get('liger_peak_alloc_reduction'), '{:.1%}')}")
+            loss = (f"{_f(c.get('max_loss_rel_diff'), '{:.3%}')} / {_f(c.get('liger_max_loss_rel_diff'), '{:.3%}')}")
+            tg = ", ".join(f"{n}: {'yes' if ok else ('n/a' if ok is None else 'no')}"
+                           for n, ok in c.get("targets", {}).items())
+            lines.append(f"| {k} | {_f(c.get('speedup'))} | {_f(c.get('speedup_vs_liger'))} | "
+                         f"{_f(c.get('liger_speedup'))} | {mem} | {loss} | "
+                         f"{c.get('nan')}{' / ' + str(c['liger_nan']) if 'liger_nan' in c else ''} | {tg} |")
+        swiglu = [(f"{k}, {arm}", v[arm]) for k, v in results.items() for arm in SWIGLU_ARMS if arm in v]
+        if swiglu:
+            lines += ["", "## Liger's SwiGLU experts (`swiglu=True`)", "",
+                      "`LigerExperts` (Liger's fused MoE), with its autotuning (`liger_swiglu`) and with "
+                      "`LIGER_FUSED_MOE_AUTOTUNE=0` (`liger_swiglu_noautotune`), each under a time limit.", ""]
+            for k, a in swiglu:
+                if a.get("timeout"):
+                    steps = a.get("steps_seen") or []
+                    lines.append(f"- {k}: timeout, {a['error']}; steps printed: "
+                                 + (", ".join(f"{s} ({ms:.0f} ms)" for s, _, ms in steps[:10]) or "none")
+                                 + ". Python stacks shortly before the limit are in `e2e.json` "
+                                 f"(`results.{k}.liger_swiglu.stacks`).")
+                elif "error" in a:
+                    lines.append(f"- {k}: failed: `{a['error'][:300]}`".replace("\n", " "))
+                else:
+                    first = (a.get("history") or [{}])[0].get("step_s")
+                    lines.append(f"- {k}: ran, median step {a['median_step_s'] * 1e3:.1f} ms (first step "
+                                 f"{_f(first, '{:.1f}')} s, whole run {_f(a.get('wall_s'), '{:.0f}')} s), peak "
+                                 f"allocated {(a['peak_alloc_mib'] or 0) / 1024:.2f} GiB.")
+        lines += ["", "## GPU time per category (one profiled step, ms)", "",
+                  "![breakdown](e2e_breakdown.png)", "",
+                  "Device kernels only (kernels, memcpy, memset), each counted once; the profiler's annotation "
+                  "rows (such as `Optimizer.step#AdamW.step`) are not kernels and are not counted. A kernel is "
+                  "attributed by name when it is one of this plugin's Triton kernels or NCCL's, otherwise by the "
+                  "innermost `record_function` range around its launch: ranges the suite puts around the RMSNorm "
+                  "modules, the LM head and loss (from the end of the decoder to the end of the model's forward, "
+                  "the router's auxiliary loss cut out), the MoE blocks (split by kernel name into the expert GEMMs "
+                  "and the rest), attention, DeepSpeed's `engine.step` (gradient norm, clipping, FP32/BF16 copies) "
+                  "with the optimizer's own step inside it, `engine.backward` and ZeRO-3's parameter fetch/release. "
+                  "Backward kernels (on autograd's thread) take the category of the forward op that created their "
+                  "autograd node; `AccumulateGrad` (where ZeRO's gradient hooks run) is `zero: gradients`. The "
+                  "categories add up to the total. See `deepspeed_fused/bench/breakdown.py`.", ""]
+        cats, earlier = None, False
+        for k, v in results.items():
+            for arm in _arms_of(v):
+                b = v[arm].get("breakdown") if _ok(v[arm]) else None
+                earlier = earlier or (bool(b) and not _attributed(b))
+                if not _attributed(b):
+                    continue
+                if cats is None:
+                    cats = list(b["categories"])
+                    lines += ["| pair | arm | total | " + " | ".join(cats) + " |",
+                              "|---|---|---:|" + "---:|" * len(cats)]
+                lines.append(f"| {k} | {arm} | {b['total_gpu_ms']:.1f} | " +
+                             " | ".join(f"{b['categories'].get(c, 0.0):.1f}" for c in cats) + " |")
+        checks = [(k, arm, v[arm]["breakdown"]) for k, v in results.items() for arm in _arms_of(v)
+                  if _ok(v[arm]) and _attributed(v[arm].get("breakdown"))]
+        if checks:
+            ways = ["name", "range", "backward_link", "accumulate_grad", "device_range", "backward_unlinked",
+                    "no_launch", "none"]
+            lines += ["", "How each arm's kernel time was attributed (ms): by kernel name, by the range around "
+                      "the launch, through the autograd node to its forward op, in `AccumulateGrad`, by a "
+                      "device-side range (launch missing); and what fell to `other` unattributed (a backward "
+                      "node whose forward op was not found, a kernel without its launch, a launch outside "
+                      "every range).", "", "| pair | arm | kernels | " + " | ".join(ways) + " |",
+                      "|---|---|---:|" + "---:|" * len(ways)]
+            for k, arm, b in checks:
+                how = b.get("how", {})
+                lines.append(f"| {k} | {arm} | {b.get('n_kernels', '')} | "
+                             + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
+        if earlier:
+            lines += ["", "Breakdowns written by the earlier kernel-name heuristic (before issue 16) are in "
+                      "`e2e.json` but not shown: they counted annotation rows with their kernels and matched "
+                      "`NormTwoOps` as a norm."]
+    if search:
+        lines += ["", "## Memory -> throughput: the largest micro-batch of each arm", "",
+                  "![tokens/s vs micro-batch](e2e_throughput.png)", "",
+                  f"Micro-batches of {meta.get('seq')}-token sequences doubled from {meta.get('search_start')} up to "
+                  f"{meta.get('search_max')}, then searched between the largest that ran and the smallest that did not "
+                  f"(a memory-based guess first, then bisection) until the two are adjacent; each size ran {meta.get('search_steps')} timed steps "
+                  f"after {meta.get('search_warmup')} warm-up (tokens/s: their median). Target: fused >= "
+                  f"{SEARCH_TARGET}x the baseline's tokens/s, each at its own largest micro-batch.", "",
+                  "| pair | arm | largest micro-batch | smallest failed | tokens/s at largest | step ms | peak alloc GiB "
+                  "| sizes tried (ok / oom / other) |", "|---|---|---:|---:|---:|---:|---:|---|"]
+        for k, s in search.items():
+            for arm in [a for a in ARM_ORDER if a in s.get("arms", {})]:
+                r = s["arms"][arm]
+                tried = " ".join(f"{t['batch']}{'' if t['status'] == 'ok' else ('x' if t['status'] == 'oom' else '!')}"
+                                 for t in sorted(r.get("trials", []), key=lambda t: t["batch"]))
+                largest = _f(r.get("largest"), "{}", "none") + (" (cap)" if r.get("capped") else "")
+                lines.append(f"| {k} | {arm} | {largest} | {_f(r.get('smallest_failed'), '{}', '-')} | "
+                             f"{_f(r.get('tokens_per_s'), '{:.0f}')} | "
+                             f"{_f(r['median_step_s'] * 1e3 if r.get('median_step_s') else None, '{:.1f}')} | "
+                             f"{_f((r.get('peak_alloc_mib') or 0) / 1024 if r.get('peak_alloc_mib') else None)} | "
+                             f"{tried}{' stopped: ' + r['stopped'][:120] if r.get('stopped') else ''} |"
+                             .replace("\n", " "))
+        lines += ["", "| pair | fused vs baseline (target >= 1.3) | fused vs Liger | Liger vs baseline |",
+                  "|---|---:|---:|---:|"]
+        for k, s in search.items():
+            c = s.get("compare", {})
+            lines.append(f"| {k} | {_f(c.get('fused_vs_baseline'))} | {_f(c.get('fused_vs_liger'))} | "
+                         f"{_f(c.get('liger_vs_baseline'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _liger_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("liger_kernel")
+    except Exception:
+        return None
 
 
 def main(args) -> dict:
@@ -163,43 +659,103 @@ def main(args) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--pairs", default="zero2,autoep,zero3")
+    p.add_argument("--pairs", default="zero2,autoep,zero3", help=f"of {', '.join(PAIRS)}; 'none' for none")
+    p.add_argument("--arms", default="baseline,liger,fused", help=f"of {', '.join(ARMS)}")
+    p.add_argument("--arm-timeout", type=float, default=600.0, help="seconds per arm run")
+    p.add_argument("--liger-swiglu-timeout", type=float, default=420.0, help="seconds for the liger_swiglu arm")
+    p.add_argument("--keep-traces", default=None, metavar="DIR", help="keep each profiled step's Chrome trace here")
+    p.add_argument("--search", default="", help="pairs to run the micro-batch search for (e.g. zero2,zero3)")
+    p.add_argument("--search-arms", default="baseline,liger,fused")
+    p.add_argument("--search-start", type=int, default=1)
+    p.add_argument("--search-max", type=int, default=64)
+    p.add_argument("--search-steps", type=int, default=5)
+    p.add_argument("--search-warmup", type=int, default=2)
+    p.add_argument("--search-timeout", type=float, default=600.0, help="seconds per search process")
     p.add_argument("--render", nargs="+", default=None, metavar="E2E_JSON",
                    help="do not run: merge the results of earlier runs (e2e.json files) and write the outputs")
     o = p.parse_args(getattr(args, "extra", []))
     if getattr(args, "quick", False):
-        o.steps, o.warmup, o.seq_len = 3, 1, 512
+        o.steps, o.warmup, o.seq_len, o.search_steps, o.search_warmup = 3, 1, 512, 2, 1
     out_dir = getattr(args, "out", None) or OUT_DIR
     os.makedirs(out_dir, exist_ok=True)
     if o.render:
-        results, meta = {}, None
-        for path in o.render:
-            with open(path) as f:
-                d = json.load(f)
-            results.update(d["results"])
-            meta = meta or d["meta"]
-        return _write(results, meta, out_dir)
-    wanted = o.pairs.split(",")
-    results = {}
+        return render(o.render, out_dir)
+    pairs = [x for x in o.pairs.split(",") if x and x != "none"]
+    arms = [x for x in o.arms.split(",") if x]
+    for x in pairs + [y for y in o.search.split(",") if y]:
+        if x not in PAIRS:
+            raise SystemExit(f"e2e: unknown pair {x!r}; expected one of {', '.join(PAIRS)}")
+    for x in [y for y in o.search.split(",") if y]:
+        if PAIRS[x][2] != 1:
+            raise SystemExit(f"e2e: the micro-batch search runs on one GPU; {x} uses {PAIRS[x][2]}")
+    for x in arms + [y for y in o.search_arms.split(",") if y]:
+        if x not in ARMS:
+            raise SystemExit(f"e2e: unknown arm {x!r}; expected one of {', '.join(ARMS)}")
+    results, search = {}, {}
+    meta = dict(env_fields(), liger_kernel=_liger_version(), model=o.model, batch=o.batch_size, seq=o.seq_len,
+                steps=o.steps, warmup=o.warmup, search_start=o.search_start, search_max=o.search_max,
+                search_steps=o.search_steps, search_warmup=o.search_warmup)
+
+    def partial():  # e2e.json after every run: a job stopped from outside keeps what finished
+        with open(os.path.join(out_dir, "e2e.json"), "w") as f:
+            json.dump(dict(meta=meta, results=results, search=search, partial=True), f, indent=1, default=str)
+
     with tempfile.TemporaryDirectory() as tmp:
-        for name, base_cfg, fused_cfg in PAIRS:
-            if name not in wanted:
-                continue
-            base = run_arm(base_cfg, o.model, o.steps, o.warmup, o.batch_size, o.seq_len, tmp)
-            fused = run_arm(fused_cfg, o.model, o.steps, o.warmup, o.batch_size, o.seq_len, tmp)
-            results[name] = dict(baseline=base, fused=fused, compare=compare(base, fused, o.warmup))
-    meta = dict(env_fields(), model=o.model, batch=o.batch_size, seq=o.seq_len, steps=o.steps, warmup=o.warmup)
-    return _write(results, meta, out_dir)
+        for name in pairs:
+            results[name] = {}
+            for arm in arms:
+                results[name][arm] = run_arm(name, arm, o, tmp)
+                partial()
+            results[name]["compare"] = compare(name, results[name])
+        for name in [y for y in o.search.split(",") if y]:
+            search[name] = dict(arms={})
+            for arm in [a for a in o.search_arms.split(",") if a]:
+                search[name]["arms"][arm] = run_search(name, arm, o, tmp)
+                partial()
+            search[name]["compare"] = search_compare(search[name]["arms"])
+    return _write(results, search, meta, out_dir)
 
 
-def _write(results: dict, meta: dict, out_dir: str) -> dict:
+def merge(docs: list) -> tuple:
+    """Merge e2e.json documents arm by arm (a later file's arm replaces an earlier one's); the
+    comparisons are computed again from the merged arms. Meta: the first document that has
+    fixed-setup results (else the first), with the search settings of one that ran a search."""
+    results, search = {}, {}
+    for d in docs:
+        for k, v in d.get("results", {}).items():
+            results.setdefault(k, {}).update({a: x for a, x in v.items() if a != "compare"})
+        for k, v in (d.get("search") or {}).items():
+            search.setdefault(k, {"arms": {}})["arms"].update(v.get("arms", {}))
+    meta = dict(next((d["meta"] for d in docs if d.get("results")), docs[0]["meta"] if docs else {}))
+    for d in docs:
+        if d.get("search"):
+            meta.update({k: v for k, v in d["meta"].items() if k.startswith("search_")})
+            break
+    for k, v in results.items():
+        v["compare"] = compare(k, v)
+    for k, v in search.items():
+        v["compare"] = search_compare(v["arms"])
+    return results, search, meta
+
+
+def render(paths: list, out_dir: str) -> dict:
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    results, search, meta = merge(docs)
+    return _write(results, search, meta, out_dir)
+
+
+def _write(results: dict, search: dict, meta: dict, out_dir: str) -> dict:
     with open(os.path.join(out_dir, "e2e.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1, default=str)
+        json.dump(dict(meta=meta, results=results, search=search), f, indent=1, default=str)
+    md = markdown(results, search, meta)
     with open(os.path.join(out_dir, "e2e.md"), "w") as f:
-        f.write(markdown(results, meta))
+        f.write(md)
     try:
-        plots(results, out_dir)
+        plots(results, search, out_dir)
     except Exception as e:
         print("[e2e] plots not written:", e)
-    print(markdown(results, meta))
-    return results
+    print(md)
+    return dict(results=results, search=search)

@@ -75,11 +75,13 @@ def test_example_job_runs_under_launcher(tmp_path):
     from unit.common import _free_port, remove_shm_buffers
 
     metrics = tmp_path / "metrics.json"
+    profile = tmp_path / "profile.json"
     port = _free_port()
     try:
         out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
                     "examples/train.py", "--deepspeed_config", "configs/fused_all.json", "--model", "qwen3-moe-tiny",
-                    "--steps", "3", "--seq-len", "32", "--no-progress", "--metrics-out", str(metrics)])
+                    "--steps", "3", "--seq-len", "32", "--no-progress", "--metrics-out", str(metrics),
+                    "--profile-out", str(profile)])
     finally:
         remove_shm_buffers(port)
     assert "[train] step    2" in out
@@ -93,3 +95,30 @@ def test_example_job_runs_under_launcher(tmp_path):
     names = [f["name"] for f in summary["report"]["features"]]
     assert names[:3] == ["rms_norm", "linear_cross_entropy", "moe_reorder"]
     assert all(f["enabled"] for f in summary["report"]["features"][:3])
+    # one more step profiled (on CPU the leaf CPU ops stand for kernels): every category of the
+    # e2e breakdown is filled where this job has that work, and they add up to the total
+    b = json.loads(profile.read_text())
+    assert b == summary["breakdown"]
+    assert sum(b["categories"].values()) == pytest.approx(b["total_gpu_ms"])
+    for cat in ("rms_norm", "lm_head + loss", "attention", "optimizer step", "zero: step (grad norm, clip, copies)",
+                "zero: gradients"):
+        assert b["categories"][cat] > 0, (cat, b["categories"])
+
+
+def test_example_job_search_mode_records_each_size(tmp_path):
+    """--batch-sizes: the sizes in ascending order in one process, one record each."""
+    from unit.common import _free_port, remove_shm_buffers
+
+    metrics = tmp_path / "metrics.json"
+    port = _free_port()
+    try:
+        out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
+                    "examples/train.py", "--deepspeed_config", "configs/baseline.json", "--model", "qwen3-moe-tiny",
+                    "--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-sizes", "1,3", "--no-progress",
+                    "--metrics-out", str(metrics)])
+    finally:
+        remove_shm_buffers(port)
+    assert "micro-batch 3:" in out
+    trials = json.loads(metrics.read_text())["trials"]
+    assert [t["batch"] for t in trials] == [1, 3] and all(t["status"] == "ok" for t in trials)
+    assert all(len(t["history"]) == 2 and t["median_tokens_per_s"] > 0 for t in trials)

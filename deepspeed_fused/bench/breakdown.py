@@ -1,0 +1,450 @@
+"""Where a training step's GPU time goes: kernel time attributed to categories, each kernel once.
+
+Used by the ``e2e`` suite (through ``examples/train.py --profile-out``). Two parts:
+
+* :func:`install_ranges` puts ``record_function`` ranges (named ``e2e::...``) around the code the
+  plugin's features replace, and around DeepSpeed's own work, for one profiled step. It uses
+  module forward hooks and instance/class wrappers set up here, never the features themselves, so
+  the same ranges exist in every arm (features off, Liger-Kernel, features on):
+
+  - every module whose class name ends in ``RMSNorm`` (transformers', Liger's): ``rms_norm``;
+  - from the end of the decoder stack (the base model's forward) to the end of the causal LM's
+    forward: ``lm_head + loss`` (logits GEMM and cross-entropy, or a fused loss), with the MoE
+    router's auxiliary loss (``load_balancing_loss_func``) cut out as its own range;
+  - MoE blocks (classes ending in ``SparseMoeBlock``/``MoeBlock``, DeepSpeed's ``AutoEPMoELayer``):
+    ``moe``, split afterwards by kernel name into the expert GEMMs and the rest (router, token
+    reorder, combine);
+  - attention modules (class names ending in ``Attention``): ``attention``;
+  - ``engine.backward`` / ``engine.step``, DeepSpeed ZeRO-3's parameter fetch and release.
+
+* :func:`attribute` reads the profiler's Chrome trace and sums device activity (kernels, memcpy,
+  memset; never the ``gpu_user_annotation`` rows that repeat the time of the kernels they enclose,
+  such as ``Optimizer.step#AdamW.step``) into categories. A kernel goes to, in order:
+
+  1. a category by its name when it is one of this plugin's Triton kernels, or an NCCL kernel;
+  2. the innermost enclosing range at its launch (the CUDA runtime/driver call with the same
+     correlation id, on the launching thread): an ``e2e::`` range or the optimizer's
+     ``Optimizer.step#`` annotation gives its category; an autograd
+     ``evaluate_function`` (the backward of some node, on autograd's thread) is followed to the
+     forward op that created that node (the profiler's forward-backward flow, or its sequence
+     number) and takes the category of the ranges around that op; ``AccumulateGrad`` (where
+     ZeRO's gradient hooks run) is ``zero: gradients``;
+  3. for a kernel whose launch is missing from the trace: the device-side copy of an ``e2e::``
+     range around it on its stream (``gpu_user_annotation``, used only here, never counted);
+  4. ``other``.
+
+  So each kernel is counted once, and the categories add up exactly to the total kernel time.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import re
+import sys
+from typing import Iterable, Optional
+
+PREFIX = "e2e::"
+# range name (after the prefix) -> category
+RANGE_CATEGORIES = {
+    "rms_norm": "rms_norm",
+    "lm_head_loss": "lm_head + loss",
+    "router_aux_loss": "router aux loss",
+    "moe": "moe",  # split by kernel name below
+    "attention": "attention",
+    "zero_step": "zero: step (grad norm, clip, copies)",
+    "zero_backward": "zero: gradients",
+    "zero_params": "zero: parameter fetch/release",
+}
+OPTIMIZER_PREFIX = "Optimizer.step#"
+OPTIMIZER = "optimizer step"
+GRADIENTS = "zero: gradients"
+MOE_GEMM = "moe: expert GEMMs"
+MOE_OTHER = "moe: router, reorder, combine"
+NCCL = "collectives (nccl)"
+OTHER = "other"
+CATEGORIES = ["rms_norm", "lm_head + loss", MOE_GEMM, MOE_OTHER, "router aux loss", "attention", OPTIMIZER,
+              "zero: step (grad norm, clip, copies)", GRADIENTS, "zero: parameter fetch/release", NCCL, OTHER]
+
+# This plugin's Triton kernels (deepspeed_fused/ops): attributed by name, wherever they run.
+OUR_KERNELS = [
+    (re.compile(r"^_(rms_fwd|rms_bwd|rms_bwd_loop|dw_reduce)_kernel"), "rms_norm"),
+    (re.compile(r"^_lce_"), "lm_head + loss"),
+    (re.compile(r"^_(gather_rows|combine|combine_backward|route_maps)_kernel"), MOE_OTHER),
+]
+NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
+# GEMM kernels (cuBLAS/cuBLASLt nvjet, CUTLASS, grouped GEMMs): the expert GEMMs inside a MoE range.
+# Liger's fused MoE GEMMs (_fused_up_proj_swiglu_kernel, _fused_down_proj_kernel, _moe_bwd_*) count as GEMMs.
+GEMM_KERNEL = re.compile(r"gemm|cutlass|nvjet|xmma|wgmma|sm90_|sm80_|matmul|grouped_mm|_mm_|addmm|up_proj|down_proj|"
+                         r"_dW\d|dX_expanded|^aten::(mm|bmm|addmm|_grouped_mm|linear)$", re.IGNORECASE)
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+EVALUATE = "autograd::engine::evaluate_function: "
+
+
+def _events(trace) -> list:
+    if isinstance(trace, str):
+        with open(trace) as f:
+            trace = json.load(f)
+    if isinstance(trace, dict):
+        trace = trace.get("traceEvents", [])
+    return list(trace)
+
+
+class _Span:
+    __slots__ = ("start", "end", "name", "kind", "tid", "args")
+
+    def __init__(self, ev, kind):
+        self.start = float(ev["ts"])
+        self.end = self.start + float(ev.get("dur", 0.0))
+        self.name = ev.get("name", "")
+        self.kind = kind
+        self.tid = ev.get("tid")
+        self.args = ev.get("args") or {}
+
+
+def _enclosing(spans: list, points: list) -> dict:
+    """For points ``(ts, key)`` on one thread: key -> enclosing spans, innermost first.
+
+    Spans are assumed to nest (a thread's ranges open and close in stack order); spans that
+    overlap without nesting are still tested one by one against each point."""
+    spans = sorted(spans, key=lambda s: (s.start, -s.end))
+    out = {}
+    stack: list = []
+    j = 0
+    for ts, key in sorted(points, key=lambda p: p[0]):
+        while j < len(spans) and spans[j].start <= ts:
+            s = spans[j]
+            j += 1
+            while stack and stack[-1].end < s.start:
+                stack.pop()
+            stack.append(s)
+        while stack and stack[-1].end < ts:
+            stack.pop()
+        out[key] = [s for s in reversed(stack) if s.end >= ts]
+    return out
+
+
+class _Trace:
+    def __init__(self, events: list, device: bool):
+        self.ranges = collections.defaultdict(list)  # tid -> category ranges and evaluate_function spans
+        self.launch = {}  # correlation -> (tid, ts)
+        self.kernels = []  # (name, dur_us, correlation or None, (tid, ts) or None, device (pid, tid, ts))
+        self.device_ranges = collections.defaultdict(list)  # (pid, tid) -> device-side copies of our ranges
+        flows_s, flows_f = {}, collections.defaultdict(list)
+        fwd_seq = collections.defaultdict(list)  # sequence number -> [(tid, ts)] of forward ops
+        cpu_ops = collections.defaultdict(list)
+        for ev in events:
+            ph, cat = ev.get("ph"), ev.get("cat")
+            if ph in ("s", "f") and cat == "fwdbwd":
+                if ph == "s":
+                    flows_s[ev.get("id")] = (ev.get("tid"), float(ev["ts"]))
+                else:
+                    flows_f[ev.get("tid")].append((float(ev["ts"]), ev.get("id")))
+                continue
+            if ph != "X":
+                continue
+            name = ev.get("name", "")
+            args = ev.get("args") or {}
+            if cat in DEVICE_CATS:
+                if device:
+                    self.kernels.append((name, float(ev.get("dur", 0.0)), args.get("correlation"), None,
+                                         (ev.get("pid"), ev.get("tid"), float(ev.get("ts", 0.0)))))
+            elif cat == "gpu_user_annotation":  # never counted; only a fallback for kernels without a launch
+                if name.startswith(PREFIX) or name.startswith(OPTIMIZER_PREFIX):
+                    self.device_ranges[(ev.get("pid"), ev.get("tid"))].append(_Span(ev, "range"))
+            elif cat in LAUNCH_CATS:
+                if "correlation" in args:
+                    self.launch[args["correlation"]] = (ev.get("tid"), float(ev["ts"]))
+            elif cat == "user_annotation":
+                if name.startswith(PREFIX) or name.startswith(OPTIMIZER_PREFIX):
+                    self.ranges[ev.get("tid")].append(_Span(ev, "range"))
+            elif cat == "cpu_op":
+                if name.startswith(EVALUATE):
+                    self.ranges[ev.get("tid")].append(_Span(ev, "evaluate"))
+                elif args.get("Sequence number") is not None and not args.get("Fwd thread id"):
+                    fwd_seq[args["Sequence number"]].append((ev.get("tid"), float(ev["ts"])))
+                if not device:
+                    cpu_ops[ev.get("tid")].append(_Span(ev, "op"))
+        if not device:  # CPU run: leaf cpu_ops stand for kernels, launched where they run
+            for tid, ops in cpu_ops.items():
+                ops.sort(key=lambda s: (s.start, -s.end))
+                for i, op in enumerate(ops):
+                    if op.name.startswith(EVALUATE):
+                        continue
+                    if i + 1 < len(ops) and ops[i + 1].start < op.end:
+                        continue  # has a child op
+                    self.kernels.append((op.name, op.end - op.start, None, (tid, op.start), None))
+        for v in flows_f.values():
+            v.sort()
+        self.flows_s, self.flows_f = flows_s, flows_f
+        # Sequence numbers are per forward thread; take the thread with the most forward ops as the
+        # forward thread, and the latest op with the number on it (the one that created the node).
+        count = collections.Counter(tid for v in fwd_seq.values() for tid, _ in v)
+        main = count.most_common(1)[0][0] if count else None
+        self.fwd_seq = {}
+        for seq, v in fwd_seq.items():
+            on_main = [p for p in v if p[0] == main]
+            self.fwd_seq[seq] = max(on_main or v, key=lambda p: p[1])
+        self._cache = {}
+
+    def enclosing(self, tid, ts) -> list:
+        key = (tid, ts)
+        if key not in self._cache:
+            self._cache.update(_enclosing(self.ranges.get(tid, []), [(ts, key)]))
+        return self._cache[key]
+
+    def prefill(self, points: Iterable) -> None:
+        by_tid = collections.defaultdict(list)
+        for tid, ts in points:
+            by_tid[tid].append((ts, (tid, ts)))
+        for tid, pts in by_tid.items():
+            self._cache.update(_enclosing(self.ranges.get(tid, []), pts))
+
+    def device_category(self, pid, tid, ts):
+        """The category of the innermost device-side copy of our ranges around a kernel's start on its
+        stream, for a kernel whose launch is not in the trace; None if none."""
+        spans = [s for s in self.device_ranges.get((pid, tid), []) if s.start <= ts <= s.end]
+        for sp in sorted(spans, key=lambda s: (s.start, -s.end), reverse=True):
+            if sp.name.startswith(OPTIMIZER_PREFIX):
+                return OPTIMIZER
+            cat = RANGE_CATEGORIES.get(sp.name[len(PREFIX):])
+            if cat is not None:
+                return cat
+        return None
+
+    def forward_of(self, ev: _Span):
+        """(tid, ts) of the forward op whose autograd node this evaluate_function runs, or None."""
+        fl = self.flows_f.get(ev.tid, [])
+        i = bisect.bisect_left(fl, (ev.start, -float("inf")))
+        while i < len(fl) and fl[i][0] <= ev.end:
+            start = self.flows_s.get(fl[i][1])
+            if start is not None:
+                return start
+            i += 1
+        seq = ev.args.get("Sequence number")
+        if seq is not None and seq >= 0:
+            return self.fwd_seq.get(seq)
+        return None
+
+    def category_at(self, tid, ts, depth: int = 0):
+        """(category, how) of a point by its enclosing ranges, innermost first; (None, "") if none."""
+        for sp in self.enclosing(tid, ts):
+            if sp.kind == "range":
+                if sp.name.startswith(OPTIMIZER_PREFIX):
+                    return OPTIMIZER, "range"
+                cat = RANGE_CATEGORIES.get(sp.name[len(PREFIX):])
+                if cat is not None:
+                    return cat, "range"
+                continue
+            # an autograd node's backward: where its forward ran decides
+            node = sp.name[len(EVALUATE):]
+            if "AccumulateGrad" in node:
+                return GRADIENTS, "accumulate_grad"
+            fwd = self.forward_of(sp)
+            if fwd is None or depth >= 4:
+                return None, "backward_unlinked"
+            cat, _ = self.category_at(fwd[0], fwd[1], depth + 1)
+            return cat, "backward_link"
+        return None, ""
+
+
+def attribute(trace, device: bool = True, top: int = 40) -> dict:
+    """Sum the kernel time of a profiler Chrome trace (path, dict or event list) into categories.
+
+    ``device=False`` (a CPU-only run) takes the leaf CPU ops as the kernels instead. Returns
+    ``total_gpu_ms``, ``categories`` (ms, summing exactly to the total), ``how`` (ms per way of
+    attribution: name, range, backward_link, accumulate_grad, none), ``n_kernels`` and the top
+    kernels with their category."""
+    tr = _Trace(_events(trace), device)
+    points = []
+    for name, dur, corr, at, _ in tr.kernels:
+        p = at if at is not None else tr.launch.get(corr)
+        if p is not None:
+            points.append(p)
+    tr.prefill(points + list(tr.flows_s.values()) + list(tr.fwd_seq.values()))  # one sweep per thread
+    cats = {c: 0.0 for c in CATEGORIES}
+    how = collections.Counter()
+    per_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
+    total = 0.0
+    for name, dur, corr, at, dev in tr.kernels:
+        ms = dur / 1e3
+        total += ms
+        cat, via = None, "none"
+        for pat, c in OUR_KERNELS:
+            if pat.search(name):
+                cat, via = c, "name"
+                break
+        if cat is None and NCCL_KERNEL.search(name):
+            cat, via = NCCL, "name"
+        if cat is None:
+            p = at if at is not None else tr.launch.get(corr)
+            if p is not None:
+                cat, why = tr.category_at(*p)
+                via = why if cat is not None else (why or "none")
+            else:
+                cat = tr.device_category(*dev) if dev is not None else None
+                via = "device_range" if cat is not None else "no_launch"
+        if cat == "moe":
+            cat = MOE_GEMM if GEMM_KERNEL.search(name) else MOE_OTHER
+        if cat is None:
+            cat = OTHER
+        cats[cat] = cats.get(cat, 0.0) + ms
+        how[via] += ms
+        k = per_kernel[(name, cat)]
+        k[0] += ms
+        k[1] += 1
+    rows = sorted(({"name": n, "category": c, "ms": v[0], "calls": v[1]} for (n, c), v in per_kernel.items()),
+                  key=lambda r: -r["ms"])
+    return dict(total_gpu_ms=total, categories=cats, how=dict(how), n_kernels=len(tr.kernels),
+                top_kernels=rows[:top], method="kernels once each, by name/range (deepspeed_fused.bench.breakdown)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges for one profiled step
+# ---------------------------------------------------------------------------------------------
+
+def _range_kind(module) -> Optional[str]:
+    name = type(module).__name__
+    if name.endswith("RMSNorm"):
+        return "rms_norm"
+    if name.endswith("SparseMoeBlock") or name.endswith("MoeBlock") or name == "AutoEPMoELayer":
+        return "moe"
+    if name.endswith("Attention"):
+        return "attention"
+    return None
+
+
+class Ranges:
+    """The hooks and wrappers of :func:`install_ranges`; ``remove()`` takes them all away."""
+
+    def __init__(self):
+        self.handles = []
+        self.restore = []  # (obj, attr, old value or _MISSING)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for obj, attr, old in reversed(self.restore):
+            if old is _MISSING:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(obj, attr, old)
+        self.handles, self.restore = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+_MISSING = object()
+
+
+def _wrap(name: str, fn):
+    import functools
+
+    import torch
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function(PREFIX + name):
+            return fn(*args, **kwargs)
+
+    wrapped._e2e_range = True
+    return wrapped
+
+
+def _open_close(module, name: str, r: Ranges, open_on=None, close_on=None):
+    """A range opened by a forward pre-hook (or post-hook of ``open_on``) and closed by a forward
+    post-hook (of ``close_on``), registered so that DeepSpeed's own module hooks stay outside it."""
+    import torch
+
+    stack = []
+
+    def enter(*_):
+        rf = torch.profiler.record_function(PREFIX + name)
+        rf.__enter__()
+        stack.append(rf)
+
+    def leave(*_):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    if open_on is None:
+        r.handles.append(module.register_forward_pre_hook(enter))  # after ZeRO-3's fetch hook
+    else:
+        r.handles.append(open_on.register_forward_hook(enter))
+    r.handles.append((close_on or module).register_forward_hook(leave, prepend=True))  # before ZeRO's release
+
+
+def install_ranges(engine_or_model) -> Ranges:
+    """Install the ``e2e::`` ranges on a DeepSpeed engine (or a bare model) for profiling."""
+    r = Ranges()
+    engine = engine_or_model if hasattr(engine_or_model, "module") and hasattr(engine_or_model, "backward") else None
+    model = engine.module if engine is not None else engine_or_model
+    for m in model.modules():
+        kind = _range_kind(m)
+        if kind is not None:
+            _open_close(m, kind, r)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if base is not None and base is not model:
+        _open_close(model, "lm_head_loss", r, open_on=base, close_on=model)
+    for mod in list(sys.modules.values()):
+        try:  # the module's own namespace only: no lazy-module __getattr__ imports
+            fn = vars(mod).get("load_balancing_loss_func")
+        except TypeError:
+            continue
+        if callable(fn) and not getattr(fn, "_e2e_range", False):
+            try:
+                setattr(mod, "load_balancing_loss_func", _wrap("router_aux_loss", fn))
+                r.restore.append((mod, "load_balancing_loss_func", fn))
+            except Exception:
+                pass
+    if engine is not None:
+        for attr, name in (("backward", "zero_backward"), ("step", "zero_step")):
+            old = engine.__dict__.get(attr, _MISSING)
+            setattr(engine, attr, _wrap(name, getattr(engine, attr)))
+            r.restore.append((engine, attr, old))
+    try:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+
+        for attr in ("fetch_sub_module", "release_sub_module", "release_and_reset_all"):
+            fn = C.__dict__.get(attr)
+            if fn is not None:
+                setattr(C, attr, _wrap("zero_params", fn))
+                r.restore.append((C, attr, fn))
+    except Exception:
+        pass
+    return r
+
+
+def profile_step(step_fn, engine_or_model, device: bool, trace_out: Optional[str] = None) -> dict:
+    """Run ``step_fn()`` once under the torch profiler with the ranges installed; return
+    :func:`attribute` of its trace (kept at ``trace_out`` when given)."""
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
+    with install_ranges(engine_or_model):
+        with profile(activities=acts) as prof:
+            step_fn()
+            if device:
+                torch.cuda.synchronize()
+    path = trace_out
+    if path is None:
+        fd, path = tempfile.mkstemp(suffix=".trace.json")
+        os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        return attribute(path, device=device)
+    finally:
+        if trace_out is None:
+            os.remove(path)

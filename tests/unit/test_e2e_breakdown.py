@@ -1,0 +1,192 @@
+"""The e2e suite's GPU time attribution (deepspeed_fused.bench.breakdown) and its search logic, on CPU.
+
+Synthetic Chrome-trace event lists stand in for a GPU profile: device kernels with correlation ids,
+their CUDA launches on host threads, ``record_function`` ranges, autograd ``evaluate_function``
+spans and the profiler's forward-backward flows.
+"""
+import pytest
+import torch
+
+from deepspeed_fused.bench import breakdown as bd
+from deepspeed_fused.bench.breakdown import attribute
+
+MAIN, BWD = 100, 200  # host thread ids: the forward/main thread and autograd's device thread
+
+
+class Trace:
+    def __init__(self):
+        self.events = []
+        self.corr = 0
+
+    def range(self, name, ts, dur, tid=MAIN, cat="user_annotation", **args):
+        self.events.append(dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=tid, pid=1, args=args))
+
+    def op(self, name, ts, dur, tid=MAIN, **args):
+        self.range(name, ts, dur, tid, cat="cpu_op", **args)
+
+    def kernel(self, name, launch_ts, dur, tid=MAIN, launch="cuda_runtime"):
+        self.corr += 1
+        self.events.append(dict(ph="X", cat=launch, name="cudaLaunchKernel", ts=launch_ts, dur=1, tid=tid, pid=1,
+                                args=dict(correlation=self.corr)))
+        self.events.append(dict(ph="X", cat="kernel", name=name, ts=launch_ts + 5, dur=dur, tid=7, pid=0,
+                                args=dict(correlation=self.corr, stream=7)))
+
+    def flow(self, fid, fwd_ts, bwd_ts, fwd_tid=MAIN, bwd_tid=BWD):
+        self.events.append(dict(ph="s", cat="fwdbwd", name="fwdbwd", id=fid, ts=fwd_ts, tid=fwd_tid, pid=1))
+        self.events.append(dict(ph="f", cat="fwdbwd", name="fwdbwd", id=fid, ts=bwd_ts, tid=bwd_tid, pid=1, bp="e"))
+
+
+def _sums_to_total(b):
+    assert sum(b["categories"].values()) == pytest.approx(b["total_gpu_ms"], rel=1e-12, abs=1e-12)
+
+
+def test_norm_two_ops_of_gradient_clipping_is_not_rms_norm():
+    t = Trace()
+    t.range("e2e::zero_step", 0, 1000)
+    t.kernel("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<double, at::native::NormTwoOps<double, "
+             "double, double, true>, unsigned int, double, 4, 4> >", 10, 5800)
+    t.kernel("void at::native::vectorized_elementwise_kernel<4, rsqrt_kernel_cuda>", 2000, 100)  # no range: other
+    b = attribute(t.events)
+    assert b["categories"]["rms_norm"] == 0
+    assert b["categories"]["zero: step (grad norm, clip, copies)"] == pytest.approx(5.8)
+    assert b["categories"]["other"] == pytest.approx(0.1)
+    _sums_to_total(b)
+
+
+def test_optimizer_annotation_row_is_not_counted_again():
+    t = Trace()
+    t.range("e2e::zero_step", 0, 30000)
+    t.range("Optimizer.step#AdamW.step", 100, 25000)
+    # the profiler's device-side copy of the annotation: as long as the kernels it encloses
+    t.events.append(dict(ph="X", cat="gpu_user_annotation", name="Optimizer.step#AdamW.step", ts=150, dur=25000,
+                         tid=7, pid=0, args={}))
+    for i in range(5):
+        t.kernel("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>, FusedAdamMathFunctor>",
+                 200 + i * 10, 5000)
+    t.kernel("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", 26000, 1000)  # fp32 -> bf16
+    b = attribute(t.events)
+    assert b["total_gpu_ms"] == pytest.approx(26.0)
+    assert b["categories"]["optimizer step"] == pytest.approx(25.0)
+    assert b["categories"]["zero: step (grad norm, clip, copies)"] == pytest.approx(1.0)
+    assert b["n_kernels"] == 6
+    _sums_to_total(b)
+
+
+def test_backward_kernels_follow_their_forward_op_by_flow_and_by_sequence_number():
+    t = Trace()
+    t.range("e2e::rms_norm", 0, 100)
+    t.op("aten::pow", 10, 5, **{"Sequence number": 41, "Fwd thread id": 0})
+    t.kernel("pow_tensor_scalar_kernel", 11, 30)
+    t.range("e2e::attention", 200, 100)
+    t.op("aten::mm", 210, 5, **{"Sequence number": 42, "Fwd thread id": 0})
+    t.kernel("nvjet_sm90_tst_256x128", 211, 70)
+    # backward, on autograd's thread: PowBackward0 linked by a flow, MmBackward0 by sequence number only
+    t.op("autograd::engine::evaluate_function: PowBackward0", 1000, 50, tid=BWD,
+         **{"Sequence number": 41, "Fwd thread id": 1})
+    t.op("PowBackward0", 1001, 40, tid=BWD, **{"Sequence number": 41, "Fwd thread id": 1})
+    t.flow(1, 10, 1001)
+    t.kernel("mul_kernel", 1010, 40, tid=BWD)
+    t.op("autograd::engine::evaluate_function: MmBackward0", 1100, 50, tid=BWD,
+         **{"Sequence number": 42, "Fwd thread id": 1})
+    t.kernel("nvjet_sm90_tst_128x256", 1110, 140, tid=BWD)
+    t.op("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 1200, 50, tid=BWD)
+    t.kernel("Memcpy DtoD (Device -> Device)", 1210, 20, tid=BWD)
+    t.op("autograd::engine::evaluate_function: ViewBackward0", 1300, 50, tid=BWD,
+         **{"Sequence number": 7, "Fwd thread id": 1})  # its forward op is outside every range
+    t.kernel("copy_kernel", 1310, 10, tid=BWD)
+    b = attribute(t.events)
+    c = b["categories"]
+    assert c["rms_norm"] == pytest.approx(0.07)
+    assert c["attention"] == pytest.approx(0.21)
+    assert c["zero: gradients"] == pytest.approx(0.02)
+    assert c["other"] == pytest.approx(0.01)
+    assert b["how"]["backward_link"] == pytest.approx(0.04 + 0.14)
+    assert b["how"]["backward_unlinked"] == pytest.approx(0.01)  # no forward op carries its number
+    _sums_to_total(b)
+
+
+def test_our_kernels_by_name_nccl_moe_split_and_innermost_range():
+    t = Trace()
+    t.range("e2e::moe", 0, 1000)
+    t.kernel("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversal"
+             "INS5_17GroupProblemShape", 10, 500)
+    t.kernel("void at::native::index_elementwise_kernel", 20, 100)
+    t.kernel("_gather_rows_kernel", 30, 50)
+    t.range("e2e::rms_norm", 400, 100)  # a norm inside the MoE block: innermost wins
+    t.kernel("some_norm_kernel", 410, 20)
+    t.kernel("_rms_bwd_kernel", 5000, 30)  # ours, launched where no range is: by name
+    t.kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 5100, 300)
+    t.range("e2e::lm_head_loss", 6000, 500)
+    t.range("e2e::router_aux_loss", 6100, 100)
+    t.kernel("softmax_kernel", 6110, 10)
+    t.kernel("_lce_rows_kernel", 6200, 200)
+    t.kernel("orphan_kernel_without_launch", 0, 0)
+    t.events[-2]["args"]["correlation"] = None  # drop the link of the last kernel
+    t.events[-1]["args"]["correlation"] = 10 ** 9
+    t.events[-1]["dur"] = 5
+    b = attribute(t.events)
+    c = b["categories"]
+    assert c["moe: expert GEMMs"] == pytest.approx(0.5)
+    assert c["moe: router, reorder, combine"] == pytest.approx(0.15)
+    assert c["rms_norm"] == pytest.approx(0.05)
+    assert c["collectives (nccl)"] == pytest.approx(0.3)
+    assert c["router aux loss"] == pytest.approx(0.01)
+    assert c["lm_head + loss"] == pytest.approx(0.2)
+    assert c["other"] == pytest.approx(0.005)
+    assert b["how"]["no_launch"] == pytest.approx(0.005)
+    _sums_to_total(b)
+
+
+def test_a_kernel_without_its_launch_falls_back_to_the_device_side_range():
+    t = Trace()
+    t.events.append(dict(ph="X", cat="gpu_user_annotation", name="e2e::rms_norm", ts=100, dur=50, tid=7, pid=0,
+                         args={}))
+    t.events.append(dict(ph="X", cat="kernel", name="some_kernel", ts=110, dur=20, tid=7, pid=0,
+                         args=dict(correlation=12345)))
+    t.events.append(dict(ph="X", cat="kernel", name="late_kernel", ts=400, dur=30, tid=7, pid=0,
+                         args=dict(correlation=12346)))
+    b = attribute(t.events)
+    assert b["total_gpu_ms"] == pytest.approx(0.05)  # the annotation row itself is not counted
+    assert b["categories"]["rms_norm"] == pytest.approx(0.02) and b["how"]["device_range"] == pytest.approx(0.02)
+    assert b["categories"]["other"] == pytest.approx(0.03) and b["how"]["no_launch"] == pytest.approx(0.03)
+
+
+def test_triton_kernels_launched_through_the_driver_api_are_linked():
+    t = Trace()
+    t.range("e2e::rms_norm", 0, 100)
+    t.kernel("_rms_norm_forward_kernel", 10, 40, launch="cuda_driver")  # Liger's: not ours, found by range
+    b = attribute(t.events)
+    assert b["categories"]["rms_norm"] == pytest.approx(0.04) and b["how"]["range"] == pytest.approx(0.04)
+
+
+def test_real_cpu_trace_of_a_tiny_moe_model():
+    """install_ranges on a transformers Qwen3-MoE model, one forward+backward profiled on CPU (leaf
+    CPU ops stand for kernels): the replaced modules get their forward and backward time, the
+    categories add up, and every hook and wrapper is gone afterwards."""
+    pytest.importorskip("transformers")
+    from deepspeed_fused.models import build_model
+
+    model = build_model("qwen3-moe-tiny", seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids)  # transformers installs its own output-capturing hooks on the first call
+    before = {id(m): (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()}
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+
+    b = bd.profile_step(step, model, device=False)
+    c = b["categories"]
+    for cat in ("rms_norm", "lm_head + loss", "attention", "router aux loss", "moe: router, reorder, combine",
+                "zero: gradients"):
+        assert c[cat] > 0, (cat, c)
+    assert b["how"].get("backward_link", 0) > 0
+    assert any(k["category"] == "rms_norm" and k["name"] in ("aten::rsqrt", "aten::pow") for k in b["top_kernels"]) \
+        or c["rms_norm"] > 0
+    _sums_to_total(b)
+    after = {id(m): (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()}
+    assert after == before
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as mq
+
+    assert not getattr(mq.load_balancing_loss_func, "_e2e_range", False)
