@@ -38,13 +38,20 @@ def auto_chunk_tokens(V: int, dtype: torch.dtype, tokens: int, workspace_bytes: 
     return int(c128 if c128 <= cmax else c)
 
 
-def _ref_chunk(h, weight, bias, t, temp, temperature, ignore_index, z_loss, smoothing, softcap, need_ent):
+def _ref_logits(h, weight, bias, temp, temperature, softcap):
+    """The chunk's logits in FP32 (FP64 for FP64 inputs), divided by the temperature (per row or
+    one value) and soft-capped: what every reference pass starts from."""
     logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     z = logits.to(cdt)
     z = z / temp.to(cdt)[:, None] if temp is not None else z / temperature
     if softcap:
         z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def _ref_chunk(h, weight, bias, t, temp, temperature, ignore_index, z_loss, smoothing, softcap, need_ent):
+    z = _ref_logits(h, weight, bias, temp, temperature, softcap)
     lse = torch.logsumexp(z, dim=-1)
     valid = t != ignore_index
     zt = z.gather(1, torch.where(valid, t, torch.zeros_like(t)).long()[:, None]).squeeze(1)
@@ -81,12 +88,7 @@ def _ref_partial_chunk(h, weight, bias, t, temp, temperature, ignore_index, soft
 
     The running max m is detached: (m, d, a) represent the same values for any m, so the
     gradient is exact without flowing through the max."""
-    logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-    cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    z = logits.to(cdt)
-    z = z / temp.to(cdt)[:, None] if temp is not None else z / temperature
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
+    z = _ref_logits(h, weight, bias, temp, temperature, softcap)
     m = z.amax(-1).detach()
     zm = z - m[:, None]
     e = torch.exp(zm)
