@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._common import HAS_TRITON, CachedLaunches, kernel_device_ok, tl, triton, warn_fallback
+from ._common import HAS_TRITON, CachedLaunches, _launch_hooks, kernel_device_ok, tl, triton, warn_fallback
 
 __all__ = ["fused_rms_norm", "try_fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype"]
 
@@ -174,6 +174,39 @@ if HAS_TRITON:
                 tl.store(CNT + n_groups, 0)
 
     @triton.jit
+    def _dw_finish_cols(PART, CNT, DW, pid, nprog, N, SW: tl.constexpr, RB_P: tl.constexpr):
+        # Called by every program after it stored its weight-gradient partial PART[pid, :N]. The
+        # last n_fin = cdiv(N, SW) programs to arrive each wait until all have arrived, then each
+        # sums one strip of SW columns over all nprog partial rows (fixed order: bitwise
+        # repeatable whoever arrives last). Waiting cannot deadlock: a program that arrives
+        # earlier exits, so the at most n_fin - 1 programs still to arrive find free slots as
+        # long as n_fin programs fit on the device at once. The last finisher to leave resets
+        # both counters. Under the interpreter (programs run one after another) n_fin is 1.
+        n_fin = tl.cdiv(N, SW)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
+        j = arrived - (nprog - n_fin)
+        if j >= 0:
+            done = arrived + 1
+            while done < nprog:
+                done = tl.atomic_add(CNT, 0, sem="acquire", scope="gpu")
+            c = j * SW + tl.arange(0, SW)
+            cm = c < N
+            pr = tl.arange(0, RB_P)
+            acc = tl.zeros([RB_P, SW], dtype=tl.float32)
+            for p0 in range(0, nprog, RB_P):
+                p = p0 + pr
+                m = (p < nprog)[:, None] & cm[None, :]
+                acc += tl.load(PART + p.to(tl.int64)[:, None] * N + c[None, :], mask=m, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(DW + c, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cm)
+            tl.debug_barrier()
+            left = tl.atomic_add(CNT + 1, 1, sem="acq_rel", scope="gpu")
+            if left == n_fin - 1:
+                tl.store(CNT, 0)
+                tl.store(CNT + 1, 0)
+
+    @triton.jit
     def _bwd_load_tile(DY, X, RSTD, tile, n_rows, cols, cmask,
                        XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R: tl.constexpr):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -229,8 +262,10 @@ if HAS_TRITON:
             xn = (x * rstd[:, None]).to(in_ty).to(tl.float32)
             acc += (dy * xn).to(out_ty).to(tl.float32)
         tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
-        if FINISH:
+        if FINISH == 1:
             _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+        if FINISH == 2:
+            _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
 
     @triton.jit
     def _rms_bwd_loop_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, n_rows, N,
@@ -272,8 +307,10 @@ if HAS_TRITON:
                 xn = (x * rstd).to(in_ty).to(tl.float32)
                 p = tl.where(row > pid, tl.load(prow + c, mask=cm, other=0.0), 0.0)
                 tl.store(prow + c, p + (dy * xn).to(out_ty).to(tl.float32), mask=cm)
-        if FINISH:
+        if FINISH == 1:
             _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+        if FINISH == 2:
+            _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
 
     @triton.jit
     def _dw_reduce_kernel(PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -421,18 +458,85 @@ _launches = CachedLaunches()
 _F32 = torch.float32
 
 
+# Fast paths: per key, once its kernel has a direct launcher, a closure that allocates the outputs
+# and makes the one launch (no plan unpacking, no launcher lookup): the backward's runs on
+# autograd's device thread, where every Python step costs more than on the calling thread. The
+# backward's key is the forward's key plus the incoming gradient's strides, dtype and alignment
+# (its shape and device are the output's, checked by autograd).
+_fwd_fast: dict = {}
+_bwd_fast: dict = {}
+
+
 def clear_plans() -> None:
     """Forget the launch plans (tests that change the tuning knobs call this)."""
     _fwd_plans.clear()
     _bwd_plans.clear()
+    _fwd_fast.clear()
+    _bwd_fast.clear()
     _launches.clear()
 
 
 def _remember(plans: dict, key, plan):
     if len(plans) >= _MAX_PLANS:  # shapes that never repeat: start over rather than grow
         plans.clear()
+        _fwd_fast.clear()
+        _bwd_fast.clear()
     plans[key] = plan
     return plan
+
+
+_get_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+_capturing = torch._C._cuda_isCurrentStreamCapturing if torch.cuda.is_available() else None
+
+
+def _make_fwd_fast(plan, fn):
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey = plan
+    parts = getattr(fn, "parts", None)
+    if copy or wcopy or dev is None or parts is None:
+        return None
+    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    write_rstd = const["WRITE_RSTD"]
+    empty, empty_like, get_device, raw_stream, hooks = torch.empty, torch.empty_like, _get_device, _raw_stream, _launch_hooks
+
+    def run(x, w, eps):
+        if get_device() != dev or hooks():
+            return None
+        y = empty_like(x) if like else empty(x.shape, dtype=out_dtype, device=device)
+        rstd = empty(rshape, dtype=_F32, device=device) if write_rstd else None
+        launch(g0, g1, g2, raw_stream(dev), function, coop, pdl, None, None, meta, None, None, None,
+               x.data_ptr(), w.data_ptr(), y.data_ptr(), (rstd if write_rstd else y).data_ptr(), *ints, eps, *tail)
+        return y, rstd
+
+    return run
+
+
+def _make_bwd_fast(plan, fn):
+    (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
+     n_cnt, red, dev, lkey) = plan
+    parts = getattr(fn, "parts", None)
+    if convert or xcopy or gcopy or wcopy or not dx_like or dev is None or red is not None or parts is None:
+        return None
+    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    rest = tuple(ints) + tuple(tail)
+    empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _get_device, _raw_stream, _capturing, _launch_hooks
+    workspaces = _workspaces
+
+    def run(dy, x, w, rstd):
+        if capturing() or get_device() != dev or hooks():
+            return None
+        stream = raw_stream(dev)
+        ws = workspaces.get((dev, stream))
+        if ws is None or ws[0].numel() < ws_numel or ws[1].numel() < n_cnt:
+            ws = _workspace(device, dev, stream, ws_numel, n_cnt)
+        dx = empty_like(x)
+        dw = empty_like(w)
+        launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None,
+               dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ws[0].data_ptr(),
+               ws[1].data_ptr(), dw.data_ptr(), *rest)
+        return dx, dw, None, None, None
+
+    return run
 
 
 def _cuda_index(t: torch.Tensor) -> Optional[int]:
@@ -487,6 +591,20 @@ def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> tuple:
     rb_n = min(triton.next_power_of_2(N), 256)
     finish = (group + n_groups) * N * 4 <= _MAX_TAIL_BYTES or n_rows * N <= _SMALL_ELEMS
     return group, rb_p, rb_n, progs + n_groups, n_groups + 1, finish
+
+
+_COL_FINISH = True  # wide sums: finished in the launch by its last programs, a column strip each
+
+
+def _col_finish_meta(progs: int, N: int, on_gpu: bool) -> tuple:
+    """(SW, RB_P) of the column-parallel finish: strips of SW columns, one per finisher, at most
+    64 finishers and never more than the programs; under the interpreter one finisher (its
+    programs run one after another, so none may wait for a later one)."""
+    if on_gpu:
+        sw = max(16, triton.next_power_of_2(triton.cdiv(N, min(64, progs))))
+    else:
+        sw = triton.next_power_of_2(N)
+    return sw, max(1, min(4096 // sw, triton.next_power_of_2(progs)))
 
 
 # ---- forward ------------------------------------------------------------------------------------
@@ -544,6 +662,8 @@ def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float, y: Optional[torc
         if fn is not None:
             fn(torch._C._cuda_getCurrentRawStream(dev), x.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(),
                *ints, eps)
+            if key not in _fwd_fast:
+                _fwd_fast[key] = _make_fwd_fast(plan, fn)
             return y, rstd
     args = (x, w, y, r) + ints + (float(eps),)
     with _on_device(x):
@@ -591,7 +711,7 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     probe = _reduce_meta(2048, N)
     probe_ws = (torch.empty(1, dtype=_F32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
-    red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2], FINISH=True)
+    red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2], FINISH=1)
     pargs = (gs, xs, ws, rstd, dx) + probe_ws + (ws,)
     if single:
         n_tiles = triton.cdiv(n_rows, block_r)
@@ -607,10 +727,16 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
         # partial buffer, which stays in L2) small
         progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, num_warps=num_warps), x, n_rows, per_sm=2)
     group, rb_p, rb_n, ws_rows, n_cnt, finish = _reduce_meta(progs, N, n_rows)
-    const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=finish)
     dx_like = xcopy or x.is_contiguous()
     red = None
-    if not finish:  # narrow column strips so the partial buffer is read by many programs at once
+    if finish:
+        const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=1)
+    elif _COL_FINISH:
+        sw, rb_p = _col_finish_meta(progs, N, x.is_cuda)
+        const.update(GROUP=group, RB_P=rb_p, RB_N=sw, FINISH=2)
+        ws_rows, n_cnt = progs, 2
+    else:  # a second launch; narrow column strips so the partial buffer is read by many programs at once
+        const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=0)
         rn = min(triton.next_power_of_2(N), 32)
         red = ((triton.cdiv(N, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
     return (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
@@ -618,9 +744,10 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
 
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
-                   dx: Optional[torch.Tensor] = None, dw: Optional[torch.Tensor] = None):
+                   dx: Optional[torch.Tensor] = None, dw: Optional[torch.Tensor] = None, fast_key=None):
     """Backward into fresh (or given, contiguous: tests poison them) ``dx`` and ``dw``: one
-    launch, the weight-gradient sum included."""
+    launch, the weight-gradient sum included. ``fast_key``: the autograd Function's key for
+    this call's fast path (registered once the launch is direct)."""
     key = _bwd_key(dy, x, w, rstd)
     plan = _bwd_plans.get(key)
     if plan is None:
@@ -651,6 +778,8 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
                    cnt.data_ptr(), dw.data_ptr(), *ints)
                 if red is not None:
                     fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, ints[1])
+                if fast_key is not None and fast_key not in _bwd_fast:
+                    _bwd_fast[fast_key] = _make_bwd_fast(plan, fn)
                 return dx, dw
     else:
         part, cnt = _workspace(device, None, 0, ws_numel, n_cnt)
@@ -714,22 +843,34 @@ class _FusedRMSNormFn(torch.autograd.Function):
     custom op instead. ``key`` is the forward's launch-plan key (already built by the caller)."""
 
     @staticmethod
-    def forward(ctx, x, w, eps, key):
-        y, rstd = _forward_impl(x, w, eps, key=key)
+    def forward(ctx, x, w, eps, key, run=None):
+        out = run(x, w, eps) if run is not None else None
+        y, rstd = out if out is not None else _forward_impl(x, w, eps, key=key)
         ctx.save_for_backward(x, w, rstd)
+        ctx.key = key
         return y
 
     @staticmethod
     def backward(ctx, dy):
         # create_graph=True: the gradient is not differentiable again (once_differentiable makes a
         # second differentiation raise); otherwise skip that wrapper's cost
-        return (_backward_once if torch.is_grad_enabled() else _backward_body)(ctx, dy)
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, dy)
+        x, w, rstd = ctx.saved_tensors
+        fast_key = (ctx.key, dy.stride(), dy.dtype, dy.data_ptr() & 15)
+        run = _bwd_fast.get(fast_key)
+        if run is not None:
+            out = run(dy, x, w, rstd)
+            if out is not None:
+                return out
+        dx, dw = _backward_impl(dy, x, w, rstd, fast_key=fast_key)
+        return dx, dw, None, None, None
 
 
 def _backward_body(ctx, dy):
     x, w, rstd = ctx.saved_tensors
     dx, dw = _backward_impl(dy, x, w, rstd)
-    return dx, dw, None, None
+    return dx, dw, None, None, None
 
 
 _backward_once = once_differentiable(_backward_body)
@@ -789,7 +930,15 @@ def try_fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -
             return None
         return _rms_norm_fwd(hidden, weight, float(eps))[0]
     if type(eps) is float and isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor):
-        key = _fwd_key(hidden, weight, torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        key = _fwd_key(hidden, weight, grad)
+        run = _fwd_fast.get(key)
+        if run is not None:
+            if grad:
+                return _FusedRMSNormFn.apply(hidden, weight, eps, key, run)
+            out = run(hidden, weight, eps)
+            if out is not None:
+                return out[0]
         if key in _fwd_plans:
             return _run(hidden, weight, eps, key)
     _validate(hidden, weight, eps)

@@ -189,10 +189,13 @@ def test_tile_boundaries_and_several_programs(interpret, tune, n, rows, prefetch
     check_against_eager(x, w, dy)
 
 
+@pytest.mark.parametrize("col", [True, False])
 @pytest.mark.parametrize("loop", [False, True])
-def test_weight_gradient_sum_in_a_second_launch(interpret, tune, loop):
-    # wide sums go to their own launch (the in-launch tail would be latency-bound); same results
-    knobs = dict(_MAX_TAIL_BYTES=0, _SMALL_ELEMS=0)
+def test_wide_weight_gradient_sums(interpret, tune, loop, col):
+    # wide sums (the two-level in-launch tail would be latency-bound) are finished by the last
+    # programs a column strip each (col; under the interpreter by one), or in a second launch;
+    # same results either way
+    knobs = dict(_MAX_TAIL_BYTES=0, _SMALL_ELEMS=0, _COL_FINISH=col)
     if loop:
         knobs.update(_MAX_FWD_BLOCK=32, _MAX_BWD_BLOCK=32, _LOOP_BLOCK=16)
     x, w, dy = make_inputs((67, 40), torch.float16, seed=9, device=interpret)
@@ -200,6 +203,8 @@ def test_weight_gradient_sum_in_a_second_launch(interpret, tune, loop):
     tune(**knobs)
     assert not R._reduce_meta(3, 40, 67)[-1]
     two = check_against_eager(x, w, dy)
+    plan = next(iter(R._bwd_plans.values()))
+    assert plan[10]["FINISH"] == (2 if col else 0) and (plan[14] is None) == col
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
     torch.testing.assert_close(one[2], two[2], rtol=0, atol=float(one[2].abs().max()) * 2 ** -10)
     dx, dw = torch.full_like(dy, float("nan")), torch.full_like(w, float("nan"))
