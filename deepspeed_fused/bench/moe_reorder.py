@@ -225,8 +225,8 @@ def run(args) -> list:
         xr = x.detach().requires_grad_()
         bf, bfb = (n + np_) * row, (n + np_) * row + 2 * n * row
         # ours as the AutoEP layer calls it: the inverse is built by the permute, reused by the unpermute
-        m("permute", "deepspeed_fused", lambda: rg._permute_inverse_op(x, pidx)[0],
-          fb(lambda t: rg._permute_inverse_op(t, pidx)[0], xr, g_perm), bf, bfb, ours=True,
+        m("permute", "deepspeed_fused", lambda: rg.permute_rows_with_inverse(x, pidx)[0],
+          fb(lambda t: rg.permute_rows_with_inverse(t, pidx)[0], xr, g_perm), bf, bfb, ours=True,
           note="builds the inverse permutation in the same kernel (uncached, as a layer's first call)")
         m("permute", "DeepSpeed 0.19.7 vstack+index", lambda: rg.permute_rows_reference(x, pidx),
           fb(lambda t: rg.permute_rows_reference(t, pidx), xr, g_perm), bf, bfb)

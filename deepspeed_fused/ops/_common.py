@@ -140,6 +140,62 @@ def direct_launcher(compiled, grid: tuple, constexpr_values: tuple):
     return fn
 
 
+def _spec(a):
+    """What Triton's JIT specializes a runtime argument on (dtype and 16-byte alignment of a
+    tensor; an int's type range, equality to 1 and divisibility by 16); other values exactly."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, not a.data_ptr() & 15)
+    t = type(a)
+    if t is int:
+        return (a == 1, not a & 15, -0x80000000 <= a < 0x80000000, a < 0x8000000000000000)
+    if t is float:
+        return t
+    return (t, a)
+
+
+class DirectKernel:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps)`` for call sites whose sizes (and
+    so grids) change from call to call: the first call of a specialization goes through the JIT
+    (which compiles), later ones call the compiled kernel's C launcher with integer pointers and
+    this call's grid. The key is what the JIT specializes on (:func:`_spec` of each runtime
+    argument) plus the constexprs, warps and device. CPU tensors (the interpreter), launch hooks,
+    a current device other than the tensors' and unknown launchers take the JIT path."""
+
+    _MAX = 1024
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._parts: dict = {}
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
+        t = args[0]
+        if t.is_cuda and not _launch_hooks():
+            dev = t.device.index
+            if dev is not None and torch._C._cuda_getDevice() == dev:
+                key = (tuple(map(_spec, args)), tuple(constexprs.values()), num_warps, dev)
+                parts = self._parts.get(key)
+                if parts is not None:
+                    launch, function, coop, pdl, meta, tail = parts
+                    g1 = grid[1] if len(grid) > 1 else 1
+                    g2 = grid[2] if len(grid) > 2 else 1
+                    launch(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(dev), function, coop, pdl, None, None,
+                           meta, None, None, None, *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args],
+                           *tail)
+                    return
+                compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps)
+                fn = direct_launcher(compiled, grid, tuple(constexprs.values()))
+                if fn is not None:
+                    if len(self._parts) >= self._MAX:
+                        self._parts.clear()
+                    launch, _, _, _, function, coop, pdl, meta, tail = fn.parts
+                    self._parts[key] = (launch, function, coop, pdl, meta, tail)
+                return
+        self.kernel[grid](*args, **constexprs, num_warps=num_warps)
+
+    def clear(self) -> None:
+        self._parts.clear()
+
+
 _KNOWN_LAUNCHER: list = []
 
 

@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ._common import HAS_TRITON, kernel_device_ok, interpreter_active, tl, triton, warn_fallback
+from ._common import HAS_TRITON, DirectKernel, kernel_device_ok, interpreter_active, tl, triton, warn_fallback
 
 __all__ = [
     "permute_rows", "unpermute_rows", "inverse_permutation", "validate_permutation", "gather_dispatch",
@@ -158,6 +158,11 @@ if HAS_TRITON:
             dot += tl.sum(g * x, axis=1)
         tl.store(dot_ptr + rows, dot, mask=row_ok)
 
+    # launches through the C launcher once a specialization is compiled (sizes change per call)
+    _launch_gather = DirectKernel(_gather_rows_kernel)
+    _launch_combine = DirectKernel(_combine_kernel)
+    _launch_combine_backward = DirectKernel(_combine_backward_kernel)
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
@@ -219,11 +224,11 @@ def _gather_kernel(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch
         return out
     rows, block_h, vec, warps = _tile(n_out, hidden, src.element_size(), src.device)
     n_col = triton.cdiv(hidden, block_h)
-    _gather_rows_kernel[(triton.cdiv(n_out, rows) * n_col, )](
+    _launch_gather((triton.cdiv(n_out, rows) * n_col, ), (
         src, index, scale.contiguous() if scale is not None else src, out, inverse if inverse is not None else index,
-        assign if assign is not None else index, n_out, src.shape[0], hidden, n_col, HAS_SCALE=scale is not None,
-        WRITE_INVERSE=inverse is not None, SCALE_BY_ASSIGN=assign is not None, ROWS=rows, BLOCK_H=block_h,
-        VEC=vec, ALIGNED=hidden % vec == 0, num_warps=warps)
+        assign if assign is not None else index, n_out, src.shape[0], hidden, n_col), dict(
+        HAS_SCALE=scale is not None, WRITE_INVERSE=inverse is not None, SCALE_BY_ASSIGN=assign is not None,
+        ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0), warps)
     return out
 
 
@@ -395,23 +400,35 @@ def gather_combine_reference(src: torch.Tensor, slot_of_assignment: torch.Tensor
 _NS = "deepspeed_fused"
 
 
-@torch.library.custom_op(f"{_NS}::rg_permute", mutates_args=())
-def _permute_op(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+def _permute_impl(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     if _kernel_ok("permute_rows", rows, permuted_indices):
         return _gather_kernel(rows, permuted_indices)
     return permute_rows_reference(rows, permuted_indices).contiguous()
 
 
-@torch.library.custom_op(f"{_NS}::rg_unpermute", mutates_args=())
-def _unpermute_op(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+def _unpermute_impl(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     if _kernel_ok("unpermute_rows", rows, inverse):
         return _gather_kernel(rows, inverse)
     return unpermute_rows_reference(rows, permuted_indices, inverse.numel()).clone()
 
 
+@torch.library.custom_op(f"{_NS}::rg_permute", mutates_args=())
+def _permute_op(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return _permute_impl(rows, permuted_indices, inverse)
+
+
+@torch.library.custom_op(f"{_NS}::rg_unpermute", mutates_args=())
+def _unpermute_op(rows: torch.Tensor, permuted_indices: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return _unpermute_impl(rows, permuted_indices, inverse)
+
+
 @torch.library.custom_op(f"{_NS}::rg_permute_with_inverse", mutates_args=())
 def _permute_inverse_op(rows: torch.Tensor, permuted_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The permute that also returns the inverse permutation, written by the gather kernel itself."""
+    return _permute_inverse_impl(rows, permuted_indices)
+
+
+def _permute_inverse_impl(rows: torch.Tensor, permuted_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _kernel_ok("permute_rows", rows, permuted_indices):
         inverse = torch.full((rows.shape[0], ), -1, dtype=torch.int64, device=rows.device)
         if permuted_indices.numel() and not rows.shape[1]:  # no columns: no program would run
@@ -469,6 +486,81 @@ _permute_inverse_op.register_autograd(_permute_inverse_backward, setup_context=_
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_indices)
 
 
+# Eager forms of the three ops: the same kernels behind autograd Functions, whose dispatch costs a
+# fraction of a custom op's (the gathers are short: host time is much of a call). torch.compile
+# traces the custom ops instead. A backward outside create_graph calls the kernels directly; under
+# create_graph it goes through the Functions again, so the gradient is differentiable.
+class _PermuteFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, rows, permuted_indices, inverse):
+        ctx.save_for_backward(permuted_indices, inverse)
+        return _permute_impl(rows, permuted_indices, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        permuted_indices, inverse = ctx.saved_tensors
+        return _unpermute_eager(grad.contiguous(), permuted_indices, inverse), None, None
+
+
+class _UnpermuteFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, rows, permuted_indices, inverse):
+        ctx.save_for_backward(permuted_indices, inverse)
+        return _unpermute_impl(rows, permuted_indices, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        permuted_indices, inverse = ctx.saved_tensors
+        return _permute_eager(grad.contiguous(), permuted_indices, inverse), None, None
+
+
+class _PermuteInverseFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, rows, permuted_indices):
+        out, inverse = _permute_inverse_impl(rows, permuted_indices)
+        ctx.save_for_backward(permuted_indices, inverse)
+        ctx.mark_non_differentiable(inverse)
+        return out, inverse
+
+    @staticmethod
+    def backward(ctx, grad, _grad_inverse):
+        permuted_indices, inverse = ctx.saved_tensors
+        return _unpermute_eager(grad.contiguous(), permuted_indices, inverse), None
+
+
+def _needs_graph(rows: torch.Tensor) -> bool:
+    return rows.requires_grad and torch.is_grad_enabled()
+
+
+def _permute_eager(rows, permuted_indices, inverse):
+    if torch.compiler.is_compiling():
+        return _permute_op(rows, permuted_indices, inverse)
+    if _needs_graph(rows):
+        return _PermuteFn.apply(rows, permuted_indices, inverse)
+    return _permute_impl(rows, permuted_indices, inverse)
+
+
+def _unpermute_eager(rows, permuted_indices, inverse):
+    if torch.compiler.is_compiling():
+        return _unpermute_op(rows, permuted_indices, inverse)
+    if _needs_graph(rows):
+        return _UnpermuteFn.apply(rows, permuted_indices, inverse)
+    return _unpermute_impl(rows, permuted_indices, inverse)
+
+
+def permute_rows_with_inverse(rows: torch.Tensor, permuted_indices: torch.Tensor) -> tuple:
+    """The permute (no checks: :func:`permute_rows` makes them) that also returns the inverse
+    permutation, written by the gather itself; the inverse is not differentiable."""
+    if torch.compiler.is_compiling():
+        return _permute_inverse_op(rows, permuted_indices)
+    if _needs_graph(rows):
+        return _PermuteInverseFn.apply(rows, permuted_indices)
+    return _permute_inverse_impl(rows, permuted_indices)
+
+
 @torch.library.custom_op(f"{_NS}::rg_combine", mutates_args=())
 def _combine_op(src: torch.Tensor, slot_of_assignment: torch.Tensor,
                 weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -491,10 +583,10 @@ def _combine_kernel_launch(src: torch.Tensor, slot: torch.Tensor, weights: Optio
         return out.zero_()
     rows, block_h, vec, warps = _tile(num_tokens, hidden, src.element_size(), src.device, 16384)
     n_col = triton.cdiv(hidden, block_h)
-    _combine_kernel[(triton.cdiv(num_tokens, rows) * n_col, )](
+    _launch_combine((triton.cdiv(num_tokens, rows) * n_col, ), (
         src, slot, weights.contiguous() if weights is not None else src, out, num_tokens, src.shape[0], hidden,
-        n_col, TOP_K=top_k, HAS_WEIGHT=weights is not None, ROWS=rows, BLOCK_H=block_h, VEC=vec,
-        ALIGNED=hidden % vec == 0, num_warps=warps)
+        n_col), dict(TOP_K=top_k, HAS_WEIGHT=weights is not None, ROWS=rows, BLOCK_H=block_h, VEC=vec,
+                     ALIGNED=hidden % vec == 0), warps)
     return out
 
 
@@ -521,10 +613,10 @@ def _combine_backward_op(grad: torch.Tensor, src: torch.Tensor, slot_of_assignme
             dot = torch.empty(num_slots, dtype=torch.float32, device=src.device)
             if src.numel():
                 rows, block_h, vec, warps = _tile(num_slots, hidden, src.element_size(), src.device, 16384)
-                _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
-                    grad, tok, scale, src, grad_src, dot, tok, num_slots, num_tokens, hidden, ROWS=rows,
-                    BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=False,
-                    WRITE_GRAD_SRC=True, num_warps=warps)
+                _launch_combine_backward((triton.cdiv(num_slots, rows), ), (
+                    grad, tok, scale, src, grad_src, dot, tok, num_slots, num_tokens, hidden), dict(
+                    ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=False,
+                    WRITE_GRAD_SRC=True), warps)
             else:
                 dot.zero_()
         else:
@@ -608,10 +700,10 @@ def permute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, *, validate
     if inverse is None:
         inverse = _cached_inverse(permuted_indices, rows.shape[0])
     if inverse is None:  # build it in the gather, and keep it for the unpermute of the same indices
-        out, inverse = _permute_inverse_op(rows, permuted_indices)
+        out, inverse = permute_rows_with_inverse(rows, permuted_indices)
         _remember_inverse(permuted_indices, rows.shape[0], inverse)
         return out
-    return _permute_op(rows, permuted_indices, inverse)
+    return _permute_eager(rows, permuted_indices, inverse)
 
 
 def unpermute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, num_rows: int, *, validate: bool = False,
@@ -629,7 +721,7 @@ def unpermute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, num_rows:
         validate_permutation(permuted_indices, num_rows)
     if inverse is None:
         inverse = inverse_permutation(permuted_indices, num_rows)
-    return _unpermute_op(rows, permuted_indices, inverse)
+    return _unpermute_eager(rows, permuted_indices, inverse)
 
 
 def gather_dispatch(rows: torch.Tensor, token_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
@@ -707,6 +799,8 @@ if HAS_TRITON:
         tl.store(tok_ptr + s, tl.where(valid, a // TOP_K, -1).to(tl.int32), mask=ok)
         tl.store(slot_ptr + a, s.to(tl.int32), mask=valid)
 
+    _launch_route_maps = DirectKernel(_route_maps_kernel)
+
 
 def route_maps_reference(token_indices_sorted: torch.Tensor, top_k: int,
                          permuted_indices: Optional[torch.Tensor] = None) -> RouteMaps:
@@ -746,9 +840,8 @@ def route_maps(token_indices_sorted: torch.Tensor, top_k: int,
     if num_slots:
         block = 1024
         perm = permuted_indices.contiguous() if permuted_indices is not None else srt
-        _route_maps_kernel[(triton.cdiv(num_slots, block), )](perm, srt, assign, tok, slot, num_slots, n,
-                                                               TOP_K=top_k, HAS_PERM=permuted_indices is not None,
-                                                               BLOCK=block, num_warps=4)
+        _launch_route_maps((triton.cdiv(num_slots, block), ), (perm, srt, assign, tok, slot, num_slots, n),
+                           dict(TOP_K=top_k, HAS_PERM=permuted_indices is not None, BLOCK=block), 4)
     return RouteMaps(tok, assign, slot, top_k)
 
 
@@ -767,11 +860,11 @@ def _slot_pass(a_rows: torch.Tensor, b_slots: torch.Tensor, m: RouteMaps,
     dot = torch.empty(num_slots, dtype=torch.float32, device=b_slots.device)
     g = torch.empty_like(b_slots) if scale is not None else None
     rows, block_h, vec, warps = _tile(num_slots, hidden, b_slots.element_size(), b_slots.device, 16384)
-    _combine_backward_kernel[(triton.cdiv(num_slots, rows), )](
+    _launch_combine_backward((triton.cdiv(num_slots, rows), ), (
         a_rows, m.token, scale.reshape(-1).contiguous() if scale is not None else dot, b_slots,
-        g if g is not None else dot, dot, m.assignment, num_slots, a_rows.shape[0], hidden, ROWS=rows,
-        BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=True, WRITE_GRAD_SRC=g is not None,
-        num_warps=warps)
+        g if g is not None else dot, dot, m.assignment, num_slots, a_rows.shape[0], hidden), dict(
+        ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=True,
+        WRITE_GRAD_SRC=g is not None), warps)
     return g, _per_assignment(dot, m)
 
 

@@ -584,3 +584,34 @@ def test_transformers_path_survives_pickle_and_copies(interpret):
     again = patch_model(loaded, {"moe_reorder": {"enabled": True}})
     assert again["moe_reorder"].applied
     assert unpatch_model(loaded) == {"moe_reorder": 2} and not feat.is_applied(loaded)
+
+
+def test_eager_functions_match_custom_ops(interpret):
+    """permute_rows / unpermute_rows run autograd Functions in eager mode (cheaper dispatch) and the
+    custom ops under torch.compile: same outputs and gradients, and the Functions' backward is a
+    gather of the gradient."""
+    pidx, n = _indices([5, 0, 3, 6], 8, torch.int32)
+    pidx = pidx.to(interpret)
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(n, 24, generator=gen).to(interpret)
+    a = rows.clone().requires_grad_()
+    b = rows.clone().requires_grad_()
+    out_a, inv_a = rg.permute_rows_with_inverse(a, pidx)
+    out_b, inv_b = rg._permute_inverse_op(b, pidx)
+    assert type(out_a.grad_fn).__name__ == "_PermuteInverseFnBackward"
+    assert torch.equal(out_a, out_b) and torch.equal(inv_a, inv_b) and not inv_a.requires_grad
+    g = torch.randn(out_a.shape, generator=gen).to(interpret)
+    out_a.backward(g)
+    out_b.backward(g)
+    assert torch.equal(a.grad, b.grad)
+    slots = torch.randn(pidx.numel(), 24, generator=gen).to(interpret)
+    c, d = slots.clone().requires_grad_(), slots.clone().requires_grad_()
+    back_c = rg.unpermute_rows(c, pidx, n, inverse=inv_a)
+    back_d = rg._unpermute_op(d, pidx, inv_a)
+    assert type(back_c.grad_fn).__name__ == "_UnpermuteFnBackward" and torch.equal(back_c, back_d)
+    g2 = torch.randn(back_c.shape, generator=gen).to(interpret)
+    back_c.backward(g2)
+    back_d.backward(g2)
+    assert torch.equal(c.grad, d.grad)
+    with torch.no_grad():  # no graph: the kernels directly
+        assert rg.permute_rows(a, pidx, inverse=inv_a).grad_fn is None
