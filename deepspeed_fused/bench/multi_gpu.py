@@ -50,6 +50,7 @@ PAIRS = {
     "autoep2": ("configs/autoep2_baseline.json", "configs/autoep2_fused.json"),
 }
 ARMS = ("baseline", "fused")
+MODEL = "qwen3-moe-30b-a3b-4l"  # the e2e suite's model: Qwen3-30B-A3B layer shape, 4 layers
 MIN_LEFT_S = 60.0  # a run is not started with less time left in the suite than this
 
 
@@ -144,10 +145,10 @@ def _report_lines(report: Optional[dict]) -> list:
 
 def markdown(results: dict, meta: dict) -> str:
     _f, _ok = e2e._f, e2e._ok
+    shape = " (Qwen3-30B-A3B layer shape, 4 layers, MoE, random init)" if meta.get("model") == MODEL else ""
     lines = [f"# Benchmark `{SUITE}`: the example job on {meta.get('num_gpus')} GPUs, features off vs on", "",
              f"{meta.get('date')}, {meta.get('gpu')}, torch {meta.get('torch')}, Triton {meta.get('triton')}. "
-             f"Model `{meta.get('model')}`"
-             f"{' (Qwen3-30B-A3B layer shape, 4 layers, MoE, random init)' if meta.get('model') == 'qwen3-moe-30b-a3b-4l' else ''}"
+             f"Model `{meta.get('model')}`{shape}"
              f", bf16, micro-batch {meta.get('batch')} x {meta.get('seq')} tokens per GPU, {meta.get('steps')} timed "
              f"steps after {meta.get('warmup')} warm-up, through `python -m deepspeed.launcher.runner --num_gpus "
              f"{meta.get('num_gpus')}` (each run limited to {_f(meta.get('arm_timeout'), '{:.0f}')} s, the suite to "
@@ -166,7 +167,8 @@ def markdown(results: dict, meta: dict) -> str:
                 continue
             lines.append(f"| {k} | {arm} | {cfg} | {a['median_step_s'] * 1e3:.1f} | {a['step_s_p10'] * 1e3:.1f}-"
                          f"{a['step_s_p90'] * 1e3:.1f} | {a['median_tokens_per_s']:.0f} | "
-                         f"{_f((a.get('peak_alloc_mib') or 0) / 1024)} | {_f((a.get('peak_reserved_mib') or 0) / 1024)} | "
+                         f"{_f((a.get('peak_alloc_mib') or 0) / 1024)} | "
+                         f"{_f((a.get('peak_reserved_mib') or 0) / 1024)} | "
                          f"{a['history'][-1]['loss']:.4f} |")
     lines += ["", "| pair | fused speed-up | peak alloc reduction | peak reserved reduction | max loss rel. diff "
               f"(target <= {e2e.LOSS_TARGET:.1%}) | NaN |", "|---|---:|---:|---:|---:|---|"]
@@ -191,7 +193,7 @@ def main(args) -> dict:
     p = argparse.ArgumentParser(prog=f"python -m deepspeed_fused.bench {SUITE}")
     p.add_argument("--pairs", default="zero2,zero3,autoep2", help=f"of {', '.join(PAIRS)}")
     p.add_argument("--num-gpus", type=int, default=2)
-    p.add_argument("--model", default="qwen3-moe-30b-a3b-4l")
+    p.add_argument("--model", default=MODEL)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=2, help="micro-batch per GPU")

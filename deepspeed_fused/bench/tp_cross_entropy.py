@@ -275,7 +275,8 @@ def run_shape(label: str, M: int, H: int, V: int, group, device, dtype, warmup: 
                 ref = (loss, dh, dw)
                 rec.extra.update(err_loss=0.0, err_dhidden=0.0, err_dweight=0.0, reference=True)
             elif ref is not None:
-                rec.extra.update(err_loss=_rel(loss, ref[0]), err_dhidden=_rel(dh, ref[1]), err_dweight=_rel(dw, ref[2]))
+                rec.extra.update(err_loss=_rel(loss, ref[0]), err_dhidden=_rel(dh, ref[1]),
+                                 err_dweight=_rel(dw, ref[2]))
             del dh, dw
             h.grad = w.grad = None
             rec.fwd_ms, rec.extra["fwd_device_ms"] = time_call(fwd, device, warmup, reps)
