@@ -1,4 +1,8 @@
-"""python -m deepspeed_fused.bench SUITE [SUITE ...] [--out DIR] [--quick]"""
+"""python -m deepspeed_fused.bench SUITE [SUITE ...] [--out DIR] [--quick]
+
+tp_cross_entropy runs one process per GPU: python -m torch.distributed.run --nproc_per_node N -m
+deepspeed_fused.bench tp_cross_entropy --out DIR (rank 0 writes the files).
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +15,12 @@ SUITES = {
     "moe_reorder": "deepspeed_fused.bench.moe_reorder",
     "linear_cross_entropy": "deepspeed_fused.bench.linear_cross_entropy",
     "e2e": "deepspeed_fused.bench.e2e",
+    "tp_cross_entropy": "deepspeed_fused.bench.tp_cross_entropy",
+    "multi_gpu": "deepspeed_fused.bench.multi_gpu",
 }
+# not in "all": the end-to-end runs, and the suites for several GPUs (run under torch.distributed.run
+# or launching their own multi-GPU jobs)
+NOT_IN_ALL = ("e2e", "tp_cross_entropy", "multi_gpu")
 
 
 def main(argv=None) -> int:
@@ -21,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     args, extra = p.parse_known_args(argv)
     args.extra = extra
-    names = [s for s in SUITES if s != "e2e"] if "all" in args.suites else args.suites
+    names = [s for s in SUITES if s not in NOT_IN_ALL] if "all" in args.suites else args.suites
     from .common import write_results
 
     for name in names:

@@ -191,8 +191,11 @@ def _stack_dump(stderr: str) -> str:
     return stderr[i:i + 6000] if i >= 0 else ""
 
 
-def run_arm(pair: str, arm: str, o, tmp: str) -> dict:
-    base_cfg, fused_cfg, gpus = PAIRS[pair]
+def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> dict:
+    """One arm of a pair (``pairs``: name -> (baseline config, fused config, GPUs); default
+    :data:`PAIRS`): train.py under the launcher with a time limit; its metrics, or the error.
+    ``o.profile`` (default on) profiles one more step for the kernel-time breakdown."""
+    base_cfg, fused_cfg, gpus = (pairs or PAIRS)[pair]
     which, extra, env_extra = ARMS[arm]
     config = base_cfg if which == "baseline" else fused_cfg
     tag = f"{pair}.{arm}"
@@ -200,9 +203,10 @@ def run_arm(pair: str, arm: str, o, tmp: str) -> dict:
     timeout = o.liger_swiglu_timeout if arm in SWIGLU_ARMS else o.arm_timeout
     args = ["--deepspeed_config", os.path.join(ROOT, config), "--model", o.model, "--steps", str(o.steps + o.warmup),
             "--warmup", str(o.warmup), "--batch-size", str(o.batch_size), "--seq-len", str(o.seq_len),
-            "--no-progress", "--metrics-out", metrics, "--profile-out", os.path.join(tmp, tag + ".profile.json"),
-            "--dump-stacks-after", str(max(10.0, timeout - 45)), *extra]
-    if o.keep_traces:
+            "--no-progress", "--metrics-out", metrics, "--dump-stacks-after", str(max(10.0, timeout - 45)), *extra]
+    if getattr(o, "profile", True):
+        args += ["--profile-out", os.path.join(tmp, tag + ".profile.json")]
+    if getattr(o, "keep_traces", None):
         os.makedirs(o.keep_traces, exist_ok=True)
         args += ["--trace-out", os.path.join(o.keep_traces, tag + ".trace.json")]
     r = launch(args, gpus, timeout, tmp, env_extra)

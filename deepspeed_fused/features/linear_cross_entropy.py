@@ -25,8 +25,8 @@ One generic mechanism serves every ``*ForCausalLM`` whose forward follows the us
 * DeepSpeed AutoTP heads split by vocabulary (``tensor_parallel``: ``VocabParallelLinear`` with
   DeepSpeed's ``VocabParallelCausalLMLoss``, or the training-mode ``LinearLayer`` that all-gathers
   the logits) take the op's vocab-parallel path with the layer's TP group (``mp_group``) and its
-  shard's ``vocab_start``: one all-gather of per-token statistics instead of DeepSpeed's logits
-  gather or its three-collective loss. The layer's own forward (with its input-gradient
+  shard's ``vocab_start``: small all-gathers of per-token statistics (one per token chunk)
+  instead of DeepSpeed's logits gather or its three-collective loss. The layer's own forward (with its input-gradient
   all-reduce) is swapped out for the call, so dhidden is summed over the group once, by the op.
 """
 from __future__ import annotations

@@ -187,7 +187,9 @@ class TestVocabParallel(DistributedTest):
         os.environ["TRITON_INTERPRET"] = "1"
 
     @pytest.mark.world_size(2)
-    def test_one_collective_in_forward(self):
+    def test_collectives(self):
+        """Forward: the layout all-gather (validate_targets=True, or a layout not seen before),
+        then one statistics all-gather per token chunk; backward: one all-reduce of dhidden."""
         mp = pytest.MonkeyPatch()
         counter = _Counter(mp)
         try:
@@ -196,8 +198,10 @@ class TestVocabParallel(DistributedTest):
             h, w, t, _ = _data(M, H, V, seed=6)
             ws = w[rank * 16:(rank + 1) * 16]
             cases = [(True, kw) for kw in (dict(), dict(reduction="none", return_entropy=True),
-                                           dict(reduction="sum", return_lse=True))]
-            cases += [(False, dict()), (False, dict(reduction="none", return_lse=True)), ("reference", dict())]
+                                           dict(reduction="sum", return_lse=True), dict(chunk_tokens=3),
+                                           dict(reduction="none", chunk_tokens=3))]
+            cases += [(False, dict()), (False, dict(reduction="none", return_lse=True)),
+                      (False, dict(chunk_tokens=3)), ("reference", dict()), ("reference", dict(chunk_tokens=3))]
             for validate, kw in cases:
                 if validate == "reference":  # plain CPU tensors (float64 on GPUs): the torch reference
                     os.environ["TRITON_INTERPRET"] = "0"
@@ -207,12 +211,15 @@ class TestVocabParallel(DistributedTest):
                 out = linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD, validate_targets=bool(validate),
                                            **kw)
                 counter.on = False
-                assert counter.calls == ["all_gather_into_tensor"], (kw, counter.calls)
-                loss = out[0].sum() + sum(o.sum() for o in out[1:]) if isinstance(out, tuple) else out
+                # the reference gathers the statistics of all its tokens at once
+                chunks = 1 if validate == "reference" else -(-M // kw.get("chunk_tokens", M))
+                expect = ["all_gather_into_tensor"] * ((1 if validate else 0) + chunks)
+                assert counter.calls == expect, (validate, kw, counter.calls)
+                loss = sum(o.sum() for o in (out if isinstance(out, tuple) else (out,)))
                 counter.on = True
                 loss.backward()
                 counter.on = False
-                assert counter.calls == ["all_gather_into_tensor", "all_reduce"], (kw, counter.calls)
+                assert counter.calls == expect + ["all_reduce"], (validate, kw, counter.calls)
             # frozen hidden: no dhidden all-reduce in backward (kernels again)
             os.environ["TRITON_INTERPRET"] = "1" if DEV == "cpu" else "0"
             h, ws = h.float(), ws.float()
@@ -220,7 +227,55 @@ class TestVocabParallel(DistributedTest):
             counter.calls, counter.on = [], True
             linear_cross_entropy(h, ww, t, tp_group=dist.group.WORLD).backward()
             counter.on = False
-            assert counter.calls == ["all_gather_into_tensor"]
+            assert counter.calls == ["all_gather_into_tensor"] * 2
+        finally:
+            mp.undo()
+
+    @pytest.mark.world_size(2)
+    def test_three_gemm_passes_per_chunk(self):
+        """The scalar loss forms its gradient from the chunk's logits still in memory: per chunk
+        one logits GEMM, one dhidden GEMM and one dweight GEMM (the single-GPU op's three
+        passes), with the next chunk's logits GEMM and statistics gather issued before this
+        chunk's gradient (overlapping its gather). Per-token outputs: one GEMM per chunk in
+        forward, three in backward."""
+        mp = pytest.MonkeyPatch()
+        events = []
+
+        def wrap(name, fn):
+            def f(*a, **k):
+                events.append(name)
+                return fn(*a, **k)
+            return f
+
+        mp.setattr(lce_parallel, "_logits_into", wrap("logits", lce_parallel._logits_into))
+        mp.setattr(lce_parallel, "_dhidden_into", wrap("dh", lce_parallel._dhidden_into))
+        mp.setattr(lce_parallel._ParamGrads, "add", wrap("dw", lce_parallel._ParamGrads.add))
+        mp.setattr(dist, "all_gather_into_tensor", wrap("gather", dist.all_gather_into_tensor))
+        mp.setattr(dist, "all_reduce", wrap("all_reduce", dist.all_reduce))
+        try:
+            rank = dist.get_rank()
+            M, H, V = 12, 8, 32
+            h, w, t, b = _data(M, H, V, seed=11, bias=True)
+            sl = slice(rank * 16, (rank + 1) * 16)
+            # scalar loss, 3 chunks
+            events.clear()
+            out, _ = _check_tp(h, w, t, b, rank * 16, 16, chunk_tokens=4, label_smoothing=0.1, z_loss=0.01)
+            fwd = ["gather", "logits", "gather", "logits", "gather", "dh", "dw", "logits", "gather", "dh", "dw", "dh",
+                   "dw"]
+            assert events == fwd + ["all_reduce"], events
+            assert events.count("logits") == 3  # not 4 (no recomputation after the exchange)
+            # one chunk (the automatic size at these shapes): one workspace, the same three passes;
+            # without validation and with the layout known, no layout gather
+            events.clear()
+            hh, ww = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
+            linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD, validate_targets=False).backward()
+            assert events == ["logits", "gather", "dh", "dw", "all_reduce"], events
+            # per-token outputs, 3 chunks: forward gathers per chunk; backward recomputes the logits
+            events.clear()
+            _check_tp(h, w, t, b, rank * 16, 16, chunk_tokens=4, reduction="none", return_entropy=True)
+            fwd = ["gather"] + ["logits", "gather"] * 3
+            bwd = ["logits", "dh", "dw", "logits", "dh", "dw", "logits", "dh", "all_reduce", "dw"]
+            assert events == fwd + bwd, events
         finally:
             mp.undo()
 
@@ -263,6 +318,9 @@ class TestVocabParallel(DistributedTest):
         with pytest.raises(ValueError, match="temperature"):
             linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], t, tp_group=g,
                                  temperature=-torch.ones(6, device=DEV))
+        # chunk sizes differ across ranks (the per-chunk gathers would not line up)
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], t, tp_group=g, chunk_tokens=2 + rank)
         # no tokens: loss 0, the collectives still line up
         hh = h[:0].clone().requires_grad_()
         out = linear_cross_entropy(hh, w[rank * 16:(rank + 1) * 16], t[:0], tp_group=g)
@@ -339,7 +397,8 @@ class TestSequenceParallel(DistributedTest):
 
     @pytest.mark.world_size(2)
     def test_collectives(self):
-        """Forward: the token all-gather + the statistics all-gather; backward: one reduce-scatter
+        """Forward: the layout all-gather, the token all-gather and the statistics all-gather (one
+        chunk); backward: one reduce-scatter
         of dhidden (no all-reduce), plus, for per-token outputs, the all-gather of their gradients."""
         mp = pytest.MonkeyPatch()
         counter = _Counter(mp)
@@ -360,7 +419,8 @@ class TestSequenceParallel(DistributedTest):
                 out = linear_cross_entropy(hh, ww, t[rank * 4:(rank + 1) * 4], tp_group=dist.group.WORLD,
                                            sequence_parallel=True, **kw)
                 counter.on = False
-                assert counter.calls == ["all_gather_into_tensor"] * 2, (path, kw, counter.calls)
+                # the layout, the token shards, the statistics (one chunk)
+                assert counter.calls == ["all_gather_into_tensor"] * 3, (path, kw, counter.calls)
                 loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out
                 counter.on, counter.calls = True, []
                 loss.backward()
@@ -382,3 +442,9 @@ class TestSequenceParallel(DistributedTest):
                     fn(h, w, t, tp_group=group, sequence_parallel=True)
         with pytest.raises(TypeError, match="sequence_parallel"):
             linear_cross_entropy(h, w[:8], t.clamp(max=7), tp_group=dist.group.WORLD, sequence_parallel=1)
+        # token shards of different sizes: the layout exchange raises on every rank before the
+        # token all-gather (which would not line up)
+        for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+            with pytest.raises(ValueError, match="sequence_parallel"):
+                fn(h[:3 + rank], w[rank * 8:(rank + 1) * 8], t[:3 + rank], tp_group=dist.group.WORLD,
+                   sequence_parallel=True)

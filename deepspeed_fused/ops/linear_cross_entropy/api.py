@@ -10,8 +10,9 @@ import torch
 from .._common import kernel_device_ok, warn_fallback
 from .checks import _prepare
 from .kernels import _KERNEL_DTYPES
-from .parallel import _TPConfig, _TPPerToken, _TPScalarLoss, _sp_gather, _sp_local, _tp_apply, _tp_meta_rows
-from .reference import auto_chunk_tokens, linear_cross_entropy_reference
+from .parallel import (_TPConfig, _TPPerToken, _TPScalarLoss, _sp_gather, _sp_local, _tp_apply, _tp_layout,
+                       _tp_meta_rows)
+from .reference import DEFAULT_WORKSPACE_BYTES, auto_chunk_tokens, linear_cross_entropy_reference
 from .single import _FusedScalarLoss, _lce_forward_op, _lce_fused_op
 from .stats import _pack
 
@@ -49,14 +50,18 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             ``[vocab_start, vocab_start + V_local)`` and ``target`` holds global ids, the same
             ``hidden``/``target`` on every rank. Outputs are those of the full head, identical
             on every rank; dweight stays local, dhidden is summed over the group. Forward
-            issues one all-gather; backward one all-reduce (of dhidden). A group of size 1
-            (or None) is the single-GPU op.
+            issues one small all-gather of the shard layout and options (with
+            ``validate_targets``, or the first call of a layout) and one all-gather of the
+            per-token statistics per token chunk; backward one all-reduce (of dhidden). The
+            chunk is sized on the largest shard and is the same on every rank; with an
+            explicit ``chunk_tokens`` the scalar-loss path keeps two ``chunk x V_local``
+            workspaces. A group of size 1 (or None) is the single-GPU op.
         vocab_start: first global vocabulary row of this rank's shard (default
             ``rank * V_local``: equal shards); give it for ragged shards. Only with ``tp_group``.
         sequence_parallel: only with a ``tp_group`` of more than one rank: ``hidden``,
             ``target`` (and a per-token ``temperature``) are this rank's contiguous token shard
             of the group's tokens (flattened rows ordered by rank, Megatron-style), equal in
-            size on every rank. The op all-gathers them (forward: two all-gathers in all),
+            size on every rank. The op all-gathers them (one more all-gather in forward),
             returns per-token outputs for the local shard ("mean"/"sum": the scalar over all
             the group's tokens, identical on every rank) and reduce-scatters dhidden instead
             of the all-reduce. Per-token outputs all-gather their upstream gradients in backward.
@@ -103,21 +108,24 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     grads = torch.is_grad_enabled() and (need_dh or need_dw or need_db)
     if tp is not None:
         meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, smoothing, softcap,
-                             return_entropy, return_lse, bias, accum_fp32)
+                             return_entropy, return_lse, bias, accum_fp32, chunk_tokens)
+        # the layout (and the checks) before any other collective: a bad call raises on every rank
+        V_total, V_max = _tp_layout(tp, meta, bool(validate_targets), t, temp, ignore_index, h.device)
         if sequence_parallel:
             h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
             M = h.shape[0]
-    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(V, hidden.dtype, M)
-    chunk = min(chunk, M)
-    if tp is not None:
-        cfg = _TPConfig(tp, meta, inv_temp, ignore_index, z_loss, smoothing, cap, accum_fp32, chunk,
-                        bool(validate_targets), reduction == "mean", bool(return_entropy), sequence_parallel)
-        if grads and reduction != "none" and not (return_entropy or return_lse):
+        fused = grads and reduction != "none" and not (return_entropy or return_lse)
+        chunk = _tp_chunk(chunk_tokens, V_max, hidden.dtype, M, fused)
+        cfg = _TPConfig(tp, V_total, inv_temp, ignore_index, z_loss, smoothing, cap, accum_fp32, chunk,
+                        reduction == "mean", bool(return_entropy), sequence_parallel)
+        if fused:
             return _tp_apply(_TPScalarLoss, h, weight, bias, t, temp, cfg)
         loss, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, cfg)
         if sequence_parallel:
             loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
+    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(V, hidden.dtype, M)
+    chunk = min(chunk, M)
     if grads and reduction != "none" and not (return_entropy or return_lse):
         args = (h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss, smoothing, cap,
                 accum_fp32, chunk, need_dh, need_dw, need_db)
@@ -127,3 +135,15 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     loss, lse, ent = _lce_forward_op(h, weight, t, bias, temp, inv_temp, ignore_index, z_loss, smoothing, cap,
                                      accum_fp32, chunk, bool(return_entropy))
     return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
+
+
+def _tp_chunk(chunk_tokens, V_max, dtype, M, double):
+    """Tokens per chunk under a tp_group, the same on every rank (sized on the largest shard).
+    The scalar-loss path (``double``) alternates two logits workspaces once there is more than
+    one chunk: the automatic size then keeps the two within the one-workspace budget."""
+    if isinstance(chunk_tokens, int):
+        return min(chunk_tokens, M)
+    chunk = auto_chunk_tokens(V_max, dtype, M)
+    if double and chunk < M:
+        chunk = auto_chunk_tokens(V_max, dtype, M, DEFAULT_WORKSPACE_BYTES // 2)
+    return min(chunk, M)

@@ -34,16 +34,18 @@ if HAS_TRITON:
         x_ptr, stride_x, V,
         tgt_ptr, ignore_index, vocab_start,
         temp_ptr, inv_temp, cap, z_loss, smooth, inv_vocab_total,
-        stat_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr,
+        stat_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr, n_shard, shard_stride,
         HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr,
         PER_TOKEN: tl.constexpr, HAS_GE: tl.constexpr, HAS_GS: tl.constexpr,
-        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, BLOCK: tl.constexpr,
+        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, MERGE: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """One program per row of the logits chunk ``x`` [rows, V].
 
         STATS: write the row's partial statistics to ``stat_ptr`` [rows, 5].
         GRAD: overwrite the row with dlogits (input dtype). Without STATS, lse (and the
-        entropy, for gE) are read from ``lse_ptr``/``ent_ptr``. PER_TOKEN: loss upstream
+        entropy, for gE) are read from ``lse_ptr``/``ent_ptr``, or, with MERGE, lse is merged
+        from the partial statistics of ``n_shard`` vocabulary shards at ``stat_ptr``
+        ([n_shard, rows, 5], ``shard_stride`` elements apart). PER_TOKEN: loss upstream
         gradient per row from ``gl_ptr``; else ``gl_ptr[0]`` for every valid row.
         """
         row = tl.program_id(0).to(tl.int64)
@@ -92,7 +94,19 @@ if HAS_TRITON:
             lse = m + tl.log(d)
             s_pz = m + a / d
         if GRAD:
-            if not STATS:
+            if MERGE:
+                # lse of the whole vocabulary from the shards' (max, sum of exp), in shard order
+                mm = -1e30
+                dd = 0.0
+                for r in range(0, n_shard):
+                    gp = stat_ptr + r * shard_stride + row * 5
+                    m_r = tl.load(gp)
+                    d_r = tl.load(gp + 1)
+                    m_new = tl.maximum(mm, m_r)
+                    dd = dd * tl.exp(mm - m_new) + d_r * tl.exp(m_r - m_new)
+                    mm = m_new
+                lse = mm + tl.log(dd)
+            elif not STATS:
                 lse = tl.load(lse_ptr + row)
                 if HAS_GE:
                     s_pz = lse - tl.load(ent_ptr + row)
@@ -130,11 +144,13 @@ if HAS_TRITON:
 
 def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0,
                  ignore_index=-100, vocab_start=0, vocab_total=None, stats=None, lse=None, ent=None,
-                 g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False):
+                 g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None):
     """Run the row kernel over the chunk ``x`` [rows, V] (contiguous rows).
 
     ``stats`` given: write partial statistics there. ``g_loss`` given: overwrite ``x`` with
-    dlogits (``per_token``: g_loss is [rows]; else a 1-element weight for valid rows).
+    dlogits (``per_token``: g_loss is [rows]; else a 1-element weight for valid rows), from
+    ``lse`` or, with ``merged`` (the partial statistics of every vocabulary shard for these
+    rows, [shards, rows, 5] fp32, rows contiguous), from the lse the kernel merges from them.
     """
     n, V = x.shape
     if n == 0:
@@ -147,15 +163,20 @@ def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0,
         block = min(4096, triton.next_power_of_2(V))
         warps = 8 if block >= 2048 else 4
     grad = g_loss is not None
+    merge = merged is not None
+    if merge:
+        assert grad and stats is None and g_ent is None and merged.dtype == torch.float32
+        assert merged.shape[1:] == (n, 5) and merged.stride(1) == 5 and merged.stride(2) == 1
     _lce_rows_kernel[(n,)](
         x, x.stride(0), V,
         target, ignore_index, vocab_start,
         temp if temp is not None else dummy, float(inv_temp), float(softcap or 1.0), float(z_loss),
         float(smoothing), 1.0 / float(vocab_total or V),
-        stats if stats is not None else dummy, lse if lse is not None else dummy,
+        merged if merge else (stats if stats is not None else dummy), lse if lse is not None else dummy,
         ent if ent is not None else dummy, g_loss if grad else dummy,
         g_ent if g_ent is not None else dummy, g_lse if g_lse is not None else dummy,
+        merged.shape[0] if merge else 0, merged.stride(0) if merge else 0,
         HAS_TEMP=temp is not None, HAS_CAP=bool(softcap), STATS=stats is not None, GRAD=grad,
         PER_TOKEN=per_token, HAS_GE=g_ent is not None, HAS_GS=g_lse is not None,
-        NEED_ENT=need_ent, NEED_SUMZ=smoothing != 0.0, BLOCK=block, num_warps=warps,
+        NEED_ENT=need_ent, NEED_SUMZ=smoothing != 0.0, MERGE=merge, BLOCK=block, num_warps=warps,
     )

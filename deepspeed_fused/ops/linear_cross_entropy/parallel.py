@@ -1,34 +1,53 @@
 """Vocabulary-parallel form over a tensor-parallel group, and sequence parallelism.
 
-Each rank holds weight rows [vocab_start, vocab_start + V_local). Forward: the local shard's
-per-token partial statistics (the same fused pass as the single-GPU op, :mod:`.single`), then
-ONE all-gather of a packed fp32 tensor [M + 3, 5]: the statistics plus three rows of metadata
-(shard bounds, dtype, options) so the layout is validated by the same collective, then a local
-merge (:func:`.stats.merge_partial_stats`): every rank computes bitwise the same loss / lse /
-entropy. Backward: dweight (and dbias) stay local, dhidden partials are summed with one
-all-reduce, started asynchronously so it overlaps the last dweight GEMM (on CUDA NCCL runs it
-on its own stream). Sequence parallelism (:class:`_SeqGather`, :class:`_SeqLocal`) all-gathers
-the token shards first and reduce-scatters dhidden instead.
+Each rank holds weight rows [vocab_start, vocab_start + V_local). The collectives:
 
-The torch reference over a group (:mod:`.reference`) uses the same packing, exchange and
-collectives; :func:`_tp_setup` is called by the argument checks (:mod:`.checks`).
+* **Layout** (:func:`_tp_layout`): one small all-gather of every rank's metadata rows (shard
+  bounds, dtype, hidden size, token count, options, chunk size and, when validating, its
+  targets' extremes and temperature flag), read on the host and checked together, so a bad
+  call raises on every rank before any other collective. Issued when ``validate_targets`` or
+  the first time a rank sees its shard layout; then the layout is cached and later calls with
+  ``validate_targets=False`` issue none (no host sync).
+* **Statistics, per token chunk**: the chunk's local logits GEMM, the row kernel's partial
+  statistics of the shard (:mod:`.kernels`), an asynchronous all-gather of them ([rows, 5]
+  fp32 per rank). Every rank merges the same gathered values in the same order
+  (:func:`.stats.merge_partial_stats`), so loss / lse / entropy are bitwise the same on every
+  rank.
+* **Scalar loss** (:class:`_TPScalarLoss`): the gradient is formed in the forward, as on one
+  GPU, from the chunk's logits still in memory: the row kernel merges the chunk's lse from the
+  gathered statistics and overwrites the logits with dlogits; then the dhidden-partial GEMM and
+  the dweight accumulation. Three GEMMs per chunk, like the single-GPU op; two logits
+  workspaces alternate so that the next chunk's GEMM and statistics run while this chunk's
+  gather is in flight. Backward scales the buffers by grad_output and all-reduces dhidden.
+* **Per-token outputs** (:class:`_TPPerToken`): forward as above without the gradient (one GEMM
+  per chunk, each chunk's gather overlapping the next chunk); backward recomputes the logits
+  (3 GEMMs per chunk) and all-reduces dhidden, started asynchronously before the last dweight
+  GEMM, which it overlaps (on CUDA NCCL runs on its own stream).
+
+Sequence parallelism (:class:`_SeqGather`, :class:`_SeqLocal`) all-gathers the token shards
+first (after the layout check) and reduce-scatters dhidden instead of the all-reduce.
+
+The torch reference over a group (:mod:`.reference`) uses the same layout exchange and one
+all-gather of the statistics of all its tokens; :func:`_tp_setup` is called by the argument
+checks (:mod:`.checks`).
 """
 import torch
 
 from .kernels import _launch_rows
-from .single import _ParamGrads, _kw, _logits_into
+from .single import _ParamGrads, _dhidden_into, _kw, _logits_into
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
 _REDUCTION_CODE = {"none": 0, "sum": 1, "mean": 2}
-_META_ROWS = 3
 _META_NAMES = ("V_local", "vocab_start", "dtype", "hidden size", "tokens",
                "z_loss", "label_smoothing", "softcap", "temperature", "ignore_index",
-               "return_entropy", "reduction", "bias", "accum_dtype", "return_lse")
-# Shard layouts already validated on the host: (group id, rank, size, V_local, vocab_start, dtype,
-# H) -> global V. With validate_targets=False later calls read nothing back (no host sync).
+               "return_entropy", "reduction", "bias", "accum_dtype", "return_lse",
+               "chunk_tokens")
+_META_ROWS = 4  # rows of 5 values; the layout exchange adds one row of per-rank value checks
+# Shard layouts already checked on the host: (group id, rank, size, V_local, vocab_start, dtype,
+# H) -> (global V, largest V_local). With validate_targets=False later calls exchange nothing.
 _TP_LAYOUTS: dict = {}
 
 
@@ -63,20 +82,23 @@ def _tp_setup(tp_group, vocab_start, V_local):
 
 
 def _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, smoothing, softcap,
-                  return_entropy, return_lse, bias, accum_fp32):
-    """This rank's metadata rows [3, 5] (exact in fp32), carried by the statistics all-gather."""
+                  return_entropy, return_lse, bias, accum_fp32, chunk_tokens):
+    """This rank's metadata rows [4, 5] (exact in float64), checked by the layout exchange."""
     return [[weight.shape[0], tp.start, _DTYPE_CODE[weight.dtype], weight.shape[1], h.shape[0]],
             [float(z_loss), float(smoothing), float(softcap or 0.0), -1.0 if temp is not None else float(temperature),
              ignore_index],
-            [bool(return_entropy), _REDUCTION_CODE[reduction], bias is not None, bool(accum_fp32), bool(return_lse)]]
+            [bool(return_entropy), _REDUCTION_CODE[reduction], bias is not None, bool(accum_fp32), bool(return_lse)],
+            [chunk_tokens if isinstance(chunk_tokens, int) else 0, 0, 0, 0, 0]]
 
 
 def _tp_check_layout(meta):
-    """Host check of every rank's metadata rows (a list per rank); returns the global V."""
+    """Host check of every rank's metadata values (a list per rank); returns (global V, largest V_local)."""
     def fmt(j):
         vals = [m[j] for m in meta]
         if j == 2:
             vals = [str(_CODE_DTYPE.get(int(v), v)).replace("torch.", "") for v in vals]
+        if j == 15:
+            vals = [int(v) if v else "auto" for v in vals]
         return ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
 
     for j in range(2, len(_META_NAMES)):
@@ -95,63 +117,79 @@ def _tp_check_layout(meta):
                              f"[0, V) without gaps or overlaps (V_local {fmt(0)}); vocab_start=None assumes equal "
                              f"shards at rank * V_local: pass `vocab_start` for ragged shards")
         expect = start + v
-    return expect
+    return expect, max(int(m[0]) for m in meta)
 
 
 _META_TENSORS: dict = {}
 
 
-def _tp_pack(M, meta_rows, dtype, device, stats=None):
-    """The all-gather's input [M + 3, 5]: statistics rows (written later by the kernel when
-    ``stats`` is None) then the metadata rows, copied from a cached device tensor (no
-    host-to-device copy per call, so nothing blocks CUDA-graph capture after the first)."""
-    key = (device, dtype, str(meta_rows))
+def _meta_tensor(meta_rows, device):
+    """The metadata rows as a float64 device tensor, cached (no host-to-device copy per call)."""
+    key = (device, str(meta_rows))
     meta = _META_TENSORS.get(key)
     if meta is None:
         if len(_META_TENSORS) > 256:
             _META_TENSORS.clear()
-        meta = _META_TENSORS[key] = torch.tensor(meta_rows, dtype=dtype, device=device)
-    if stats is not None:
-        return torch.cat([stats, meta])
-    packed = torch.empty((M + _META_ROWS, _NSTAT), dtype=dtype, device=device)
-    packed[M:].copy_(meta)
-    return packed
+        meta = _META_TENSORS[key] = torch.tensor(meta_rows, dtype=torch.float64, device=device)
+    return meta
 
 
-def _tp_exchange(packed, M, meta_rows, tp, validate, target, temp, ignore_index):
-    """The forward's one collective: all-gather ``packed`` = [stats; metadata] ->
-    ([size, M, 5] statistics of every shard, global V).
+def _value_flags(target, temp, ignore_index, device):
+    """[1, 5] float64: (a valid target < 0, largest valid target or -1, a temperature <= 0, 0, 0),
+    on device (the host reads them with the layout)."""
+    z = torch.zeros((), dtype=torch.float64, device=device)
+    neg = tmax = bad_temp = z
+    if target.numel():
+        t = target.long()
+        valid = t != ignore_index
+        neg = (valid & (t < 0)).any().to(torch.float64)
+        tmax = torch.where(valid, t, torch.full_like(t, -1)).amax().to(torch.float64)
+    if temp is not None and temp.numel():
+        bad_temp = (~(temp > 0)).any().to(torch.float64)
+    return torch.stack([neg, tmax, bad_temp, z, z]).reshape(1, _NSTAT)
 
-    The metadata is checked on the host when ``validate`` (together with the targets against
-    the global V and per-token temperatures, one device-to-host read) or the first time this
-    rank sees the layout; then the layout is cached and nothing is read back.
+
+def _tp_layout(tp, meta_rows, validate, target, temp, ignore_index, device):
+    """(global V, largest V_local) of the group's shard layout.
+
+    With ``validate``, or the first time this rank sees its layout, all-gathers every rank's
+    metadata rows (and, with ``validate``, the checks of its targets and temperatures) and
+    checks them on the host (one device-to-host read): every rank raises the same error.
+    Otherwise the cached layout, with no collective.
     """
     import torch.distributed as dist
 
+    key = (id(tp.group), tp.rank, tp.size) + tuple(meta_rows[0][:4])
+    known = _TP_LAYOUTS.get(key)
+    if known is not None and not validate:
+        return known
+    rows = [_meta_tensor(meta_rows, device)]
+    rows.append(_value_flags(target, temp, ignore_index, device) if validate
+                else torch.zeros((1, _NSTAT), dtype=torch.float64, device=device))
+    packed = torch.cat(rows)
     out = packed.new_empty((tp.size * packed.shape[0], packed.shape[1]))  # gloo takes the concatenated form
     dist.all_gather_into_tensor(out, packed, group=tp.group)
-    out = out.view(tp.size, packed.shape[0], packed.shape[1])
-    key = (id(tp.group), tp.rank, tp.size) + tuple(meta_rows[0][:4])
-    V_total = _TP_LAYOUTS.get(key)
-    if validate or V_total is None:
-        meta = out[:, M:].reshape(tp.size, -1)
-        extra = []
-        if validate:
-            vt = meta[:, 0].sum()
-            bad_t = ((target != ignore_index) & ((target < 0) | (target >= vt))).any()
-            bad_temp = (~(temp > 0).all()) if temp is not None else torch.zeros((), dtype=torch.bool,
-                                                                                device=packed.device)
-            extra = [bad_t.to(meta.dtype).reshape(1), bad_temp.to(meta.dtype).reshape(1)]
-        vals = torch.cat([meta.reshape(-1)] + extra).tolist()
-        n = meta.shape[1]
-        V_total = _tp_check_layout([vals[r * n:(r + 1) * n] for r in range(tp.size)])
-        if validate and vals[-2]:
+    vals = out.view(tp.size, -1).tolist()
+    n = _META_ROWS * _NSTAT
+    V_total, V_max = _tp_check_layout([v[:n] for v in vals])
+    if validate:
+        flags = [v[n:] for v in vals]
+        if any(f[0] or f[1] >= V_total for f in flags):
             raise ValueError(f"linear_cross_entropy: `target` has values outside [0, {V_total}) (the global "
                              f"vocabulary of the tp_group) other than ignore_index={ignore_index}")
-        if validate and vals[-1]:
+        if any(f[2] for f in flags):
             raise ValueError("linear_cross_entropy: `temperature` tensor has values <= 0")
-        _TP_LAYOUTS[key] = V_total
-    return out[:, :M], V_total
+    _TP_LAYOUTS[key] = (V_total, V_max)
+    return V_total, V_max
+
+
+def _stats_gather(stats, tp, async_op=False):
+    """All-gather the partial statistics [rows, 5] of every rank: ([size, rows, 5], work or None)."""
+    import torch.distributed as dist
+
+    out = stats.new_empty((tp.size * stats.shape[0], stats.shape[1]))
+    work = dist.all_gather_into_tensor(out, stats, group=tp.group, async_op=async_op)
+    return out.view(tp.size, stats.shape[0], stats.shape[1]), work
 
 
 def _dh_reduce_start(dh, group, fp32):
@@ -171,55 +209,107 @@ def _dh_reduce_finish(handle):
 
 
 class _TPConfig:
-    __slots__ = ("tp", "meta", "inv_temp", "ignore_index", "z_loss", "smoothing", "cap", "accum_fp32", "chunk",
-                 "validate", "mean", "need_ent", "sp")
+    __slots__ = ("tp", "V_total", "inv_temp", "ignore_index", "z_loss", "smoothing", "cap", "accum_fp32", "chunk",
+                 "mean", "need_ent", "sp")
 
     def __init__(self, *args):
         for k, v in zip(self.__slots__, args, strict=True):
             setattr(self, k, v)
 
 
+def _bounds(M, chunk):
+    return [(s, min(M, s + chunk)) for s in range(0, M, chunk)]
+
+
+def _stats_kw(c, temp, s, e):
+    """Row-kernel options of the statistics pass (z_loss plays no part in the statistics)."""
+    return dict(vocab_start=c.tp.start, **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, 0.0,
+                                              c.smoothing, c.cap))
+
+
+def _grad_kw(c, temp, s, e):
+    return dict(vocab_start=c.tp.start, vocab_total=c.V_total,
+                **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, c.z_loss, c.smoothing, c.cap))
+
+
 def _tp_stats_pass(h, weight, bias, t, temp, c):
-    """Local shard statistics, written into the all-gather's packed input [M + 3, 5]; returns
-    it and the logits workspace (the last chunk's logits are still in it)."""
+    """Statistics of every shard [size, M, 5]: per chunk the local logits GEMM, the shard's
+    statistics and their asynchronous all-gather, which the next chunk's GEMM overlaps."""
     M, V = h.shape[0], weight.shape[0]
-    packed = _tp_pack(M, c.meta, torch.float32, h.device)
-    stats = packed[:M]
+    stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=h.device)
     buf = h.new_empty((min(c.chunk, M), V))
-    for s in range(0, M, c.chunk):
-        e = min(M, s + c.chunk)
+    parts = []
+    for s, e in _bounds(M, c.chunk):
         x = buf[: e - s]
         _logits_into(h[s:e], weight, bias, x)
-        _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, vocab_start=c.tp.start,
-                     **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, 0.0, c.smoothing, c.cap))
-    return packed, buf
+        _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, **_stats_kw(c, temp, s, e))
+        parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
+    del buf
+    for _, work in parts:
+        work.wait()
+    return torch.cat([g for g, _ in parts], 1)
 
 
-def _tp_grad_pass(h, weight, bias, t, temp, c, V_total, buf, need_dh, need_dw, need_db, *, lse, g_loss,
-                  per_token, ent=None, g_ent=None, g_lse=None, reuse_last=False, reduce_dh=True):
-    """dlogits chunk by chunk (recomputing the logits; with ``reuse_last`` the last chunk's are
-    still in ``buf`` and go first), local dweight/dbias and the dhidden partials. With
-    ``reduce_dh`` the dhidden all-reduce starts before the last dweight GEMM, which it
-    overlaps. Returns (dh, reduce handle or None, dw, db)."""
+def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
+    """The scalar loss's gradient formed in the forward, three GEMMs per chunk: the local logits
+    GEMM, the shard's statistics and their asynchronous all-gather; then, once the chunk's
+    gather is done, the row kernel merges its lse and overwrites the logits still in memory with
+    dlogits, and the dhidden-partial GEMM and the dweight accumulation follow. Two workspaces
+    alternate (one when there is one chunk): chunk j + 1's GEMM and statistics are issued before
+    chunk j waits for its gather. Returns (statistics of every shard [size, M, 5], dh partial or
+    None, dw, db)."""
+    M, V = h.shape[0], weight.shape[0]
+    bounds = _bounds(M, c.chunk)
+    bufs = [h.new_empty((min(c.chunk, M), V)) for _ in range(min(2, len(bounds)))]
+    stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h) if need_dh else None
+    pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
+    parts = []
+
+    def issue(j):
+        s, e = bounds[j]
+        x = bufs[j % len(bufs)][: e - s]
+        _logits_into(h[s:e], weight, bias, x)
+        _launch_rows(x, t[s:e], stats=stats[s:e], **_stats_kw(c, temp, s, e))
+        parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
+
+    issue(0)
+    for j, (s, e) in enumerate(bounds):
+        if j + 1 < len(bounds):
+            issue(j + 1)
+        gathered, work = parts[j]
+        work.wait()
+        x = bufs[j % len(bufs)][: e - s]
+        _launch_rows(x, t[s:e], merged=gathered, g_loss=w1, per_token=False, **_grad_kw(c, temp, s, e))
+        if need_dh:
+            _dhidden_into(x, weight, dh[s:e])
+        pg.add(x, h[s:e])
+    del bufs
+    dw, db = pg.result(h)
+    return torch.cat([g for g, _ in parts], 1), dh, dw, db
+
+
+def _tp_grad_pass(h, weight, bias, t, temp, c, need_dh, need_dw, need_db, *, lse, g_loss, ent=None, g_ent=None,
+                  g_lse=None, reduce_dh=True):
+    """Per-token backward: the chunk logits recomputed and turned into dlogits from the per-token
+    upstream gradients, local dweight/dbias and the dhidden partials (3 GEMMs per chunk). With
+    ``reduce_dh`` the dhidden all-reduce starts before the last dweight GEMM, which it overlaps.
+    Returns (dh, reduce handle or None, dw, db)."""
     M = h.shape[0]
     dh = torch.empty_like(h) if need_dh else None
     pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
-    bounds = [(s, min(M, s + c.chunk)) for s in range(0, M, c.chunk)]
-    order = bounds[::-1] if reuse_last else bounds
+    buf = h.new_empty((min(c.chunk, M), weight.shape[0]))
+    bounds = _bounds(M, c.chunk)
     handle = None
-    for i, (s, e) in enumerate(order):
+    for i, (s, e) in enumerate(bounds):
         x, hc = buf[: e - s], h[s:e]
-        if not (reuse_last and i == 0):
-            _logits_into(hc, weight, bias, x)
-        _launch_rows(x, t[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e],
-                     g_loss=g_loss[s:e] if per_token else g_loss, g_ent=None if g_ent is None else g_ent[s:e],
-                     g_lse=None if g_lse is None else g_lse[s:e], per_token=per_token, vocab_start=c.tp.start,
-                     vocab_total=V_total,
-                     **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, c.z_loss, c.smoothing,
-                           c.cap))
+        _logits_into(hc, weight, bias, x)
+        _launch_rows(x, t[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e], g_loss=g_loss[s:e],
+                     g_ent=None if g_ent is None else g_ent[s:e], g_lse=None if g_lse is None else g_lse[s:e],
+                     per_token=True, **_grad_kw(c, temp, s, e))
         if need_dh:
-            torch.mm(x, weight, out=dh[s:e])
-            if reduce_dh and i == len(order) - 1:
+            _dhidden_into(x, weight, dh[s:e])
+            if reduce_dh and i == len(bounds) - 1:
                 handle = _dh_reduce_start(dh, c.tp.group, c.accum_fp32)
         pg.add(x, hc)
     dw, db = pg.result(h)
@@ -227,28 +317,21 @@ def _tp_grad_pass(h, weight, bias, t, temp, c, V_total, buf, need_dh, need_dw, n
 
 
 class _TPScalarLoss(torch.autograd.Function):
-    """Scalar loss ("mean"/"sum") with the local gradients formed in the forward: stats pass,
-    gather + merge, gradient pass (the last chunk reuses its logits: with one chunk, 3 GEMMs in
-    all). Backward scales them by grad_output and all-reduces dhidden (the forward's only
-    collective stays the gather)."""
+    """Scalar loss ("mean"/"sum") with the local gradients formed in the forward
+    (:func:`_tp_fused_pass`: 3 GEMMs per chunk, a statistics all-gather per chunk). Backward
+    scales them by grad_output and all-reduces dhidden."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, t, temp, c):
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-        packed, buf = _tp_stats_pass(h, weight, bias, t, temp, c)
-        gathered, V_total = _tp_exchange(packed, h.shape[0], c.meta, c.tp, c.validate, t, temp,
-                                          c.ignore_index)
         valid = t != c.ignore_index
-        loss_tok, lse, _ = _finalize_stats(merge_partial_stats(gathered), valid, V_total, c.z_loss, c.smoothing,
-                                           False)
         if c.mean:
             w = 1.0 / valid.sum().clamp(min=1).to(torch.float32)
         else:
             w = torch.ones((), dtype=torch.float32, device=h.device)
-        dh, _, dw, db = _tp_grad_pass(h, weight, bias, t, temp, c, V_total, buf, need_dh, need_dw, need_db,
-                                      lse=lse, g_loss=w.reshape(1), per_token=False, reuse_last=True,
-                                      reduce_dh=False)
-        del buf
+        gathered, dh, dw, db = _tp_fused_pass(h, weight, bias, t, temp, c, w.reshape(1), need_dh, need_dw, need_db)
+        loss_tok, _, _ = _finalize_stats(merge_partial_stats(gathered), valid, c.V_total, c.z_loss, c.smoothing,
+                                         False)
         ctx.group, ctx.fp32, ctx.sp = c.tp.group, c.accum_fp32, c.sp
         ctx.needs = (need_dh, need_dw, need_db)
         ctx.grads = [dh, dw if need_dw else None, db if need_db else None]  # released in backward (no copy)
@@ -272,20 +355,18 @@ class _TPScalarLoss(torch.autograd.Function):
 
 
 class _TPPerToken(torch.autograd.Function):
-    """Per-token (loss, lse, entropy): stats pass + gather + merge in forward; backward
-    recomputes the local logits (4 GEMMs) from per-token upstream gradients."""
+    """Per-token (loss, lse, entropy): statistics pass with per-chunk gathers, merge in forward;
+    backward recomputes the local logits (4 GEMMs per chunk in all) from per-token upstream
+    gradients."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, t, temp, c):
-        packed, buf = _tp_stats_pass(h, weight, bias, t, temp, c)
-        del buf
-        gathered, V_total = _tp_exchange(packed, h.shape[0], c.meta, c.tp, c.validate, t, temp,
-                                          c.ignore_index)
-        loss, lse, ent = _finalize_stats(merge_partial_stats(gathered), t != c.ignore_index, V_total, c.z_loss,
+        gathered = _tp_stats_pass(h, weight, bias, t, temp, c)
+        loss, lse, ent = _finalize_stats(merge_partial_stats(gathered), t != c.ignore_index, c.V_total, c.z_loss,
                                          c.smoothing, c.need_ent)
         if ent is None:
             ent = lse.new_empty(0)
-        ctx.c, ctx.V_total = c, V_total
+        ctx.c = c
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, weight, bias, t, temp, lse, ent)
         ctx.mark_non_differentiable(*(() if c.need_ent else (ent,)))
@@ -302,10 +383,9 @@ class _TPPerToken(torch.autograd.Function):
         g_loss = torch.zeros(M, dtype=torch.float32, device=h.device) if g_loss is None else g_loss.float()
         g_ent = None if (g_ent is None or not c.need_ent) else g_ent.float().contiguous()
         g_lse = None if g_lse is None else g_lse.float().contiguous()
-        buf = h.new_empty((min(c.chunk, M), weight.shape[0]))
-        dh, handle, dw, db = _tp_grad_pass(h, weight, bias, t, temp, c, ctx.V_total, buf, need_dh, need_dw,
-                                           need_db, lse=lse, g_loss=g_loss.contiguous(), per_token=True, ent=ent,
-                                           g_ent=g_ent, g_lse=g_lse, reduce_dh=not c.sp)
+        dh, handle, dw, db = _tp_grad_pass(h, weight, bias, t, temp, c, need_dh, need_dw, need_db, lse=lse,
+                                           g_loss=g_loss.contiguous(), ent=ent, g_ent=g_ent, g_lse=g_lse,
+                                           reduce_dh=not c.sp)
         if handle is not None:
             dh = _dh_reduce_finish(handle)
         return dh, (dw if need_dw else None), (db if need_db else None), None, None, None

@@ -10,7 +10,7 @@ fused op (:mod:`.api`) falls back to it where the kernels cannot run.
 import torch
 
 from .checks import _prepare
-from .parallel import _CopyToGroup, _sp_gather, _sp_local, _tp_exchange, _tp_meta_rows, _tp_pack
+from .parallel import _CopyToGroup, _sp_gather, _sp_local, _stats_gather, _tp_layout, _tp_meta_rows
 from .stats import _finalize_stats, _pack, merge_partial_stats
 
 
@@ -103,11 +103,12 @@ def _ref_partial_chunk(h, weight, bias, t, temp, temperature, ignore_index, soft
 
 
 def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, smoothing, softcap, chunk, need_ent,
-                  tp, meta, validate, accum_fp32, sp=False):
-    """Reference over a tensor-parallel group: local partial statistics (autograd), the same
-    all-gather and merge as the kernels; the other ranks' statistics are constants here, and
-    dhidden is summed over the group by _CopyToGroup (by _SeqGather's reduce-scatter under
-    sequence parallelism, where ``h`` is already the group's gathered tokens)."""
+                  tp, V_total, accum_fp32, sp=False):
+    """Reference over a tensor-parallel group: local partial statistics (autograd), one
+    all-gather of them (of all the tokens at once) and the kernels' merge; the other ranks'
+    statistics are constants here, and dhidden is summed over the group by _CopyToGroup (by
+    _SeqGather's reduce-scatter under sequence parallelism, where ``h`` is already the group's
+    gathered tokens)."""
     M = h.shape[0]
     if h.requires_grad and not sp:
         h = _CopyToGroup.apply(h, tp.group, accum_fp32)
@@ -122,8 +123,10 @@ def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, s
         else:
             parts.append(_ref_partial_chunk(*args))
     stats = torch.cat(parts)
-    packed = _tp_pack(M, meta, stats.dtype, stats.device, stats.detach())
-    gathered, V_total = _tp_exchange(packed, M, meta, tp, validate, t, temp, ignore_index)
+    if M == 0:  # every rank has no tokens (the layout exchange checked the counts): nothing to gather
+        gathered = stats.detach().unsqueeze(0).expand(tp.size, 0, stats.shape[1])
+    else:
+        gathered, _ = _stats_gather(stats.detach().contiguous(), tp)
     shards = list(gathered.unbind(0))
     shards[tp.rank] = stats  # the local shard, differentiable (bitwise the gathered values)
     return _finalize_stats(merge_partial_stats(torch.stack(shards)), t != ignore_index, V_total, z_loss, smoothing,
@@ -140,8 +143,9 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
     (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored
     (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32).
     With a ``tp_group`` it computes the same partial statistics of the local vocabulary
-    shard as the kernels and combines them with the same single all-gather and merge
-    (``sequence_parallel``: after the same all-gather of the token shards as the kernels).
+    shard as the kernels and combines them with an all-gather and the same merge
+    (``sequence_parallel``: after the same all-gather of the token shards as the kernels), after
+    the kernels' layout exchange and checks.
     """
     accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
                                           label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
@@ -149,15 +153,16 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
     temperature_f = None if temp is not None else float(temperature)
     if tp is not None:
         meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, label_smoothing,
-                             softcap, return_entropy, return_lse, bias, accum_fp32)
+                             softcap, return_entropy, return_lse, bias, accum_fp32, chunk_tokens)
         temp = None if temp is None else temp.detach()
+        V_total, _ = _tp_layout(tp, meta, bool(validate_targets), t, temp, ignore_index, h.device)
         if sequence_parallel:
             h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
         chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
                                                                                      h.shape[0])
         loss, lse, ent = _reference_tp(h, weight, t, bias, temp, temperature_f, ignore_index, float(z_loss),
-                                       float(label_smoothing), softcap, chunk, bool(return_entropy), tp, meta,
-                                       validate_targets, accum_fp32, sequence_parallel)
+                                       float(label_smoothing), softcap, chunk, bool(return_entropy), tp, V_total,
+                                       accum_fp32, sequence_parallel)
         if sequence_parallel:
             loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)

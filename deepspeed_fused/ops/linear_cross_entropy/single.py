@@ -15,8 +15,9 @@ Two gradient strategies:
   per-token ``lse`` and entropy (fp32); backward recomputes the chunk logits and the kernel
   turns them in place into ``dlogits`` from the per-token upstream gradients: 4 GEMMs.
 
-The chunk drivers (:func:`_logits_into`, :class:`_ParamGrads`, :func:`_kw`) are shared with
-the tensor-parallel form (:mod:`.parallel`). The public entry point is in :mod:`.api`.
+The chunk drivers (:func:`_logits_into`, :func:`_dhidden_into`, :class:`_ParamGrads`,
+:func:`_kw`) are shared with the tensor-parallel form (:mod:`.parallel`). The public entry
+point is in :mod:`.api`.
 """
 from typing import Optional
 
@@ -35,6 +36,10 @@ def _logits_into(h, weight, bias, out):
         torch.mm(h, weight.t(), out=out)
     else:
         torch.addmm(bias, h, weight.t(), out=out)
+
+
+def _dhidden_into(dlogits, weight, out):
+    torch.mm(dlogits, weight, out=out)
 
 
 _FP32_OUT_DTYPE_OK = [True]
@@ -129,7 +134,7 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
         _launch_rows(x, target[s:e], stats=stats[s:e], g_loss=w1, per_token=False,
                      **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
         if need_dh:
-            torch.mm(x, weight, out=dh[s:e])
+            _dhidden_into(x, weight, dh[s:e])
         pg.add(x, h)
     loss_tok, _, _ = _finalize_stats(stats, valid, V, z_loss, smoothing, False)
     loss = loss_tok.sum() * w
@@ -168,7 +173,7 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
                      g_lse=None if g_lse is None else g_lse[s:e], per_token=True,
                      **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
         if need_dh:
-            torch.mm(x, weight, out=dh[s:e])
+            _dhidden_into(x, weight, dh[s:e])
         pg.add(x, h)
     dw, db = pg.result(hidden)
     return dh, dw, db

@@ -4,8 +4,8 @@ The row kernel (:mod:`.kernels`) emits per-token *partial statistics* [tokens, 5
 ``m``, ``d = sum exp(z-m)``, ``a = sum exp(z-m)(z-m)``, ``sum z`` and the target logit if the
 target falls in the ``[vocab_start, vocab_start + V)`` shard. :func:`_finalize_stats` turns
 them into loss, lse and entropy. :func:`merge_partial_stats` combines the statistics of
-vocabulary shards: this is where a tensor-parallel group plugs in (:mod:`.parallel`: one
-all-gather of the packed statistics). :func:`_pack` applies the reduction and builds the
+vocabulary shards: this is where a tensor-parallel group plugs in (:mod:`.parallel`: an
+all-gather of the statistics per token chunk). :func:`_pack` applies the reduction and builds the
 returned value, for the kernel path and the torch reference (:mod:`.reference`) alike.
 Plain torch; no Triton.
 """
