@@ -226,10 +226,16 @@ except Exception:  # pragma: no cover - Triton absent or older
     _RUNTIME_KNOBS = None
 
 
+# DEEPSPEED_FUSED_JIT_LAUNCH=1 (read at import): every launch goes through Triton's JIT, as while
+# launch hooks are installed (for debugging the direct launches).
+_JIT_ONLY = os.environ.get("DEEPSPEED_FUSED_JIT_LAUNCH", "0") not in ("", "0")
+
+
 def _launch_hooks() -> bool:
-    """Whether Triton launch hooks are installed (then the JIT path runs them)."""
+    """Whether Triton launch hooks are installed (then the JIT path runs them), or the JIT is
+    forced for every launch (``DEEPSPEED_FUSED_JIT_LAUNCH``)."""
     rt = _RUNTIME_KNOBS
-    if rt is None:
-        return False
+    if rt is None or _JIT_ONLY:
+        return _JIT_ONLY
     enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))

@@ -561,12 +561,16 @@ def permute_rows_with_inverse(rows: torch.Tensor, permuted_indices: torch.Tensor
     return _permute_inverse_impl(rows, permuted_indices)
 
 
-@torch.library.custom_op(f"{_NS}::rg_combine", mutates_args=())
-def _combine_op(src: torch.Tensor, slot_of_assignment: torch.Tensor,
-                weights: Optional[torch.Tensor]) -> torch.Tensor:
+def _combine_rows(src: torch.Tensor, slot_of_assignment: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
     if _kernel_ok("gather_combine", src, slot_of_assignment):
         return _combine_kernel_launch(src, slot_of_assignment, weights)
     return gather_combine_reference(src, slot_of_assignment, weights)
+
+
+@torch.library.custom_op(f"{_NS}::rg_combine", mutates_args=())
+def _combine_op(src: torch.Tensor, slot_of_assignment: torch.Tensor,
+                weights: Optional[torch.Tensor]) -> torch.Tensor:
+    return _combine_rows(src, slot_of_assignment, weights)
 
 
 def _combine_kernel_launch(src: torch.Tensor, slot: torch.Tensor, weights: Optional[torch.Tensor],
@@ -598,6 +602,11 @@ def _(src, slot_of_assignment, weights):
 @torch.library.custom_op(f"{_NS}::rg_combine_backward", mutates_args=())
 def _combine_backward_op(grad: torch.Tensor, src: torch.Tensor, slot_of_assignment: torch.Tensor,
                          weights: torch.Tensor, weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _combine_backward_rows(grad, src, slot_of_assignment, weights, weights_grad)
+
+
+def _combine_backward_rows(grad: torch.Tensor, src: torch.Tensor, slot_of_assignment: torch.Tensor,
+                           weights: torch.Tensor, weights_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, top_k = slot_of_assignment.shape
     num_slots, hidden = src.shape
     assignment = _invert(slot_of_assignment, num_slots)  # slot -> flat assignment t*k+j, or -1
@@ -658,11 +667,15 @@ def _combine_backward(ctx, grad):
 _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
-@torch.library.custom_op(f"{_NS}::rg_dispatch", mutates_args=())
-def _dispatch_op(rows: torch.Tensor, token_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
+def _dispatch_rows(rows: torch.Tensor, token_of_slot: torch.Tensor) -> torch.Tensor:
     if _kernel_ok("gather_dispatch", rows, token_of_slot):
         return _gather_kernel(rows, token_of_slot)
     return gather_dispatch_reference(rows, token_of_slot).contiguous()
+
+
+@torch.library.custom_op(f"{_NS}::rg_dispatch", mutates_args=())
+def _dispatch_op(rows: torch.Tensor, token_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
+    return _dispatch_rows(rows, token_of_slot)
 
 
 @_dispatch_op.register_fake
@@ -681,6 +694,57 @@ def _dispatch_backward(ctx, grad):
 
 
 _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# Eager forms of dispatch and combine (as for the permute above): autograd Functions over the same
+# kernels; torch.compile traces the custom ops. Under create_graph the backwards go through the
+# differentiable forms (the combine's backward op, as in the custom op's autograd).
+class _DispatchFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, rows, token_of_slot, slot_of_assignment):
+        ctx.save_for_backward(slot_of_assignment)
+        return _dispatch_rows(rows, token_of_slot)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slot_of_assignment, ) = ctx.saved_tensors
+        return _combine_eager(grad.contiguous(), slot_of_assignment, None), None, None
+
+
+class _CombineFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, src, slot_of_assignment, weights):
+        ctx.has_weights = weights is not None
+        ctx.save_for_backward(src, slot_of_assignment, weights if weights is not None else src.new_empty(0))
+        return _combine_rows(src, slot_of_assignment, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, slot, weights = ctx.saved_tensors
+        if not ctx.has_weights:
+            weights = torch.ones(slot.shape, dtype=torch.float32, device=src.device)
+        need_w = ctx.has_weights and ctx.needs_input_grad[2]
+        bwd = _combine_backward_op if torch.is_grad_enabled() else _combine_backward_rows
+        grad_src, grad_w = bwd(grad, src, slot, weights, need_w)
+        return grad_src, None, (grad_w if need_w else None)
+
+
+def _combine_eager(src, slot_of_assignment, weights):
+    if torch.compiler.is_compiling():
+        return _combine_op(src, slot_of_assignment, weights)
+    if torch.is_grad_enabled() and (src.requires_grad or (weights is not None and weights.requires_grad)):
+        return _CombineFn.apply(src, slot_of_assignment, weights)
+    return _combine_rows(src, slot_of_assignment, weights)
+
+
+def _dispatch_eager(rows, token_of_slot, slot_of_assignment):
+    if torch.compiler.is_compiling():
+        return _dispatch_op(rows, token_of_slot, slot_of_assignment)
+    if _needs_graph(rows):
+        return _DispatchFn.apply(rows, token_of_slot, slot_of_assignment)
+    return _dispatch_rows(rows, token_of_slot)
 
 # ----------------------------------------------------------------------------------------------
 # Public functions
@@ -736,7 +800,7 @@ def gather_dispatch(rows: torch.Tensor, token_of_slot: torch.Tensor, slot_of_ass
     if slot_of_assignment.shape[0] != rows.shape[0]:
         raise ValueError(f"slot_of_assignment: expected {rows.shape[0]} rows (one per token), "
                          f"got {slot_of_assignment.shape[0]}")
-    return _dispatch_op(rows, token_of_slot, slot_of_assignment)
+    return _dispatch_eager(rows, token_of_slot, slot_of_assignment)
 
 
 def gather_combine(expert_out: torch.Tensor, slot_of_assignment: torch.Tensor,
@@ -754,7 +818,7 @@ def gather_combine(expert_out: torch.Tensor, slot_of_assignment: torch.Tensor,
         if routing_weights.shape != slot_of_assignment.shape:
             raise ValueError(f"routing_weights: expected shape {tuple(slot_of_assignment.shape)} "
                              f"(that of slot_of_assignment), got {tuple(routing_weights.shape)}")
-    return _combine_op(expert_out, slot_of_assignment, routing_weights)
+    return _combine_eager(expert_out, slot_of_assignment, routing_weights)
 
 
 def _interpreting() -> bool:  # for tests: whether CPU tensors run the kernels

@@ -238,3 +238,30 @@ def test_peak_memory_bounded(mode):
     grads = h.numel() * 2 + w.numel() * 2
     extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**20
     assert extra <= 512, extra
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias,softcap", [(True, None), (False, 20.0), (True, 20.0)])
+def test_lse_at_least_as_accurate_as_eager(dtype, bias, softcap):
+    """Issue 15's numerics (Apple CCE's contract), per row: |lse - lse_fp32| <= |lse_eager - lse_fp32|
+    + 1e-5, where eager is F.linear in the input dtype, then the soft cap in that dtype, then an FP32
+    logsumexp, and lse_fp32 is the same from FP32 copies of the inputs."""
+    import torch.nn.functional as F
+
+    M, H, V = 512, 1024, 32000
+    h, w, t, b = _data(M, H, V, dtype, seed=11, bias=bias, w_std=0.05)
+
+    def eager(h_, w_, b_):
+        z = F.linear(h_, w_, b_)
+        if softcap:
+            z = softcap * torch.tanh(z / softcap)
+        return torch.logsumexp(z.float(), dim=-1)
+
+    lse_fp32 = eager(h.float(), w.float(), None if b is None else b.float()).double()
+    lse_eager = eager(h, w, b).double()
+    _, lse = linear_cross_entropy(h, w, t, bias=b, softcap=softcap, reduction="none", return_lse=True)
+    ours_err = (lse.double() - lse_fp32).abs()
+    eager_err = (lse_eager - lse_fp32).abs()
+    excess = (ours_err - eager_err - 1e-5).max().item()
+    assert excess <= 0, (f"worst row exceeds eager's error by {excess:.2e} (ours max {ours_err.max().item():.2e}, "
+                         f"eager max {eager_err.max().item():.2e})")

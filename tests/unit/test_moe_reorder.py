@@ -615,3 +615,30 @@ def test_eager_functions_match_custom_ops(interpret):
     assert torch.equal(c.grad, d.grad)
     with torch.no_grad():  # no graph: the kernels directly
         assert rg.permute_rows(a, pidx, inverse=inv_a).grad_fn is None
+
+
+def test_dispatch_combine_eager_functions_match_custom_ops(interpret):
+    """gather_dispatch / gather_combine run autograd Functions in eager mode and the custom ops under
+    torch.compile: same outputs and gradients (tokens, expert outputs and routing weights)."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, top_k, hidden = 11, 2, 24
+    perm = torch.randperm(tokens * top_k, generator=gen)
+    token_of_slot = (perm // top_k).to(interpret)
+    slot = rg.inverse_permutation(perm, perm.numel()).view(tokens, top_k).to(interpret)
+    h = torch.randn(tokens, hidden, generator=gen).to(interpret)
+    w = torch.rand(tokens, top_k, generator=gen).to(interpret)
+    g = torch.randn(tokens, hidden, generator=gen).to(interpret)
+    results = []
+    for eager in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if eager:
+            x = rg.gather_dispatch(hh, token_of_slot, slot)
+            out = rg.gather_combine(x * 2.0, slot, ww)
+            assert type(x.grad_fn).__name__ == "_DispatchFnBackward"
+            assert type(out.grad_fn).__name__ == "_CombineFnBackward"
+        else:
+            x = rg._dispatch_op(hh, token_of_slot, slot)
+            out = rg._combine_op(x * 2.0, slot, ww)
+        results.append((out.detach(),) + torch.autograd.grad(out, (hh, ww), g))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
