@@ -265,3 +265,15 @@ def test_lse_at_least_as_accurate_as_eager(dtype, bias, softcap):
     excess = (ours_err - eager_err - 1e-5).max().item()
     assert excess <= 0, (f"worst row exceeds eager's error by {excess:.2e} (ours max {ours_err.max().item():.2e}, "
                          f"eager max {eager_err.max().item():.2e})")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("g", [1.0, 1 / 3, 2.0])
+def test_upstream_gradient_scaling(dtype, g):
+    """The eager scalar loss's in-place scaling by the upstream gradient: the product in fp32, one
+    rounding; nothing changes when g == 1."""
+    from deepspeed_fused.ops.linear_cross_entropy import kernels
+
+    x = torch.randn(1000, 777, device=DEV).to(dtype)
+    gt = torch.tensor(g, dtype=torch.float32, device=DEV)
+    assert torch.equal(kernels._scale_unless_one_(x.clone(), gt), (x.float() * gt).to(dtype))

@@ -298,3 +298,30 @@ def test_auto_chunk_bounds_workspace():
     assert auto_chunk_tokens(131072, torch.bfloat16, 4096) == 1408  # 3 balanced chunks, not 1920+1920+256
     assert auto_chunk_tokens(131072, torch.bfloat16, 1920) == 1920
     assert auto_chunk_tokens(257, torch.float32, 100) == 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("g", [1.0, 1 / 3, 2.0, 0.99999994, float("inf")])
+def test_upstream_gradient_scaling_matches_mul(interpret, dtype, g):
+    """The eager scalar loss scales its forward-formed gradients with a kernel that skips the work
+    when the upstream gradient is 1 (read on the device): the product in fp32, one rounding."""
+    x = torch.randn(37, 29, generator=torch.Generator().manual_seed(1)).to(dtype).to(interpret)
+    gt = torch.tensor(g, dtype=torch.float32, device=interpret)
+    ours = lce_kernels._scale_unless_one_(x.clone(), gt)
+    assert torch.equal(ours, (x.float() * gt).to(dtype))
+
+
+def test_scalar_loss_gradient_scaled_by_upstream(interpret):
+    """loss.backward() (g = 1) and (3 * loss).backward() through the eager scalar path: gradients
+    exactly g times apart where g is a power of two, close otherwise."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(12, 16, generator=g).to(interpret)
+    w = (0.1 * torch.randn(50, 16, generator=g)).to(interpret)
+    t = torch.randint(0, 50, (12,), generator=g).to(interpret)
+    grads = []
+    for scale in (1.0, 4.0, 3.0):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        (scale * linear_cross_entropy(hh, ww, t)).backward()
+        grads.append((hh.grad, ww.grad))
+    assert torch.equal(grads[1][0], 4 * grads[0][0]) and torch.equal(grads[1][1], 4 * grads[0][1])
+    torch.testing.assert_close(grads[2][0], 3 * grads[0][0], rtol=1e-6, atol=0)

@@ -142,6 +142,35 @@ if HAS_TRITON:
                 tl.store(x_row + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _scale_unless_one_kernel(x_ptr, n, g_ptr, BLOCK: tl.constexpr):
+        # x *= g in place, the product in fp32 with g as given (fp32) and one rounding, unless
+        # g == 1: then no program reads or writes x. g is read on the device, so the host never
+        # waits for it.
+        g = tl.load(g_ptr).to(tl.float32)
+        if g != 1.0:
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * g).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_unless_one_(x, g):
+    """``x = (x.float() * g.float()).to(x.dtype)`` in place, for the forward-formed gradients and the
+    scalar upstream gradient ``g`` (almost always 1, as ``loss.backward()`` makes it): no memory
+    traffic when ``g == 1``, and no host sync to find out. Where the kernel cannot run, ``mul_``
+    (which on CUDA may first round ``g`` to ``x``'s dtype)."""
+    if (x.numel() == 0 or g.numel() != 1 or not x.is_contiguous() or x.dtype not in _KERNEL_DTYPES
+            or g.device != x.device or not (x.is_cuda or (interpreter_active() and x.device.type == "cpu"))):
+        return x.mul_(g)
+    block = 4096
+    _scale_unless_one_kernel[(triton.cdiv(x.numel(), block),)](x, x.numel(), g.reshape(1), BLOCK=block,
+                                                                 num_warps=8 if x.is_cuda else 1)
+    return x
+
+
 def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0,
                  ignore_index=-100, vocab_start=0, vocab_total=None, stats=None, lse=None, ent=None,
                  g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None):

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .kernels import _launch_rows
+from .kernels import _launch_rows, _scale_unless_one_
 from .stats import _NSTAT, _finalize_stats
 
 
@@ -212,10 +212,11 @@ def _fused_setup(ctx, inputs, output):
     ctx.grads = [dh, dw, db]
 
 
-def _fused_backward(ctx, g, _gdh, _gdw, _gdb):
+def _fused_backward(ctx, g, _gdh, _gdw, _gdb, scale=None):
     # The gradients were formed in the forward; scale them in place (no second copy of
     # dweight). They can be used once: a second backward through the same graph
-    # (retain_graph=True) raises instead of reusing scaled values.
+    # (retain_graph=True) raises instead of reusing scaled values. ``scale`` (eager): an in-place
+    # scaling that skips the work on the device when g == 1; the custom op's (traced) uses mul_.
     if ctx.grads is None:
         raise RuntimeError("deepspeed_fused.linear_cross_entropy: the scalar-loss path forms its gradients in the "
                            "forward and can be backpropagated once; ask for reduction='none' (per-token path) "
@@ -223,8 +224,9 @@ def _fused_backward(ctx, g, _gdh, _gdw, _gdb):
     dh, dw, db = ctx.grads
     ctx.grads = None
     need_dh, need_dw, need_db = ctx.needs
-    return (dh.mul_(g) if need_dh else None, dw.mul_(g) if need_dw else None, None,
-            db.mul_(g) if need_db else None) + (None,) * 12
+    mul = scale or torch.Tensor.mul_
+    return (mul(dh, g) if need_dh else None, mul(dw, g) if need_dw else None, None,
+            mul(db, g) if need_db else None) + (None,) * 12
 
 
 _lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -245,7 +247,9 @@ class _FusedScalarLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _fused_backward(ctx, g, None, None, None)
+        # under create_graph the scaling must be an autograd op on g (mul_)
+        return _fused_backward(ctx, g, None, None, None,
+                               scale=None if torch.is_grad_enabled() else _scale_unless_one_)
 
 
 @torch.library.custom_op("deepspeed_fused::lce_forward", mutates_args=())
