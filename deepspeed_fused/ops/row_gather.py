@@ -490,30 +490,19 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_save_indices
 # fraction of a custom op's (the gathers are short: host time is much of a call). torch.compile
 # traces the custom ops instead. A backward outside create_graph calls the kernels directly; under
 # create_graph it goes through the Functions again, so the gradient is differentiable.
-class _PermuteFn(torch.autograd.Function):
+class _PermutePairFn(torch.autograd.Function):
+    """The permute (``unpermute`` False) or the unpermute; the backward of each is the other."""
 
     @staticmethod
-    def forward(ctx, rows, permuted_indices, inverse):
+    def forward(ctx, rows, permuted_indices, inverse, unpermute):
         ctx.save_for_backward(permuted_indices, inverse)
-        return _permute_impl(rows, permuted_indices, inverse)
+        ctx.unpermute = unpermute
+        return (_unpermute_impl if unpermute else _permute_impl)(rows, permuted_indices, inverse)
 
     @staticmethod
     def backward(ctx, grad):
         permuted_indices, inverse = ctx.saved_tensors
-        return _unpermute_eager(grad.contiguous(), permuted_indices, inverse), None, None
-
-
-class _UnpermuteFn(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, rows, permuted_indices, inverse):
-        ctx.save_for_backward(permuted_indices, inverse)
-        return _unpermute_impl(rows, permuted_indices, inverse)
-
-    @staticmethod
-    def backward(ctx, grad):
-        permuted_indices, inverse = ctx.saved_tensors
-        return _permute_eager(grad.contiguous(), permuted_indices, inverse), None, None
+        return _pair_eager(grad.contiguous(), permuted_indices, inverse, not ctx.unpermute), None, None, None
 
 
 class _PermuteInverseFn(torch.autograd.Function):
@@ -528,27 +517,19 @@ class _PermuteInverseFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_inverse):
         permuted_indices, inverse = ctx.saved_tensors
-        return _unpermute_eager(grad.contiguous(), permuted_indices, inverse), None
+        return _pair_eager(grad.contiguous(), permuted_indices, inverse, True), None
 
 
 def _needs_graph(rows: torch.Tensor) -> bool:
     return rows.requires_grad and torch.is_grad_enabled()
 
 
-def _permute_eager(rows, permuted_indices, inverse):
+def _pair_eager(rows, permuted_indices, inverse, unpermute: bool):
     if torch.compiler.is_compiling():
-        return _permute_op(rows, permuted_indices, inverse)
+        return (_unpermute_op if unpermute else _permute_op)(rows, permuted_indices, inverse)
     if _needs_graph(rows):
-        return _PermuteFn.apply(rows, permuted_indices, inverse)
-    return _permute_impl(rows, permuted_indices, inverse)
-
-
-def _unpermute_eager(rows, permuted_indices, inverse):
-    if torch.compiler.is_compiling():
-        return _unpermute_op(rows, permuted_indices, inverse)
-    if _needs_graph(rows):
-        return _UnpermuteFn.apply(rows, permuted_indices, inverse)
-    return _unpermute_impl(rows, permuted_indices, inverse)
+        return _PermutePairFn.apply(rows, permuted_indices, inverse, unpermute)
+    return (_unpermute_impl if unpermute else _permute_impl)(rows, permuted_indices, inverse)
 
 
 def permute_rows_with_inverse(rows: torch.Tensor, permuted_indices: torch.Tensor) -> tuple:
@@ -767,7 +748,7 @@ def permute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, *, validate
         out, inverse = permute_rows_with_inverse(rows, permuted_indices)
         _remember_inverse(permuted_indices, rows.shape[0], inverse)
         return out
-    return _permute_eager(rows, permuted_indices, inverse)
+    return _pair_eager(rows, permuted_indices, inverse, False)
 
 
 def unpermute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, num_rows: int, *, validate: bool = False,
@@ -785,7 +766,7 @@ def unpermute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, num_rows:
         validate_permutation(permuted_indices, num_rows)
     if inverse is None:
         inverse = inverse_permutation(permuted_indices, num_rows)
-    return _unpermute_eager(rows, permuted_indices, inverse)
+    return _pair_eager(rows, permuted_indices, inverse, True)
 
 
 def gather_dispatch(rows: torch.Tensor, token_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
