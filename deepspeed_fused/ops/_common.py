@@ -142,9 +142,11 @@ def direct_launcher(compiled, grid: tuple, constexpr_values: tuple):
 
 def _spec(a):
     """What Triton's JIT specializes a runtime argument on (dtype and 16-byte alignment of a
-    tensor; an int's type range, equality to 1 and divisibility by 16); other values exactly."""
+    tensor; an int's type range, equality to 1 and divisibility by 16); other values exactly. A
+    tensor's CUDA-ness too: a CPU tensor gets its own key, so its first launch goes through the
+    JIT, which rejects it (an integer pointer would skip that check)."""
     if isinstance(a, torch.Tensor):
-        return (a.dtype, not a.data_ptr() & 15)
+        return (a.dtype, not a.data_ptr() & 15, a.is_cuda)
     t = type(a)
     if t is int:
         return (a == 1, not a & 15, -0x80000000 <= a < 0x80000000, a < 0x8000000000000000)

@@ -596,12 +596,14 @@ def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> tuple:
 _COL_FINISH = True  # wide sums: finished in the launch by its last programs, a column strip each
 
 
-def _col_finish_meta(progs: int, N: int, on_gpu: bool) -> tuple:
+def _col_finish_meta(progs: int, N: int, on_gpu: bool, sms: int = 0) -> tuple:
     """(SW, RB_P) of the column-parallel finish: strips of SW columns, one per finisher, at most
-    64 finishers and never more than the programs; under the interpreter one finisher (its
-    programs run one after another, so none may wait for a later one)."""
+    64 finishers, never more than the programs nor half the SMs (the finishers wait for the last
+    programs: at least as many programs as finishers must fit on the device at once, even with
+    other kernels holding SMs); under the interpreter one finisher (its programs run one after
+    another, so none may wait for a later one)."""
     if on_gpu:
-        sw = max(16, triton.next_power_of_2(triton.cdiv(N, min(64, progs))))
+        sw = max(16, triton.next_power_of_2(triton.cdiv(N, max(1, min(64, progs, sms // 2)))))
     else:
         sw = triton.next_power_of_2(N)
     return sw, max(1, min(4096 // sw, triton.next_power_of_2(progs)))
@@ -732,7 +734,7 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
     if finish:
         const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=1)
     elif _COL_FINISH:
-        sw, rb_p = _col_finish_meta(progs, N, x.is_cuda)
+        sw, rb_p = _col_finish_meta(progs, N, x.is_cuda, _sm_count(_device_index(x)) if x.is_cuda else 0)
         const.update(GROUP=group, RB_P=rb_p, RB_N=sw, FINISH=2)
         ws_rows, n_cnt = progs, 2
     else:  # a second launch; narrow column strips so the partial buffer is read by many programs at once

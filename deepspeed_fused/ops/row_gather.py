@@ -678,8 +678,9 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 
 
 # Eager forms of dispatch and combine (as for the permute above): autograd Functions over the same
-# kernels; torch.compile traces the custom ops. Under create_graph the backwards go through the
-# differentiable forms (the combine's backward op, as in the custom op's autograd).
+# kernels; torch.compile traces the custom ops. Under create_graph the dispatch's backward is the
+# combine Function (differentiable); the combine's backward is its backward op, as in the custom
+# op's autograd, which has no derivative of its own (differentiating it again raises).
 class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
@@ -739,7 +740,7 @@ def permute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, *, validate
     (checked only with ``validate=True``). The backward is :func:`unpermute_rows` of the gradient."""
     _check_rows("rows", rows)
     _check_index("permuted_indices", permuted_indices)
-    _check_device(rows, permuted_indices=permuted_indices)
+    _check_device(rows, permuted_indices=permuted_indices, inverse=inverse)
     if validate:
         validate_permutation(permuted_indices, rows.shape[0])
     if inverse is None:
@@ -757,7 +758,7 @@ def unpermute_rows(rows: torch.Tensor, permuted_indices: torch.Tensor, num_rows:
     it; padding slots are never read. The backward is :func:`permute_rows` of the gradient."""
     _check_rows("rows", rows)
     _check_index("permuted_indices", permuted_indices)
-    _check_device(rows, permuted_indices=permuted_indices)
+    _check_device(rows, permuted_indices=permuted_indices, inverse=inverse)
     num_rows = _check_num_rows(num_rows)
     if rows.shape[0] != permuted_indices.shape[0]:
         raise ValueError(f"rows: expected {permuted_indices.shape[0]} rows (one per entry of permuted_indices), "
@@ -1023,6 +1024,7 @@ def route_dispatch(x: torch.Tensor, maps: RouteMaps, scores: Optional[torch.Tens
                              f"{scores.numel()} of {scores.dtype}")
     if x.shape[0] * maps.top_k != maps.slot.numel():
         raise ValueError(f"x: expected {maps.slot.numel() // maps.top_k} token rows, got {x.shape[0]}")
+    _check_device(x, scores=scores, maps=maps.slot)
     return _RouteDispatch.apply(x, scores, maps)
 
 
@@ -1035,4 +1037,5 @@ def route_combine(y: torch.Tensor, maps: RouteMaps, weights: Optional[torch.Tens
     if weights is not None and (not weights.is_floating_point() or weights.numel() != maps.slot.numel()):
         raise ValueError(f"weights: expected {maps.slot.numel()} floating-point routing weights, got "
                          f"{weights.numel()} of {weights.dtype}")
+    _check_device(y, weights=weights, maps=maps.slot)
     return _RouteCombine.apply(y, weights, maps)

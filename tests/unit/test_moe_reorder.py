@@ -642,3 +642,31 @@ def test_dispatch_combine_eager_functions_match_custom_ops(interpret):
         results.append((out.detach(),) + torch.autograd.grad(out, (hh, ww), g))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_index_tensors_on_another_device_raise():
+    """Every index/weight tensor is checked for the rows' device before any launch (the direct
+    launches pass integer pointers, which Triton cannot check)."""
+    rows = torch.randn(4, 8, device="meta")
+    pidx = torch.tensor([0, 1, 2, 3], device="meta")
+    with pytest.raises(ValueError, match="inverse: expected a tensor on meta"):
+        rg.permute_rows(rows, pidx, inverse=torch.arange(4))
+    with pytest.raises(ValueError, match="inverse: expected a tensor on meta"):
+        rg.unpermute_rows(rows, pidx, 4, inverse=torch.arange(4))
+    maps = rg.route_maps_reference(torch.arange(8), 2)
+    with pytest.raises(ValueError, match="maps: expected a tensor on meta"):
+        rg.route_dispatch(rows, maps)
+    with pytest.raises(ValueError, match="maps: expected a tensor on meta"):
+        rg.route_combine(torch.randn(8, 8, device="meta"), maps)
+
+
+def test_direct_launch_key_follows_triton_specialization():
+    """DirectKernel's key: ints by equality to 1, divisibility by 16 and type range; tensors by
+    dtype, 16-byte alignment and CUDA-ness (a CPU tensor never reuses a CUDA launch)."""
+    from deepspeed_fused.ops._common import _spec
+
+    assert _spec(1) != _spec(17) and _spec(16) != _spec(17) and _spec(32) == _spec(48)
+    assert _spec(2 ** 31) != _spec(16) and _spec(2 ** 63) != _spec(2 ** 31)
+    t = torch.zeros(8)
+    assert _spec(t) == (torch.float32, True, False) and _spec(t[1:]) == (torch.float32, False, False)
+    assert _spec(2.5) == _spec(0.5) and _spec(True) != _spec(False)

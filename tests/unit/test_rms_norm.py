@@ -729,3 +729,14 @@ def test_gradient_of_gradient_raises(interpret):
     torch.testing.assert_close(gx, dx_r, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
         torch.autograd.grad(gx.sum(), x)
+
+
+def test_column_finish_never_waits_on_more_programs_than_can_run():
+    """The column-parallel finish: at most 64 finishers, never more than the programs or half the
+    SMs (they wait for the last programs), strips covering every column; one under the interpreter."""
+    for progs, N, sms in [(264, 2048, 132), (396, 4096, 132), (40, 8192, 132), (264, 2048, 14), (3, 100, 2)]:
+        sw, rb_p = R._col_finish_meta(progs, N, True, sms)
+        n_fin = -(-N // sw)
+        assert n_fin <= min(64, progs, max(1, sms // 2)) and n_fin * sw >= N and rb_p * sw <= 4096
+    sw, _ = R._col_finish_meta(264, 2048, False)
+    assert -(-2048 // sw) == 1

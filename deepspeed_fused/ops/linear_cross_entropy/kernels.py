@@ -163,7 +163,8 @@ def _scale_unless_one_(x, g):
     traffic when ``g == 1``, and no host sync to find out. Where the kernel cannot run, ``mul_``
     (which on CUDA may first round ``g`` to ``x``'s dtype)."""
     if (x.numel() == 0 or g.numel() != 1 or not x.is_contiguous() or x.dtype not in _KERNEL_DTYPES
-            or g.device != x.device or not (x.is_cuda or (interpreter_active() and x.device.type == "cpu"))):
+            or g.device != x.device
+            or not (x.is_cuda or (interpreter_active() and x.device.type == "cpu" and x.dtype != torch.bfloat16))):
         return x.mul_(g)
     block = 4096
     _scale_unless_one_kernel[(triton.cdiv(x.numel(), block),)](x, x.numel(), g.reshape(1), BLOCK=block,
