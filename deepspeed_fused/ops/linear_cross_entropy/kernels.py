@@ -30,6 +30,14 @@ if HAS_TRITON:
         return cap - 2.0 * cap / (tl.exp(2.0 * z / cap) + 1.0)
 
     @triton.jit
+    def _load_z(x_row, cols, mask, inv_t, cap, HAS_CAP: tl.constexpr):
+        # a block of the row's logits as the loss sees them: fp32, over the temperature, soft-capped
+        z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
+        if HAS_CAP:
+            z = _softcap(z, cap)
+        return z
+
+    @triton.jit
     def _lce_rows_kernel(
         x_ptr, stride_x, V,
         tgt_ptr, ignore_index, vocab_start,
@@ -68,9 +76,7 @@ if HAS_TRITON:
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 mask = cols < V
-                z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
-                if HAS_CAP:
-                    z = _softcap(z, cap)
+                z = _load_z(x_row, cols, mask, inv_t, cap, HAS_CAP)
                 if NEED_SUMZ:
                     sz += tl.sum(tl.where(mask, z, 0.0), axis=0)
                 z = tl.where(mask, z, float("-inf"))
@@ -125,9 +131,7 @@ if HAS_TRITON:
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 mask = cols < V
-                z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
-                if HAS_CAP:
-                    z = _softcap(z, cap)
+                z = _load_z(x_row, cols, mask, inv_t, cap, HAS_CAP)
                 p = tl.exp(z - lse)
                 if HAS_GE:
                     g = p * (coef - ge * (z - s_pz))
