@@ -173,14 +173,14 @@ class DirectKernel:
         t = args[0]
         if t.is_cuda and not _launch_hooks():
             dev = t.device.index
-            if dev is not None and torch._C._cuda_getDevice() == dev:
+            if dev is not None and _current_device() == dev:
                 key = (tuple(map(_spec, args)), tuple(constexprs.values()), num_warps, dev)
                 parts = self._parts.get(key)
                 if parts is not None:
                     launch, function, coop, pdl, meta, tail = parts
                     g1 = grid[1] if len(grid) > 1 else 1
                     g2 = grid[2] if len(grid) > 2 else 1
-                    launch(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(dev), function, coop, pdl, None, None,
+                    launch(grid[0], g1, g2, _raw_stream(dev), function, coop, pdl, None, None,
                            meta, None, None, None, *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args],
                            *tail)
                     return
@@ -216,8 +216,12 @@ def _known_launcher(run) -> bool:
     return _KNOWN_LAUNCHER[0]
 
 
-def _raw_stream(device_index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device_index)
+# The CUDA state the direct launches read, bound once (None in torch builds without CUDA, where
+# no caller reaches them): the current device, a device's current raw stream, whether the current
+# stream is being captured into a CUDA graph.
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 
 
 try:

@@ -33,7 +33,8 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._common import HAS_TRITON, CachedLaunches, _launch_hooks, kernel_device_ok, tl, triton, warn_fallback
+from ._common import (HAS_TRITON, CachedLaunches, _current_device, _launch_hooks, _raw_stream, _stream_capturing,
+                      kernel_device_ok, tl, triton, warn_fallback)
 
 __all__ = ["fused_rms_norm", "try_fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype"]
 
@@ -485,11 +486,6 @@ def _remember(plans: dict, key, plan):
     return plan
 
 
-_get_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
-_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
-_capturing = torch._C._cuda_isCurrentStreamCapturing if torch.cuda.is_available() else None
-
-
 def _make_fwd_fast(plan, fn):
     copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey = plan
     parts = getattr(fn, "parts", None)
@@ -497,7 +493,7 @@ def _make_fwd_fast(plan, fn):
         return None
     launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
     write_rstd = const["WRITE_RSTD"]
-    empty, empty_like, get_device, raw_stream, hooks = torch.empty, torch.empty_like, _get_device, _raw_stream, _launch_hooks
+    empty, empty_like, get_device, raw_stream, hooks = torch.empty, torch.empty_like, _current_device, _raw_stream, _launch_hooks
 
     def run(x, w, eps):
         if get_device() != dev or hooks():
@@ -519,7 +515,7 @@ def _make_bwd_fast(plan, fn):
         return None
     launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
     rest = tuple(ints) + tuple(tail)
-    empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _get_device, _raw_stream, _capturing, _launch_hooks
+    empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _current_device, _raw_stream, _stream_capturing, _launch_hooks
     workspaces = _workspaces
 
     def run(dy, x, w, rstd):
@@ -544,7 +540,7 @@ def _cuda_index(t: torch.Tensor) -> Optional[int]:
 
 
 def _current_device_is(dev: int) -> bool:
-    return torch._C._cuda_getDevice() == dev
+    return _current_device() == dev
 
 
 # ---- workspace: the backward's weight-gradient partials and its arrival counters ---------------
@@ -560,7 +556,7 @@ _retired: list = []
 
 
 def _workspace(device: torch.device, dev: Optional[int], stream: int, numel: int, n_cnt: int):
-    if dev is not None and torch._C._cuda_isCurrentStreamCapturing():
+    if dev is not None and _stream_capturing():
         return (torch.empty(numel, dtype=_F32, device=device), torch.zeros(n_cnt, dtype=torch.int32, device=device))
     key = (dev, stream) if dev is not None else (device.type, 0)
     ws = _workspaces.get(key)
@@ -662,7 +658,7 @@ def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float, y: Optional[torc
     if dev is not None and not given and _current_device_is(dev):
         fn = _launches.get(lkey)
         if fn is not None:
-            fn(torch._C._cuda_getCurrentRawStream(dev), x.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(),
+            fn(_raw_stream(dev), x.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr(),
                *ints, eps)
             if key not in _fwd_fast:
                 _fwd_fast[key] = _make_fwd_fast(plan, fn)
@@ -770,7 +766,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
     if dw is None:
         dw = torch.empty_like(w)
     if dev is not None:
-        stream = torch._C._cuda_getCurrentRawStream(dev)
+        stream = _raw_stream(dev)
         part, cnt = _workspace(device, dev, stream, ws_numel, n_cnt)
         if not given and _current_device_is(dev):
             fn = _launches.get(lkey)

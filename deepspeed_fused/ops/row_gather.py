@@ -495,7 +495,7 @@ class _PermutePairFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, permuted_indices, inverse, unpermute):
-        ctx.save_for_backward(permuted_indices, inverse)
+        _save_indices(ctx, (rows, permuted_indices, inverse), None)
         ctx.unpermute = unpermute
         return (_unpermute_impl if unpermute else _permute_impl)(rows, permuted_indices, inverse)
 
@@ -510,7 +510,7 @@ class _PermuteInverseFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, permuted_indices):
         out, inverse = _permute_inverse_impl(rows, permuted_indices)
-        ctx.save_for_backward(permuted_indices, inverse)
+        _permute_inverse_setup(ctx, (rows, permuted_indices), (out, inverse))
         ctx.mark_non_differentiable(inverse)
         return out, inverse
 
@@ -636,12 +636,14 @@ def _combine_setup(ctx, inputs, output):
     ctx.save_for_backward(src, slot, weights if weights is not None else src.new_empty(0))
 
 
-def _combine_backward(ctx, grad):
+def _combine_backward(ctx, grad, backward_rows=None):
+    """The combine's backward; ``backward_rows`` (eager, outside create_graph): the kernels
+    directly instead of the backward op."""
     src, slot, weights = ctx.saved_tensors
     if not ctx.has_weights:
         weights = torch.ones(slot.shape, dtype=torch.float32, device=src.device)
     need_w = ctx.has_weights and ctx.needs_input_grad[2]
-    grad_src, grad_w = _combine_backward_op(grad, src, slot, weights, need_w)
+    grad_src, grad_w = (backward_rows or _combine_backward_op)(grad, src, slot, weights, need_w)
     return grad_src, None, (grad_w if need_w else None)
 
 
@@ -685,7 +687,7 @@ class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, token_of_slot, slot_of_assignment):
-        ctx.save_for_backward(slot_of_assignment)
+        _dispatch_setup(ctx, (rows, token_of_slot, slot_of_assignment), None)
         return _dispatch_rows(rows, token_of_slot)
 
     @staticmethod
@@ -698,19 +700,12 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, src, slot_of_assignment, weights):
-        ctx.has_weights = weights is not None
-        ctx.save_for_backward(src, slot_of_assignment, weights if weights is not None else src.new_empty(0))
+        _combine_setup(ctx, (src, slot_of_assignment, weights), None)
         return _combine_rows(src, slot_of_assignment, weights)
 
     @staticmethod
     def backward(ctx, grad):
-        src, slot, weights = ctx.saved_tensors
-        if not ctx.has_weights:
-            weights = torch.ones(slot.shape, dtype=torch.float32, device=src.device)
-        need_w = ctx.has_weights and ctx.needs_input_grad[2]
-        bwd = _combine_backward_op if torch.is_grad_enabled() else _combine_backward_rows
-        grad_src, grad_w = bwd(grad, src, slot, weights, need_w)
-        return grad_src, None, (grad_w if need_w else None)
+        return _combine_backward(ctx, grad, None if torch.is_grad_enabled() else _combine_backward_rows)
 
 
 def _combine_eager(src, slot_of_assignment, weights):
