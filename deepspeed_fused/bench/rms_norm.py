@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import _native
 from ..ops import rms_norm as _ops
 from ..ops.rms_norm import fused_rms_norm, rms_norm_reference
 from .common import Record, env_fields, graph_ms, loop_ms, measure
@@ -35,7 +36,17 @@ NOTES = _NOTES
 SHAPES = [(8192, 2048), (8192, 4096), (8192, 8192), (4096, 4096), (262144, 128), (32768, 128), (524288, 128),
           (16, 128), (16, 4096)]
 CHAIN_SHAPES = {(8192, 2048), (8192, 4096), (8192, 8192), (4096, 4096), (262144, 128), (524288, 128)}
-_LOOPED = ("deepspeed_fused", "torch F.rms_norm", "torch.compile(eager)", "Liger LigerRMSNorm")
+_PY_NODE = "deepspeed_fused (Python node)"
+_LOOPED = ("deepspeed_fused", _PY_NODE, "torch F.rms_norm", "torch.compile(eager)", "Liger LigerRMSNorm")
+
+
+def _python_node(x, w):
+    """Ours with the Python autograd node (the C++ node switched off for the call)."""
+    _ops.NATIVE = False
+    try:
+        return fused_rms_norm(x, w, EPS)
+    finally:
+        _ops.NATIVE = True
 EPS = 1e-6
 
 
@@ -184,6 +195,7 @@ def run(args) -> list:
         shapes = [(8192, 4096), (262144, 128), (16, 4096)] if dev == "cuda" else shapes[:1]
     rep = 20 if quick else 100
     recs = []
+    native = _native.get(wait=True) is not None if dev == "cuda" else False  # built before timing
     gen = torch.Generator().manual_seed(0)
     for rows, width in shapes:
         x = (0.5 * torch.randn(rows, width, generator=gen)).to(dev, dtype)
@@ -192,7 +204,10 @@ def run(args) -> list:
         e = rows * width * x.element_size()
         shape = f"{rows}x{width}"
         chain = []
-        impls = [("deepspeed_fused", lambda x, w: fused_rms_norm(x, w, EPS), "", True)]
+        impls = [("deepspeed_fused", lambda x, w: fused_rms_norm(x, w, EPS),
+                  "C++ autograd node" if native else f"Python node (C++ node unavailable: {_native.error()})", True)]
+        if native:
+            impls.append((_PY_NODE, _python_node, "the same kernels through the Python autograd.Function", True))
         impls += [(n, f, note, False) for n, f, note in _peers(width, dtype)]
         for name, fn, note, ours in impls:
             if name == "HF eager LlamaRMSNorm" and rows * width > 2**24:

@@ -137,6 +137,7 @@ def direct_launcher(compiled, grid: tuple, constexpr_values: tuple):
     # for callers that bind the launch into their own closure (one Python call per launch):
     # launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None, *args, *tail)
     fn.parts = (launch, g0, g1, g2, function, coop, pdl, meta, tail)
+    fn.compiled = compiled  # for launch descriptions handed to the C++ nodes (ops/_native.py)
     return fn
 
 

@@ -20,7 +20,10 @@ The partials are summed in a fixed order, so results are bitwise repeatable: in 
 own launch by its last programs (two levels: per group, then the groups) where that tail is
 short, else by a second launch over column strips. Launch plans (configs, grids, compiled
 kernels) are cached per shape/stride/dtype/alignment key: a repeated call builds its key,
-allocates its outputs and launches through the compiled kernel's C launcher. Rows may be
+allocates its outputs and launches through the compiled kernel's C launcher. On CUDA, once a
+key's forward and backward (contiguous incoming gradient) have direct launches, its calls that
+need a backward go through a C++ autograd node (``ops/_native.py``) that makes the same two
+launches with no Python in the forward's node or in the backward. Rows may be
 strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
 slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
 """
@@ -33,6 +36,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import _native
 from ._common import (HAS_TRITON, CachedLaunches, _current_device, _launch_hooks, _raw_stream, _stream_capturing,
                       kernel_device_ok, tl, triton, warn_fallback)
 
@@ -467,6 +471,63 @@ _F32 = torch.float32
 _fwd_fast: dict = {}
 _bwd_fast: dict = {}
 
+# C++ autograd node plans: forward key -> (the extension's apply, plan id, device index).
+# ``NATIVE``: whether calls may use them (the benchmark times both paths).
+NATIVE = True
+_native_plans: dict = {}
+_native_pending: dict = {}  # forward key -> (backward fast key, backward plan, launcher) until the build is done
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _offer_native(fast_key, bplan, bfn) -> None:
+    """Note this key's launches for the C++ node when the backward's incoming gradient is the
+    planned one (contiguous, the output dtype, aligned), and register them if the extension is
+    ready (else the forward's hot path registers them once it is)."""
+    fkey, dstride, ddtype, dalign = fast_key
+    fplan = _fwd_plans.get(fkey)
+    if fkey in _native_plans or dalign or fplan is None:
+        return
+    if ddtype != fplan[3] or dstride != _contiguous_strides(fkey[0]):
+        return
+    _native_pending[fkey] = (fast_key, bplan, bfn)
+    _register_native(fkey)
+
+
+def _register_native(fkey):
+    """The C++ node's entry for forward key ``fkey`` (registered now if pending and the extension
+    is built), or None."""
+    pending = _native_pending.get(fkey)
+    mod = _native.get() if pending is not None else None
+    if mod is None:
+        if pending is not None and not _native.building():  # switched off or failed: stop asking
+            del _native_pending[fkey]
+        return _native_plans.get(fkey)
+    del _native_pending[fkey]
+    fast_key, bplan, bfn = pending
+    fplan = _fwd_plans.get(fkey)
+    ffn = _launches.get(fplan[-1]) if fplan is not None else None
+    if ffn is None or _fwd_fast.get(fkey) is None or _bwd_fast.get(fast_key) is None:
+        return None
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey = fplan
+    P = _native.PTR
+    fdesc = _native.describe(ffn, [(P, 0), (P, 1), (P, 2), (P, 3)] + list(ints) + [_native.EPS])
+    bints, ws_numel, n_cnt = bplan[8], bplan[12], bplan[13]
+    bdesc = _native.describe(bfn, [(P, i) for i in range(8)] + list(bints))
+    if fdesc is None or bdesc is None:
+        _native_plans[fkey] = None  # not describable: this key keeps the Python node
+        return None
+    plan_id = mod.register_rms_plan(*fdesc, *bdesc, torch.empty(0, dtype=out_dtype), bool(like), int(ws_numel),
+                                    int(n_cnt))
+    nat = _native_plans[fkey] = (mod.rms_norm, plan_id, dev)
+    return nat
+
 
 def clear_plans() -> None:
     """Forget the launch plans (tests that change the tuning knobs call this)."""
@@ -474,6 +535,8 @@ def clear_plans() -> None:
     _bwd_plans.clear()
     _fwd_fast.clear()
     _bwd_fast.clear()
+    _native_plans.clear()
+    _native_pending.clear()
     _launches.clear()
 
 
@@ -482,6 +545,8 @@ def _remember(plans: dict, key, plan):
         plans.clear()
         _fwd_fast.clear()
         _bwd_fast.clear()
+        _native_plans.clear()
+        _native_pending.clear()
     plans[key] = plan
     return plan
 
@@ -778,6 +843,8 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
                     fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, ints[1])
                 if fast_key is not None and fast_key not in _bwd_fast:
                     _bwd_fast[fast_key] = _make_bwd_fast(plan, fn)
+                    if NATIVE and _native.enabled():
+                        _offer_native(fast_key, plan, fn)
                 return dx, dw
     else:
         part, cnt = _workspace(device, None, 0, ws_numel, n_cnt)
@@ -933,6 +1000,10 @@ def try_fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -
         run = _fwd_fast.get(key)
         if run is not None:
             if grad:
+                nat = (_native_plans.get(key) or (_register_native(key) if key in _native_pending else None)
+                       if NATIVE else None)
+                if nat is not None and _current_device() == nat[2] and not _launch_hooks():
+                    return nat[0](hidden, weight, eps, nat[1])
                 return _FusedRMSNormFn.apply(hidden, weight, eps, key, run)
             out = run(hidden, weight, eps)
             if out is not None:

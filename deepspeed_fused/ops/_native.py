@@ -1,0 +1,149 @@
+"""C++ autograd nodes for the eager hot paths, built once with torch's ``cpp_extension``.
+
+A Python ``autograd.Function`` costs each call a Python context in the forward and, in the
+backward, a hand-over from autograd's device thread to Python; for short kernels that is more
+host time than the kernels take on the device. ``csrc/native_autograd.cpp`` is the same node in
+C++: Python registers a launch plan once per input layout (the compiled Triton kernel's CUfunction,
+grid, block, shared memory and parameter list, see :func:`describe`), and later calls allocate
+and launch without Python in between. The node knows nothing of Triton; it packs parameters as
+Triton's launcher does and calls ``cuLaunchKernel``.
+
+The extension is built the first time a CUDA op asks for it, in a background thread (the Python
+path runs meanwhile), into ``TORCH_EXTENSIONS_DIR`` (cached across runs), like DeepSpeed's own
+JIT-built ops. ``DEEPSPEED_FUSED_NATIVE=0`` switches it off; so does a failed build (one warning).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Optional
+
+import torch
+
+from ._common import interpreter_active
+
+ENV = "DEEPSPEED_FUSED_NATIVE"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "native_autograd.cpp")
+_NAME = "deepspeed_fused_native"
+
+_lock = threading.Lock()
+_state: dict = {"mod": None, "thread": None, "error": None}
+
+# parameter kinds (csrc/native_autograd.cpp's ``Kind``)
+PTR, I32, I64, U32, U64, EPS_F32 = range(6)
+EPS = object()  # in a template: the call's eps, a float32 parameter
+_INT_KINDS = {"i32": I32, "i64": I64, "u32": U32, "u64": U64}
+
+
+def enabled() -> bool:
+    """Whether the native nodes may be used here (CUDA present, not the interpreter, not
+    switched off with ``DEEPSPEED_FUSED_NATIVE=0``, no failed build)."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    if _state["error"] is not None or interpreter_active():
+        return False
+    return torch.cuda.is_available()
+
+
+def compile_extension():
+    """Build (or load the cached build of) the extension; it needs a C++ compiler and ninja, not
+    CUDA. Its ``init_driver()`` then says whether the CUDA driver could be loaded."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=_NAME, sources=[_SOURCE], extra_cflags=["-O2"], extra_ldflags=["-ldl"], verbose=False)
+
+
+def _build():
+    mod = compile_extension()
+    if not mod.init_driver():
+        raise RuntimeError("libcuda.so.1 (cuLaunchKernel, cuStreamIsCapturing) could not be loaded")
+    return mod
+
+
+def _build_into_state():
+    try:
+        mod = _build()
+    except Exception as e:  # no compiler, no headers, ...: the Python path keeps running
+        _state["error"] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"deepspeed_fused: the C++ autograd nodes could not be built ({_state['error'][:400]}); "
+                      f"the Python autograd path runs (set {ENV}=0 to skip the build)", RuntimeWarning, stacklevel=2)
+        return
+    _state["mod"] = mod
+
+
+def get(wait: bool = False):
+    """The extension module, or None (not enabled, failed, or still building). The first call
+    starts the build in a background thread; ``wait=True`` builds (or waits) here."""
+    mod = _state["mod"]
+    if mod is not None or not enabled():
+        return mod
+    with _lock:
+        if _state["mod"] is None and _state["error"] is None:
+            t = _state["thread"]
+            if t is None:
+                if wait:
+                    _build_into_state()
+                    return _state["mod"]
+                t = threading.Thread(target=_build_into_state, name="deepspeed_fused-native-build", daemon=True)
+                _state["thread"] = t
+                t.start()
+    t = _state["thread"]
+    if wait and t is not None:
+        t.join()
+    return _state["mod"]
+
+
+def building() -> bool:
+    """Whether the background build is running."""
+    t = _state["thread"]
+    return t is not None and t.is_alive()
+
+
+def error() -> Optional[str]:
+    """Why the build failed, or None."""
+    return _state["error"]
+
+
+def describe(fn, template: list) -> Optional[tuple]:
+    """``(function, grid, threads, shared, kinds, values)`` of a direct launcher ``fn`` (from
+    ``_common.direct_launcher``) called with ``template`` (its runtime arguments: ``(PTR, slot)``
+    for a tensor's pointer, an int, or :data:`EPS`), for ``register_*`` in the extension; None
+    when the compiled kernel's signature does not match or needs what the node does not do
+    (cooperative or PDL launches, clusters, scratch memory, argument types other than pointers,
+    integers and eps)."""
+    compiled = getattr(fn, "compiled", None)
+    parts = getattr(fn, "parts", None)
+    sig = getattr(getattr(compiled, "src", None), "signature", None)
+    md = getattr(compiled, "metadata", None)
+    if compiled is None or parts is None or not isinstance(sig, dict) or md is None:
+        return None
+    _launch, g0, g1, g2, function, coop, pdl, _meta, tail = parts
+    if coop or pdl or getattr(md, "num_ctas", 1) != 1:
+        return None
+    if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+        return None
+    values = list(template) + list(tail)
+    types = list(sig.values())
+    if len(values) != len(types):
+        return None
+    kinds, vals = [], []
+    for v, ty in zip(values, types):
+        if ty == "constexpr":
+            continue
+        if not isinstance(ty, str):
+            return None
+        if ty.startswith("*"):
+            if not (isinstance(v, tuple) and len(v) == 2 and v[0] == PTR):
+                return None
+            kinds.append(PTR)
+            vals.append(int(v[1]))
+        elif ty == "fp32" and v is EPS:
+            kinds.append(EPS_F32)
+            vals.append(0)
+        elif ty in _INT_KINDS and type(v) is int:
+            kinds.append(_INT_KINDS[ty])
+            vals.append(v)
+        else:
+            return None
+    return int(function), [int(g0), int(g1), int(g2)], 32 * int(md.num_warps), int(md.shared), kinds, vals
