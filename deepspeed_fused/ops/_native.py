@@ -146,4 +146,4 @@ def describe(fn, template: list) -> Optional[tuple]:
             vals.append(v)
         else:
             return None
-    return int(function), [int(g0), int(g1), int(g2)], 32 * int(md.num_warps), int(md.shared), kinds, vals
+    return int(function), (int(g0), int(g1), int(g2)), 32 * int(md.num_warps), int(md.shared), tuple(kinds), tuple(vals)

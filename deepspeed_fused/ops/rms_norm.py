@@ -21,9 +21,10 @@ own launch by its last programs (two levels: per group, then the groups) where t
 short, else by a second launch over column strips. Launch plans (configs, grids, compiled
 kernels) are cached per shape/stride/dtype/alignment key: a repeated call builds its key,
 allocates its outputs and launches through the compiled kernel's C launcher. On CUDA, once a
-key's forward and backward (contiguous incoming gradient) have direct launches, its calls that
-need a backward go through a C++ autograd node (``ops/_native.py``) that makes the same two
-launches with no Python in the forward's node or in the backward. Rows may be
+key with contiguous, aligned inputs has launched its forward and backward (contiguous incoming
+gradient) directly, its calls that need a backward go through a C++ autograd node
+(``ops/_native.py``) that makes the same two launches with no Python in the forward's node or in
+the backward (strided rows keep the Python node). Rows may be
 strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
 slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
 """
@@ -476,6 +477,7 @@ _bwd_fast: dict = {}
 NATIVE = True
 _native_plans: dict = {}
 _native_pending: dict = {}  # forward key -> (backward fast key, backward plan, launcher) until the build is done
+_native_ids: dict = {}  # launch descriptions -> the extension's plan id (kept across clear_plans: the extension keeps them)
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -487,12 +489,12 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _offer_native(fast_key, bplan, bfn) -> None:
-    """Note this key's launches for the C++ node when the backward's incoming gradient is the
-    planned one (contiguous, the output dtype, aligned), and register them if the extension is
-    ready (else the forward's hot path registers them once it is)."""
+    """Note this key's launches for the C++ node when its inputs are aligned and the backward's
+    incoming gradient is the planned one (contiguous, the output dtype, aligned), and register
+    them if the extension is ready (else the forward's hot path registers them once it is)."""
     fkey, dstride, ddtype, dalign = fast_key
     fplan = _fwd_plans.get(fkey)
-    if fkey in _native_plans or dalign or fplan is None:
+    if fkey in _native_plans or dalign or fkey[4] or fkey[9] or fplan is None:
         return
     if ddtype != fplan[3] or dstride != _contiguous_strides(fkey[0]):
         return
@@ -502,14 +504,16 @@ def _offer_native(fast_key, bplan, bfn) -> None:
 
 def _register_native(fkey):
     """The C++ node's entry for forward key ``fkey`` (registered now if pending and the extension
-    is built), or None."""
-    pending = _native_pending.get(fkey)
-    mod = _native.get() if pending is not None else None
-    if mod is None:
-        if pending is not None and not _native.building():  # switched off or failed: stop asking
-            del _native_pending[fkey]
+    is built), or None. Safe to call from the forward's thread and autograd's device thread at once:
+    the pending entry is taken by one of them."""
+    pending = _native_pending.pop(fkey, None)
+    if pending is None:
         return _native_plans.get(fkey)
-    del _native_pending[fkey]
+    mod = _native.get()
+    if mod is None:
+        if _native.enabled():  # still building: ask again on a later call
+            _native_pending.setdefault(fkey, pending)
+        return None
     fast_key, bplan, bfn = pending
     fplan = _fwd_plans.get(fkey)
     ffn = _launches.get(fplan[-1]) if fplan is not None else None
@@ -523,8 +527,12 @@ def _register_native(fkey):
     if fdesc is None or bdesc is None:
         _native_plans[fkey] = None  # not describable: this key keeps the Python node
         return None
-    plan_id = mod.register_rms_plan(*fdesc, *bdesc, torch.empty(0, dtype=out_dtype), bool(like), int(ws_numel),
-                                    int(n_cnt))
+    dtypes = (fkey[2], fkey[7], out_dtype)
+    ident = (fdesc, bdesc, dtypes, bool(like), int(ws_numel), int(n_cnt))
+    plan_id = _native_ids.get(ident)
+    if plan_id is None:  # the extension keeps every plan: one per distinct description
+        plan_id = _native_ids[ident] = mod.register_rms_plan(
+            *fdesc, *bdesc, *(torch.empty(0, dtype=d) for d in dtypes), bool(like), int(ws_numel), int(n_cnt))
     nat = _native_plans[fkey] = (mod.rms_norm, plan_id, dev)
     return nat
 
@@ -582,9 +590,14 @@ def _make_bwd_fast(plan, fn):
     rest = tuple(ints) + tuple(tail)
     empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _current_device, _raw_stream, _stream_capturing, _launch_hooks
     workspaces = _workspaces
+    x_dtype, x_align, w_dtype, w_align = lkey[3], lkey[5], lkey[12], lkey[13]
 
     def run(dy, x, w, rstd):
         if capturing() or get_device() != dev or hooks():
+            return None
+        # saved-tensor hooks may hand back other dtypes or layouts than the key's: the plan path then
+        if (x.dtype != x_dtype or w.dtype != w_dtype or (x.data_ptr() & 15) != x_align
+                or (w.data_ptr() & 15) != w_align or not x.is_contiguous() or rstd.data_ptr() & 15):
             return None
         stream = raw_stream(dev)
         ws = workspaces.get((dev, stream))

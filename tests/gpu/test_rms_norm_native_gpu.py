@@ -117,6 +117,18 @@ def test_native_saved_tensor_hooks():
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         got, node = _call(x, w, dy)
     assert _native_node(node) and _equal(got, want)
+    # a hook that hands back another dtype (losslessly here: bf16 -> fp32): converted back
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.float(), lambda t: t):
+        got, node = _call(x, w, dy)
+    assert _native_node(node) and _equal(got, want)
+    R.NATIVE = False
+    try:  # the Python node's fast backward leaves such tensors to the plan path
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.float(), lambda t: t):
+            got, node = _call(x, w, dy)
+    finally:
+        R.NATIVE = True
+    assert not _native_node(node) and got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_native_create_graph_is_first_order_only():

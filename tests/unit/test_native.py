@@ -30,9 +30,10 @@ def test_describe_packs_pointers_ints_eps_and_skips_constexprs():
            "BLOCK": "constexpr"}
     d = _native.describe(_fn(sig, tail=(128,)), [(P, 0), (P, 1), 4096, 1, 2 ** 40, _native.EPS])
     function, grid, threads, shared, kinds, values = d
-    assert function == 0xABC and grid == [7, 1, 1] and threads == 128 and shared == 1024
-    assert kinds == [P, P, _native.I32, _native.I64, _native.EPS_F32]
-    assert values == [0, 1, 4096, 2 ** 40, 0]
+    assert function == 0xABC and grid == (7, 1, 1) and threads == 128 and shared == 1024
+    assert kinds == (P, P, _native.I32, _native.I64, _native.EPS_F32)
+    assert values == (0, 1, 4096, 2 ** 40, 0)
+    hash(d)  # descriptions key the plan ids
 
 
 @pytest.mark.parametrize("case", ["length", "scratch", "clusters", "type", "ptr_not_slot", "eps_not_fp32", "coop"])

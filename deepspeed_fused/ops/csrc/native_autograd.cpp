@@ -115,6 +115,9 @@ struct Launch {
     args[n] = &cells[n];
     args[n + 1] = &cells[n + 1];
     if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return;
+    // The function belongs to the primary context of the plan's device; the caller's thread has it
+    // current (Python checked the current device; autograd's device thread sets it, and plans are
+    // registered from a backward on that thread after Triton's launcher ran there).
     int err = cu_launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, args, nullptr);
     if (err != 0) {
       const char* msg = nullptr;
@@ -127,6 +130,8 @@ struct Launch {
 struct RmsPlan {
   Launch fwd;
   Launch bwd;
+  at::ScalarType x_dtype;
+  at::ScalarType w_dtype;
   at::ScalarType out_dtype;
   bool y_like;  // the output is empty_like(x) (same dtype, x contiguous)
   int64_t ws_numel;  // float32 weight-gradient partials the backward needs
@@ -149,8 +154,10 @@ void* current_stream(const c10::Device& device) {
 
 bool aligned(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
 
-// A tensor the plan's launch can address: contiguous and 16-byte aligned (a fresh copy otherwise).
-at::Tensor as_planned(const at::Tensor& t) {
+// A tensor the plan's launch can address: the planned dtype, contiguous and 16-byte aligned (a
+// converted or fresh copy otherwise; plans are only made for aligned, contiguous inputs).
+at::Tensor as_planned(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.scalar_type() != dtype) return t.to(dtype, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
   if (t.is_contiguous() && aligned(t)) return t;
   return t.clone(at::MemoryFormat::Contiguous);
 }
@@ -205,14 +212,19 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const RmsPlan& plan = plan_at(ctx->saved_data["plan"].toInt());
     variable_list saved = ctx->get_saved_variables();
-    // saved-tensor hooks may hand back other layouts: re-establish the planned ones
-    at::Tensor x = as_planned(saved[0]);
-    at::Tensor w = as_planned(saved[1]);
-    at::Tensor rstd = as_planned(saved[2]);
+    // saved-tensor hooks may hand back other layouts or dtypes: re-establish the planned ones
+    at::Tensor x = as_planned(saved[0], plan.x_dtype);
+    at::Tensor w = as_planned(saved[1], plan.w_dtype);
+    at::Tensor rstd = as_planned(saved[2], at::kFloat);
     at::Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros(x.sizes(), x.options().dtype(plan.out_dtype));
-    if (dy.scalar_type() != plan.out_dtype) dy = dy.to(plan.out_dtype);
-    dy = as_planned(dy);
+    dy = as_planned(dy, plan.out_dtype);
+    const int64_t n = w.numel();
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == n && dy.sizes() == x.sizes() && rstd.numel() * n == x.numel(),
+                "deepspeed_fused rms_norm: saved tensors or gradient of unexpected shape (x ", x.sizes(), ", w ",
+                w.sizes(), ", rstd ", rstd.sizes(), ", grad ", dy.sizes(), ")");
+    TORCH_CHECK(x.device() == w.device() && x.device() == rstd.device() && x.device() == dy.device(),
+                "deepspeed_fused rms_norm: saved tensors and gradient on different devices");
     c10::DeviceGuard guard(x.device());
     void* stream = current_stream(x.device());
     Workspace ws = workspace(x, stream, plan.ws_numel, plan.n_cnt);
@@ -257,11 +269,14 @@ Launch make_launch(int64_t function, std::vector<int64_t> grid, int64_t threads,
 int64_t register_rms_plan(int64_t f_function, std::vector<int64_t> f_grid, int64_t f_threads, int64_t f_shared,
                           std::vector<int64_t> f_kinds, std::vector<int64_t> f_values, int64_t b_function,
                           std::vector<int64_t> b_grid, int64_t b_threads, int64_t b_shared,
-                          std::vector<int64_t> b_kinds, std::vector<int64_t> b_values, const at::Tensor& out_like,
-                          bool y_like, int64_t ws_numel, int64_t n_cnt) {
+                          std::vector<int64_t> b_kinds, std::vector<int64_t> b_values, const at::Tensor& x_like,
+                          const at::Tensor& w_like, const at::Tensor& out_like, bool y_like, int64_t ws_numel,
+                          int64_t n_cnt) {
   auto plan = std::make_unique<RmsPlan>();
   plan->fwd = make_launch(f_function, f_grid, f_threads, f_shared, f_kinds, f_values);
   plan->bwd = make_launch(b_function, b_grid, b_threads, b_shared, b_kinds, b_values);
+  plan->x_dtype = x_like.scalar_type();
+  plan->w_dtype = w_like.scalar_type();
   plan->out_dtype = out_like.scalar_type();
   plan->y_like = y_like;
   plan->ws_numel = ws_numel;
