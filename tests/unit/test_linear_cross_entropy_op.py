@@ -288,6 +288,36 @@ def test_validation_errors(monkeypatch):
         f(h, w, t, vocab_start=0)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_target_check_read_after_the_kernels_are_queued(interpret, monkeypatch, per_token):
+    # the check's reduction is started before the kernels and read after them (on CUDA through
+    # pinned memory and an event): a bad target still raises ValueError naming it, and nothing
+    # else is left behind; invalid targets are never read out of bounds by the kernels
+    from deepspeed_fused.ops.linear_cross_entropy import checks, single
+
+    order = []
+    finish = checks._ValueCheck.finish
+    monkeypatch.setattr(checks._ValueCheck, "finish", lambda self: (order.append("check"), finish(self))[1])
+    launch = single._launch_rows
+    monkeypatch.setattr(single, "_launch_rows", lambda *a, **k: (order.append("kernel"), launch(*a, **k))[1])
+    h, w, t, _ = _inputs(6, 8, 20, torch.float32, interpret)
+    h.requires_grad_(not per_token)
+    bad = torch.tensor([0, 1, 2, 20, 1, -100], device=interpret)
+    with pytest.raises(ValueError, match=r"target.*\[0, 20\)"):
+        linear_cross_entropy(h, w, bad, reduction="none" if per_token else "mean")
+    assert "kernel" in order and order[-1] == "check" and order.index("check") > order.index("kernel")
+    order.clear()
+    out = linear_cross_entropy(h, w, t, reduction="none" if per_token else "mean")
+    assert order[-1] == "check" and torch.isfinite(out).all()
+    # float64 runs the reference, which computes eagerly: the check is read before it
+    order.clear()
+    _common.reset_fallback_warnings()
+    with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="target"):
+        linear_cross_entropy(h.double(), w.double(), bad)
+    assert order == ["check"]
+    _common.reset_fallback_warnings()
+
+
 def test_auto_chunk_bounds_workspace():
     MiB = 1 << 20
     for V in (128256, 131072, 151936, 202048):

@@ -43,8 +43,11 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             torch.float32 (fp32 accumulator: more memory).
         chunk_tokens: tokens per chunk (None: the ``chunk x V`` logits workspace stays
             <= 480 MiB, so all extra memory stays under 512 MiB).
-        validate_targets: check targets and temperatures (one host sync). False makes the
-            call free of host synchronization (CUDA-graph capturable).
+        validate_targets: check targets and temperatures: a device reduction started before
+            the kernels and read after they are queued (one host wait, for the work queued
+            before the call; a bad value raises ValueError then). False makes the call free of
+            host synchronization (CUDA-graph capturable). With a ``tp_group`` the check runs
+            with the layout exchange, before any other collective.
         tp_group: a torch.distributed process group over which the vocabulary is split
             (Megatron-style vocab-parallel head): ``weight``/``bias`` hold this rank's rows
             ``[vocab_start, vocab_start + V_local)`` and ``target`` holds global ids, the same
@@ -73,9 +76,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     Note: the scalar-loss path ("mean"/"sum" without entropy/lse) forms the gradients in the
     forward and scales them in place in backward: do not backward through it twice.
     """
-    accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
-                                          label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
-                                          tp_group, vocab_start, sequence_parallel)
+    accum_fp32, h, t, temp, tp, check = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature,
+                                                 z_loss, label_smoothing, softcap, accum_dtype, chunk_tokens,
+                                                 validate_targets, tp_group, vocab_start, sequence_parallel, defer=True)
     M = h.shape[0]
     V = weight.shape[0]
     ok, reason = kernel_device_ok(hidden)
@@ -84,6 +87,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     if not ok or M == 0:
         if M:
             warn_fallback(_OP, reason)
+        _finish(check)  # the reference computes eagerly: check first
         return linear_cross_entropy_reference(
             hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
             temperature=temperature, return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss,
@@ -130,11 +134,19 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         args = (h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss, smoothing, cap,
                 accum_fp32, chunk, need_dh, need_dw, need_db)
         if torch.compiler.is_compiling():
-            return _lce_fused_op(*args)[0]
-        return _FusedScalarLoss.apply(*args)
+            return _finish(check, _lce_fused_op(*args)[0])
+        return _finish(check, _FusedScalarLoss.apply(*args))
     loss, lse, ent = _lce_forward_op(h, weight, t, bias, temp, inv_temp, ignore_index, z_loss, smoothing, cap,
                                      accum_fp32, chunk, bool(return_entropy))
+    _finish(check)  # the targets were checked on the device while the kernels were queued
     return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
+
+
+def _finish(check, out=None):
+    """Read a deferred target check (raises ValueError on a bad target or temperature); ``out``."""
+    if check is not None:
+        check.finish()
+    return out
 
 
 def _tp_chunk(chunk_tokens, V_max, dtype, M, double):

@@ -1,8 +1,9 @@
 """Argument checks of the linear cross-entropy op and the flattening of its inputs.
 
 :func:`_prepare` is the first step of both entry points (:mod:`.api` and :mod:`.reference`):
-it checks the arguments (:func:`_check`: types, shapes, dtypes, options; :func:`_check_values`:
-targets and temperatures, one host sync, unless ``validate_targets=False``), resolves the
+it checks the arguments (:func:`_check`: types, shapes, dtypes, options; :class:`_ValueCheck`:
+targets and temperatures, one host sync, unless ``validate_targets=False``; the kernel entry
+point reads its result after queuing the kernels), resolves the
 tensor-parallel group (:func:`.parallel._tp_setup`) and flattens hidden/target to rows.
 """
 import math
@@ -81,24 +82,54 @@ def _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z
     return accum_fp32
 
 
+class _ValueCheck:
+    """The target/temperature check, computed on the device when started and read by
+    :meth:`finish`. On CUDA (outside graph capture and torch.compile) the flags are copied to
+    pinned host memory behind an event, so the caller can queue its kernels first and read them
+    afterwards: the host then waits for the work queued before the op and the check, never with
+    the device idle for lack of the op's launches. Invalid targets are memory-safe in the kernels
+    (a target column outside the shard is never read), so raising after them loses nothing."""
+
+    __slots__ = ("flags", "event", "V", "ignore_index")
+
+    def __init__(self, target, temperature, V, ignore_index, defer):
+        t = target
+        bad = [((t != ignore_index) & ((t < 0) | (t >= V))).any()]
+        if isinstance(temperature, torch.Tensor):
+            bad.append(~(temperature > 0).all())
+        flags = torch.stack(bad) if len(bad) > 1 else bad[0].reshape(1)
+        self.V, self.ignore_index, self.event = V, ignore_index, None
+        if defer and flags.is_cuda and not torch.cuda.is_current_stream_capturing():
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            flags = host
+        self.flags = flags
+
+    def finish(self) -> None:
+        """Raise ValueError if a target or temperature was invalid."""
+        if self.event is not None:
+            self.event.synchronize()
+        flags = self.flags.tolist()
+        if flags[0]:
+            raise ValueError(f"linear_cross_entropy: `target` has values outside [0, {self.V}) other than "
+                             f"ignore_index={self.ignore_index}")
+        if len(flags) > 1 and flags[1]:
+            raise ValueError("linear_cross_entropy: `temperature` tensor has values <= 0")
+
+
 def _check_values(target, temperature, V, ignore_index):
     """Targets in [0, V) or ignore_index, temperatures > 0: one device reduction, one sync."""
-    t = target
-    bad_t = ((t != ignore_index) & ((t < 0) | (t >= V))).any()
-    if isinstance(temperature, torch.Tensor):
-        bad_temp = ~(temperature > 0).all()
-        flags = torch.stack([bad_t, bad_temp]).tolist()
-    else:
-        flags = [bool(bad_t), False]
-    if flags[0]:
-        raise ValueError(f"linear_cross_entropy: `target` has values outside [0, {V}) other than "
-                         f"ignore_index={ignore_index}")
-    if flags[1]:
-        raise ValueError("linear_cross_entropy: `temperature` tensor has values <= 0")
+    _ValueCheck(target, temperature, V, ignore_index, defer=False).finish()
 
 
 def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
-             accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None, sequence_parallel=False):
+             accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None, sequence_parallel=False,
+             defer=False):
+    """``(accum_fp32, h, t, temp, tp, check)``; ``check`` is a started :class:`_ValueCheck` for the
+    caller to finish after queuing its kernels (``defer``, no tensor-parallel group: those are
+    checked against the global vocabulary later), else None (checked here, or not asked for)."""
     accum_fp32 = _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing,
                         softcap, accum_dtype, chunk_tokens, tp_group)
     tp = _tp_setup(tp_group, vocab_start, weight.shape[0])
@@ -108,9 +139,12 @@ def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature,
         raise ValueError("linear_cross_entropy: `sequence_parallel=True` needs a `tp_group` of more than one rank "
                          "(hidden/target are then this rank's token shard of the group's sequence)")
     V, H = weight.shape
+    check = None
     if validate_targets and target.numel() and tp is None:  # TP: checked against the global V after the gather
-        _check_values(target, temperature, V, ignore_index)
+        check = _ValueCheck(target, temperature, V, ignore_index, defer and not torch.compiler.is_compiling())
+        if not defer:
+            check = check.finish()
     h = hidden.reshape(-1, H)
     t = target.reshape(-1)
     temp = temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else None
-    return accum_fp32, h, t, temp, tp
+    return accum_fp32, h, t, temp, tp, check

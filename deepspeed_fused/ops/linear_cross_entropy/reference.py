@@ -147,9 +147,9 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
     (``sequence_parallel``: after the same all-gather of the token shards as the kernels), after
     the kernels' layout exchange and checks.
     """
-    accum_fp32, h, t, temp, tp = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss,
-                                          label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets,
-                                          tp_group, vocab_start, sequence_parallel)
+    accum_fp32, h, t, temp, tp, _ = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature,
+                                             z_loss, label_smoothing, softcap, accum_dtype, chunk_tokens,
+                                             validate_targets, tp_group, vocab_start, sequence_parallel)
     temperature_f = None if temp is not None else float(temperature)
     if tp is not None:
         meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, label_smoothing,
