@@ -265,6 +265,45 @@ def test_dispatch_combine_vs_transformers(interpret, dtype, top_k):
     assert torch.equal(gs[used], torch.ones_like(gs[used])) and torch.equal(gs[~used], torch.zeros_like(gs[~used]))
 
 
+def test_dispatch_combine_double_backward(interpret):
+    """Gradients of gather_dispatch -> experts -> gather_combine differentiate again, as in eager
+    transformers (the combine's backward under create_graph goes through the torch reference)."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, top_k, experts, hidden = 13, 2, 4, 24
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    ids[2, 1] = experts  # a sentinel
+    w = torch.rand(tokens, top_k, generator=gen).masked_fill(ids >= experts, 0.0).requires_grad_()
+    h = torch.randn(tokens, hidden, generator=gen).requires_grad_()
+    mat = torch.randn(hidden, hidden, generator=gen) / hidden**0.5
+
+    def proj(x):
+        return torch.tanh(x @ mat)  # not linear: second derivatives in h too
+
+    h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref, perm = _transformers_style(h_ref, ids, w_ref, experts, proj)
+    flat = ids.reshape(-1)
+    token_of_slot = torch.where(torch.sort(flat).values >= experts, -1, perm // top_k)
+    slot = rg.inverse_permutation(perm, perm.numel()).masked_fill(flat >= experts, -1).view(tokens, top_k)
+    out = rg.gather_combine(proj(rg.gather_dispatch(h, token_of_slot, slot)), slot, w)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn(out.shape, generator=gen)
+    gh, gw = torch.autograd.grad(out, (h, w), g, create_graph=True)
+    gh_r, gw_r = torch.autograd.grad(ref, (h_ref, w_ref), g, create_graph=True)
+    torch.testing.assert_close(gh, gh_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, gw_r, rtol=1e-5, atol=1e-6)
+    vh, vw = torch.randn(gh.shape, generator=gen), torch.randn(gw.shape, generator=gen)
+    d2 = torch.autograd.grad((gh * vh).sum() + (gw * vw).sum(), (h, w))
+    d2_r = torch.autograd.grad((gh_r * vh).sum() + (gw_r * vw).sum(), (h_ref, w_ref))
+    assert d2[0].abs().sum() > 0 and d2[1].abs().sum() > 0
+    for a, b in zip(d2, d2_r):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # without create_graph the kernels' backward runs: the same first-order values
+    out2 = rg.gather_combine(proj(rg.gather_dispatch(h, token_of_slot, slot)), slot, w)
+    gh2, gw2 = torch.autograd.grad(out2, (h, w), g)
+    torch.testing.assert_close(gh2, gh.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw2, gw.detach(), rtol=1e-6, atol=1e-6)
+
+
 def test_opcheck(interpret):
     d = interpret
     pidx, n = _indices([3, 1, 0], 8, torch.int64)
