@@ -15,6 +15,7 @@ JIT-built ops. ``DEEPSPEED_FUSED_NATIVE=0`` switches it off; so does a failed bu
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 from typing import Optional
@@ -25,7 +26,9 @@ from ._common import interpreter_active
 
 ENV = "DEEPSPEED_FUSED_NATIVE"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "native_autograd.cpp")
-_NAME = "deepspeed_fused_native"
+# torch's extension cache keys a build on its sources and flags, not on torch's version: the name
+# carries it, so a torch upgrade builds afresh instead of loading a library built for another ABI
+_NAME = "deepspeed_fused_native_" + re.sub(r"[^0-9A-Za-z]", "_", torch.__version__)
 
 _lock = threading.Lock()
 _state: dict = {"mod": None, "thread": None, "error": None}
