@@ -83,3 +83,98 @@ def test_cpp_source_builds():
     assert isinstance(mod.init_driver(), bool)
     for name in ("register_rms_plan", "rms_norm"):
         assert callable(getattr(mod, name))
+
+
+# ---- the RMSNorm's hand-over of launch plans to the C++ node (the registration logic; the node's
+# launches themselves are GPU tests) ----------------------------------------------------------------
+class _FakeExtension:
+    def __init__(self):
+        self.registered = []
+
+    def register_rms_plan(self, *args):
+        self.registered.append(args)
+        return len(self.registered) - 1
+
+    def rms_norm(self, *args):  # never called here
+        raise AssertionError
+
+
+def _fake_launcher(n_ptrs):
+    sig = {f"P{i}": "*fp32" for i in range(n_ptrs)}
+    sig.update(n="i32", N="i32")
+    if n_ptrs == 4:
+        sig["eps"] = "fp32"
+    return _fn(sig)
+
+
+@pytest.fixture
+def rms_plans(monkeypatch):
+    from deepspeed_fused.ops import rms_norm as R
+
+    ext = _FakeExtension()
+    state = {"built": False, "enabled": True}
+    monkeypatch.setattr(_native, "get", lambda wait=False: ext if state["built"] else None)
+    monkeypatch.setattr(_native, "building", lambda: state["enabled"] and not state["built"])
+    monkeypatch.setattr(_native, "enabled", lambda: state["enabled"])
+    R.clear_plans()
+
+    def add_key(x, w, dy_stride=None, dy_dtype=None, dy_align=0):
+        key = R._fwd_key(x, w, True)
+        lkey = ("fwd",) + key
+        R._fwd_plans[key] = (False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey)
+        R._fwd_fast[key] = object()
+        R._launches._compiled[lkey] = _fake_launcher(4)
+        fast_key = (key, dy_stride or x.stride(), dy_dtype or x.dtype, dy_align)
+        R._bwd_fast[fast_key] = object()
+        bplan = (False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0, None)
+        return key, fast_key, bplan, _fake_launcher(8)
+
+    yield R, ext, state, add_key
+    R.clear_plans()
+    R._native_ids.clear()
+
+
+def test_native_registration_waits_for_the_build_then_reuses_descriptions(rms_plans):
+    R, ext, state, add_key = rms_plans
+    x, w = torch.randn(6, 8), torch.randn(8)
+    key, fast_key, bplan, bfn = add_key(x, w)
+    R._offer_native(fast_key, bplan, bfn)
+    assert key in R._native_pending and key not in R._native_plans  # still building: kept
+    assert R._register_native(key) is None and key in R._native_pending
+    state["built"] = True
+    nat = R._register_native(key)
+    assert nat is not None and nat[1] == 0 and nat[2] == 0 and key not in R._native_pending
+    assert R._native_plans[key] is nat and R._register_native(key) is nat
+    args = ext.registered[0]
+    assert args[0] == 0xABC and args[4] == (_native.PTR,) * 4 + (_native.I32, _native.I32, _native.EPS_F32)
+    assert [a.dtype for a in args[12:15]] == [torch.float32] * 3
+    assert args[15:] == (True, 1000, 2)
+    # another key (here [3, 2, 8]) with the same launch descriptions gets the same plan id: the
+    # extension keeps every plan it is given, so none is registered twice (also after clear_plans)
+    key2, fast_key2, bplan2, bfn2 = add_key(torch.randn(3, 2, 8), w)
+    assert key2 != key
+    R._offer_native(fast_key2, bplan2, bfn2)
+    assert R._native_plans[key2][1] == 0 and len(ext.registered) == 1
+
+
+def test_native_registration_dropped_when_the_build_fails(rms_plans):
+    R, ext, state, add_key = rms_plans
+    key, fast_key, bplan, bfn = add_key(torch.randn(6, 8), torch.randn(8))
+    R._offer_native(fast_key, bplan, bfn)
+    assert key in R._native_pending
+    state["enabled"] = False  # a failed build switches the nodes off
+    assert R._register_native(key) is None and key not in R._native_pending and key not in R._native_plans
+
+
+@pytest.mark.parametrize("case", ["dy_strided", "dy_dtype", "dy_unaligned", "x_unaligned"])
+def test_native_only_for_planned_layouts(rms_plans, case):
+    R, ext, state, add_key = rms_plans
+    state["built"] = True
+    x, w = torch.randn(6, 8), torch.randn(8)
+    kw = dict(dy_stride=(1, 6)) if case == "dy_strided" else dict(dy_dtype=torch.float16) if case == "dy_dtype" \
+        else dict(dy_align=2) if case == "dy_unaligned" else {}
+    if case == "x_unaligned":
+        x = torch.randn(6 * 8 + 1)[1:].view(6, 8)
+    key, fast_key, bplan, bfn = add_key(x, w, **kw)
+    R._offer_native(fast_key, bplan, bfn)
+    assert key not in R._native_pending and key not in R._native_plans and not ext.registered
