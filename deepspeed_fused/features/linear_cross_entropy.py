@@ -69,8 +69,8 @@ class LinearCrossEntropyConfig(FeatureConfig):
     label_smoothing: Annotated[StrictFloat, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
     """Label smoothing of the cross-entropy, as in ``torch.nn.functional.cross_entropy``."""
     validate_targets: StrictBool = True
-    """Check that every label is in [0, vocab) or ``ignore_index`` (a cheap check that syncs with
-    the host; turn off for CUDA-graph capture)."""
+    """Check that every label is in [0, vocab) or ``ignore_index`` (a device reduction, read once
+    per call after the op's kernels are queued; turn off for CUDA-graph capture)."""
 
 
 # --------------------------------------------------------------------------------------------
