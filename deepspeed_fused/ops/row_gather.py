@@ -636,6 +636,40 @@ def _(grad, src, slot_of_assignment, weights, weights_grad):
     return torch.empty_like(src), (torch.empty_like(weights) if weights_grad else weights.new_empty((0, )))
 
 
+def _combine_backward_setup(ctx, inputs, output):
+    grad, src, slot, weights, weights_grad = inputs
+    ctx.weights_grad = weights_grad
+    ctx.save_for_backward(grad, src, slot, weights)
+
+
+def _combine_backward_backward(ctx, gg_src, gg_w):
+    """The derivative of the combine's backward (the custom op's, as torch.compile runs it), in
+    torch ops, themselves differentiable. With ``s = slot[t, j]``: ``grad_src[s] = grad[t] w[t, j]``
+    and ``grad_w[t, j] = <grad[t], src[s]>``, so ``d grad[t] = sum_j gg_src[s] w[t, j] + gg_w[t, j]
+    src[s]``, ``d w[t, j] = <gg_src[s], grad[t]>`` and ``d src[s] = gg_w[t, j] grad[t]``."""
+    grad, src, slot, weights = ctx.saved_tensors
+    num_tokens, top_k = slot.shape
+    flat = slot.reshape(-1)
+    g32 = grad.float()
+    d_grad = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+    d_src = d_w = None
+    if gg_src is not None:
+        gathered = permute_rows_reference(gg_src, flat).float().view(num_tokens, top_k, -1)
+        d_grad = d_grad + (gathered * weights.float()[..., None]).sum(1)
+        if ctx.needs_input_grad[3]:
+            d_w = (gathered * g32[:, None, :]).sum(-1).to(weights.dtype)
+    if ctx.weights_grad and gg_w is not None and gg_w.numel():
+        rows = permute_rows_reference(src, flat).float().view(num_tokens, top_k, -1)
+        d_grad = d_grad + (rows * gg_w.float()[..., None]).sum(1)
+        if ctx.needs_input_grad[1]:
+            per_assignment = (gg_w.float()[..., None] * g32[:, None, :]).reshape(num_tokens * top_k, -1)
+            d_src = unpermute_rows_reference(per_assignment, flat, src.shape[0]).to(src.dtype)
+    return d_grad.to(grad.dtype), d_src, None, d_w, None
+
+
+_combine_backward_op.register_autograd(_combine_backward_backward, setup_context=_combine_backward_setup)
+
+
 def _combine_setup(ctx, inputs, output):
     src, slot, weights = inputs
     ctx.has_weights = weights is not None
@@ -689,7 +723,7 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 # kernels; torch.compile traces the custom ops. Under create_graph the dispatch's backward is the
 # combine Function, and the combine's backward is differentiated through the torch reference
 # (below), so both differentiate again, as eager torch does. (The custom ops' combine backward has
-# no derivative of its own: under torch.compile, differentiating it again raises.)
+# its own derivative in torch ops, registered above, for torch.compile.)
 class _DispatchFn(torch.autograd.Function):
 
     @staticmethod

@@ -297,6 +297,31 @@ def test_dispatch_combine_double_backward(interpret):
     assert d2[0].abs().sum() > 0 and d2[1].abs().sum() > 0
     for a, b in zip(d2, d2_r):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the custom ops (what torch.compile traces): the combine's backward op has its own derivative
+    hc, wc = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    outc = rg._combine_op(proj(rg._dispatch_op(hc, token_of_slot, slot)), slot, wc)
+    ghc, gwc = torch.autograd.grad(outc, (hc, wc), g, create_graph=True)
+    torch.testing.assert_close(ghc, gh_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gwc, gw_r, rtol=1e-5, atol=1e-6)
+    d2c = torch.autograd.grad((ghc * vh).sum() + (gwc * vw).sum(), (hc, wc))
+    for a, b in zip(d2c, d2_r):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the backward op's derivative to every input, against autograd of the torch reference
+    src = torch.randn(perm.numel(), hidden, generator=gen).requires_grad_()
+    gr = torch.randn(tokens, hidden, generator=gen).requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+    gs_op, gw_op = rg._combine_backward_op(gr, src, slot, ww, True)
+    src_r, gr_r, ww_r = (t.detach().clone().requires_grad_() for t in (src, gr, ww))
+    gs_ref, gw_ref = torch.autograd.grad(rg.gather_combine_reference(src_r, slot, ww_r), (src_r, ww_r), gr_r,
+                                         create_graph=True)
+    torch.testing.assert_close(gs_op, gs_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw_op, gw_ref, rtol=1e-5, atol=1e-6)
+    us, uw = torch.randn(gs_op.shape, generator=gen), torch.randn(gw_op.shape, generator=gen)
+    d3 = torch.autograd.grad((gs_op * us).sum() + (gw_op * uw).sum(), (gr, src, ww))
+    d3_r = torch.autograd.grad((gs_ref * us).sum() + (gw_ref * uw).sum(), (gr_r, src_r, ww_r))
+    for a, b in zip(d3, d3_r):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # without create_graph the kernels' backward runs: the same first-order values
     out2 = rg.gather_combine(proj(rg.gather_dispatch(h, token_of_slot, slot)), slot, w)
     gh2, gw2 = torch.autograd.grad(out2, (h, w), g)
@@ -317,6 +342,10 @@ def test_opcheck(interpret):
     torch.library.opcheck(torch.ops.deepspeed_fused.rg_combine.default,
                           (torch.randn(3, 16, device=d, requires_grad=True), slot,
                            torch.rand(2, 2, device=d, requires_grad=True)))
+    torch.library.opcheck(torch.ops.deepspeed_fused.rg_combine_backward.default,
+                          (torch.randn(2, 16, device=d, requires_grad=True),
+                           torch.randn(3, 16, device=d, requires_grad=True), slot,
+                           torch.rand(2, 2, device=d, requires_grad=True), True))
 
 
 # ----------------------------------------------------------------------------------------------
