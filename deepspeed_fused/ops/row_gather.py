@@ -721,9 +721,8 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 
 # Eager forms of dispatch and combine (as for the permute above): autograd Functions over the same
 # kernels; torch.compile traces the custom ops. Under create_graph the dispatch's backward is the
-# combine Function, and the combine's backward is differentiated through the torch reference
-# (below), so both differentiate again, as eager torch does. (The custom ops' combine backward has
-# its own derivative in torch ops, registered above, for torch.compile.)
+# combine Function and the combine's backward is its backward op, whose derivative is registered
+# above (torch ops), so both differentiate again, as eager torch does.
 class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
@@ -746,28 +745,8 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph
-            return _combine_backward_graph(ctx, grad)
-        return _combine_backward(ctx, grad, _combine_backward_rows)
-
-
-def _combine_backward_graph(ctx, grad):
-    """The combine's gradient as a graph autograd can differentiate again (create_graph): the torch
-    reference's gradient, taken from the saved inputs. The same values as the kernels' backward up
-    to the order of the weights' FP32 dot products (the rows' gradient is the same FP32 product
-    rounded once)."""
-    src, slot, weights = ctx.saved_tensors
-    weights = weights if ctx.has_weights else None
-    need = (ctx.needs_input_grad[0], weights is not None and ctx.needs_input_grad[2])
-    inputs = [t for t, n in zip((src, weights), need) if n]
-    out = gather_combine_reference(src, slot, weights)
-    grads = iter(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
-    grad_src, grad_w = (next(grads) if n else None for n in need)
-    if grad_src is None and need[0]:
-        grad_src = torch.zeros_like(src)
-    if grad_w is None and need[1]:
-        grad_w = torch.zeros_like(weights)
-    return grad_src, None, grad_w
+        # under create_graph the backward op, whose registered derivative makes it differentiable
+        return _combine_backward(ctx, grad, None if torch.is_grad_enabled() else _combine_backward_rows)
 
 
 def _combine_eager(src, slot_of_assignment, weights):

@@ -267,7 +267,7 @@ def test_dispatch_combine_vs_transformers(interpret, dtype, top_k):
 
 def test_dispatch_combine_double_backward(interpret):
     """Gradients of gather_dispatch -> experts -> gather_combine differentiate again, as in eager
-    transformers (the combine's backward under create_graph goes through the torch reference)."""
+    transformers (the combine's backward op has a registered derivative)."""
     gen = torch.Generator().manual_seed(7)
     tokens, top_k, experts, hidden = 13, 2, 4, 24
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
@@ -322,11 +322,10 @@ def test_dispatch_combine_double_backward(interpret):
     for a, b in zip(d3, d3_r):
         assert a.abs().sum() > 0
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # without create_graph the kernels' backward runs: the same first-order values
+    # without create_graph the kernels run directly: bitwise the same first-order values
     out2 = rg.gather_combine(proj(rg.gather_dispatch(h, token_of_slot, slot)), slot, w)
     gh2, gw2 = torch.autograd.grad(out2, (h, w), g)
-    torch.testing.assert_close(gh2, gh.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(gw2, gw.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(gh2, gh.detach()) and torch.equal(gw2, gw.detach())
 
 
 def test_opcheck(interpret):
