@@ -599,8 +599,8 @@ def _combine_backward_rows(grad: torch.Tensor, src: torch.Tensor, slot_of_assign
     assignment = _invert(slot_of_assignment, num_slots)  # slot -> flat assignment t*k+j, or -1
     used = assignment >= 0
     tok = torch.where(used, assignment // max(top_k, 1), -1)
-    scale = torch.where(used, weights.reshape(-1).float()[assignment.clamp(min=0)], 0.0) if top_k else \
-        torch.zeros(num_slots, dtype=torch.float32, device=src.device)
+    scale = torch.where(used, weights.reshape(-1).float()[assignment.clamp(min=0)], 0.0) if top_k and num_tokens \
+        else torch.zeros(num_slots, dtype=torch.float32, device=src.device)
     grad = grad.contiguous()
     if _kernel_ok("gather_combine", grad, tok):
         if weights_grad:
@@ -649,20 +649,21 @@ def _combine_backward_backward(ctx, gg_src, gg_w):
     src[s]``, ``d w[t, j] = <gg_src[s], grad[t]>`` and ``d src[s] = gg_w[t, j] grad[t]``."""
     grad, src, slot, weights = ctx.saved_tensors
     num_tokens, top_k = slot.shape
+    hidden = src.shape[1]
     flat = slot.reshape(-1)
     g32 = grad.float()
     d_grad = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
     d_src = d_w = None
     if gg_src is not None:
-        gathered = permute_rows_reference(gg_src, flat).float().view(num_tokens, top_k, -1)
+        gathered = permute_rows_reference(gg_src, flat).float().view(num_tokens, top_k, hidden)
         d_grad = d_grad + (gathered * weights.float()[..., None]).sum(1)
         if ctx.needs_input_grad[3]:
             d_w = (gathered * g32[:, None, :]).sum(-1).to(weights.dtype)
     if ctx.weights_grad and gg_w is not None and gg_w.numel():
-        rows = permute_rows_reference(src, flat).float().view(num_tokens, top_k, -1)
+        rows = permute_rows_reference(src, flat).float().view(num_tokens, top_k, hidden)
         d_grad = d_grad + (rows * gg_w.float()[..., None]).sum(1)
         if ctx.needs_input_grad[1]:
-            per_assignment = (gg_w.float()[..., None] * g32[:, None, :]).reshape(num_tokens * top_k, -1)
+            per_assignment = (gg_w.float()[..., None] * g32[:, None, :]).reshape(num_tokens * top_k, hidden)
             d_src = unpermute_rows_reference(per_assignment, flat, src.shape[0]).to(src.dtype)
     return d_grad.to(grad.dtype), d_src, None, d_w, None
 

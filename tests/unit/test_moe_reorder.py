@@ -328,6 +328,24 @@ def test_dispatch_combine_double_backward(interpret):
     assert torch.equal(gh2, gh.detach()) and torch.equal(gw2, gw.detach())
 
 
+@pytest.mark.parametrize("tokens,top_k,slots", [(0, 2, 4), (3, 0, 4), (0, 2, 0)])
+def test_combine_double_backward_empty(interpret, tokens, top_k, slots):
+    """No tokens, no assignments or no slots: first and second order run and give zeros."""
+    hidden = 8
+    src = torch.randn(slots, hidden).requires_grad_()
+    slot = torch.full((tokens, top_k), -1, dtype=torch.int64)
+    w = torch.rand(tokens, top_k).requires_grad_()
+    out = rg.gather_combine(src, slot, w)
+    assert out.shape == (tokens, hidden)
+    gs, gw = torch.autograd.grad(out, (src, w), torch.randn(out.shape), create_graph=True, allow_unused=True)
+    for g, like in ((gs, src), (gw, w)):
+        assert g is None or (g.shape == like.shape and not g.abs().sum())
+    gr = torch.randn(tokens, hidden).requires_grad_()
+    gs_op, gw_op = rg._combine_backward_op(gr, src, slot, w, True)
+    d = torch.autograd.grad(gs_op.sum() + gw_op.sum(), (gr, src, w), allow_unused=True)
+    assert all(t is None or not t.abs().sum() for t in d)
+
+
 def test_opcheck(interpret):
     d = interpret
     pidx, n = _indices([3, 1, 0], 8, torch.int64)

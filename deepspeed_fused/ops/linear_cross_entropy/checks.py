@@ -99,12 +99,14 @@ class _ValueCheck:
             bad.append(~(temperature > 0).all())
         flags = torch.stack(bad) if len(bad) > 1 else bad[0].reshape(1)
         self.V, self.ignore_index, self.event = V, ignore_index, None
-        if defer and flags.is_cuda and not torch.cuda.is_current_stream_capturing():
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-            flags = host
+        if defer and flags.is_cuda:
+            with torch.cuda.device(flags.device):  # the stream of the flags' device, whatever is current
+                if not torch.cuda.is_current_stream_capturing():
+                    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                    host.copy_(flags, non_blocking=True)
+                    self.event = torch.cuda.Event()
+                    self.event.record()
+                    flags = host
         self.flags = flags
 
     def finish(self) -> None:
