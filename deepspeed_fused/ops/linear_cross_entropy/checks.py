@@ -121,11 +121,6 @@ class _ValueCheck:
             raise ValueError("linear_cross_entropy: `temperature` tensor has values <= 0")
 
 
-def _check_values(target, temperature, V, ignore_index):
-    """Targets in [0, V) or ignore_index, temperatures > 0: one device reduction, one sync."""
-    _ValueCheck(target, temperature, V, ignore_index, defer=False).finish()
-
-
 def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
              accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None, sequence_parallel=False,
              defer=False):
@@ -144,8 +139,9 @@ def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature,
     check = None
     if validate_targets and target.numel() and tp is None:  # TP: checked against the global V after the gather
         check = _ValueCheck(target, temperature, V, ignore_index, defer and not torch.compiler.is_compiling())
-        if not defer:
-            check = check.finish()
+        if not defer:  # read now
+            check.finish()
+            check = None
     h = hidden.reshape(-1, H)
     t = target.reshape(-1)
     temp = temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else None
