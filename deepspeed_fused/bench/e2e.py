@@ -48,7 +48,8 @@ Flags: ``--model --steps --warmup --batch-size --seq-len`` (the fixed setup), ``
 ``--arm-timeout`` (s per run, default 600), ``--liger-swiglu-timeout`` (default 420),
 ``--keep-traces DIR`` (each profiled step's Chrome trace), ``--search PAIRS --search-arms
 --search-start --search-max --search-steps --search-warmup --search-timeout`` (s per search
-process), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (3 steps, 512 tokens).
+process), ``--include HOST:IDS`` (the launcher's ``--include``: e.g. ``localhost:1`` runs on the
+second GPU, so two single-GPU parts can run side by side on a two-GPU host), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (3 steps, 512 tokens).
 
     python -m deepspeed_fused.bench e2e                                   # the three pairs, three arms
     python -m deepspeed_fused.bench e2e --pairs zero2 --arms liger_swiglu --out /tmp/e2e_swiglu
@@ -109,10 +110,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# ``--include`` of the command line (e.g. ``localhost:1``): which GPUs the launcher gives the runs,
+# so that two jobs can share a host with one GPU each; None: the first ``num_gpus``
+INCLUDE: Optional[str] = None
+
+
 def launch(train_args: list, num_gpus: int, timeout: float, tmp: str, env_extra: Optional[dict] = None) -> dict:
     """Run ``examples/train.py`` under the deepspeed launcher with a time limit (:func:`run_limited`)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
+    where = ["--include", INCLUDE] if INCLUDE else ["--num_gpus", str(num_gpus)]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *where, "--master_port",
            str(port), os.path.join(ROOT, "examples", "train.py"), *train_args]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
     print("[e2e] running", " ".join(f"{k}={v}" for k, v in (env_extra or {}).items()), " ".join(cmd[5:]),
@@ -675,6 +682,9 @@ def main(args) -> dict:
     p.add_argument("--search-steps", type=int, default=5)
     p.add_argument("--search-warmup", type=int, default=2)
     p.add_argument("--search-timeout", type=float, default=600.0, help="seconds per search process")
+    p.add_argument("--include", default=None, metavar="HOST:IDS",
+                   help="the deepspeed launcher's --include for every run (e.g. localhost:1: the second GPU), "
+                        "so two jobs can share a host; its GPU count must match the pairs'")
     p.add_argument("--render", nargs="+", default=None, metavar="E2E_JSON",
                    help="do not run: merge the results of earlier runs (e2e.json files) and write the outputs")
     o = p.parse_args(getattr(args, "extra", []))
@@ -684,6 +694,8 @@ def main(args) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     if o.render:
         return render(o.render, out_dir)
+    global INCLUDE
+    INCLUDE = o.include
     pairs = [x for x in o.pairs.split(",") if x and x != "none"]
     arms = [x for x in o.arms.split(",") if x]
     for x in pairs + [y for y in o.search.split(",") if y]:
