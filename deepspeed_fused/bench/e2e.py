@@ -489,7 +489,7 @@ def plots(results: dict, search: dict, out_dir: str) -> None:
                 ok = sorted((t["batch"], t["median_tokens_per_s"]) for t in s.get("trials", []) if t["status"] == "ok")
                 if ok:
                     line, = ax.plot([b for b, _ in ok], [v for _, v in ok], styles.get(arm, "-"), marker="o",
-                                    label=f"{arm} (largest {s.get('largest')})")
+                                    label=f"{arm} (largest {s.get('largest')}" + (", the search cap" if s.get("capped") else "") + ")")
                     if s.get("largest") is not None:
                         ax.plot([s["largest"]], [s["tokens_per_s"]], marker="*", markersize=14,
                                 color=line.get_color())

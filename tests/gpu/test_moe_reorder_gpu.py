@@ -207,3 +207,42 @@ class TestAutoEPLocalPathGPU(DistributedTest):
         losses, _ = _autoep_run("qwen3-moe-tiny", 1, feature=True, steps=20, ep_extra=ep_extra)
         assert not feat.local_path_patched()
         torch.testing.assert_close(torch.stack(losses), torch.stack(losses_ref), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_combine_double_backward(dtype):
+    """Second-order gradients through gather_dispatch -> experts -> gather_combine on CUDA (the
+    eager Functions and the custom ops torch.compile traces) against autograd of the float64
+    references; with a sentinel assignment (weight 0, slot -1)."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, top_k, experts, hidden = 512, 8, 16, 2048
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    ids[5, 3] = experts
+    w = torch.rand(tokens, top_k, generator=gen).masked_fill(ids >= experts, 0.0)
+    h = torch.randn(tokens, hidden, generator=gen)
+    mat = torch.randn(hidden, hidden, generator=gen) / hidden**0.5
+    flat = ids.reshape(-1)
+    vals, perm = torch.sort(flat)
+    token_of_slot = torch.where(vals >= experts, -1, perm // top_k).cuda()
+    slot = rg.inverse_permutation(perm, perm.numel()).masked_fill(flat >= experts, -1).view(tokens, top_k).cuda()
+    g = torch.randn(tokens, hidden, generator=gen)
+    vh, vw = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, top_k, generator=gen)
+
+    def second_order(dispatch, combine, dt):
+        hh = h.to("cuda", dt).requires_grad_()
+        ww = w.to("cuda", dt).requires_grad_()
+        m = mat.to("cuda", dt)
+        out = combine(torch.tanh(dispatch(hh, token_of_slot, slot) @ m), slot, ww)
+        gh, gw = torch.autograd.grad(out, (hh, ww), g.to("cuda", dt), create_graph=True)
+        d2 = torch.autograd.grad((gh * vh.to("cuda", dt)).sum() + (gw * vw.to("cuda", dt)).sum(), (hh, ww))
+        return [t.double() for t in (out, gh, gw) + d2]
+
+    ref = second_order(lambda x, t, s: rg.gather_dispatch_reference(x, t), rg.gather_combine_reference,
+                       torch.float64)
+    for name, disp, comb in (("eager", rg.gather_dispatch, rg.gather_combine),
+                             ("custom ops", rg._dispatch_op, rg._combine_op)):
+        got = second_order(disp, comb, dtype)
+        for what, a, b in zip(("out", "d h", "d w", "d2 h", "d2 w"), got, ref):
+            assert b.abs().sum() > 0, what
+            rel = ((a - b).norm() / b.norm()).item()
+            assert rel < (2e-5 if dtype == torch.float32 else 2e-2), f"{name} {what}: relative error {rel:.2e}"
