@@ -70,7 +70,8 @@ def test_matches_float64_reference(interpret, reduction, extra, opts):
              return_lse="lse" in extra, **kw)
 
 
-@pytest.mark.parametrize("case", ["ragged_V_chunks", "one_token", "fp16", "accum_fp32", "int32_3d", "z_smooth_sum"])
+@pytest.mark.parametrize("case", ["ragged_V_chunks", "one_token", "fp16", "fp16_softcap", "accum_fp32", "int32_3d",
+                                  "z_smooth_sum"])
 def test_special_shapes(interpret, case):
     if case == "ragged_V_chunks":  # V=300: 5 kernel blocks of 64, last ragged; 3 token chunks
         _compare(torch.float32, interpret, M=29, H=24, V=300, chunk_tokens=11, return_lse=True)
@@ -81,6 +82,12 @@ def test_special_shapes(interpret, case):
     elif case == "fp16":
         _compare(torch.float16, interpret, M=16, H=32, V=100, bias=True)
         _compare(torch.float16, interpret, M=16, H=32, V=100, reduction="none", return_entropy=True)
+    elif case == "fp16_softcap":  # fp32 chunk logits, dlogits in a separate fp16 buffer; several chunks
+        _compare(torch.float16, interpret, M=16, H=32, V=100, bias=True, softcap=3.0, chunk_tokens=5)
+        _compare(torch.float16, interpret, M=16, H=32, V=100, softcap=2.0, temperature=0.8, chunk_tokens=7,
+                 reduction="none", return_entropy=True, return_lse=True)
+        _compare(torch.float16, interpret, M=16, H=32, V=100, bias=True, softcap=3.0,
+                 accum_dtype=torch.float32)
     elif case == "accum_fp32":
         _compare(torch.float32, interpret, M=20, chunk_tokens=6, accum_dtype=torch.float32, bias=True)
         _compare(torch.float16, interpret, M=20, chunk_tokens=6, accum_dtype=torch.float32, reduction="none")
@@ -152,6 +159,47 @@ def test_kernel_writes_every_element(interpret):
     y = x.clone()
     lce_kernels._launch_rows(y, t, lse=lse, ent=ent, g_loss=gl, g_ent=ge, per_token=True, smoothing=0.1)
     assert torch.allclose(y.double(), zz.grad, atol=1e-6)
+
+
+def test_kernel_writes_gradient_to_another_buffer(interpret):
+    """``out=``: fp32 logits stay as they are, dlogits land (every element) in a poisoned fp16
+    buffer, equal to the in-place result rounded once."""
+    g = torch.Generator().manual_seed(4)
+    n, V = 6, 130
+    x = torch.randn(n, V, generator=g) * 3
+    t = torch.randint(0, V, (n,), generator=g)
+    t[1] = -100
+    stats = torch.empty(n, 5)
+    gl = torch.rand(n, generator=g)
+    kw = dict(softcap=2.5, inv_temp=0.9)
+    lce_kernels._launch_rows(x, t, stats=stats, **kw)
+    lse = lce_stats._finalize_stats(stats, t != -100, V, 0.0, 0.0, False)[1]
+    x0 = x.clone()
+    out = torch.full((n, V), float("nan"), dtype=torch.float16)
+    lce_kernels._launch_rows(x, t, lse=lse, g_loss=gl, per_token=True, out=out, **kw)
+    assert torch.equal(x, x0) and torch.isfinite(out).all()
+    y = x.clone()
+    lce_kernels._launch_rows(y, t, lse=lse, g_loss=gl, per_token=True, **kw)
+    assert torch.equal(out, y.half())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_softcap_lse_at_least_as_accurate_as_eager(interpret, bias):
+    """Issue 15's contract per row in fp16 with a soft cap: |lse - lse_fp64| <= |lse_eager -
+    lse_fp64| + 1e-5, eager being F.linear in fp16, the cap in fp16, an fp32 logsumexp (ours forms
+    the chunk logits in fp32 then, so it is close to the fp64 result on every row)."""
+    M, H, V, cap = 40, 32, 300, 3.0
+    h, w, t, b = _inputs(M, H, V, torch.float16, interpret, seed=9, bias=bias)
+
+    def eager(h_, w_, b_):
+        z = F.linear(h_, w_, b_)
+        return torch.logsumexp((cap * torch.tanh(z / cap)).float(), dim=-1).double()
+
+    exact = eager(h.double(), w.double(), None if b is None else b.double())
+    _, lse = linear_cross_entropy(h, w, t, bias=b, softcap=cap, reduction="none", return_lse=True, chunk_tokens=16)
+    ours_err = (lse.double() - exact).abs()
+    assert ours_err.max() <= 1e-5, ours_err.max()
+    assert (ours_err <= (eager(h, w, b) - exact).abs() + 1e-5).all()
 
 
 def test_vocab_shards_merge(interpret):

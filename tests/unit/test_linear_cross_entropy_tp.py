@@ -125,6 +125,25 @@ class TestVocabParallel(DistributedTest):
                                        return_entropy=extra[0], return_lse=extra[1], explicit_start=False, **kw)
                 _same_on_every_rank(out + grads[:1])
 
+    @pytest.mark.world_size(2)
+    def test_fp16_softcap_fp32_logits(self):
+        """fp16 with a soft cap (fp32 chunk logits, dlogits in a separate buffer) in the three TP
+        passes: within fp16 bounds of the float64 full-vocabulary reference."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        M, H, V = 12, 16, 32
+        h, w, t, b = _data(M, H, V, seed=4, bias=True)
+        for kw in (dict(softcap=3.0, chunk_tokens=5), dict(softcap=2.0, reduction="none", return_lse=True),
+                   dict(softcap=2.0, reduction="sum", return_entropy=True, chunk_tokens=4)):
+            sl = slice(rank * 16, rank * 16 + 16)
+            out, grads = weighted_backward(linear_cross_entropy, h, w[sl], t, b[sl], torch.float16,
+                                           tp_group=dist.group.WORLD, **kw)
+            rout, rgrads = weighted_backward(linear_cross_entropy_reference, h, w, t, b, torch.float64, **kw)
+            rgrads = [rgrads[0], rgrads[1][sl], rgrads[2][sl]]
+            for o, r in zip(out, rout, strict=True):
+                assert rel(o.double(), r) <= 1e-3, (kw, o, r)
+            for g, r in zip(grads, rgrads, strict=True):
+                assert torch.isfinite(g).all() and rel(g.double(), r) <= 1e-2, (kw, rel(g.double(), r))
+
     @pytest.mark.world_size(4)
     def test_ragged_shards_and_edge_targets(self):
         rank, size = dist.get_rank(), dist.get_world_size()

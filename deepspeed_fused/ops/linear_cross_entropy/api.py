@@ -13,7 +13,7 @@ from .kernels import _KERNEL_DTYPES
 from .parallel import (_TPConfig, _TPPerToken, _TPScalarLoss, _sp_gather, _sp_local, _tp_apply, _tp_layout,
                        _tp_meta_rows)
 from .reference import DEFAULT_WORKSPACE_BYTES, auto_chunk_tokens, linear_cross_entropy_reference
-from .single import _FusedScalarLoss, _lce_forward_op, _lce_fused_op
+from .single import _FusedScalarLoss, _lce_forward_op, _lce_fused_op, chunk_bytes_per_logit
 from .stats import _pack
 
 
@@ -119,7 +119,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
             M = h.shape[0]
         fused = grads and reduction != "none" and not (return_entropy or return_lse)
-        chunk = _tp_chunk(chunk_tokens, V_max, hidden.dtype, M, fused)
+        chunk = _tp_chunk(chunk_tokens, V_max, hidden.dtype, M, fused, _budget(hidden.dtype, cap, grads))
         cfg = _TPConfig(tp, V_total, inv_temp, ignore_index, z_loss, smoothing, cap, accum_fp32, chunk,
                         reduction == "mean", bool(return_entropy), sequence_parallel)
         if fused:
@@ -128,7 +128,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         if sequence_parallel:
             loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
-    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(V, hidden.dtype, M)
+    chunk = (chunk_tokens if isinstance(chunk_tokens, int)
+             else auto_chunk_tokens(V, hidden.dtype, M, _budget(hidden.dtype, cap, grads)))
     chunk = min(chunk, M)
     if grads and reduction != "none" and not (return_entropy or return_lse):
         args = (h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss, smoothing, cap,
@@ -149,13 +150,20 @@ def _finish(check, out=None):
     return out
 
 
-def _tp_chunk(chunk_tokens, V_max, dtype, M, double):
+def _budget(dtype, cap, grads) -> int:
+    """The automatic chunk's budget in bytes of ``chunk x V`` blocks of ``dtype``: the default
+    workspace, scaled down when the logits are fp32 (a soft cap on half inputs; with gradients
+    also a dlogits buffer in the input dtype, see ``single._ChunkBuffers``)."""
+    return DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
+
+
+def _tp_chunk(chunk_tokens, V_max, dtype, M, double, budget=DEFAULT_WORKSPACE_BYTES):
     """Tokens per chunk under a tp_group, the same on every rank (sized on the largest shard).
     The scalar-loss path (``double``) alternates two logits workspaces once there is more than
-    one chunk: the automatic size then keeps the two within the one-workspace budget."""
+    one chunk: the automatic size then keeps the two within the one-workspace ``budget``."""
     if isinstance(chunk_tokens, int):
         return min(chunk_tokens, M)
-    chunk = auto_chunk_tokens(V_max, dtype, M)
+    chunk = auto_chunk_tokens(V_max, dtype, M, budget)
     if double and chunk < M:
-        chunk = auto_chunk_tokens(V_max, dtype, M, DEFAULT_WORKSPACE_BYTES // 2)
+        chunk = auto_chunk_tokens(V_max, dtype, M, budget // 2)
     return min(chunk, M)

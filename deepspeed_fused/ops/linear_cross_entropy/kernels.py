@@ -39,7 +39,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _lce_rows_kernel(
-        x_ptr, stride_x, V,
+        x_ptr, stride_x, V, g_ptr, stride_g,
         tgt_ptr, ignore_index, vocab_start,
         temp_ptr, inv_temp, cap, z_loss, smooth, inv_vocab_total,
         stat_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr, n_shard, shard_stride,
@@ -50,7 +50,9 @@ if HAS_TRITON:
         """One program per row of the logits chunk ``x`` [rows, V].
 
         STATS: write the row's partial statistics to ``stat_ptr`` [rows, 5].
-        GRAD: overwrite the row with dlogits (input dtype). Without STATS, lse (and the
+        GRAD: write the row's dlogits to ``g_ptr`` (its dtype; ``x`` itself, in place, or a
+        separate buffer when the logits are fp32 and the GEMMs after want the input dtype;
+        every element of x is read before the program writes g there). Without STATS, lse (and the
         entropy, for gE) are read from ``lse_ptr``/``ent_ptr``, or, with MERGE, lse is merged
         from the partial statistics of ``n_shard`` vocabulary shards at ``stat_ptr``
         ([n_shard, rows, 5], ``shard_stride`` elements apart). PER_TOKEN: loss upstream
@@ -58,6 +60,7 @@ if HAS_TRITON:
         """
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
+        g_row = g_ptr + row * stride_g
         t = tl.load(tgt_ptr + row).to(tl.int64)
         valid = t != ignore_index
         lt = t - vocab_start
@@ -143,7 +146,7 @@ if HAS_TRITON:
                     th = z / cap
                     g = g * (1.0 - th * th)
                 g = g * inv_t
-                tl.store(x_row + cols, g.to(x_ptr.dtype.element_ty), mask=mask)
+                tl.store(g_row + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
 if HAS_TRITON:
@@ -178,11 +181,12 @@ def _scale_unless_one_(x, g):
 
 def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0,
                  ignore_index=-100, vocab_start=0, vocab_total=None, stats=None, lse=None, ent=None,
-                 g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None):
+                 g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None, out=None):
     """Run the row kernel over the chunk ``x`` [rows, V] (contiguous rows).
 
-    ``stats`` given: write partial statistics there. ``g_loss`` given: overwrite ``x`` with
-    dlogits (``per_token``: g_loss is [rows]; else a 1-element weight for valid rows), from
+    ``stats`` given: write partial statistics there. ``g_loss`` given: write dlogits to ``out``
+    (default ``x`` itself; else a ``[rows, V]`` buffer with contiguous rows, in its own dtype)
+    (``per_token``: g_loss is [rows]; else a 1-element weight for valid rows), from
     ``lse`` or, with ``merged`` (the partial statistics of every vocabulary shard for these
     rows, [shards, rows, 5] fp32, rows contiguous), from the lse the kernel merges from them.
     """
@@ -190,6 +194,8 @@ def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0,
     if n == 0:
         return
     assert x.stride(1) == 1
+    out = x if out is None else out
+    assert out.shape == x.shape and out.stride(1) == 1 and out.device == x.device
     dummy = torch.empty(1, dtype=torch.float32, device=x.device)
     if interpreter_active():
         block, warps = min(64, triton.next_power_of_2(V)), 1
@@ -202,7 +208,7 @@ def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0,
         assert grad and stats is None and g_ent is None and merged.dtype == torch.float32
         assert merged.shape[1:] == (n, 5) and merged.stride(1) == 5 and merged.stride(2) == 1
     _lce_rows_kernel[(n,)](
-        x, x.stride(0), V,
+        x, x.stride(0), V, out, out.stride(0),
         target, ignore_index, vocab_start,
         temp if temp is not None else dummy, float(inv_temp), float(softcap or 1.0), float(z_loss),
         float(smoothing), 1.0 / float(vocab_total or V),

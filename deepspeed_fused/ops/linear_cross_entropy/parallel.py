@@ -34,7 +34,7 @@ checks (:mod:`.checks`).
 import torch
 
 from .kernels import _launch_rows
-from .single import _ParamGrads, _dhidden_into, _kw, _logits_into
+from .single import _ChunkBuffers, _ParamGrads, _dhidden_into, _kw, _logits_into
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -237,10 +237,10 @@ def _tp_stats_pass(h, weight, bias, t, temp, c):
     statistics and their asynchronous all-gather, which the next chunk's GEMM overlaps."""
     M, V = h.shape[0], weight.shape[0]
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=h.device)
-    buf = h.new_empty((min(c.chunk, M), V))
+    buf = _ChunkBuffers(h, min(c.chunk, M), V, c.cap, False)
     parts = []
     for s, e in _bounds(M, c.chunk):
-        x = buf[: e - s]
+        x, _ = buf.views(e - s)
         _logits_into(h[s:e], weight, bias, x)
         _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, **_stats_kw(c, temp, s, e))
         parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
@@ -260,7 +260,7 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
     None, dw, db)."""
     M, V = h.shape[0], weight.shape[0]
     bounds = _bounds(M, c.chunk)
-    bufs = [h.new_empty((min(c.chunk, M), V)) for _ in range(min(2, len(bounds)))]
+    bufs = [_ChunkBuffers(h, min(c.chunk, M), V, c.cap, True) for _ in range(min(2, len(bounds)))]
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if need_dh else None
     pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
@@ -268,7 +268,7 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
 
     def issue(j):
         s, e = bounds[j]
-        x = bufs[j % len(bufs)][: e - s]
+        x, _ = bufs[j % len(bufs)].views(e - s)
         _logits_into(h[s:e], weight, bias, x)
         _launch_rows(x, t[s:e], stats=stats[s:e], **_stats_kw(c, temp, s, e))
         parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
@@ -279,11 +279,11 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
             issue(j + 1)
         gathered, work = parts[j]
         work.wait()
-        x = bufs[j % len(bufs)][: e - s]
-        _launch_rows(x, t[s:e], merged=gathered, g_loss=w1, per_token=False, **_grad_kw(c, temp, s, e))
+        x, g = bufs[j % len(bufs)].views(e - s)
+        _launch_rows(x, t[s:e], merged=gathered, g_loss=w1, per_token=False, out=g, **_grad_kw(c, temp, s, e))
         if need_dh:
-            _dhidden_into(x, weight, dh[s:e])
-        pg.add(x, h[s:e])
+            _dhidden_into(g, weight, dh[s:e])
+        pg.add(g, h[s:e])
     del bufs
     dw, db = pg.result(h)
     return torch.cat([g for g, _ in parts], 1), dh, dw, db
@@ -298,20 +298,20 @@ def _tp_grad_pass(h, weight, bias, t, temp, c, need_dh, need_dw, need_db, *, lse
     M = h.shape[0]
     dh = torch.empty_like(h) if need_dh else None
     pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
-    buf = h.new_empty((min(c.chunk, M), weight.shape[0]))
+    buf = _ChunkBuffers(h, min(c.chunk, M), weight.shape[0], c.cap, True)
     bounds = _bounds(M, c.chunk)
     handle = None
     for i, (s, e) in enumerate(bounds):
-        x, hc = buf[: e - s], h[s:e]
+        (x, g), hc = buf.views(e - s), h[s:e]
         _logits_into(hc, weight, bias, x)
         _launch_rows(x, t[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e], g_loss=g_loss[s:e],
                      g_ent=None if g_ent is None else g_ent[s:e], g_lse=None if g_lse is None else g_lse[s:e],
-                     per_token=True, **_grad_kw(c, temp, s, e))
+                     per_token=True, out=g, **_grad_kw(c, temp, s, e))
         if need_dh:
-            _dhidden_into(x, weight, dh[s:e])
+            _dhidden_into(g, weight, dh[s:e])
             if reduce_dh and i == len(bounds) - 1:
                 handle = _dh_reduce_start(dh, c.tp.group, c.accum_fp32)
-        pg.add(x, hc)
+        pg.add(g, hc)
     dw, db = pg.result(h)
     return dh, handle, dw, db
 

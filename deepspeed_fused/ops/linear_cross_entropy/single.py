@@ -31,11 +31,63 @@ from .stats import _NSTAT, _finalize_stats
 # Chunk drivers (cuBLAS GEMMs + the row kernel)
 # ----------------------------------------------------------------------------------------
 
+def fp32_logits(dtype: torch.dtype, softcap) -> bool:
+    """Whether the chunk logits are formed in fp32 rather than in the input dtype: with a soft cap
+    and half-precision inputs. Eager PyTorch rounds the logits to the input dtype and applies the
+    cap in that dtype (more roundings); our row kernel applies it in fp32, but starting from the
+    rounded logits it can still land farther from the fp32 result than eager on some rows. From
+    fp32 logits (cuBLAS accumulates in fp32 anyway) our lse is never less accurate than eager's.
+    Without a cap the rounded logits are eager's own (``F.linear``, the bias added in the GEMM's
+    epilogue), so the input dtype keeps the workspace small."""
+    return bool(softcap) and dtype in (torch.float16, torch.bfloat16)
+
+
+def chunk_bytes_per_logit(dtype: torch.dtype, softcap, grad: bool) -> int:
+    """Workspace bytes per element of a ``chunk x V`` logits block (see :class:`_ChunkBuffers`)."""
+    if fp32_logits(dtype, softcap):
+        return 4 + (dtype.itemsize if grad else 0)
+    return dtype.itemsize
+
+
+class _ChunkBuffers:
+    """A chunk's workspace: the logits ``[rows, V]`` (fp32 when :func:`fp32_logits`, else the
+    input dtype) and where the row kernel writes dlogits for the GEMMs that follow: the logits
+    themselves (in place), or, for fp32 logits, a second ``[rows, V]`` buffer in the input dtype."""
+
+    __slots__ = ("logits", "grad")
+
+    def __init__(self, hidden, rows, V, softcap, grad):
+        fp32 = fp32_logits(hidden.dtype, softcap)
+        self.logits = hidden.new_empty((rows, V), dtype=torch.float32 if fp32 else hidden.dtype)
+        self.grad = hidden.new_empty((rows, V)) if (fp32 and grad) else self.logits
+
+    def views(self, n):
+        return self.logits[:n], self.grad[:n]
+
+
 def _logits_into(h, weight, bias, out):
-    if bias is None:
+    if out.dtype != h.dtype:  # fp32 logits of half inputs
+        _logits_fp32_into(h, weight, bias, out)
+    elif bias is None:
         torch.mm(h, weight.t(), out=out)
     else:
         torch.addmm(bias, h, weight.t(), out=out)
+
+
+def _logits_fp32_into(h, weight, bias, out):
+    """out (fp32) = h @ weight.T (+ bias), the GEMM accumulating in fp32 and writing fp32."""
+    if out.is_cuda and _FP32_OUT_DTYPE_OK[0]:
+        try:
+            torch.mm(h, weight.t(), torch.float32, out=out)
+        except (RuntimeError, TypeError):  # a torch without mm's out_dtype: rounded logits, as eager's
+            _FP32_OUT_DTYPE_OK[0] = False
+            out.copy_(torch.mm(h, weight.t()))
+    elif out.is_cuda:
+        out.copy_(torch.mm(h, weight.t()))
+    else:  # CPU (the Triton interpreter's tests): fp32 copies, small shapes
+        torch.mm(h.float(), weight.t().float(), out=out)
+    if bias is not None:
+        out.add_(bias)
 
 
 def _dhidden_into(dlogits, weight, out):
@@ -99,16 +151,17 @@ class _ParamGrads:
         return dw, db
 
 
-def _logit_chunks(hidden, weight, bias, chunk):
-    """Yield ``(s, e, logits, hidden[s:e])`` per token chunk; the chunk logits are written into
-    one reused ``[chunk, V]`` buffer (the op's whole workspace), freed when the loop ends."""
+def _logit_chunks(hidden, weight, bias, chunk, softcap, grad):
+    """Yield ``(s, e, logits, dlogits, hidden[s:e])`` per token chunk; the chunk logits are written
+    into one reused workspace (:class:`_ChunkBuffers`, the op's whole workspace; ``dlogits`` is
+    where the row kernel writes the gradient when ``grad``), freed when the loop ends."""
     M, V = hidden.shape[0], weight.shape[0]
-    buf = hidden.new_empty((min(chunk, M), V))
+    buf = _ChunkBuffers(hidden, min(chunk, M), V, softcap, grad)
     for s in range(0, M, chunk):
         e = min(M, s + chunk)
-        x, h = buf[: e - s], hidden[s:e]
+        (x, g), h = buf.views(e - s), hidden[s:e]
         _logits_into(h, weight, bias, x)
-        yield s, e, x, h
+        yield s, e, x, g, h
 
 
 def _kw(temp_c, inv_temp, ignore_index, z_loss, smoothing, softcap):
@@ -130,12 +183,12 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     pg = _ParamGrads(weight, bias, accum_fp32, need_dw, need_db)
-    for s, e, x, h in _logit_chunks(hidden, weight, bias, chunk):
-        _launch_rows(x, target[s:e], stats=stats[s:e], g_loss=w1, per_token=False,
+    for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, softcap, True):
+        _launch_rows(x, target[s:e], stats=stats[s:e], g_loss=w1, per_token=False, out=g,
                      **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
         if need_dh:
-            _dhidden_into(x, weight, dh[s:e])
-        pg.add(x, h)
+            _dhidden_into(g, weight, dh[s:e])
+        pg.add(g, h)
     loss_tok, _, _ = _finalize_stats(stats, valid, V, z_loss, smoothing, False)
     loss = loss_tok.sum() * w
     dw, db = pg.result(hidden)
@@ -148,7 +201,7 @@ def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_
     M = hidden.shape[0]
     V = weight.shape[0]
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
-    for s, e, x, _ in _logit_chunks(hidden, weight, bias, chunk):
+    for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, softcap, False):
         _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
                      **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
     valid = target != ignore_index
@@ -167,14 +220,14 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     g_lse = None if g_lse is None else g_lse.float().contiguous()
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     pg = _ParamGrads(weight, bias, accum_fp32, need_dw, need_db)
-    for s, e, x, h in _logit_chunks(hidden, weight, bias, chunk):
+    for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, softcap, True):
         _launch_rows(x, target[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e],
                      g_loss=g_loss[s:e], g_ent=None if g_ent is None else g_ent[s:e],
-                     g_lse=None if g_lse is None else g_lse[s:e], per_token=True,
+                     g_lse=None if g_lse is None else g_lse[s:e], per_token=True, out=g,
                      **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
         if need_dh:
-            _dhidden_into(x, weight, dh[s:e])
-        pg.add(x, h)
+            _dhidden_into(g, weight, dh[s:e])
+        pg.add(g, h)
     dw, db = pg.result(hidden)
     return dh, dw, db
 
