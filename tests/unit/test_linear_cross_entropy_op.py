@@ -136,13 +136,19 @@ def test_reference_matches_torch(interpret):
     assert torch.allclose(zl, expect, rtol=1e-12)
 
 
+def _row_inputs(seed, n, V, scale, ignored):
+    """Logits [n, V] (x scale), targets with row ``ignored`` ignored, and the generator."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, V, generator=g) * scale
+    t = torch.randint(0, V, (n,), generator=g)
+    t[ignored] = -100
+    return x, t, g
+
+
 def test_kernel_writes_every_element(interpret):
     """Poisoned stats buffer and logits buffer: every element is written, with the right value."""
-    g = torch.Generator().manual_seed(1)
     n, V = 7, 150
-    x = torch.randn(n, V, generator=g) * 3
-    t = torch.randint(0, V, (n,), generator=g)
-    t[2] = -100
+    x, t, g = _row_inputs(1, n, V, 3, 2)
     stats = torch.full((n, 5), float("nan"))
     lce_kernels._launch_rows(x, t, stats=stats, need_ent=True, smoothing=0.1)
     assert torch.isfinite(stats).all()
@@ -164,11 +170,8 @@ def test_kernel_writes_every_element(interpret):
 def test_kernel_writes_gradient_to_another_buffer(interpret):
     """``out=``: fp32 logits stay as they are, dlogits land (every element) in a poisoned fp16
     buffer, equal to the in-place result rounded once."""
-    g = torch.Generator().manual_seed(4)
     n, V = 6, 130
-    x = torch.randn(n, V, generator=g) * 3
-    t = torch.randint(0, V, (n,), generator=g)
-    t[1] = -100
+    x, t, g = _row_inputs(4, n, V, 3, 1)
     stats = torch.empty(n, 5)
     gl = torch.rand(n, generator=g)
     kw = dict(softcap=2.5, inv_temp=0.9)
@@ -204,11 +207,8 @@ def test_softcap_lse_at_least_as_accurate_as_eager(interpret, bias):
 
 def test_vocab_shards_merge(interpret):
     """Stats over vocabulary shards (vocab_start) merged == full-vocabulary stats (TP hook)."""
-    g = torch.Generator().manual_seed(2)
     n, V = 6, 200
-    x = torch.randn(n, V, generator=g) * 4
-    t = torch.randint(0, V, (n,), generator=g)
-    t[0] = -100
+    x, t, _ = _row_inputs(2, n, V, 4, 0)
     full = torch.empty(n, 5)
     lce_kernels._launch_rows(x, t, stats=full, need_ent=True, smoothing=0.2)
     bounds = [0, 70, 71, 200]  # ragged shards, one of one column
