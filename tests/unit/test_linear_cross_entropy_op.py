@@ -205,6 +205,43 @@ def test_softcap_lse_at_least_as_accurate_as_eager(interpret, bias):
     assert (ours_err <= (eager(h, w, b) - exact).abs() + 1e-5).all()
 
 
+def test_fp32_logits_fallback(interpret, monkeypatch):
+    """When cuBLAS cannot write fp32 logits: one warning, this call's logits rounded first (into
+    its fp32 buffer), and later calls take input-dtype workspaces (no fp32 buffers)."""
+    from deepspeed_fused.ops.linear_cross_entropy import single
+
+    calls = []
+
+    class _FakeOut:  # reaches the CUDA branch of _logits_fp32_into on CPU
+        def __init__(self, t):
+            self.t, self.is_cuda = t, True
+
+        def copy_(self, v):
+            calls.append(v.dtype)
+            self.t.copy_(v)
+
+        def add_(self, b):
+            self.t.add_(b)
+
+    real_mm = torch.mm
+
+    def mm(*a, **k):
+        if len(a) == 3:  # the out_dtype overload
+            raise RuntimeError("no fp32 output here")
+        return real_mm(*a, **k)
+
+    monkeypatch.setattr(single, "_FP32_LOGITS_OK", [True])
+    monkeypatch.setattr(torch, "mm", mm)
+    h, w = torch.randn(3, 8).half(), torch.randn(5, 8).half()
+    out = torch.empty(3, 5)
+    with pytest.warns(RuntimeWarning, match="fp32 logits"):
+        single._logits_fp32_into(h, w, None, _FakeOut(out))
+    assert calls == [torch.float16] and torch.equal(out, real_mm(h, w.t()).float())
+    assert not single.fp32_logits(torch.bfloat16, 3.0)
+    assert single.chunk_bytes_per_logit(torch.bfloat16, 3.0, True) == 2
+    assert single._ChunkBuffers(h, 3, 5, 3.0, True).logits.dtype == torch.float16
+
+
 def test_vocab_shards_merge(interpret):
     """Stats over vocabulary shards (vocab_start) merged == full-vocabulary stats (TP hook)."""
     n, V = 6, 200

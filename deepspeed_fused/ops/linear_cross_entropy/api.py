@@ -42,7 +42,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         accum_dtype: None (dweight partial sums across chunks kept in the weight's dtype) or
             torch.float32 (fp32 accumulator: more memory).
         chunk_tokens: tokens per chunk (None: the ``chunk x V`` logits workspace stays
-            <= 480 MiB, so all extra memory stays under 512 MiB).
+            <= 480 MiB, so all extra memory stays under 512 MiB; with ``softcap`` on fp16/bf16
+            inputs the logits are fp32 and the automatic chunk is smaller, an explicit one not).
         validate_targets: check targets and temperatures: a device reduction started before
             the kernels and read after they are queued (one host wait, for the work queued
             before the call; a bad value raises ValueError then). False makes the call free of

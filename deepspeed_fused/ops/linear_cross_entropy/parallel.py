@@ -254,7 +254,7 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
     """The scalar loss's gradient formed in the forward, three GEMMs per chunk: the local logits
     GEMM, the shard's statistics and their asynchronous all-gather; then, once the chunk's
     gather is done, the row kernel merges its lse and overwrites the logits still in memory with
-    dlogits, and the dhidden-partial GEMM and the dweight accumulation follow. Two workspaces
+    dlogits (or writes them to the workspace's gradient buffer: fp32 logits), and the dhidden-partial GEMM and the dweight accumulation follow. Two workspaces
     alternate (one when there is one chunk): chunk j + 1's GEMM and statistics are issued before
     chunk j waits for its gather. Returns (statistics of every shard [size, M, 5], dh partial or
     None, dw, db)."""

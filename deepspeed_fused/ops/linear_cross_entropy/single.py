@@ -8,17 +8,20 @@ Two gradient strategies:
 
 * **Scalar loss** (``reduction`` "mean"/"sum", no entropy/lse output) while gradients are
   needed: the same kernel makes a second pass over the row and overwrites the logits with
-  ``dL/dlogits`` (already weighted by ``1/n_valid`` for "mean"); two more chunk GEMMs give
+  ``dL/dlogits`` (or writes them to a second buffer when the logits are fp32, see
+  :func:`fp32_logits`; already weighted by ``1/n_valid`` for "mean"); two more chunk GEMMs give
   ``dhidden`` and accumulate ``dweight``. Backward only multiplies these by ``grad_output``:
   3 GEMMs in all.
 * **Per-token upstream gradients** (reduction "none", entropy or lse returned): forward keeps
   per-token ``lse`` and entropy (fp32); backward recomputes the chunk logits and the kernel
-  turns them in place into ``dlogits`` from the per-token upstream gradients: 4 GEMMs.
+  turns them in place (or into the second buffer) into ``dlogits`` from the per-token upstream
+  gradients: 4 GEMMs.
 
 The chunk drivers (:func:`_logits_into`, :func:`_dhidden_into`, :class:`_ParamGrads`,
 :func:`_kw`) are shared with the tensor-parallel form (:mod:`.parallel`). The public entry
 point is in :mod:`.api`.
 """
+import warnings
 from typing import Optional
 
 import torch
@@ -38,8 +41,9 @@ def fp32_logits(dtype: torch.dtype, softcap) -> bool:
     rounded logits it can still land farther from the fp32 result than eager on some rows. From
     fp32 logits (cuBLAS accumulates in fp32 anyway) our lse is never less accurate than eager's.
     Without a cap the rounded logits are eager's own (``F.linear``, the bias added in the GEMM's
-    epilogue), so the input dtype keeps the workspace small."""
-    return bool(softcap) and dtype in (torch.float16, torch.bfloat16)
+    epilogue), so the input dtype keeps the workspace small. False once the fp32-output GEMM
+    has failed in this process (see :func:`_logits_fp32_into`)."""
+    return bool(softcap) and dtype in (torch.float16, torch.bfloat16) and _FP32_LOGITS_OK[0]
 
 
 def chunk_bytes_per_logit(dtype: torch.dtype, softcap, grad: bool) -> int:
@@ -74,18 +78,29 @@ def _logits_into(h, weight, bias, out):
         torch.addmm(bias, h, weight.t(), out=out)
 
 
+# whether cuBLAS may write the logits of half inputs in fp32 (``mm`` with ``out_dtype``); set to
+# False, with one warning, the first time it raises (a torch without it, TunableOp): later calls
+# then form the logits in the input dtype, as without a soft cap
+_FP32_LOGITS_OK = [True]
+
+
 def _logits_fp32_into(h, weight, bias, out):
     """out (fp32) = h @ weight.T (+ bias), the GEMM accumulating in fp32 and writing fp32."""
-    if out.is_cuda and _FP32_OUT_DTYPE_OK[0]:
+    if not out.is_cuda:  # CPU (the Triton interpreter's tests): fp32 copies, small shapes
+        torch.mm(h.float(), weight.t().float(), out=out)
+    else:
         try:
             torch.mm(h, weight.t(), torch.float32, out=out)
-        except (RuntimeError, TypeError):  # a torch without mm's out_dtype: rounded logits, as eager's
-            _FP32_OUT_DTYPE_OK[0] = False
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError) as e:
+            # this call's buffers are already fp32: rounded logits in them (eager's accuracy)
+            _FP32_LOGITS_OK[0] = False
+            warnings.warn("deepspeed_fused.linear_cross_entropy: cuBLAS could not write fp32 logits of "
+                          f"{h.dtype} inputs ({type(e).__name__}: {str(e).splitlines()[0][:200]}); with a soft "
+                          "cap the logits are now rounded to the input dtype first, as in eager PyTorch",
+                          RuntimeWarning, stacklevel=2)
             out.copy_(torch.mm(h, weight.t()))
-    elif out.is_cuda:
-        out.copy_(torch.mm(h, weight.t()))
-    else:  # CPU (the Triton interpreter's tests): fp32 copies, small shapes
-        torch.mm(h.float(), weight.t().float(), out=out)
     if bias is not None:
         out.add_(bias)
 
@@ -106,6 +121,8 @@ def _addmm_fp32_(acc, a, b):
         try:
             torch.addmm(acc, a, b, torch.float32, out=acc)
             return
+        except torch.OutOfMemoryError:
+            raise
         except (RuntimeError, TypeError):
             _FP32_OUT_DTYPE_OK[0] = False
     acc.add_(torch.mm(a, b))
