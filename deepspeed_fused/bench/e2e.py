@@ -557,18 +557,19 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
             lines.append(f"| {k} | {_f(c.get('speedup'))} | {_f(c.get('speedup_vs_liger'))} | "
                          f"{_f(c.get('liger_speedup'))} | {mem} | {loss} | "
                          f"{c.get('nan')}{' / ' + str(c['liger_nan']) if 'liger_nan' in c else ''} | {tg} |")
-        swiglu = [(f"{k}, {arm}", v[arm]) for k, v in results.items() for arm in SWIGLU_ARMS if arm in v]
+        swiglu = [((k, arm), v[arm]) for k, v in results.items() for arm in SWIGLU_ARMS if arm in v]
         if swiglu:
             lines += ["", "## Liger's SwiGLU experts (`swiglu=True`)", "",
                       "`LigerExperts` (Liger's fused MoE), with its autotuning (`liger_swiglu`) and with "
                       "`LIGER_FUSED_MOE_AUTOTUNE=0` (`liger_swiglu_noautotune`), each under a time limit.", ""]
-            for k, a in swiglu:
+            for (pair, arm), a in swiglu:
+                k = f"{pair}, {arm}"
                 if a.get("timeout"):
                     steps = a.get("steps_seen") or []
-                    lines.append(f"- {k}: timeout, {a['error']}; steps printed: "
+                    lines.append(f"- {k}: {a['error']}; steps printed: "
                                  + (", ".join(f"{s} ({ms:.0f} ms)" for s, _, ms in steps[:10]) or "none")
                                  + ". Python stacks shortly before the limit are in `e2e.json` "
-                                 f"(`results.{k}.liger_swiglu.stacks`).")
+                                 f"(`results.{pair}.{arm}.stacks`).")
                 elif "error" in a:
                     lines.append(f"- {k}: failed: `{a['error'][:300]}`".replace("\n", " "))
                 else:
