@@ -5,6 +5,11 @@ same shape in the same run (the floor of any forward). Peak extra memory of forw
 rows excludes the inputs and their gradients: memory is measured after the timed runs, which
 leave the inputs' gradients allocated, and each run drops them before making new ones, so the
 peak above the allocation at its start is net of both.
+
+``python -m deepspeed_fused.bench linear_cross_entropy --sweep --out DIR`` times our forward
+(per-token loss + lse) and forward+backward (mean loss) at several ``chunk_tokens`` instead (the
+automatic size and smaller chunks whose logits fit in L2), with the target check on and off, and
+T beside them: to see what the chunk size and the check cost before changing the defaults.
 """
 from __future__ import annotations
 
@@ -117,7 +122,52 @@ def _ours(group=None):
     return rows
 
 
+SWEEP_CHUNKS = (128, 256, 512, 1024, 2048, None)
+
+
+def sweep(args) -> list:
+    """Records ``chunk=C[, no check]``: forward (per-token loss + lse) and forward+backward (mean)
+    host-inclusive, at each of SWEEP_CHUNKS (None: automatic), per shape; T first."""
+    cuda = torch.cuda.is_available()
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shapes = SHAPES if cuda else [(24, 16, 120)]  # CPU: a check of the logic (the interpreter is slow)
+    chunks = SWEEP_CHUNKS if cuda else (8, None)
+    rep = 30 if getattr(args, "quick", False) else 60
+    recs = []
+    for M, H, V in shapes:
+        shape = f"{M}x{H}x{V}"
+        g = torch.Generator(device=dev).manual_seed(0)
+        h = (torch.randn(M, H, device=dev, generator=g) * 0.5).to(dt).requires_grad_()
+        w = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt).requires_grad_()
+        t = torch.randint(0, V, (M,), device=dev, generator=g)
+        t[::7] = -100
+        flops = 2.0 * M * H * V
+        kw = dict(flops_fwd=flops, flops_fwd_bwd=3 * flops, rep=rep)
+        buf = torch.empty(M, V, device=dev, dtype=dt)
+        hd, wd = h.detach(), w.detach()
+        T = measure(SUITE, GEMM, shape, dt, fwd=lambda: torch.mm(hd, wd.t(), out=buf), memory_of="fwd", **kw)
+        del buf
+        recs.append(T)
+        for chunk in chunks:
+            for check in (True, False):
+                opts = dict(chunk_tokens=chunk, validate_targets=check)
+                name = f"chunk={chunk or 'auto'}" + ("" if check else ", no check")
+                rec = measure(SUITE, name, shape, dt, ours=True,
+                              fwd=lambda o=opts: linear_cross_entropy(h, w, t, reduction="none", return_lse=True, **o),
+                              fwd_bwd=_fb(lambda a, b, c, o=opts: linear_cross_entropy(a, b, c, **o), h, w, t), **kw)
+                if T.fwd_ms:
+                    rec.extra.update(fwd_over_T=round(rec.fwd_ms / T.fwd_ms, 3) if rec.fwd_ms else None,
+                                     fb_over_T=round(rec.fwd_bwd_ms / T.fwd_ms, 3) if rec.fwd_bwd_ms else None)
+                    rec.note = f"fwd {rec.extra['fwd_over_T']} T, fwd+bwd (mean) {rec.extra['fb_over_T']} T"
+                recs.append(rec)
+        del h, w, t
+        torch.cuda.empty_cache() if cuda else None
+    return recs
+
+
 def run(args) -> list:
+    if "--sweep" in (getattr(args, "extra", None) or []):
+        return sweep(args)
     global NOTES
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
