@@ -122,6 +122,23 @@ def _ours(group=None):
     return rows
 
 
+def _shape_setup(M, H, V, dev, dt, rep):
+    """The suite's inputs at one shape (hidden and weight as leaves, every 7th target ignored),
+    the measure() keywords, and the record of T, the cuBLAS logits GEMM alone."""
+    shape = f"{M}x{H}x{V}"
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = (torch.randn(M, H, device=dev, generator=g) * 0.5).to(dt).requires_grad_()
+    w = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt).requires_grad_()
+    t = torch.randint(0, V, (M,), device=dev, generator=g)
+    t[::7] = -100
+    flops = 2.0 * M * H * V
+    kw = dict(flops_fwd=flops, flops_fwd_bwd=3 * flops, rep=rep)
+    buf = torch.empty(M, V, device=dev, dtype=dt)
+    hd, wd = h.detach(), w.detach()
+    T = measure(SUITE, GEMM, shape, dt, fwd=lambda: torch.mm(hd, wd.t(), out=buf), memory_of="fwd", **kw)
+    return shape, h, w, t, kw, T
+
+
 SWEEP_CHUNKS = (128, 256, 512, 1024, 2048, None)
 
 
@@ -135,18 +152,7 @@ def sweep(args) -> list:
     rep = 30 if getattr(args, "quick", False) else 60
     recs = []
     for M, H, V in shapes:
-        shape = f"{M}x{H}x{V}"
-        g = torch.Generator(device=dev).manual_seed(0)
-        h = (torch.randn(M, H, device=dev, generator=g) * 0.5).to(dt).requires_grad_()
-        w = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt).requires_grad_()
-        t = torch.randint(0, V, (M,), device=dev, generator=g)
-        t[::7] = -100
-        flops = 2.0 * M * H * V
-        kw = dict(flops_fwd=flops, flops_fwd_bwd=3 * flops, rep=rep)
-        buf = torch.empty(M, V, device=dev, dtype=dt)
-        hd, wd = h.detach(), w.detach()
-        T = measure(SUITE, GEMM, shape, dt, fwd=lambda: torch.mm(hd, wd.t(), out=buf), memory_of="fwd", **kw)
-        del buf
+        shape, h, w, t, kw, T = _shape_setup(M, H, V, dev, dt, rep)
         recs.append(T)
         for chunk in chunks:
             for check in (True, False):
@@ -180,19 +186,8 @@ def run(args) -> list:
     recs, summary = [], []
     group = _one_rank_group()
     for M, H, V in shapes:
-        shape = f"{M}x{H}x{V}"
-        g = torch.Generator(device=dev).manual_seed(0)
-        h = (torch.randn(M, H, device=dev, generator=g) * 0.5).to(dt).requires_grad_()
-        w = (torch.randn(V, H, device=dev, generator=g) * 0.02).to(dt).requires_grad_()
-        t = torch.randint(0, V, (M,), device=dev, generator=g)
-        t[::7] = -100
-        flops = 2.0 * M * H * V
-        kw = dict(flops_fwd=flops, flops_fwd_bwd=3 * flops, rep=rep)
-        buf = torch.empty(M, V, device=dev, dtype=dt)
-        hd, wd = h.detach(), w.detach()
-        shape_recs = [measure(SUITE, GEMM, shape, dt, fwd=lambda: torch.mm(hd, wd.t(), out=buf), memory_of="fwd",
-                              **kw)]
-        del buf
+        shape, h, w, t, kw, gemm = _shape_setup(M, H, V, dev, dt, rep)
+        shape_recs = [gemm]
         for name, (fwd, loss_fn, kind) in _ours(group).items():
             rec = measure(SUITE, name, shape, dt, ours=True, fwd=(lambda f=fwd: f(h, w, t)) if fwd else None,
                           fwd_bwd=_fb(loss_fn, h, w, t) if loss_fn else None,

@@ -14,7 +14,7 @@ from deepspeed_fused.ops._common import reset_fallback_warnings
 from unit.common import NCCL_ENV
 from unit.test_rms_norm import (EPS, _norms, _randomize_norms, _step, assert_dw_close, check_against_eager,
                                 dw_flip_allowance, eager_normalized,
-                                fused_grads, make_inputs, oracle_forward)
+                                fused_grads, make_inputs, on_streams_bitwise, oracle_forward)
 
 pytestmark = pytest.mark.gpu
 
@@ -279,18 +279,7 @@ def test_two_norms_in_flight_on_different_streams():
     shapes = [(8192, 2048), (16384, 1024)]
     ins = [make_inputs(s, torch.bfloat16, seed=30 + i, device="cuda") for i, s in enumerate(shapes)]
     ref = [fused_grads(*i[:2], EPS, i[2]) for i in ins]
-    streams = [torch.cuda.Stream() for _ in shapes]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for _ in range(20):
-        outs = []
-        for s, (x, w, dy) in zip(streams, ins):
-            with torch.cuda.stream(s):
-                outs.append(fused_grads(x, w, EPS, dy))
-        for s in streams:
-            torch.cuda.current_stream().wait_stream(s)
-        for got, want in zip(outs, ref):
-            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    on_streams_bitwise(ins, lambda x, w, dy: fused_grads(x, w, EPS, dy), ref)
 
 
 def test_workspace_shared_by_norms_of_different_shapes():

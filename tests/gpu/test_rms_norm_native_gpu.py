@@ -9,7 +9,7 @@ import torch
 
 from deepspeed_fused.ops import _native
 from deepspeed_fused.ops import rms_norm as R
-from unit.test_rms_norm import EPS, check_against_eager, make_inputs
+from unit.test_rms_norm import EPS, check_against_eager, make_inputs, on_streams_bitwise
 
 pytestmark = pytest.mark.gpu
 
@@ -179,20 +179,13 @@ def test_native_two_streams_and_repeats():
     shapes = [(8192, 2048), (16384, 1024)]
     ins = [make_inputs(s, torch.bfloat16, seed=30 + i, device="cuda") for i, s in enumerate(shapes)]
     ref = [_warm(*i) for i in ins]
-    streams = [torch.cuda.Stream() for _ in shapes]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for _ in range(20):
-        outs = []
-        for s, (x, w, dy) in zip(streams, ins):
-            with torch.cuda.stream(s):
-                got, node = _call(x, w, dy)
-                assert _native_node(node)
-                outs.append(got)
-        for s in streams:
-            torch.cuda.current_stream().wait_stream(s)
-        for got, want in zip(outs, ref):
-            assert _equal(got, want)
+
+    def native_call(x, w, dy):
+        got, node = _call(x, w, dy)
+        assert _native_node(node)
+        return got
+
+    on_streams_bitwise(ins, native_call, ref)
 
 
 def test_native_cuda_graph_capture():

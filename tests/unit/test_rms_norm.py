@@ -158,6 +158,23 @@ def make_inputs(shape, dtype, wdtype=None, seed=0, device="cpu"):
     return x.to(device), w.to(device), dy.to(device)
 
 
+def on_streams_bitwise(ins, call, ref, rounds=20):
+    """``call(x, w, dy)`` for every input set, each on its own CUDA stream and all in flight at
+    once, ``rounds`` times: every result (a tuple of tensors) bitwise equal to its ``ref``."""
+    streams = [torch.cuda.Stream() for _ in ins]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(rounds):
+        outs = []
+        for s, args in zip(streams, ins):
+            with torch.cuda.stream(s):
+                outs.append(call(*args))
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        for got, want in zip(outs, ref):
+            assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want))
+
+
 def check_against_eager(x, w, dy, eps=EPS):
     y, dx, dw = fused_grads(x, w, eps, dy)
     y_r, dx_r, dw_r, terms = eager_rms_grads(x, w, eps, dy)
