@@ -16,6 +16,7 @@ from unit.common import DistributedTest
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
 from deepspeed_fused.ops.linear_cross_entropy import parallel as lce_parallel
+from deepspeed_fused.ops.linear_cross_entropy import single as lce_single
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL ranks on GPUs (skipped without enough of them)
@@ -266,6 +267,9 @@ class TestVocabParallel(DistributedTest):
                 return fn(*a, **k)
             return f
 
+        # the logits GEMM: the statistics and per-token passes reach it through single._logit_chunks,
+        # the scalar-loss pass (two workspaces) directly
+        mp.setattr(lce_single, "_logits_into", wrap("logits", lce_single._logits_into))
         mp.setattr(lce_parallel, "_logits_into", wrap("logits", lce_parallel._logits_into))
         mp.setattr(lce_parallel, "_dhidden_into", wrap("dh", lce_parallel._dhidden_into))
         mp.setattr(lce_parallel._ParamGrads, "add", wrap("dw", lce_parallel._ParamGrads.add))

@@ -120,7 +120,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
             M = h.shape[0]
         fused = grads and reduction != "none" and not (return_entropy or return_lse)
-        chunk = _tp_chunk(chunk_tokens, V_max, hidden.dtype, M, fused, _budget(hidden.dtype, cap, grads))
+        chunk = _chunk(chunk_tokens, V_max, hidden.dtype, M, fused, cap, grads)
         cfg = _TPConfig(tp, V_total, inv_temp, ignore_index, z_loss, smoothing, cap, accum_fp32, chunk,
                         reduction == "mean", bool(return_entropy), sequence_parallel)
         if fused:
@@ -129,9 +129,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         if sequence_parallel:
             loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
-    chunk = (chunk_tokens if isinstance(chunk_tokens, int)
-             else auto_chunk_tokens(V, hidden.dtype, M, _budget(hidden.dtype, cap, grads)))
-    chunk = min(chunk, M)
+    chunk = _chunk(chunk_tokens, V, hidden.dtype, M, False, cap, grads)
     if grads and reduction != "none" and not (return_entropy or return_lse):
         args = (h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss, smoothing, cap,
                 accum_fp32, chunk, need_dh, need_dw, need_db)
@@ -151,20 +149,17 @@ def _finish(check, out=None):
     return out
 
 
-def _budget(dtype, cap, grads) -> int:
-    """The automatic chunk's budget in bytes of ``chunk x V`` blocks of ``dtype``: the default
-    workspace, scaled down when the logits are fp32 (a soft cap on half inputs; with gradients
-    also a dlogits buffer in the input dtype, see ``single._ChunkBuffers``)."""
-    return DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
-
-
-def _tp_chunk(chunk_tokens, V_max, dtype, M, double, budget=DEFAULT_WORKSPACE_BYTES):
-    """Tokens per chunk under a tp_group, the same on every rank (sized on the largest shard).
-    The scalar-loss path (``double``) alternates two logits workspaces once there is more than
-    one chunk: the automatic size then keeps the two within the one-workspace ``budget``."""
+def _chunk(chunk_tokens, V, dtype, M, double, cap, grads):
+    """Tokens per chunk: ``chunk_tokens`` as given, else sized so the ``chunk x V`` workspace stays
+    within the default budget, counted in bytes per logit (more when the logits are fp32: a soft
+    cap on half inputs, with gradients also a dlogits buffer, see ``single._ChunkBuffers``). Under
+    a tp_group ``V`` is the largest shard's, so every rank gets the same chunk, and the TP
+    scalar-loss path (``double``) alternates two workspaces once there is more than one chunk:
+    the automatic size then keeps the two within the one-workspace budget."""
     if isinstance(chunk_tokens, int):
         return min(chunk_tokens, M)
-    chunk = auto_chunk_tokens(V_max, dtype, M, budget)
+    budget = DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
+    chunk = auto_chunk_tokens(V, dtype, M, budget)
     if double and chunk < M:
-        chunk = auto_chunk_tokens(V_max, dtype, M, budget // 2)
+        chunk = auto_chunk_tokens(V, dtype, M, budget // 2)
     return min(chunk, M)

@@ -34,7 +34,7 @@ checks (:mod:`.checks`).
 import torch
 
 from .kernels import _launch_rows
-from .single import _ChunkBuffers, _ParamGrads, _dhidden_into, _kw, _logits_into
+from .single import _ChunkBuffers, _ParamGrads, _dhidden_into, _kw, _logit_chunks, _logits_into
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -235,16 +235,11 @@ def _grad_kw(c, temp, s, e):
 def _tp_stats_pass(h, weight, bias, t, temp, c):
     """Statistics of every shard [size, M, 5]: per chunk the local logits GEMM, the shard's
     statistics and their asynchronous all-gather, which the next chunk's GEMM overlaps."""
-    M, V = h.shape[0], weight.shape[0]
-    stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=h.device)
-    buf = _ChunkBuffers(h, min(c.chunk, M), V, c.cap, False)
+    stats = torch.empty((h.shape[0], _NSTAT), dtype=torch.float32, device=h.device)
     parts = []
-    for s, e in _bounds(M, c.chunk):
-        x, _ = buf.views(e - s)
-        _logits_into(h[s:e], weight, bias, x)
+    for s, e, x, _, _ in _logit_chunks(h, weight, bias, c.chunk, c.cap, False):  # workspace freed after
         _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, **_stats_kw(c, temp, s, e))
         parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
-    del buf
     for _, work in parts:
         work.wait()
     return torch.cat([g for g, _ in parts], 1)
@@ -254,9 +249,10 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
     """The scalar loss's gradient formed in the forward, three GEMMs per chunk: the local logits
     GEMM, the shard's statistics and their asynchronous all-gather; then, once the chunk's
     gather is done, the row kernel merges its lse and overwrites the logits still in memory with
-    dlogits (or writes them to the workspace's gradient buffer: fp32 logits), and the dhidden-partial GEMM and the dweight accumulation follow. Two workspaces
-    alternate (one when there is one chunk): chunk j + 1's GEMM and statistics are issued before
-    chunk j waits for its gather. Returns (statistics of every shard [size, M, 5], dh partial or
+    dlogits (or writes them to the workspace's gradient buffer: fp32 logits), and the
+    dhidden-partial GEMM and the dweight accumulation follow. Two workspaces alternate (one when
+    there is one chunk): chunk j + 1's GEMM and statistics are issued before chunk j waits for
+    its gather. Returns (statistics of every shard [size, M, 5], dh partial or
     None, dw, db)."""
     M, V = h.shape[0], weight.shape[0]
     bounds = _bounds(M, c.chunk)
@@ -298,18 +294,14 @@ def _tp_grad_pass(h, weight, bias, t, temp, c, need_dh, need_dw, need_db, *, lse
     M = h.shape[0]
     dh = torch.empty_like(h) if need_dh else None
     pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
-    buf = _ChunkBuffers(h, min(c.chunk, M), weight.shape[0], c.cap, True)
-    bounds = _bounds(M, c.chunk)
     handle = None
-    for i, (s, e) in enumerate(bounds):
-        (x, g), hc = buf.views(e - s), h[s:e]
-        _logits_into(hc, weight, bias, x)
+    for s, e, x, g, hc in _logit_chunks(h, weight, bias, c.chunk, c.cap, True):
         _launch_rows(x, t[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e], g_loss=g_loss[s:e],
                      g_ent=None if g_ent is None else g_ent[s:e], g_lse=None if g_lse is None else g_lse[s:e],
                      per_token=True, out=g, **_grad_kw(c, temp, s, e))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
-            if reduce_dh and i == len(bounds) - 1:
+            if reduce_dh and e == M:  # the last chunk
                 handle = _dh_reduce_start(dh, c.tp.group, c.accum_fp32)
         pg.add(g, hc)
     dw, db = pg.result(h)

@@ -17,8 +17,8 @@ Two gradient strategies:
   turns them in place (or into the second buffer) into ``dlogits`` from the per-token upstream
   gradients: 4 GEMMs.
 
-The chunk drivers (:func:`_logits_into`, :func:`_dhidden_into`, :class:`_ParamGrads`,
-:func:`_kw`) are shared with the tensor-parallel form (:mod:`.parallel`). The public entry
+The chunk drivers (:func:`_logit_chunks`, :class:`_ChunkBuffers`, :func:`_logits_into`,
+:func:`_dhidden_into`, :class:`_ParamGrads`, :func:`_kw`) are shared with the tensor-parallel form (:mod:`.parallel`). The public entry
 point is in :mod:`.api`.
 """
 import warnings
