@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import statistics
+import time
 from typing import Callable, Optional
 
 import torch
@@ -55,11 +56,11 @@ def env_fields() -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
 
 
-def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds of ``fn()`` on the GPU (do_bench clears the L2 between runs)."""
+def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, min_runs: int = 10) -> float:
+    """Median milliseconds of ``fn()`` on the GPU (do_bench clears the L2 between runs), over at
+    least ``min_runs`` runs: do_bench repeats for ``rep`` milliseconds, which would time a 90 ms
+    call once."""
     if not torch.cuda.is_available():
-        import time
-
         fn()
         times = []
         for _ in range(max(3, rep // 20)):
@@ -70,7 +71,13 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> floa
     try:
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        est = (time.perf_counter() - t) * 1e3
+        return float(do_bench(fn, warmup=warmup, rep=max(rep, int(min_runs * est) + 1), return_mode="median"))
     except ImportError:  # pragma: no cover
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(5):
@@ -192,7 +199,7 @@ def ratios_to_best_peer(records: list[Record]) -> dict:
 
 
 def write_results(suite: str, records: list[Record], out_dir: Optional[str] = None, title: str = "",
-                  notes: str = "", method: str = "Medians of `triton.testing.do_bench`.",
+                  notes: str = "", method: str = "Medians of `triton.testing.do_bench` (at least 10 runs each).",
                   command: Optional[str] = None) -> dict:
     """Write SUITE.json, SUITE.md and SUITE.png; return the paths. ``method`` says how the times
     were taken, ``command`` how the suite is run (default ``python -m deepspeed_fused.bench SUITE``)."""

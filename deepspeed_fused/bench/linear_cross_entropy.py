@@ -23,7 +23,8 @@ SUITE = "linear_cross_entropy"
 TITLE = "fused linear cross-entropy (LM head + CE)"
 NOTES = ""
 SHAPES = [(4096, 4096, 131072), (8192, 2048, 151936), (8192, 4096, 128256), (16384, 4096, 131072)]
-TARGETS = {"fwd": 1.10, "fb_mean": 3.6, "fb_token": 4.4, "mib": 512, "tp1": 1.02}
+TARGETS = {"fwd": 1.05, "fb_mean": 3.35, "fb_token": 4.25, "mib": 512, "tp1": 1.02}
+CCE = "Apple CCE (filtered)"
 GEMM = "cuBLAS logits GEMM (T)"
 
 
@@ -201,6 +202,7 @@ def run(args) -> list:
                                       **kw))
             torch.cuda.empty_cache() if cuda else None
         T = shape_recs[0].fwd_ms
+        cce = next((r for r in shape_recs if r.impl == CCE), None)
         for r in shape_recs:
             if T:
                 r.extra["fwd_over_T"] = round(r.fwd_ms / T, 3) if r.fwd_ms else None
@@ -214,24 +216,32 @@ def run(args) -> list:
                 r.extra["over_single_gpu_op"] = ratio
                 r.note = "; ".join(p for p in [f"{ratio:.3f}x the single-GPU op", r.note] if p)
                 summary.append(f"| {shape} | {r.impl} | {ratio} (to the single-GPU op) | {TARGETS['tp1']} | "
-                               f"{_fmt_mib(r.peak_extra_mib)} | {'yes' if ratio <= TARGETS['tp1'] else 'NO'} |")
+                               f" | {_fmt_mib(r.peak_extra_mib)} | {'yes' if ratio <= TARGETS['tp1'] else 'NO'} |")
             elif r.ours and T:
                 kind = r.extra["target"]
                 val = r.extra["fwd_over_T"] if kind == "fwd" else r.extra["fb_over_T"]
                 goal = TARGETS.get(kind)
                 mib_ok = kind == "fb_fp32" or (r.peak_extra_mib is not None and r.peak_extra_mib <= TARGETS["mib"])
+                vs_cce, cce_ok = "", True
+                if kind == "fb_mean" and cce is not None and cce.fwd_bwd_ms and r.fwd_bwd_ms:
+                    # forward+backward at least as fast as Apple CCE with its (approximate) filtering
+                    ratio = round(cce.fwd_bwd_ms / r.fwd_bwd_ms, 3)
+                    r.extra["vs_cce_filtered"] = ratio
+                    vs_cce, cce_ok = f"{ratio:.3f}x", ratio >= 1.0
                 summary.append(f"| {shape} | {r.impl} | {val if val is not None else 'n/a'} | "
-                               f"{goal or '-'} | {_fmt_mib(r.peak_extra_mib)} | "
-                               f"{'yes' if (goal is None or (val is not None and val <= goal)) and mib_ok else 'NO'} |")
+                               f"{goal or '-'} | {vs_cce} | {_fmt_mib(r.peak_extra_mib)} | "
+                               f"{'yes' if (goal is None or (val is not None and val <= goal)) and mib_ok and cce_ok else 'NO'} |")
         recs += shape_recs
         del h, w, t
         torch.cuda.empty_cache() if cuda else None
-    NOTES = ("Targets (ratios to T, the cuBLAS logits GEMM of the same shape): forward <= 1.10 T, "
-             "forward+backward mean loss <= 3.6 T, per-token upstream gradients with entropy <= 4.4 T, "
-             "peak extra memory <= 512 MiB in the default mode; the vocabulary-parallel entry point with a "
-             "tensor-parallel group of one rank within 2% of the single-GPU op. Our calls use the defaults "
-             "(validate_targets=True: one host sync per call).\n\n"
-             "| shape | ours | ratio to T | target | extra MiB | met |\n|---|---|---:|---:|---:|---|\n"
+    NOTES = (f"Targets (ratios to T, the cuBLAS logits GEMM of the same shape): forward <= {TARGETS['fwd']} T, "
+             f"forward+backward mean loss <= {TARGETS['fb_mean']} T and at least as fast as {CCE} (the "
+             f"'vs CCE' column: its time / ours), per-token upstream gradients with entropy <= "
+             f"{TARGETS['fb_token']} T, peak extra memory <= {TARGETS['mib']} MiB in the default mode; the "
+             "vocabulary-parallel entry point with a tensor-parallel group of one rank within 2% of the "
+             "single-GPU op. Our calls use the defaults (validate_targets=True: the target check is "
+             "read after the kernels are queued).\n\n"
+             "| shape | ours | ratio to T | target | vs CCE | extra MiB | met |\n|---|---|---:|---:|---:|---:|---|\n"
              + "\n".join(summary))
     return recs
 

@@ -62,8 +62,9 @@ class LinearCrossEntropyConfig(FeatureConfig):
     chunk_tokens: Union[Literal["auto"], Annotated[StrictInt, Field(gt=0)]] = "auto"
     """Tokens per chunk of the fused op ("auto": the op picks one that bounds its workspace)."""
     accum_dtype: Literal["auto", "fp32"] = "auto"
-    """Accumulation of the LM-head weight gradient across token chunks: "auto" lets the op choose
-    (may keep partial sums in the weight's dtype), "fp32" keeps fp32 accumulators (more memory)."""
+    """Accumulation of gradients summed over the op's chunks (the LM-head weight over token chunks,
+    the hidden states over vocabulary chunks): "auto" lets the op choose (may keep partial sums in
+    the parameter's dtype), "fp32" keeps fp32 accumulators (more memory)."""
     z_loss: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)] = 0.0
     """Weight of the z-loss term ``z_loss * logsumexp(logits)**2`` added per token (0: off)."""
     label_smoothing: Annotated[StrictFloat, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0

@@ -75,9 +75,31 @@ def test_full_vocab(dtype, H, V, mode):
 @pytest.mark.parametrize("accum", [None, torch.float32])
 @pytest.mark.parametrize("mode", ["mean", "none+entropy"])
 def test_benchmark_shape_bf16(accum, mode):
-    """8192 x 4096 x 128256 bf16 with the default chunking (5 chunks): error bounds hold."""
+    """8192 x 4096 x 128256 bf16 with the default chunking (5 token chunks for the mean loss, 5
+    vocabulary chunks for the per-token path): error bounds hold."""
+    from deepspeed_fused.ops.linear_cross_entropy import api
+
+    assert api._vocab_chunk(None, 1664, 128256, torch.bfloat16, 8192, 0.0, True) == 25728
     kw = dict(reduction="none", return_entropy=True) if mode != "mean" else {}
     _check(8192, 4096, 128256, torch.bfloat16, accum_dtype=accum, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opts", ["plain", "all"])
+def test_vocab_chunks(monkeypatch, dtype, opts):
+    """The per-token path over vocabulary chunks (forced by a 16 MiB budget: 512 tokens, V=32000 in
+    chunks of ~8000), every option, against float64."""
+    from deepspeed_fused.ops.linear_cross_entropy import api
+
+    monkeypatch.setattr(api, "DEFAULT_WORKSPACE_BYTES", 16 << 20)
+    M, V = 512, 32000
+    assert api._vocab_chunk(None, 1, V, dtype, M, 2.0 if opts == "all" else 0.0, True) < V
+    kw = {}
+    if opts == "all":
+        temp = torch.rand(M, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)) + 0.5
+        kw = dict(temperature=temp, softcap=2.0, z_loss=1e-2, label_smoothing=0.1, bias=True)
+    bias = kw.pop("bias", False)
+    _check(M, 1024, V, dtype, bias=bias, reduction="none", return_entropy=True, return_lse=True, **kw)
 
 
 _OPTIONS = {

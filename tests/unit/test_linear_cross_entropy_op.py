@@ -403,16 +403,71 @@ def test_target_check_read_after_the_kernels_are_queued(interpret, monkeypatch, 
     _common.reset_fallback_warnings()
 
 
+@pytest.mark.parametrize("case", ["all_options", "fp16_softcap", "fp16_accum_fp32", "target_at_chunk_edges"])
+def test_vocab_chunks(interpret, monkeypatch, case):
+    """The per-token path splits the vocabulary when the automatic chunk would split fewer tokens
+    than there are vocabulary rows: partial statistics per chunk, merged; dweight rows per chunk,
+    dhidden summed over chunks. A small workspace budget forces it here (13 tokens, V=300: three
+    vocabulary chunks, 112 + 112 + 76, each ragged kernel blocks of 64 under the interpreter)."""
+    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api, single as lce_single
+
+    seen = []
+    real = lce_single._vocab_chunks
+
+    def spy(hidden, weight, bias, vchunk, softcap, grad):
+        for v0, v1, x, g in real(hidden, weight, bias, vchunk, softcap, grad):
+            seen.append((v0, v1))
+            yield v0, v1, x, g
+
+    monkeypatch.setattr(lce_single, "_vocab_chunks", spy)
+    M, V = 13, 300
+    temp = (torch.rand(M, generator=torch.Generator().manual_seed(3)) + 0.5).to(interpret)
+    if case == "all_options":
+        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 4)
+        _compare(torch.float32, interpret, M=M, H=24, V=V, bias=True, reduction="none", return_entropy=True,
+                 return_lse=True, temperature=temp, softcap=2.0, z_loss=0.05, label_smoothing=0.1)
+    elif case == "fp16_softcap":  # fp32 logits (4 bytes) and an fp16 dlogits buffer (2) per element
+        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 2 * 6 // 2)
+        _compare(torch.float16, interpret, M=M, H=24, V=V, bias=True, reduction="none", return_lse=True,
+                 softcap=3.0)
+    elif case == "fp16_accum_fp32":  # dhidden summed over the chunks in fp32
+        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 2)
+        _compare(torch.float16, interpret, M=M, H=24, V=V, reduction="none", return_entropy=True,
+                 accum_dtype=torch.float32)
+    else:  # every target on the first or last row of a chunk, none ignored
+        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 4)
+        h, w, _, b = _inputs(M, 24, V, torch.float32, interpret, bias=True)
+        t = torch.tensor([0, 111, 112, 223, 224, 299, 0, 111, 112, 223, 224, 299, 150], device=interpret)
+        out, grads = weighted_backward(linear_cross_entropy, h, w, t, b, reduction="none", label_smoothing=0.2,
+                                       return_lse=True)
+        rout, rgrads = weighted_backward(linear_cross_entropy_reference, h, w, t, b, dtype=torch.float64,
+                                         reduction="none", label_smoothing=0.2, return_lse=True)
+        for o, r in zip(out + grads, rout + rgrads, strict=True):
+            assert rel(o, r) <= 1e-5
+    # forward and backward each went over the three chunks
+    assert seen == [(0, 112), (112, 224), (224, 300)] * 2, seen
+    if case == "all_options":
+        assert lce_api._vocab_chunk(None, 5, V, torch.float32, M, 0.0, True) == 112
+    assert lce_api._vocab_chunk(7, 7, V, torch.float32, M, 0.0, True) == 0  # chunk_tokens given: tokens
+    assert lce_api._vocab_chunk(None, 5, 12, torch.float32, M, 0.0, True) == 0  # more tokens than V rows
+
+
 def test_auto_chunk_bounds_workspace():
     MiB = 1 << 20
     for V in (128256, 131072, 151936, 202048):
         for dt in (torch.bfloat16, torch.float32):
-            c = auto_chunk_tokens(V, dt, 1 << 20)
-            assert c % 128 == 0 and c * V * (2 if dt == torch.bfloat16 else 4) <= 480 * MiB
+            for M in (1 << 20, 8192, 16384, 5000):
+                c = auto_chunk_tokens(V, dt, M)
+                n = -(-M // c)
+                assert c * V * (2 if dt == torch.bfloat16 else 4) <= 480 * MiB
+                assert n == -(-M // (480 * MiB // (V * dt.itemsize)))  # the fewest chunks
+                assert M - (n - 1) * c > c - 128 * n  # balanced: no small ragged last chunk
     assert auto_chunk_tokens(131072, torch.bfloat16, 1 << 20) == 1920
     assert auto_chunk_tokens(131072, torch.bfloat16, 4096) == 1408  # 3 balanced chunks, not 1920+1920+256
     assert auto_chunk_tokens(131072, torch.bfloat16, 1920) == 1920
+    assert auto_chunk_tokens(151936, torch.bfloat16, 8192) == 1648  # 5 chunks of 1648, not 6 of 1408
     assert auto_chunk_tokens(257, torch.float32, 100) == 100
+    assert auto_chunk_tokens(257, torch.float32, 100, 257 * 4 * 30) == 25  # 4 chunks of 25 (not 16-aligned)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -39,10 +39,12 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             logsumexp(logits), differentiable, computed for every token (ignored ones too).
         z_loss: adds ``z_loss * lse**2`` per token. label_smoothing: as torch's cross_entropy.
         softcap: logits -> softcap * tanh(logits / softcap) (after the temperature).
-        accum_dtype: None (dweight partial sums across chunks kept in the weight's dtype) or
-            torch.float32 (fp32 accumulator: more memory).
-        chunk_tokens: tokens per chunk (None: the ``chunk x V`` logits workspace stays
-            <= 480 MiB, so all extra memory stays under 512 MiB; with ``softcap`` on fp16/bf16
+        accum_dtype: None (partial sums across chunks kept in the parameter's dtype: dweight
+            over token chunks, dhidden over vocabulary chunks) or torch.float32 (fp32
+            accumulator: more memory).
+        chunk_tokens: tokens per chunk (None: the logits workspace stays <= 480 MiB, so all
+            extra memory stays under 512 MiB; the per-token path then splits the vocabulary
+            instead when there are fewer tokens than vocabulary rows; with ``softcap`` on fp16/bf16
             inputs the logits are fp32 and the automatic chunk is smaller, an explicit one not).
         validate_targets: check targets and temperatures: a device reduction started before
             the kernels and read after they are queued (one host wait, for the work queued
@@ -136,8 +138,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         if torch.compiler.is_compiling():
             return _finish(check, _lce_fused_op(*args)[0])
         return _finish(check, _FusedScalarLoss.apply(*args))
+    vchunk = _vocab_chunk(chunk_tokens, chunk, V, hidden.dtype, M, cap, grads)
     loss, lse, ent = _lce_forward_op(h, weight, t, bias, temp, inv_temp, ignore_index, z_loss, smoothing, cap,
-                                     accum_fp32, chunk, bool(return_entropy))
+                                     accum_fp32, chunk, vchunk, bool(return_entropy))
     _finish(check)  # the targets were checked on the device while the kernels were queued
     return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
 
@@ -147,6 +150,19 @@ def _finish(check, out=None):
     if check is not None:
         check.finish()
     return out
+
+
+def _vocab_chunk(chunk_tokens, chunk, V, dtype, M, cap, grads):
+    """Vocabulary rows per chunk for the per-token path (0: token chunks of ``chunk``). With the
+    automatic size, more than one chunk needed and fewer tokens than vocabulary rows, the work
+    is split over the vocabulary instead: each chunk then re-reads ``hidden`` ([M, H]) rather
+    than the whole ``weight`` ([V, H]), and each dweight row is written once by one GEMM over
+    all tokens instead of being summed over token chunks. Same workspace budget as ``_chunk``."""
+    if isinstance(chunk_tokens, int) or chunk >= M or M >= V:
+        return 0
+    budget = DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
+    # auto_chunk_tokens balances a split of V rows of M elements as it does one of M rows of V
+    return auto_chunk_tokens(M, dtype, V, budget)
 
 
 def _chunk(chunk_tokens, V, dtype, M, double, cap, grads):

@@ -179,6 +179,16 @@ def _scale_unless_one_(x, g):
     return x
 
 
+def _row_config(V):
+    """(BLOCK, num_warps) of the row kernel for rows of V logits."""
+    if interpreter_active():
+        return min(64, triton.next_power_of_2(V)), 1
+    # swept on the H200 (scratch rows A/B, 2026-11-30): software-pipelined loops (num_stages 2-3)
+    # and BLOCK 1024-8192 with 4-16 warps are no faster over the suite's chunk shapes
+    block = min(4096, triton.next_power_of_2(V))
+    return block, 8 if block >= 2048 else 4
+
+
 def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0,
                  ignore_index=-100, vocab_start=0, vocab_total=None, stats=None, lse=None, ent=None,
                  g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None, out=None):
@@ -197,11 +207,7 @@ def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0,
     out = x if out is None else out
     assert out.shape == x.shape and out.stride(1) == 1 and out.device == x.device
     dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-    if interpreter_active():
-        block, warps = min(64, triton.next_power_of_2(V)), 1
-    else:
-        block = min(4096, triton.next_power_of_2(V))
-        warps = 8 if block >= 2048 else 4
+    block, warps = _row_config(V)
     grad = g_loss is not None
     merge = merged is not None
     if merge:

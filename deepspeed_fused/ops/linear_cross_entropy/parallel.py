@@ -264,7 +264,7 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
 
     def issue(j):
         s, e = bounds[j]
-        x, _ = bufs[j % len(bufs)].views(e - s)
+        x, _ = bufs[j % len(bufs)].views(e - s, V)
         _logits_into(h[s:e], weight, bias, x)
         _launch_rows(x, t[s:e], stats=stats[s:e], **_stats_kw(c, temp, s, e))
         parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
@@ -275,7 +275,7 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
             issue(j + 1)
         gathered, work = parts[j]
         work.wait()
-        x, g = bufs[j % len(bufs)].views(e - s)
+        x, g = bufs[j % len(bufs)].views(e - s, V)
         _launch_rows(x, t[s:e], merged=gathered, g_loss=w1, per_token=False, out=g, **_grad_kw(c, temp, s, e))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])

@@ -15,7 +15,10 @@ Two gradient strategies:
 * **Per-token upstream gradients** (reduction "none", entropy or lse returned): forward keeps
   per-token ``lse`` and entropy (fp32); backward recomputes the chunk logits and the kernel
   turns them in place (or into the second buffer) into ``dlogits`` from the per-token upstream
-  gradients: 4 GEMMs.
+  gradients: 4 GEMMs. With ``vchunk`` > 0 this path runs over vocabulary chunks instead
+  (:func:`_vocab_chunks`: all tokens against a slice of the vocabulary; partial statistics per
+  slice merged by :func:`.stats.merge_partial_stats`; each slice's dweight rows from one GEMM,
+  dhidden summed over the slices).
 
 The chunk drivers (:func:`_logit_chunks`, :class:`_ChunkBuffers`, :func:`_logits_into`,
 :func:`_dhidden_into`, :class:`_ParamGrads`, :func:`_kw`) are shared with the tensor-parallel form (:mod:`.parallel`). The public entry
@@ -27,7 +30,7 @@ from typing import Optional
 import torch
 
 from .kernels import _launch_rows, _scale_unless_one_
-from .stats import _NSTAT, _finalize_stats
+from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
 # ----------------------------------------------------------------------------------------
@@ -54,19 +57,21 @@ def chunk_bytes_per_logit(dtype: torch.dtype, softcap, grad: bool) -> int:
 
 
 class _ChunkBuffers:
-    """A chunk's workspace: the logits ``[rows, V]`` (fp32 when :func:`fp32_logits`, else the
+    """A chunk's workspace: the logits ``[rows, cols]`` (fp32 when :func:`fp32_logits`, else the
     input dtype) and where the row kernel writes dlogits for the GEMMs that follow: the logits
-    themselves (in place), or, for fp32 logits, a second ``[rows, V]`` buffer in the input dtype."""
+    themselves (in place), or, for fp32 logits, a second ``[rows, cols]`` buffer in the input dtype.
+    Flat storage: :meth:`views` gives contiguous ``[n, c]`` blocks of it (a smaller last chunk of
+    tokens or of the vocabulary), so cuBLAS writes them in place."""
 
     __slots__ = ("logits", "grad")
 
-    def __init__(self, hidden, rows, V, softcap, grad):
+    def __init__(self, hidden, rows, cols, softcap, grad):
         fp32 = fp32_logits(hidden.dtype, softcap)
-        self.logits = hidden.new_empty((rows, V), dtype=torch.float32 if fp32 else hidden.dtype)
-        self.grad = hidden.new_empty((rows, V)) if (fp32 and grad) else self.logits
+        self.logits = hidden.new_empty(rows * cols, dtype=torch.float32 if fp32 else hidden.dtype)
+        self.grad = hidden.new_empty(rows * cols) if (fp32 and grad) else self.logits
 
-    def views(self, n):
-        return self.logits[:n], self.grad[:n]
+    def views(self, n, c):
+        return self.logits[:n * c].view(n, c), self.grad[:n * c].view(n, c)
 
 
 def _logits_into(h, weight, bias, out):
@@ -176,9 +181,24 @@ def _logit_chunks(hidden, weight, bias, chunk, softcap, grad):
     buf = _ChunkBuffers(hidden, min(chunk, M), V, softcap, grad)
     for s in range(0, M, chunk):
         e = min(M, s + chunk)
-        (x, g), h = buf.views(e - s), hidden[s:e]
+        (x, g), h = buf.views(e - s, V), hidden[s:e]
         _logits_into(h, weight, bias, x)
         yield s, e, x, g, h
+
+
+def _vocab_chunks(hidden, weight, bias, vchunk, softcap, grad):
+    """Yield ``(v0, v1, logits, dlogits)`` per vocabulary chunk ``[v0, v1)``: the logits of every
+    token against those vocabulary rows, ``[M, v1 - v0]``, in one reused workspace (as
+    :func:`_logit_chunks`). Each chunk reads all of ``hidden`` and its own rows of ``weight``, so
+    the weight is read once in all (token chunks read all of it per chunk): the better split
+    when there are fewer tokens than vocabulary rows (see ``api._vocab_chunk``)."""
+    M, V = hidden.shape[0], weight.shape[0]
+    buf = _ChunkBuffers(hidden, M, min(vchunk, V), softcap, grad)
+    for v0 in range(0, V, vchunk):
+        v1 = min(V, v0 + vchunk)
+        x, g = buf.views(M, v1 - v0)
+        _logits_into(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], x)
+        yield v0, v1, x, g
 
 
 def _kw(temp_c, inv_temp, ignore_index, z_loss, smoothing, softcap):
@@ -213,21 +233,31 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
 
 
 def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap,
-                  chunk, need_ent):
-    """Per-token (loss, lse, entropy) in fp32; one GEMM."""
+                  chunk, vchunk, need_ent):
+    """Per-token (loss, lse, entropy) in fp32; one GEMM. Token chunks of ``chunk`` rows, or with
+    ``vchunk`` > 0 vocabulary chunks of that many columns (partial statistics per chunk, merged)."""
     M = hidden.shape[0]
     V = weight.shape[0]
-    stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
-    for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, softcap, False):
-        _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
-                     **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
+    if vchunk:
+        n_v = -(-V // vchunk)
+        parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
+        kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
+        for j, (v0, _, x, _) in enumerate(_vocab_chunks(hidden, weight, bias, vchunk, softcap, False)):
+            _launch_rows(x, target, stats=parts[j], need_ent=need_ent, vocab_start=v0, vocab_total=V, **kw)
+        stats = merge_partial_stats(parts) if n_v > 1 else parts[0]
+    else:
+        stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
+        for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, softcap, False):
+            _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
+                         **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing,
+                               softcap))
     valid = target != ignore_index
     loss, lse, ent = _finalize_stats(stats, valid, V, z_loss, smoothing, need_ent)
     return loss, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32)
 
 
 def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp, ignore_index,
-                   z_loss, smoothing, softcap, accum_fp32, chunk, need_dh, need_dw, need_db):
+                   z_loss, smoothing, softcap, accum_fp32, chunk, vchunk, need_dh, need_dw, need_db):
     """Recompute the chunk logits, turn them into dlogits from per-token upstream gradients."""
     M = hidden.shape[0]
     if g_loss is None:
@@ -235,6 +265,10 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     g_loss = g_loss.float().contiguous()
     g_ent = None if g_ent is None else g_ent.float().contiguous()
     g_lse = None if g_lse is None else g_lse.float().contiguous()
+    if vchunk:
+        return _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
+                                      ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh,
+                                      need_dw, need_db)
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     pg = _ParamGrads(weight, bias, accum_fp32, need_dw, need_db)
     for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, softcap, True):
@@ -247,6 +281,43 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
         pg.add(g, h)
     dw, db = pg.result(hidden)
     return dh, dw, db
+
+
+def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
+                           ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh, need_dw, need_db):
+    """The per-token backward over vocabulary chunks: each chunk's dweight (and dbias) rows are
+    final after one GEMM over all tokens (no accumulation); dhidden sums over the chunks, in
+    the hidden dtype (fp32 with ``accum_fp32``) with the sum of each chunk formed by cuBLAS in
+    fp32."""
+    V = weight.shape[0]
+    dh = hidden.new_empty(0)
+    if need_dh:
+        dh = torch.empty(hidden.shape, device=hidden.device,
+                         dtype=torch.float32 if accum_fp32 and hidden.dtype != torch.float32 else hidden.dtype)
+    dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
+    db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
+    kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
+    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
+        _launch_rows(x, target, lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent,
+                     g_lse=g_lse, per_token=True, out=g, vocab_start=v0, vocab_total=V, **kw)
+        w = weight[v0:v1]
+        if need_dh:
+            if v0 == 0 and dh.dtype == g.dtype:
+                torch.mm(g, w, out=dh)
+            elif v0 == 0:
+                dh.zero_()
+                _addmm_fp32_(dh, g, w)
+            elif dh.dtype == g.dtype:
+                dh.addmm_(g, w)
+            else:
+                _addmm_fp32_(dh, g, w)
+        if need_dw:
+            torch.mm(g.t(), hidden, out=dw[v0:v1])
+        if need_db:
+            torch.sum(g, 0, dtype=torch.float32, out=db[v0:v1])
+    if need_dh and dh.dtype != hidden.dtype:
+        dh = dh.to(hidden.dtype)
+    return dh, dw, db.to(bias.dtype) if need_db else hidden.new_empty(0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -325,14 +396,14 @@ class _FusedScalarLoss(torch.autograd.Function):
 @torch.library.custom_op("deepspeed_fused::lce_forward", mutates_args=())
 def _lce_forward_op(hidden: T, weight: T, target: T, bias: Optional[T], temp: Optional[T], inv_temp: float,
                     ignore_index: int, z_loss: float, smoothing: float, softcap: float, accum_fp32: bool,
-                    chunk: int, need_ent: bool) -> tuple[T, T, T]:
+                    chunk: int, vchunk: int, need_ent: bool) -> tuple[T, T, T]:
     return _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap,
-                         chunk, need_ent)
+                         chunk, vchunk, need_ent)
 
 
 @_lce_forward_op.register_fake
 def _(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk,
-      need_ent):
+      vchunk, need_ent):
     M = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return hidden.new_empty(M, **f), hidden.new_empty(M, **f), hidden.new_empty(M if need_ent else 0, **f)
@@ -342,14 +413,15 @@ def _(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smooth
 def _lce_backward_op(hidden: T, weight: T, target: T, bias: Optional[T], temp: Optional[T], lse: T, ent: T,
                      g_loss: Optional[T], g_ent: Optional[T], g_lse: Optional[T], inv_temp: float,
                      ignore_index: int, z_loss: float, smoothing: float, softcap: float, accum_fp32: bool,
-                     chunk: int, need_dh: bool, need_dw: bool, need_db: bool) -> tuple[T, T, T]:
+                     chunk: int, vchunk: int, need_dh: bool, need_dw: bool, need_db: bool) -> tuple[T, T, T]:
     return _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
-                          ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk, need_dh, need_dw, need_db)
+                          ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk, vchunk, need_dh, need_dw,
+                          need_db)
 
 
 @_lce_backward_op.register_fake
 def _(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp, ignore_index, z_loss,
-      smoothing, softcap, accum_fp32, chunk, need_dh, need_dw, need_db):
+      smoothing, softcap, accum_fp32, chunk, vchunk, need_dh, need_dw, need_db):
     return (torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
             torch.empty_like(weight) if need_dw else hidden.new_empty(0),
             torch.empty_like(bias) if need_db else hidden.new_empty(0))
@@ -357,11 +429,11 @@ def _(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_te
 
 def _forward_setup(ctx, inputs, output):
     hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk, \
-        need_ent = inputs
+        vchunk, need_ent = inputs
     _, lse, ent = output
     ctx.has_bias = bias is not None
     ctx.has_temp = temp is not None
-    ctx.args = (inv_temp, ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk)
+    ctx.args = (inv_temp, ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk, vchunk)
     ctx.need_ent = need_ent
     ctx.save_for_backward(hidden, weight, target, bias, temp, lse, ent)
 
@@ -370,13 +442,13 @@ def _forward_backward(ctx, g_loss, g_lse, g_ent):
     hidden, weight, target, bias, temp, lse, ent = ctx.saved_tensors
     need_dh, need_dw, _, need_db = ctx.needs_input_grad[:4]
     if not (need_dh or need_dw or need_db):
-        return (None,) * 13
+        return (None,) * 14
     if not ctx.need_ent:
         g_ent = None
     dh, dw, db = _lce_backward_op(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse,
                                   *ctx.args, need_dh, need_dw, bool(need_db and ctx.has_bias))
     return (dh if need_dh else None, dw if need_dw else None, None,
-            db if need_db and ctx.has_bias else None) + (None,) * 9
+            db if need_db and ctx.has_bias else None) + (None,) * 10
 
 
 _lce_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
