@@ -140,6 +140,12 @@ def _shape_setup(M, H, V, dev, dt, rep):
     return shape, h, w, t, kw, T
 
 
+def _over_T(rec, T):
+    """The record's forward and forward+backward times as ratios to T (extra fwd_over_T, fb_over_T)."""
+    rec.extra["fwd_over_T"] = round(rec.fwd_ms / T, 3) if rec.fwd_ms else None
+    rec.extra["fb_over_T"] = round(rec.fwd_bwd_ms / T, 3) if rec.fwd_bwd_ms else None
+
+
 SWEEP_CHUNKS = (128, 256, 512, 1024, 2048, None)
 
 
@@ -163,8 +169,7 @@ def sweep(args) -> list:
                               fwd=lambda o=opts: linear_cross_entropy(h, w, t, reduction="none", return_lse=True, **o),
                               fwd_bwd=_fb(lambda a, b, c, o=opts: linear_cross_entropy(a, b, c, **o), h, w, t), **kw)
                 if T.fwd_ms:
-                    rec.extra.update(fwd_over_T=round(rec.fwd_ms / T.fwd_ms, 3) if rec.fwd_ms else None,
-                                     fb_over_T=round(rec.fwd_bwd_ms / T.fwd_ms, 3) if rec.fwd_bwd_ms else None)
+                    _over_T(rec, T.fwd_ms)
                     rec.note = f"fwd {rec.extra['fwd_over_T']} T, fwd+bwd (mean) {rec.extra['fb_over_T']} T"
                 recs.append(rec)
         del h, w, t
@@ -205,8 +210,7 @@ def run(args) -> list:
         cce = next((r for r in shape_recs if r.impl == CCE), None)
         for r in shape_recs:
             if T:
-                r.extra["fwd_over_T"] = round(r.fwd_ms / T, 3) if r.fwd_ms else None
-                r.extra["fb_over_T"] = round(r.fwd_bwd_ms / T, 3) if r.fwd_bwd_ms else None
+                _over_T(r, T)
                 parts = [f"{k} {v:.2f} T" for k, v in (("fwd", r.extra["fwd_over_T"]), ("fb", r.extra["fb_over_T"]))
                          if v]
                 r.note = "; ".join(p for p in [", ".join(parts), r.note] if p)

@@ -160,9 +160,14 @@ def _vocab_chunk(chunk_tokens, chunk, V, dtype, M, cap, grads):
     all tokens instead of being summed over token chunks. Same workspace budget as ``_chunk``."""
     if isinstance(chunk_tokens, int) or chunk >= M or M >= V:
         return 0
-    budget = DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
     # auto_chunk_tokens balances a split of V rows of M elements as it does one of M rows of V
-    return auto_chunk_tokens(M, dtype, V, budget)
+    return auto_chunk_tokens(M, dtype, V, _budget(dtype, cap, grads))
+
+
+def _budget(dtype, cap, grads):
+    """The default workspace budget in ``auto_chunk_tokens``'s units (elements of ``dtype``'s size):
+    fewer logits when each takes more bytes (fp32 logits, see ``single.chunk_bytes_per_logit``)."""
+    return DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
 
 
 def _chunk(chunk_tokens, V, dtype, M, double, cap, grads):
@@ -174,7 +179,7 @@ def _chunk(chunk_tokens, V, dtype, M, double, cap, grads):
     the automatic size then keeps the two within the one-workspace budget."""
     if isinstance(chunk_tokens, int):
         return min(chunk_tokens, M)
-    budget = DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
+    budget = _budget(dtype, cap, grads)
     chunk = auto_chunk_tokens(V, dtype, M, budget)
     if double and chunk < M:
         chunk = auto_chunk_tokens(V, dtype, M, budget // 2)

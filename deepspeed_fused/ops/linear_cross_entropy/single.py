@@ -21,8 +21,8 @@ Two gradient strategies:
   dhidden summed over the slices).
 
 The chunk drivers (:func:`_logit_chunks`, :class:`_ChunkBuffers`, :func:`_logits_into`,
-:func:`_dhidden_into`, :class:`_ParamGrads`, :func:`_kw`) are shared with the tensor-parallel form (:mod:`.parallel`). The public entry
-point is in :mod:`.api`.
+:func:`_dhidden_into`, :class:`_ParamGrads`, :func:`_kw`) are shared with the tensor-parallel
+form (:mod:`.parallel`). The public entry point is in :mod:`.api`.
 """
 import warnings
 from typing import Optional
@@ -133,6 +133,18 @@ def _addmm_fp32_(acc, a, b):
     acc.add_(torch.mm(a, b))
 
 
+def _mm_sum(acc, a, b, fp32):
+    """``acc + a @ b``, with ``acc`` None for the first term of a sum over chunks: in fp32
+    (``fp32``: a zero-started fp32 accumulator, each product formed in fp32 by cuBLAS) or in the
+    operands' dtype (the first product one GEMM, the next ones added by ``addmm_``)."""
+    if fp32:
+        if acc is None:
+            acc = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+        _addmm_fp32_(acc, a, b)
+        return acc
+    return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
+
+
 class _ParamGrads:
     """dweight / dbias accumulated over token chunks."""
 
@@ -144,14 +156,7 @@ class _ParamGrads:
 
     def add(self, dlogits, h):
         if self.need_dw:
-            if self.fp32:
-                if self.dw is None:
-                    self.dw = torch.zeros(self.weight.shape, dtype=torch.float32, device=h.device)
-                _addmm_fp32_(self.dw, dlogits.t(), h)
-            elif self.dw is None:
-                self.dw = torch.mm(dlogits.t(), h)
-            else:
-                self.dw.addmm_(dlogits.t(), h)
+            self.dw = _mm_sum(self.dw, dlogits.t(), h, self.fp32)
         if self.need_db:
             s = dlogits.sum(0, dtype=torch.float32)
             self.db = s if self.db is None else self.db.add_(s)
@@ -290,33 +295,21 @@ def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss,
     the hidden dtype (fp32 with ``accum_fp32``) with the sum of each chunk formed by cuBLAS in
     fp32."""
     V = weight.shape[0]
-    dh = hidden.new_empty(0)
-    if need_dh:
-        dh = torch.empty(hidden.shape, device=hidden.device,
-                         dtype=torch.float32 if accum_fp32 and hidden.dtype != torch.float32 else hidden.dtype)
+    dh = None
+    dh32 = accum_fp32 and hidden.dtype != torch.float32
     dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
     db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
     kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
     for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
         _launch_rows(x, target, lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent,
                      g_lse=g_lse, per_token=True, out=g, vocab_start=v0, vocab_total=V, **kw)
-        w = weight[v0:v1]
         if need_dh:
-            if v0 == 0 and dh.dtype == g.dtype:
-                torch.mm(g, w, out=dh)
-            elif v0 == 0:
-                dh.zero_()
-                _addmm_fp32_(dh, g, w)
-            elif dh.dtype == g.dtype:
-                dh.addmm_(g, w)
-            else:
-                _addmm_fp32_(dh, g, w)
+            dh = _mm_sum(dh, g, weight[v0:v1], dh32)
         if need_dw:
             torch.mm(g.t(), hidden, out=dw[v0:v1])
         if need_db:
             torch.sum(g, 0, dtype=torch.float32, out=db[v0:v1])
-    if need_dh and dh.dtype != hidden.dtype:
-        dh = dh.to(hidden.dtype)
+    dh = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
     return dh, dw, db.to(bias.dtype) if need_db else hidden.new_empty(0)
 
 
