@@ -383,8 +383,9 @@ def test_target_check_read_after_the_kernels_are_queued(interpret, monkeypatch, 
     order = []
     finish = checks._ValueCheck.finish
     monkeypatch.setattr(checks._ValueCheck, "finish", lambda self: (order.append("check"), finish(self))[1])
-    launch = single._launch_rows
+    launch, fused = single._launch_rows, single.gemm_stats
     monkeypatch.setattr(single, "_launch_rows", lambda *a, **k: (order.append("kernel"), launch(*a, **k))[1])
+    monkeypatch.setattr(single, "gemm_stats", lambda *a, **k: (order.append("kernel"), fused(*a, **k))[1])
     h, w, t, _ = _inputs(6, 8, 20, torch.float32, interpret)
     h.requires_grad_(not per_token)
     bad = torch.tensor([0, 1, 2, 20, 1, -100], device=interpret)
@@ -403,8 +404,9 @@ def test_target_check_read_after_the_kernels_are_queued(interpret, monkeypatch, 
     _common.reset_fallback_warnings()
 
 
+@pytest.mark.parametrize("fused_fwd", [False, True])
 @pytest.mark.parametrize("case", ["all_options", "fp16_softcap", "fp16_accum_fp32", "target_at_chunk_edges"])
-def test_vocab_chunks(interpret, monkeypatch, case):
+def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
     """The per-token path splits the vocabulary when the automatic chunk would split fewer tokens
     than there are vocabulary rows: partial statistics per chunk, merged; dweight rows per chunk,
     dhidden summed over chunks. A small workspace budget forces it here (13 tokens, V=300: three
@@ -420,6 +422,8 @@ def test_vocab_chunks(interpret, monkeypatch, case):
             yield v0, v1, x, g
 
     monkeypatch.setattr(lce_single, "_vocab_chunks", spy)
+    # the forward: the fused GEMM (no chunks), or cuBLAS and the row kernel over the same chunks
+    monkeypatch.setattr(lce_kernels, "_GEMM_STATS_OK", [fused_fwd])
     M, V = 13, 300
     temp = (torch.rand(M, generator=torch.Generator().manual_seed(3)) + 0.5).to(interpret)
     if case == "all_options":
@@ -444,12 +448,80 @@ def test_vocab_chunks(interpret, monkeypatch, case):
                                          reduction="none", label_smoothing=0.2, return_lse=True)
         for o, r in zip(out + grads, rout + rgrads, strict=True):
             assert rel(o, r) <= 1e-5
-    # forward and backward each went over the three chunks
-    assert seen == [(0, 112), (112, 224), (224, 300)] * 2, seen
+    # the backward (and without the fused GEMM the forward) went over the three chunks
+    assert seen == [(0, 112), (112, 224), (224, 300)] * (1 if fused_fwd else 2), seen
     if case == "all_options":
         assert lce_api._vocab_chunk(None, 5, V, torch.float32, M, 0.0, True) == 112
     assert lce_api._vocab_chunk(7, 7, V, torch.float32, M, 0.0, True) == 0  # chunk_tokens given: tokens
     assert lce_api._vocab_chunk(None, 5, 12, torch.float32, M, 0.0, True) == 0  # more tokens than V rows
+
+
+@pytest.mark.parametrize("opts", ["plain", "all"])
+def test_fused_gemm_statistics_every_tile(interpret, monkeypatch, opts):
+    """The fused GEMM's partial statistics, tile by tile, against the same statistics of float64
+    logits: ragged edges in every dimension (M=37 over tiles of 16 rows, V=150 over 64 columns,
+    H=24 over 16), the output poisoned with NaN first so every element must be written."""
+    if interpret == "cuda":
+        pytest.skip("the interpreter's tile sizes")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels
+
+    M, H, V = 37, 24, 150
+    h, w, t, b = _inputs(M, H, V, torch.float32, interpret, bias=opts == "all")
+    t[3] = 149  # a target in the last, ragged tile
+    temp = (torch.rand(M, generator=torch.Generator().manual_seed(2)) + 0.5) if opts == "all" else None
+    kw = dict(temp=temp, softcap=2.5, need_ent=True, need_sumz=True) if opts == "all" else {}
+    real_empty = torch.empty
+    monkeypatch.setattr(kernels.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    parts = kernels.gemm_stats(h, w, b, t, **kw)
+    monkeypatch.setattr(kernels.torch, "empty", real_empty)
+    assert parts is not None and parts.shape == (3, M, 5)
+    z = h.double() @ w.double().t() + (0 if b is None else b.double())
+    if temp is not None:
+        z = z / temp.double()[:, None]
+    if kw.get("softcap"):
+        z = 2.5 * torch.tanh(z / 2.5)
+    for j in range(3):
+        zj = z[:, 64 * j:64 * (j + 1)]
+        m = zj.amax(1)
+        e = torch.exp(zj - m[:, None])
+        lt = t - 64 * j
+        inside = (t != -100) & (lt >= 0) & (lt < zj.shape[1])
+        zt = torch.where(inside, zj.gather(1, lt.clamp(0, zj.shape[1] - 1)[:, None]).squeeze(1), 0.0)
+        want = [m, e.sum(1), (e * (zj - m[:, None])).sum(1) if opts == "all" else 0 * m,
+                zj.sum(1) if opts == "all" else 0 * m, zt]
+        for f, ref in enumerate(want):
+            got = parts[j, :, f].double()
+            assert torch.isfinite(got).all() and torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (j, f, got, ref)
+
+
+def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
+    """A fused GEMM that fails to compile or launch: one warning, later calls skip it, and the
+    per-token forward runs cuBLAS and the row kernel with the same results."""
+    if interpret == "cuda":
+        pytest.skip("CPU: a stand-in kernel that raises")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels
+
+    h, w, t, _ = _inputs(13, 16, 37, torch.float32, interpret)
+    want = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)
+
+    class _Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("no TMA here")
+            return launch
+
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", _Broken())
+    with pytest.warns(RuntimeWarning, match="fused logits GEMM failed"):
+        got = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)
+    assert not kernels._GEMM_STATS_OK[0] and not kernels.gemm_stats_supported(h, w)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        linear_cross_entropy(h, w, t, reduction="none")
+    assert not [r for r in rec if "fused logits GEMM" in str(r.message)]  # no second warning
+    assert not kernels.gemm_stats_supported(torch.randn(4, 12), torch.randn(5, 12))  # H % 8
 
 
 def test_auto_chunk_bounds_workspace():

@@ -152,6 +152,151 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
+    def _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        # tiles in groups of GROUP_M row-blocks, so the programs running together share weight tiles in L2
+        group = GROUP_M * num_pid_n
+        first_m = (tile_id // group) * GROUP_M
+        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
+
+    @triton.jit
+    def _lce_gemm_stats_kernel(
+        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, part_ptr, M, V, K,
+        ignore_index, inv_temp, cap,
+        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr,
+        NEED_SUMZ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    ):
+        """The logits GEMM with the row statistics in its epilogue: persistent programs walk the
+        (BM x BN) tiles of ``h @ w.T``; each tile's fp32 accumulator is turned, in registers, into
+        the tile's partial statistics per row (as the row kernel's, over the tile's BN vocabulary
+        columns) at ``part_ptr`` [V tiles, M, 5]. The logits never reach memory. TMA descriptors
+        load the operands (zero-filled past the edges)."""
+        start = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(V, BN)
+        k_tiles = tl.cdiv(K, BK)
+        for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+            pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = h_desc.load([pid_m * BM, ki * BK])
+                b = w_desc.load([pid_n * BN, ki * BK])
+                acc = tl.dot(a, b.T, acc)
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            rmask = offs_m < M
+            cmask = (offs_n < V)[None, :]
+            z = acc
+            if HAS_BIAS:
+                z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
+            if HAS_TEMP:
+                z = z * (1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32))[:, None]
+            else:
+                z = z * inv_temp
+            if HAS_CAP:
+                z = _softcap(z, cap)
+            zm = tl.where(cmask, z, float("-inf"))
+            m = tl.max(zm, axis=1)
+            e = tl.exp(zm - m[:, None])
+            d = tl.sum(e, axis=1)
+            if NEED_ENT:
+                a_ = tl.sum(e * tl.where(cmask, z - m[:, None], 0.0), axis=1)
+            else:
+                a_ = tl.zeros_like(d)
+            if NEED_SUMZ:
+                sz = tl.sum(tl.where(cmask, z, 0.0), axis=1)
+            else:
+                sz = tl.zeros_like(d)
+            t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index).to(tl.int64)
+            hit = (t[:, None] == offs_n[None, :]) & (t != ignore_index)[:, None]
+            zt = tl.sum(tl.where(hit, z, 0.0), axis=1)
+            p = part_ptr + (pid_n.to(tl.int64) * M + offs_m) * 5
+            tl.store(p + 0, m, mask=rmask)
+            tl.store(p + 1, d, mask=rmask)
+            tl.store(p + 2, a_, mask=rmask)
+            tl.store(p + 3, sz, mask=rmask)
+            tl.store(p + 4, zt, mask=rmask)
+
+
+# (BM, BN, BK, GROUP_M, num_stages, num_warps) of the fused GEMM: swept on the H200 at the suite's
+# four shapes (scratch/fused_fwd.py, 2026-11-30): 1.01-1.05 T, against 1.07-1.13 T for cuBLAS and
+# the row kernel; BK 128, BN 128, BM 256, GROUP_M 1/4/8/32, warp specialization all slower
+_GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8)
+_GEMM_STATS_CFG_INTERP = (16, 64, 16, 2, 1, 1)
+# False once the fused GEMM has failed to compile or launch in this process (one warning): later
+# calls form the logits with cuBLAS and run the row kernel
+_GEMM_STATS_OK = [True]
+
+
+def gemm_stats_supported(hidden, weight) -> bool:
+    """Whether :func:`gemm_stats` can run: a Hopper-or-newer GPU (TMA) with fp16/bf16 operands whose
+    rows are 16-byte aligned, or the Triton interpreter on CPU (fp32/fp16, for the tests)."""
+    if not (HAS_TRITON and _GEMM_STATS_OK[0] and _TensorDescriptor is not None):
+        return False
+    if hidden.shape[1] % 8 or hidden.stride(1) != 1 or weight.stride(1) != 1:
+        return False
+    if interpreter_active():
+        return hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.float16)
+    return (hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(hidden.device)[0] >= 9
+            and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and hidden.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0)
+
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except Exception:  # pragma: no cover - older Triton
+    _TensorDescriptor = None
+
+_NUM_SMS = {}
+
+
+def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap=0.0, ignore_index=-100,
+               need_ent=False, need_sumz=False):
+    """Partial statistics [V tiles, M, 5] (fp32) of the logits ``hidden @ weight.T (+ bias)`` from the
+    fused GEMM (see ``_lce_gemm_stats_kernel``); merge with ``stats.merge_partial_stats``. None
+    when the kernel failed (one warning; the caller runs cuBLAS and the row kernel instead)."""
+    M, K = hidden.shape
+    V = weight.shape[0]
+    interp = interpreter_active()
+    BM, BN, BK, group_m, stages, warps = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
+    n_n = triton.cdiv(V, BN)
+    parts = torch.empty((n_n, M, 5), dtype=torch.float32, device=hidden.device)
+    if interp:
+        sms = 4
+    else:
+        idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+        sms = _NUM_SMS.get(idx)
+        if sms is None:
+            sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    dummy = parts
+    try:
+        h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
+        w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
+        grid = (min(sms, triton.cdiv(M, BM) * n_n),)
+        _lce_gemm_stats_kernel[grid](
+            h_desc, w_desc, bias if bias is not None else dummy, target, temp if temp is not None else dummy,
+            parts, M, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
+            HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap), NEED_ENT=need_ent,
+            NEED_SUMZ=need_sumz, BM=BM, BN=BN, BK=BK, GROUP_M=group_m, NUM_SMS=sms, num_stages=stages,
+            num_warps=warps)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
+        _GEMM_STATS_OK[0] = False
+        import warnings
+
+        warnings.warn("deepspeed_fused.linear_cross_entropy: the fused logits GEMM failed "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
+                      "forward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
+        return None
+    return parts
+
+
+if HAS_TRITON:
+
+    @triton.jit
     def _scale_unless_one_kernel(x_ptr, n, g_ptr, BLOCK: tl.constexpr):
         # x *= g in place, the product in fp32 with g as given (fp32) and one rounding, unless
         # g == 1: then no program reads or writes x. g is read on the device, so the host never

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .kernels import _launch_rows, _scale_unless_one_
+from .kernels import _launch_rows, _scale_unless_one_, gemm_stats, gemm_stats_supported
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -239,11 +239,19 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
 
 def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap,
                   chunk, vchunk, need_ent):
-    """Per-token (loss, lse, entropy) in fp32; one GEMM. Token chunks of ``chunk`` rows, or with
-    ``vchunk`` > 0 vocabulary chunks of that many columns (partial statistics per chunk, merged)."""
+    """Per-token (loss, lse, entropy) in fp32; one GEMM: the fused GEMM with the statistics in its
+    epilogue where it runs (:func:`.kernels.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and the
+    row kernel over token chunks of ``chunk`` rows or, with ``vchunk`` > 0, vocabulary chunks of
+    that many columns (partial statistics per chunk, merged)."""
     M = hidden.shape[0]
     V = weight.shape[0]
-    if vchunk:
+    parts = None
+    if gemm_stats_supported(hidden, weight):  # one fused GEMM, no logits in memory
+        parts = gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
+                           ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0)
+    if parts is not None:
+        stats = merge_partial_stats(parts) if parts.shape[0] > 1 else parts[0]
+    elif vchunk:
         n_v = -(-V // vchunk)
         parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
         kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
