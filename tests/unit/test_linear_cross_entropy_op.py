@@ -456,42 +456,48 @@ def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
     assert lce_api._vocab_chunk(None, 5, 12, torch.float32, M, 0.0, True) == 0  # more tokens than V rows
 
 
-@pytest.mark.parametrize("opts", ["plain", "all"])
-def test_fused_gemm_statistics_every_tile(interpret, monkeypatch, opts):
-    """The fused GEMM's partial statistics, tile by tile, against the same statistics of float64
-    logits: ragged edges in every dimension (M=37 over tiles of 16 rows, V=150 over 64 columns,
-    H=24 over 16), the output poisoned with NaN first so every element must be written."""
+@pytest.mark.parametrize("subtile", [1, 2])
+@pytest.mark.parametrize("opts", ["plain", "all", "fp16_rounded", "fp16_softcap"])
+def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
+    """The fused GEMM's row statistics (after the merge over its vocabulary tiles) against the same
+    statistics of float64 logits formed as the cuBLAS path forms them (fp16: rounded to fp16 first,
+    unless the soft cap makes them fp32): ragged edges in every dimension (M=37 over tiles of 16
+    rows, V=150 over 64 columns, H=24 over 16), every workspace poisoned with NaN first, the
+    epilogue whole or in two column halves."""
     if interpret == "cuda":
         pytest.skip("the interpreter's tile sizes")
-    from deepspeed_fused.ops.linear_cross_entropy import kernels
+    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
 
+    cfg = kernels._GEMM_STATS_CFG_INTERP
+    monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
     M, H, V = 37, 24, 150
-    h, w, t, b = _inputs(M, H, V, torch.float32, interpret, bias=opts == "all")
+    dt = torch.float16 if opts.startswith("fp16") else torch.float32
+    h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")
     t[3] = 149  # a target in the last, ragged tile
     temp = (torch.rand(M, generator=torch.Generator().manual_seed(2)) + 0.5) if opts == "all" else None
-    kw = dict(temp=temp, softcap=2.5, need_ent=True, need_sumz=True) if opts == "all" else {}
+    cap = {"all": 2.5, "fp16_softcap": 3.0}.get(opts, 0.0)
+    full = opts == "all"
     real_empty = torch.empty
     monkeypatch.setattr(kernels.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-    parts = kernels.gemm_stats(h, w, b, t, **kw)
+    stats = kernels.gemm_stats(h, w, b, t, temp=temp, softcap=cap, need_ent=full, need_sumz=full,
+                               fp32_logits=single.fp32_logits(dt, cap))
     monkeypatch.setattr(kernels.torch, "empty", real_empty)
-    assert parts is not None and parts.shape == (3, M, 5)
+    assert stats is not None and stats.shape == (M, 5) and torch.isfinite(stats).all()
     z = h.double() @ w.double().t() + (0 if b is None else b.double())
+    if opts == "fp16_rounded":
+        z = z.half().double()
     if temp is not None:
         z = z / temp.double()[:, None]
-    if kw.get("softcap"):
-        z = 2.5 * torch.tanh(z / 2.5)
-    for j in range(3):
-        zj = z[:, 64 * j:64 * (j + 1)]
-        m = zj.amax(1)
-        e = torch.exp(zj - m[:, None])
-        lt = t - 64 * j
-        inside = (t != -100) & (lt >= 0) & (lt < zj.shape[1])
-        zt = torch.where(inside, zj.gather(1, lt.clamp(0, zj.shape[1] - 1)[:, None]).squeeze(1), 0.0)
-        want = [m, e.sum(1), (e * (zj - m[:, None])).sum(1) if opts == "all" else 0 * m,
-                zj.sum(1) if opts == "all" else 0 * m, zt]
-        for f, ref in enumerate(want):
-            got = parts[j, :, f].double()
-            assert torch.isfinite(got).all() and torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (j, f, got, ref)
+    if cap:
+        z = cap * torch.tanh(z / cap)
+    m, d, a, sz, zt = stats.double().unbind(-1)
+    assert torch.allclose(m + d.log(), torch.logsumexp(z, 1), rtol=1e-5, atol=1e-5)
+    valid = t != -100
+    assert torch.allclose(zt, torch.where(valid, z.gather(1, t.clamp(min=0)[:, None]).squeeze(1), 0.0), atol=1e-5)
+    if full:
+        p = torch.softmax(z, 1)
+        assert torch.allclose(d.log() - a / d, -(p * p.log()).sum(1), rtol=1e-5, atol=1e-5)  # entropy
+        assert torch.allclose(sz, z.sum(1), rtol=1e-5, atol=1e-4)
 
 
 def test_fused_gemm_failure_falls_back(interpret, monkeypatch):

@@ -160,18 +160,68 @@ if HAS_TRITON:
         return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
 
     @triton.jit
+    def _tile_part_stats(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
+                         ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
+                         HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr):
+        # (max, sum exp, entropy term, sum z, target z) per row of one accumulator block, from the
+        # logits as the row kernel would read them: (acc + bias) rounded to the input dtype as
+        # cuBLAS writes them (ROUND 1: fp16, 2: bf16; 0: fp32 logits), then temperature and cap
+        cmask = (offs_n < V)[None, :]
+        z = acc
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
+        if ROUND == 1:
+            z = z.to(tl.float16).to(tl.float32)
+        elif ROUND == 2:
+            z = z.to(tl.bfloat16).to(tl.float32)
+        if HAS_TEMP:
+            z = z * (1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32))[:, None]
+        else:
+            z = z * inv_temp
+        if HAS_CAP:
+            z = _softcap(z, cap)
+        z = tl.where(cmask, z, float("-inf"))
+        # floored: a block wholly past the vocabulary (a column half of the last tile) gives
+        # m = -1e30 and d = a = 0, which the merge takes as empty
+        m = tl.maximum(tl.max(z, axis=1), -1e30)
+        e = tl.exp(z - m[:, None])
+        d = tl.sum(e, axis=1)
+        if NEED_ENT:
+            a = tl.sum(e * tl.where(cmask, z - m[:, None], 0.0), axis=1)
+        else:
+            a = tl.zeros_like(d)
+        if NEED_SUMZ:
+            sz = tl.sum(tl.where(cmask, z, 0.0), axis=1)
+        else:
+            sz = tl.zeros_like(d)
+        hit = (t[:, None] == offs_n[None, :]) & (t != ignore_index)[:, None]
+        zt = tl.sum(tl.where(hit, z, 0.0), axis=1)
+        return m, d, a, sz, zt, tl.max(hit.to(tl.int32), axis=1)
+
+    @triton.jit
+    def _combine_stats(m0, d0, a0, m1, d1, a1):
+        # two blocks' (max, sum exp, entropy term) of the same rows -> the blocks together
+        m = tl.maximum(m0, m1)
+        s0 = tl.exp(m0 - m)
+        s1 = tl.exp(m1 - m)
+        return m, d0 * s0 + d1 * s1, s0 * (a0 + (m0 - m) * d0) + s1 * (a1 + (m1 - m) * d1)
+
+    @triton.jit
     def _lce_gemm_stats_kernel(
-        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, part_ptr, M, V, K,
+        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, M, V, K,
         ignore_index, inv_temp, cap,
-        HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr,
-        NEED_SUMZ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+        ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr,
+        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     ):
         """The logits GEMM with the row statistics in its epilogue: persistent programs walk the
         (BM x BN) tiles of ``h @ w.T``; each tile's fp32 accumulator is turned, in registers, into
-        the tile's partial statistics per row (as the row kernel's, over the tile's BN vocabulary
-        columns) at ``part_ptr`` [V tiles, M, 5]. The logits never reach memory. TMA descriptors
-        load the operands (zero-filled past the edges)."""
+        the tile's partial statistics per row (the row kernel's, over the tile's BN vocabulary
+        columns), written field by field to ``m_ptr``, ``d_ptr`` (and ``a_ptr``, ``sz_ptr`` when
+        needed), each [V tiles, M]; the target logit goes to ``zt_ptr`` [M] from the one tile
+        that holds it. The logits never reach memory. TMA descriptors load the operands
+        (zero-filled past the edges). SUBTILE 2: the epilogue takes the tile in two column
+        halves (fewer registers live at once)."""
         start = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(V, BN)
@@ -184,46 +234,70 @@ if HAS_TRITON:
                 b = w_desc.load([pid_n * BN, ki * BK])
                 acc = tl.dot(a, b.T, acc)
             offs_m = pid_m * BM + tl.arange(0, BM)
-            offs_n = pid_n * BN + tl.arange(0, BN)
             rmask = offs_m < M
-            cmask = (offs_n < V)[None, :]
-            z = acc
-            if HAS_BIAS:
-                z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
-            if HAS_TEMP:
-                z = z * (1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32))[:, None]
-            else:
-                z = z * inv_temp
-            if HAS_CAP:
-                z = _softcap(z, cap)
-            zm = tl.where(cmask, z, float("-inf"))
-            m = tl.max(zm, axis=1)
-            e = tl.exp(zm - m[:, None])
-            d = tl.sum(e, axis=1)
-            if NEED_ENT:
-                a_ = tl.sum(e * tl.where(cmask, z - m[:, None], 0.0), axis=1)
-            else:
-                a_ = tl.zeros_like(d)
-            if NEED_SUMZ:
-                sz = tl.sum(tl.where(cmask, z, 0.0), axis=1)
-            else:
-                sz = tl.zeros_like(d)
             t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index).to(tl.int64)
-            hit = (t[:, None] == offs_n[None, :]) & (t != ignore_index)[:, None]
-            zt = tl.sum(tl.where(hit, z, 0.0), axis=1)
-            p = part_ptr + (pid_n.to(tl.int64) * M + offs_m) * 5
-            tl.store(p + 0, m, mask=rmask)
-            tl.store(p + 1, d, mask=rmask)
-            tl.store(p + 2, a_, mask=rmask)
-            tl.store(p + 3, sz, mask=rmask)
-            tl.store(p + 4, zt, mask=rmask)
+            if SUBTILE == 2:
+                halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                offs_n = pid_n * BN + tl.arange(0, BN // 2)
+                m, d, a_, sz, zt, has = _tile_part_stats(
+                    halves[0], offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ)
+                m1, d1, a1, sz1, zt1, has1 = _tile_part_stats(
+                    halves[1], offs_m, offs_n + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t,
+                    ignore_index, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ)
+                m, d, a_ = _combine_stats(m, d, a_, m1, d1, a1)
+                sz += sz1
+                zt += zt1
+                has = has | has1
+            else:
+                offs_n = pid_n * BN + tl.arange(0, BN)
+                m, d, a_, sz, zt, has = _tile_part_stats(
+                    acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ)
+            o = pid_n.to(tl.int64) * M + offs_m
+            tl.store(m_ptr + o, m, mask=rmask)
+            tl.store(d_ptr + o, d, mask=rmask)
+            if NEED_ENT:
+                tl.store(a_ptr + o, a_, mask=rmask)
+            if NEED_SUMZ:
+                tl.store(sz_ptr + o, sz, mask=rmask)
+            tl.store(zt_ptr + offs_m, zt, mask=rmask & (has != 0))
+
+    @triton.jit
+    def _merge_tile_stats_kernel(m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, out_ptr, n_tiles, M,
+                                 NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, BLOCK: tl.constexpr):
+        """Merge the fused GEMM's per-tile statistics ([n_tiles, M] per field) into the row
+        statistics [M, 5] that ``stats._finalize_stats`` reads, in tile order."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M
+        m = tl.full((BLOCK,), -1e30, tl.float32)
+        d = tl.zeros((BLOCK,), tl.float32)
+        a = tl.zeros((BLOCK,), tl.float32)
+        sz = tl.zeros((BLOCK,), tl.float32)
+        for r in range(0, n_tiles):
+            o = r * M + offs
+            m_r = tl.load(m_ptr + o, mask=mask, other=0.0)
+            d_r = tl.load(d_ptr + o, mask=mask, other=0.0)
+            if NEED_ENT:
+                a_r = tl.load(a_ptr + o, mask=mask, other=0.0)
+            else:
+                a_r = tl.zeros_like(d_r)
+            m, d, a = _combine_stats(m, d, a, m_r, d_r, a_r)
+            if NEED_SUMZ:
+                sz += tl.load(sz_ptr + o, mask=mask, other=0.0)
+        p = out_ptr + offs.to(tl.int64) * 5
+        tl.store(p + 0, m, mask=mask)
+        tl.store(p + 1, d, mask=mask)
+        tl.store(p + 2, a if NEED_ENT else tl.zeros_like(a), mask=mask)
+        tl.store(p + 3, sz, mask=mask)
+        tl.store(p + 4, tl.load(zt_ptr + offs, mask=mask, other=0.0), mask=mask)
 
 
-# (BM, BN, BK, GROUP_M, num_stages, num_warps) of the fused GEMM: swept on the H200 at the suite's
+# (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused GEMM: swept on the H200 at the suite's
 # four shapes (scratch/fused_fwd.py, 2026-11-30): 1.01-1.05 T, against 1.07-1.13 T for cuBLAS and
 # the row kernel; BK 128, BN 128, BM 256, GROUP_M 1/4/8/32, warp specialization all slower
-_GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8)
-_GEMM_STATS_CFG_INTERP = (16, 64, 16, 2, 1, 1)
+_GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8, 2)  # + epilogue subtiles (not yet measured on the GPU)
+_GEMM_STATS_CFG_INTERP = (16, 64, 16, 2, 1, 1, 2)
 # False once the fused GEMM has failed to compile or launch in this process (one warning): later
 # calls form the logits with cuBLAS and run the row kernel
 _GEMM_STATS_OK = [True]
@@ -253,16 +327,24 @@ _NUM_SMS = {}
 
 
 def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap=0.0, ignore_index=-100,
-               need_ent=False, need_sumz=False):
-    """Partial statistics [V tiles, M, 5] (fp32) of the logits ``hidden @ weight.T (+ bias)`` from the
-    fused GEMM (see ``_lce_gemm_stats_kernel``); merge with ``stats.merge_partial_stats``. None
-    when the kernel failed (one warning; the caller runs cuBLAS and the row kernel instead)."""
+               need_ent=False, need_sumz=False, fp32_logits=False):
+    """Row statistics [M, 5] (fp32, as ``stats._finalize_stats`` reads them) of the logits
+    ``hidden @ weight.T (+ bias)`` from the fused GEMM (``_lce_gemm_stats_kernel``) and a merge over
+    its vocabulary tiles. The logits are taken as cuBLAS would write them: rounded to the input
+    dtype, unless ``fp32_logits`` (see ``single.fp32_logits``), so the statistics agree with a
+    backward that recomputes them. None when the kernel failed (one warning; the caller runs
+    cuBLAS and the row kernel instead)."""
     M, K = hidden.shape
     V = weight.shape[0]
     interp = interpreter_active()
-    BM, BN, BK, group_m, stages, warps = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
+    BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
     n_n = triton.cdiv(V, BN)
-    parts = torch.empty((n_n, M, 5), dtype=torch.float32, device=hidden.device)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    m, d = torch.empty((n_n, M), **f32), torch.empty((n_n, M), **f32)
+    a = torch.empty((n_n, M), **f32) if need_ent else m
+    sz = torch.empty((n_n, M), **f32) if need_sumz else m
+    zt = torch.zeros(M, **f32)
+    stats = torch.empty((M, 5), **f32)
     if interp:
         sms = 4
     else:
@@ -270,17 +352,21 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
         sms = _NUM_SMS.get(idx)
         if sms is None:
             sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    dummy = parts
+    rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
     try:
         h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
         w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
         grid = (min(sms, triton.cdiv(M, BM) * n_n),)
         _lce_gemm_stats_kernel[grid](
-            h_desc, w_desc, bias if bias is not None else dummy, target, temp if temp is not None else dummy,
-            parts, M, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
-            HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap), NEED_ENT=need_ent,
-            NEED_SUMZ=need_sumz, BM=BM, BN=BN, BK=BK, GROUP_M=group_m, NUM_SMS=sms, num_stages=stages,
-            num_warps=warps)
+            h_desc, w_desc, bias if bias is not None else m, target, temp if temp is not None else m,
+            m, d, a, sz, zt, M, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
+            ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
+            NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
+            NUM_SMS=sms, num_stages=stages, num_warps=warps)
+        block = 64 if interp else 512
+        _merge_tile_stats_kernel[(triton.cdiv(M, block),)](m, d, a, sz, zt, stats, n_n, M, NEED_ENT=need_ent,
+                                                           NEED_SUMZ=need_sumz, BLOCK=block,
+                                                           num_warps=1 if interp else 4)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
@@ -291,7 +377,7 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
                       f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
                       "forward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
         return None
-    return parts
+    return stats
 
 
 if HAS_TRITON:

@@ -245,20 +245,19 @@ def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_
     that many columns (partial statistics per chunk, merged)."""
     M = hidden.shape[0]
     V = weight.shape[0]
-    parts = None
+    stats = None
     if gemm_stats_supported(hidden, weight):  # one fused GEMM, no logits in memory
-        parts = gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
-                           ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0)
-    if parts is not None:
-        stats = merge_partial_stats(parts) if parts.shape[0] > 1 else parts[0]
-    elif vchunk:
+        stats = gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
+                           ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0,
+                           fp32_logits=fp32_logits(hidden.dtype, softcap))
+    if stats is None and vchunk:
         n_v = -(-V // vchunk)
         parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
         kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
         for j, (v0, _, x, _) in enumerate(_vocab_chunks(hidden, weight, bias, vchunk, softcap, False)):
             _launch_rows(x, target, stats=parts[j], need_ent=need_ent, vocab_start=v0, vocab_total=V, **kw)
         stats = merge_partial_stats(parts) if n_v > 1 else parts[0]
-    else:
+    elif stats is None:
         stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
         for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, softcap, False):
             _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
