@@ -463,13 +463,16 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
     statistics of float64 logits formed as the cuBLAS path forms them (fp16: rounded to fp16 first,
     unless the soft cap makes them fp32): ragged edges in every dimension (M=37 over tiles of 16
     rows, V=150 over 64 columns, H=24 over 16), every workspace poisoned with NaN first, the
-    epilogue whole or in two column halves."""
+    epilogue whole or in two column halves (then also in token chunks of 16 rows: the partials'
+    memory bound)."""
     if interpret == "cuda":
         pytest.skip("the interpreter's tile sizes")
     from deepspeed_fused.ops.linear_cross_entropy import kernels, single
 
     cfg = kernels._GEMM_STATS_CFG_INTERP
     monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
+    if subtile == 2:  # token chunks of 16 rows for the partials (3 tiles x 16 rows x 4 fields)
+        monkeypatch.setattr(kernels, "_GEMM_STATS_PART_BYTES", 3 * 16 * 4 * (4 if opts == "all" else 2))
     M, H, V = 37, 24, 150
     dt = torch.float16 if opts.startswith("fp16") else torch.float32
     h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")

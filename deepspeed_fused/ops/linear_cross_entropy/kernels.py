@@ -298,6 +298,8 @@ if HAS_TRITON:
 # the row kernel; BK 128, BN 128, BM 256, GROUP_M 1/4/8/32, warp specialization all slower
 _GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8, 2)  # + epilogue subtiles (not yet measured on the GPU)
 _GEMM_STATS_CFG_INTERP = (16, 64, 16, 2, 1, 1, 2)
+# bound on the fused GEMM's per-tile partial statistics (fp32, [V / BN, tokens] per field)
+_GEMM_STATS_PART_BYTES = 256 * 1024 * 1024
 # False once the fused GEMM has failed to compile or launch in this process (one warning): later
 # calls form the logits with cuBLAS and run the row kernel
 _GEMM_STATS_OK = [True]
@@ -339,10 +341,13 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     interp = interpreter_active()
     BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
     n_n = triton.cdiv(V, BN)
+    # token chunks so the per-tile partials stay within _GEMM_STATS_PART_BYTES (one chunk up to
+    # M x V = 2^33 (bf16 sizes: 8192 x 1M vocabulary) with two fields)
+    nf = 2 + int(need_ent) + int(need_sumz)
+    rows = max(BM, _GEMM_STATS_PART_BYTES // (n_n * 4 * nf) // BM * BM)
+    rows = min(rows, M)
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    m, d = torch.empty((n_n, M), **f32), torch.empty((n_n, M), **f32)
-    a = torch.empty((n_n, M), **f32) if need_ent else m
-    sz = torch.empty((n_n, M), **f32) if need_sumz else m
+    bufs = [torch.empty(n_n * rows, **f32) for _ in range(nf)]
     zt = torch.zeros(M, **f32)
     stats = torch.empty((M, 5), **f32)
     if interp:
@@ -353,20 +358,25 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
         if sms is None:
             sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
+    block = 64 if interp else 512
     try:
-        h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
         w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
-        grid = (min(sms, triton.cdiv(M, BM) * n_n),)
-        _lce_gemm_stats_kernel[grid](
-            h_desc, w_desc, bias if bias is not None else m, target, temp if temp is not None else m,
-            m, d, a, sz, zt, M, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
-            ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
-            NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
-            NUM_SMS=sms, num_stages=stages, num_warps=warps)
-        block = 64 if interp else 512
-        _merge_tile_stats_kernel[(triton.cdiv(M, block),)](m, d, a, sz, zt, stats, n_n, M, NEED_ENT=need_ent,
-                                                           NEED_SUMZ=need_sumz, BLOCK=block,
-                                                           num_warps=1 if interp else 4)
+        for s in range(0, M, rows):
+            e = min(M, s + rows)
+            n = e - s
+            m, d = bufs[0][:n_n * n].view(n_n, n), bufs[1][:n_n * n].view(n_n, n)
+            a = bufs[2][:n_n * n].view(n_n, n) if need_ent else m
+            sz = bufs[-1][:n_n * n].view(n_n, n) if need_sumz else m
+            h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
+            _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
+                h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
+                m, d, a, sz, zt[s:e], n, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
+                ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
+                NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
+                NUM_SMS=sms, num_stages=stages, num_warps=warps)
+            _merge_tile_stats_kernel[(triton.cdiv(n, block),)](
+                m, d, a, sz, zt[s:e], stats[s:e], n_n, n, NEED_ENT=need_ent, NEED_SUMZ=need_sumz, BLOCK=block,
+                num_warps=1 if interp else 4)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
