@@ -39,6 +39,7 @@ for M, H, V in SHAPES:
             kernels._GEMM_STATS_CFG = cfg
         try:
             res[name] = {k: round(bench_ms(f) / T, 3) for k, f in (("fwd", fwd), ("fwd+ent", fwd_ent), ("tok", tok))}
+            res[name]["fused ran"] = bool(cfg is not None and kernels._GEMM_STATS_OK[0])
         except Exception as e:
             res[name] = f"{type(e).__name__}: {str(e)[:160]}"
         print(M, H, V, name, res[name], flush=True)

@@ -503,6 +503,30 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
         assert torch.allclose(sz, z.sum(1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["strided_bias", "target_past_vocab"])
+def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
+    """Inputs the cuBLAS path takes as they are: a bias that is a strided view, and (without the
+    target check) a target past the vocabulary, whose logit counts as 0 in both paths."""
+    if interpret == "cuda":
+        pytest.skip("CPU")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels
+
+    h, w, t, b = _inputs(13, 16, 150, torch.float32, interpret, bias=True)
+    kw = dict(reduction="none", return_lse=True, return_entropy=True)
+    if case == "strided_bias":
+        kw["bias"] = torch.randn(300, generator=torch.Generator().manual_seed(4))[::2]
+    else:
+        t[2] = 150 + 3  # in the last tile's padding
+        kw.update(bias=b, validate_targets=False)
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    fused = linear_cross_entropy(h, w, t, **kw)
+    assert kernels._GEMM_STATS_OK[0]  # the fused GEMM ran
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
+    rows = linear_cross_entropy(h, w, t, **kw)
+    for a, r in zip(fused, rows, strict=True):
+        assert torch.isfinite(a).all() and torch.allclose(a, r, rtol=1e-5, atol=1e-5), (a, r)
+
+
 def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
     """A fused GEMM that fails to compile or launch: one warning, later calls skip it, and the
     per-token forward runs cuBLAS and the row kernel with the same results."""

@@ -13,6 +13,8 @@ Math per token with ``s`` the raw logits, ``T`` the temperature, ``c`` the soft 
 ``gS`` (lse): ``dz_j = p_j (gL (1 + 2 z_loss lse) + gS - gE (z_j - sum p z))
 - gL eps/V - gL (1-eps) [j == t]``, then ``ds = dz (1 - (z/c)^2) / T``.
 """
+import contextlib
+
 import torch
 
 from .._common import HAS_TRITON, interpreter_active, tl, triton
@@ -194,7 +196,9 @@ if HAS_TRITON:
             sz = tl.sum(tl.where(cmask, z, 0.0), axis=1)
         else:
             sz = tl.zeros_like(d)
-        hit = (t[:, None] == offs_n[None, :]) & (t != ignore_index)[:, None]
+        # a target past the vocabulary (possible without the target check) matches no column, as
+        # in the row kernel: its logit counts as 0
+        hit = (t[:, None] == offs_n[None, :]) & cmask & (t != ignore_index)[:, None]
         zt = tl.sum(tl.where(hit, z, 0.0), axis=1)
         return m, d, a, sz, zt, tl.max(hit.to(tl.int32), axis=1)
 
@@ -306,7 +310,7 @@ _GEMM_STATS_OK = [True]
 
 
 def gemm_stats_supported(hidden, weight) -> bool:
-    """Whether :func:`gemm_stats` can run: a Hopper-or-newer GPU (TMA) with fp16/bf16 operands whose
+    """Whether :func:`gemm_stats` can run: a Hopper GPU (TMA, sm90) with fp16/bf16 operands whose
     rows are 16-byte aligned, or the Triton interpreter on CPU (fp32/fp16, for the tests)."""
     if not (HAS_TRITON and _GEMM_STATS_OK[0] and _TensorDescriptor is not None):
         return False
@@ -314,8 +318,9 @@ def gemm_stats_supported(hidden, weight) -> bool:
         return False
     if interpreter_active():
         return hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.float16)
+    # Hopper only: the tile configuration (and its shared memory) is the one swept on the H200
     return (hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
-            and torch.cuda.get_device_capability(hidden.device)[0] >= 9
+            and torch.cuda.get_device_capability(hidden.device)[0] == 9
             and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
             and hidden.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0)
 
@@ -358,25 +363,29 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
         if sms is None:
             sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
-    block = 64 if interp else 512
+    block = 64 if interp else 128
+    if bias is not None:
+        bias = bias.contiguous()  # the epilogue reads it as one contiguous row
+    device = contextlib.nullcontext() if interp else torch.cuda.device(hidden.device)
     try:
-        w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
-        for s in range(0, M, rows):
-            e = min(M, s + rows)
-            n = e - s
-            m, d = bufs[0][:n_n * n].view(n_n, n), bufs[1][:n_n * n].view(n_n, n)
-            a = bufs[2][:n_n * n].view(n_n, n) if need_ent else m
-            sz = bufs[-1][:n_n * n].view(n_n, n) if need_sumz else m
-            h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
-            _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
-                h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
-                m, d, a, sz, zt[s:e], n, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
-                ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
-                NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
-                NUM_SMS=sms, num_stages=stages, num_warps=warps)
-            _merge_tile_stats_kernel[(triton.cdiv(n, block),)](
-                m, d, a, sz, zt[s:e], stats[s:e], n_n, n, NEED_ENT=need_ent, NEED_SUMZ=need_sumz, BLOCK=block,
-                num_warps=1 if interp else 4)
+        with device:  # Triton launches on the current device: make it the tensors'
+            w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
+            for s in range(0, M, rows):
+                e = min(M, s + rows)
+                n = e - s
+                m, d = bufs[0][:n_n * n].view(n_n, n), bufs[1][:n_n * n].view(n_n, n)
+                a = bufs[2][:n_n * n].view(n_n, n) if need_ent else m
+                sz = bufs[-1][:n_n * n].view(n_n, n) if need_sumz else m
+                h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
+                _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
+                    h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
+                    m, d, a, sz, zt[s:e], n, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
+                    ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
+                    NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
+                    NUM_SMS=sms, num_stages=stages, num_warps=warps)
+                _merge_tile_stats_kernel[(triton.cdiv(n, block),)](
+                    m, d, a, sz, zt[s:e], stats[s:e], n_n, n, NEED_ENT=need_ent, NEED_SUMZ=need_sumz, BLOCK=block,
+                    num_warps=1 if interp else 4)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once

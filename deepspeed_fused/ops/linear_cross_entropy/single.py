@@ -110,6 +110,20 @@ def _logits_fp32_into(h, weight, bias, out):
         out.add_(bias)
 
 
+_FP32_LOGITS_PROBED = [False]
+
+
+def _fp32_logits_probed(hidden, weight, softcap) -> bool:
+    """:func:`fp32_logits`, after trying the fp32-output GEMM once in this process (a 1 x 1 product)
+    when it would be used: a forward that forms its statistics without cuBLAS (the fused GEMM)
+    must take the logits as the backward's cuBLAS GEMM will, and a torch without ``mm``'s
+    ``out_dtype`` is found (one warning) before the forward rather than in the backward."""
+    if fp32_logits(hidden.dtype, softcap) and hidden.is_cuda and not _FP32_LOGITS_PROBED[0]:
+        _FP32_LOGITS_PROBED[0] = True
+        _logits_fp32_into(hidden[:1], weight[:1], None, hidden.new_empty((1, 1), dtype=torch.float32))
+    return fp32_logits(hidden.dtype, softcap)
+
+
 def _dhidden_into(dlogits, weight, out):
     torch.mm(dlogits, weight, out=out)
 
@@ -249,7 +263,7 @@ def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_
     if gemm_stats_supported(hidden, weight):  # one fused GEMM, no logits in memory
         stats = gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
                            ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0,
-                           fp32_logits=fp32_logits(hidden.dtype, softcap))
+                           fp32_logits=_fp32_logits_probed(hidden, weight, softcap))
     if stats is None and vchunk:
         n_v = -(-V // vchunk)
         parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
