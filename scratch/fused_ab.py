@@ -8,7 +8,8 @@ from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, kerne
 SHAPES = [(4096, 4096, 131072), (8192, 2048, 151936), (8192, 4096, 128256), (16384, 4096, 131072)]
 base = kernels._GEMM_STATS_CFG
 variants = {"rows (cuBLAS)": None, "fused sub2 st4": base[:4] + (4, 8, 2), "fused sub1 st4": base[:4] + (4, 8, 1),
-            "fused sub2 st3": base[:4] + (3, 8, 2), "fused sub1 st3": base[:4] + (3, 8, 1)}
+            "fused sub2 st3": base[:4] + (3, 8, 2), "fused sub1 st3": base[:4] + (3, 8, 1),
+            "fused fwd only, sub2 st4": base[:4] + (4, 8, 2)}
 out = {}
 for M, H, V in SHAPES:
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -35,6 +36,7 @@ for M, H, V in SHAPES:
 
     for name, cfg in variants.items():
         kernels._GEMM_STATS_OK[0] = cfg is not None
+        kernels._GEMM_GRAD_ON[0] = "fwd only" not in name
         if cfg is not None:
             kernels._GEMM_STATS_CFG = cfg
         try:
@@ -43,7 +45,7 @@ for M, H, V in SHAPES:
         except Exception as e:
             res[name] = f"{type(e).__name__}: {str(e)[:160]}"
         print(M, H, V, name, res[name], flush=True)
-    kernels._GEMM_STATS_OK[0], kernels._GEMM_STATS_CFG = True, base
+    kernels._GEMM_STATS_OK[0], kernels._GEMM_STATS_CFG, kernels._GEMM_GRAD_ON[0] = True, base, True
     out[f"{M}x{H}x{V}"] = res
     del h, w, t
     torch.cuda.empty_cache()

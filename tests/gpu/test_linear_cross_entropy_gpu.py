@@ -105,10 +105,10 @@ def test_vocab_chunks(monkeypatch, dtype, opts):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("opts", ["plain", "all", "softcap"])
 def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
-    """The per-token forward through the fused GEMM (the logits rounded in its epilogue as cuBLAS
-    rounds them) against cuBLAS and the row kernel at a Qwen3-head shape: the same outputs up to
-    the GEMMs' different summation orders (an occasional last-bit difference of a logit), and
-    the per-token backward, which recomputes the logits with cuBLAS, within the usual bounds."""
+    """The per-token path through the fused GEMMs (forward statistics, backward dlogits; the logits
+    rounded in their epilogues as cuBLAS rounds them) against cuBLAS and the row kernel at a
+    Qwen3-head shape: the same outputs and gradients up to the GEMMs' different summation orders
+    (an occasional last-bit difference of a logit), and within the usual bounds of float64."""
     from deepspeed_fused.ops.linear_cross_entropy import kernels
 
     M, H, V = 1024, 2048, 151936
@@ -119,14 +119,17 @@ def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
         kw.update(temperature=torch.rand(M, device=DEV) + 0.5, z_loss=1e-3, label_smoothing=0.1)
     elif opts == "softcap":
         kw.update(softcap=20.0)
-    fused = linear_cross_entropy(h, w, t, **kw)
-    assert kernels._GEMM_STATS_OK[0], "the fused GEMM failed and fell back (see its warning)"
+    bias = kw.pop("bias")
+    fused, fgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
+    assert kernels._GEMM_STATS_OK[0], "a fused GEMM failed and fell back (see its warning)"
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
-    rows = linear_cross_entropy(h, w, t, **kw)
+    rows, rgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
     for a, r in zip(fused, rows, strict=True):
         assert (a - r).abs().max().item() <= 2e-3, (a - r).abs().max().item()
+    for a, r in zip(fgrads, rgrads, strict=True):  # the backward's fused GEMM against cuBLAS + rows
+        assert _rel(a, r) <= 2e-3, _rel(a, r)
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
-    _check(M, H, V, dtype, bias=opts == "all", **{k: v for k, v in kw.items() if k != "bias"})
+    _check(M, H, V, dtype, bias=opts == "all", **kw)
 
 
 _OPTIONS = {

@@ -422,7 +422,14 @@ def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
             yield v0, v1, x, g
 
     monkeypatch.setattr(lce_single, "_vocab_chunks", spy)
-    # the forward: the fused GEMM (no chunks), or cuBLAS and the row kernel over the same chunks
+    fused, real_grad = [], lce_single.gemm_grad
+
+    def grad_spy(hidden, weight, *a, vocab_start=0, **k):
+        fused.append((vocab_start, vocab_start + weight.shape[0]))
+        return real_grad(hidden, weight, *a, vocab_start=vocab_start, **k)
+
+    monkeypatch.setattr(lce_single, "gemm_grad", grad_spy)
+    # the fused GEMMs (forward statistics, backward gradients), or cuBLAS and the row kernel
     monkeypatch.setattr(lce_kernels, "_GEMM_STATS_OK", [fused_fwd])
     M, V = 13, 300
     temp = (torch.rand(M, generator=torch.Generator().manual_seed(3)) + 0.5).to(interpret)
@@ -448,8 +455,10 @@ def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
                                          reduction="none", label_smoothing=0.2, return_lse=True)
         for o, r in zip(out + grads, rout + rgrads, strict=True):
             assert rel(o, r) <= 1e-5
-    # the backward (and without the fused GEMM the forward) went over the three chunks
-    assert seen == [(0, 112), (112, 224), (224, 300)] * (1 if fused_fwd else 2), seen
+    # without the fused GEMM the forward and the backward went over the three chunks through
+    # cuBLAS and the row kernel; with it, the backward's three chunks went through the fused GEMM
+    assert seen == ([] if fused_fwd else [(0, 112), (112, 224), (224, 300)] * 2), seen
+    assert fused == ([(0, 112), (112, 224), (224, 300)] if fused_fwd else []), fused
     if case == "all_options":
         assert lce_api._vocab_chunk(None, 5, V, torch.float32, M, 0.0, True) == 112
     assert lce_api._vocab_chunk(7, 7, V, torch.float32, M, 0.0, True) == 0  # chunk_tokens given: tokens
@@ -527,6 +536,45 @@ def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
         assert torch.isfinite(a).all() and torch.allclose(a, r, rtol=1e-5, atol=1e-5), (a, r)
 
 
+@pytest.mark.parametrize("subtile", [1, 2])
+@pytest.mark.parametrize("opts", ["plain", "all", "fp16_softcap"])
+def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile):
+    """The backward's fused GEMM (dlogits in its epilogue) against cuBLAS's logits and the row
+    kernel's per-token gradient pass on a vocabulary slice (columns 64..214 of 300: the target
+    offsets and ragged edges), the output poisoned with NaN first so every element is written."""
+    if interpret == "cuda":
+        pytest.skip("the interpreter's tile sizes")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
+
+    cfg = kernels._GEMM_STATS_CFG_INTERP
+    monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
+    M, H, V, v0, v1 = 37, 24, 300, 64, 214
+    dt = torch.float16 if opts.startswith("fp16") else torch.float32
+    h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")
+    t[:4] = torch.tensor([64, 213, 63, 214])  # first and last column of the slice, just outside it
+    gen = torch.Generator().manual_seed(5)
+    lse = torch.randn(M, generator=gen) + 5
+    ent = torch.rand(M, generator=gen) + 1
+    gl, ge, gs = (torch.randn(M, generator=gen) for _ in range(3))
+    kw = {}
+    if opts == "all":
+        kw = dict(temp=torch.rand(M, generator=gen) + 0.5, softcap=2.5, z_loss=0.01, smoothing=0.1)
+    elif opts == "fp16_softcap":
+        kw = dict(softcap=3.0, inv_temp=1.25)
+    grads = dict(lse=lse, g_loss=gl) if opts == "plain" else dict(lse=lse, ent=ent, g_loss=gl, g_ent=ge, g_lse=gs)
+    f32 = single.fp32_logits(dt, kw.get("softcap", 0.0))
+    out = torch.full((M, v1 - v0), float("nan"), dtype=dt)
+    wb = None if b is None else b[v0:v1]
+    assert kernels.gemm_grad(h, w[v0:v1], wb, t, out, vocab_start=v0, vocab_total=V, fp32_logits=f32, **grads, **kw)
+    x = torch.empty(M, v1 - v0, dtype=torch.float32 if f32 else dt)
+    single._logits_into(h, w[v0:v1], wb, x)
+    want = torch.empty(M, v1 - v0, dtype=dt)
+    kernels._launch_rows(x, t, out=want, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dt == torch.float32 else 2e-3
+    assert torch.allclose(out.float(), want.float(), rtol=tol, atol=tol), (out.float() - want.float()).abs().max()
+
+
 def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
     """A fused GEMM that fails to compile or launch: one warning, later calls skip it, and the
     per-token forward runs cuBLAS and the row kernel with the same results."""
@@ -543,10 +591,45 @@ def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
                 raise RuntimeError("no TMA here")
             return launch
 
+    real_stats_kernel = kernels._lce_gemm_stats_kernel
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
     monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", _Broken())
     with pytest.warns(RuntimeWarning, match="fused logits GEMM failed"):
         got = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)
+    # the backward's fused GEMM failing after the forward's ran: its chunks redone by cuBLAS and
+    # the row kernel (vocabulary chunks forced), the gradients as without it
+    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api
+
+    monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * 37 * 4)
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
+    hw = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    linear_cross_entropy(*hw, t, reduction="none", return_entropy=True)[1].sum().backward()
+    want_grads = [x.grad for x in hw]
+    monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", real_stats_kernel)
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    calls = []
+    real_grad_kernel = kernels._lce_gemm_grad_kernel
+
+    class _BreaksSecond:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("second chunk fails")
+                return real_grad_kernel[grid](*a, **k)
+            return launch
+
+    monkeypatch.setattr(kernels, "_lce_gemm_grad_kernel", _BreaksSecond())
+    hw = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    out = linear_cross_entropy(*hw, t, reduction="none", return_entropy=True)
+    assert kernels._GEMM_STATS_OK[0]  # the forward's fused GEMM ran
+    with pytest.warns(RuntimeWarning, match=r"fused logits GEMM \(gradient\) failed"):
+        out[1].sum().backward()
+    assert len(calls) == 2 and not kernels._GEMM_STATS_OK[0]
+    for x, r in zip(hw, want_grads):
+        assert torch.allclose(x.grad, r, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", _Broken())
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
     assert not kernels._GEMM_STATS_OK[0] and not kernels.gemm_stats_supported(h, w)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -297,6 +297,102 @@ if HAS_TRITON:
         tl.store(p + 4, tl.load(zt_ptr + offs, mask=mask, other=0.0), mask=mask)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile_grad_store(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
+                         vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
+                         ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
+                         HAS_CAP: tl.constexpr, HAS_GE: tl.constexpr):
+        # dL/dlogits of one accumulator block, as the row kernel's GRAD pass forms it from the
+        # logits it would read (rounded as cuBLAS writes them unless ROUND 0), stored to out
+        cmask = (offs_n < V)[None, :]
+        z = acc
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
+        if ROUND == 1:
+            z = z.to(tl.float16).to(tl.float32)
+        elif ROUND == 2:
+            z = z.to(tl.bfloat16).to(tl.float32)
+        if HAS_TEMP:
+            inv_t = 1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32)
+            z = z * inv_t[:, None]
+        else:
+            z = z * inv_temp
+        if HAS_CAP:
+            z = _softcap(z, cap)
+        p = tl.exp(z - lse[:, None])
+        if HAS_GE:
+            g = p * (coef[:, None] - ge[:, None] * (z - s_pz[:, None]))
+        else:
+            g = p * coef[:, None]
+        g = g - g_smooth[:, None]
+        hit = ((t - vocab_start)[:, None] == offs_n[None, :]) & cmask & (t != ignore_index)[:, None]
+        g = tl.where(hit, g - g_tgt[:, None], g)
+        if HAS_CAP:
+            th = z / cap
+            g = g * (1.0 - th * th)
+        if HAS_TEMP:
+            g = g * inv_t[:, None]
+        else:
+            g = g * inv_temp
+        ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+        tl.store(ptrs, g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask)
+
+    @triton.jit
+    def _lce_gemm_grad_kernel(
+        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr, out_ptr, stride_out,
+        M, V, K, vocab_start, ignore_index, inv_temp, cap, z_loss, smooth, inv_vocab_total,
+        ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr,
+        HAS_GE: tl.constexpr, HAS_GS: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    ):
+        """The per-token backward's logits GEMM with the row kernel's gradient in its epilogue:
+        each (BM x BN) tile of ``h @ w.T`` (the vocabulary slice ``[vocab_start, vocab_start + V)``)
+        becomes ``dL/dlogits`` from the forward's per-token lse (and entropy) and the upstream
+        gradients, stored in the output's dtype; the logits themselves never reach memory."""
+        start = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(V, BN)
+        k_tiles = tl.cdiv(K, BK)
+        for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+            pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = h_desc.load([pid_m * BM, ki * BK])
+                b = w_desc.load([pid_n * BN, ki * BK])
+                acc = tl.dot(a, b.T, acc)
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            rmask = offs_m < M
+            t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index).to(tl.int64)
+            lse = tl.load(lse_ptr + offs_m, mask=rmask, other=0.0)
+            gl = tl.where(t != ignore_index, tl.load(gl_ptr + offs_m, mask=rmask, other=0.0), 0.0)
+            coef = gl * (1.0 + 2.0 * z_loss * lse)
+            if HAS_GS:
+                coef += tl.load(gs_ptr + offs_m, mask=rmask, other=0.0)
+            if HAS_GE:
+                ge = tl.load(ge_ptr + offs_m, mask=rmask, other=0.0)
+                s_pz = lse - tl.load(ent_ptr + offs_m, mask=rmask, other=0.0)
+            else:
+                ge = lse
+                s_pz = lse
+            g_smooth = gl * smooth * inv_vocab_total
+            g_tgt = gl * (1.0 - smooth)
+            if SUBTILE == 2:
+                halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                offs_n = pid_n * BN + tl.arange(0, BN // 2)
+                _tile_grad_store(halves[0], offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t,
+                                 ignore_index, vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr,
+                                 stride_out, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+                _tile_grad_store(halves[1], offs_m, offs_n + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap,
+                                 t, ignore_index, vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr,
+                                 stride_out, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+            else:
+                _tile_grad_store(acc, offs_m, pid_n * BN + tl.arange(0, BN), rmask, V, bias_ptr, temp_ptr,
+                                 inv_temp, cap, t, ignore_index, vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt,
+                                 out_ptr, stride_out, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+
+
 # (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused GEMM: swept on the H200 at the suite's
 # four shapes (scratch/fused_fwd.py, 2026-11-30): 1.01-1.05 T, against 1.07-1.13 T for cuBLAS and
 # the row kernel; BK 128, BN 128, BM 256, GROUP_M 1/4/8/32, warp specialization all slower
@@ -307,6 +403,8 @@ _GEMM_STATS_PART_BYTES = 256 * 1024 * 1024
 # False once the fused GEMM has failed to compile or launch in this process (one warning): later
 # calls form the logits with cuBLAS and run the row kernel
 _GEMM_STATS_OK = [True]
+# the backward's fused GEMM (dlogits in its epilogue) on/off, for A/B measurements
+_GEMM_GRAD_ON = [True]
 
 
 def gemm_stats_supported(hidden, weight) -> bool:
@@ -397,6 +495,56 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
                       "forward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
         return None
     return stats
+
+
+def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent=None, g_lse=None, temp=None,
+              inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0, ignore_index=-100, vocab_start=0,
+              vocab_total=None, fp32_logits=False) -> bool:
+    """``out`` [M, V] (input dtype) = dL/dlogits of the vocabulary slice ``weight`` (rows from
+    ``vocab_start`` of ``vocab_total``) from the fused GEMM (``_lce_gemm_grad_kernel``): what the
+    cuBLAS logits GEMM and the row kernel's per-token gradient pass would write, without the
+    logits in memory. ``lse``/``ent``/``g_*``: fp32 per token, as for ``_launch_rows``. False when
+    the kernel failed (one warning, ``out`` not written; the caller runs cuBLAS and the row kernel)."""
+    M, K = hidden.shape
+    V = weight.shape[0]
+    interp = interpreter_active()
+    BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
+    if interp:
+        sms = 4
+    else:
+        idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+        sms = _NUM_SMS.get(idx)
+        if sms is None:
+            sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
+    if bias is not None:
+        bias = bias.contiguous()
+    assert out.shape == (M, V) and out.stride(1) == 1
+    device = contextlib.nullcontext() if interp else torch.cuda.device(hidden.device)
+    try:
+        with device:
+            h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
+            w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
+            _lce_gemm_grad_kernel[(min(sms, triton.cdiv(M, BM) * triton.cdiv(V, BN)),)](
+                h_desc, w_desc, bias if bias is not None else lse, target, temp if temp is not None else lse,
+                lse, ent if ent is not None else lse, g_loss, g_ent if g_ent is not None else lse,
+                g_lse if g_lse is not None else lse, out, out.stride(0), M, V, K, vocab_start, ignore_index,
+                float(inv_temp), float(softcap or 1.0), float(z_loss), float(smoothing),
+                1.0 / float(vocab_total or V),
+                ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
+                HAS_GE=g_ent is not None, HAS_GS=g_lse is not None, SUBTILE=subtile, BM=BM, BN=BN, BK=BK,
+                GROUP_M=group_m, NUM_SMS=sms, num_stages=stages, num_warps=warps)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
+        _GEMM_STATS_OK[0] = False
+        import warnings
+
+        warnings.warn("deepspeed_fused.linear_cross_entropy: the fused logits GEMM (gradient) failed "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
+                      "backward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 if HAS_TRITON:

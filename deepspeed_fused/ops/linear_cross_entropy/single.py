@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from .kernels import _launch_rows, _scale_unless_one_, gemm_stats, gemm_stats_supported
+from . import kernels as _kernels
+from .kernels import _launch_rows, _scale_unless_one_, gemm_grad, gemm_stats, gemm_stats_supported
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -291,6 +292,8 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     g_loss = g_loss.float().contiguous()
     g_ent = None if g_ent is None else g_ent.float().contiguous()
     g_lse = None if g_lse is None else g_lse.float().contiguous()
+    if not vchunk and chunk >= M:
+        vchunk = weight.shape[0]  # one chunk: the whole vocabulary as one slice (the same GEMMs)
     if vchunk:
         return _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
                                       ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh,
@@ -309,6 +312,33 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     return dh, dw, db
 
 
+def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw):
+    """Yield ``(v0, v1, dlogits)`` per vocabulary chunk for the per-token backward: from the fused
+    GEMM with the gradient in its epilogue where it runs (one input-dtype workspace, no logits in
+    memory), else from cuBLAS's logits and the row kernel (:func:`_vocab_chunks`). If the fused GEMM
+    fails (compile, launch; one warning), every chunk is yielded again from the first by the
+    second way: the consumer's first chunk starts its sums, so nothing is counted twice."""
+    M, V = hidden.shape[0], weight.shape[0]
+    if gemm_stats_supported(hidden, weight) and _kernels._GEMM_GRAD_ON[0]:
+        f32 = _fp32_logits_probed(hidden, weight, softcap)
+        buf = hidden.new_empty(M * min(vchunk, V))
+        for v0 in range(0, V, vchunk):
+            v1 = min(V, v0 + vchunk)
+            g = buf[:M * (v1 - v0)].view(M, v1 - v0)
+            if not gemm_grad(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], target, g,
+                             vocab_start=v0, vocab_total=V, fp32_logits=f32, temp=kw["temp"],
+                             inv_temp=kw["inv_temp"], softcap=kw["softcap"], z_loss=kw["z_loss"],
+                             smoothing=kw["smoothing"], ignore_index=kw["ignore_index"], **grads):
+                break  # the loop below yields every chunk again, from the first (whose dhidden GEMM starts the sum)
+            yield v0, v1, g
+        else:
+            return
+        del buf
+    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
+        _launch_rows(x, target, out=g, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
+        yield v0, v1, g
+
+
 def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
                            ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh, need_dw, need_db):
     """The per-token backward over vocabulary chunks: each chunk's dweight (and dbias) rows are
@@ -321,11 +351,10 @@ def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss,
     dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
     db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
     kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
-    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
-        _launch_rows(x, target, lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent,
-                     g_lse=g_lse, per_token=True, out=g, vocab_start=v0, vocab_total=V, **kw)
-        if need_dh:
-            dh = _mm_sum(dh, g, weight[v0:v1], dh32)
+    grads = dict(lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent, g_lse=g_lse)
+    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw):
+        if need_dh:  # the first chunk starts the sum (also when a fallback yields the chunks again)
+            dh = _mm_sum(None if v0 == 0 else dh, g, weight[v0:v1], dh32)
         if need_dw:
             torch.mm(g.t(), hidden, out=dw[v0:v1])
         if need_db:
