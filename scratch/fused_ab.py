@@ -35,17 +35,19 @@ for M, H, V in SHAPES:
         (loss.sum() + 0.1 * ent.sum()).backward()
 
     for name, cfg in variants.items():
-        kernels._GEMM_STATS_OK[0] = cfg is not None
+        kernels._GEMM_STATS_OK[0] = kernels._GEMM_GRAD_OK[0] = cfg is not None
         kernels._GEMM_GRAD_ON[0] = "fwd only" not in name
         if cfg is not None:
             kernels._GEMM_STATS_CFG = cfg
         try:
             res[name] = {k: round(bench_ms(f) / T, 3) for k, f in (("fwd", fwd), ("fwd+ent", fwd_ent), ("tok", tok))}
-            res[name]["fused ran"] = bool(cfg is not None and kernels._GEMM_STATS_OK[0])
+            res[name]["fused ran"] = [bool(cfg is not None and kernels._GEMM_STATS_OK[0]),
+                                      bool(cfg is not None and kernels._GEMM_GRAD_OK[0] and kernels._GEMM_GRAD_ON[0])]
         except Exception as e:
             res[name] = f"{type(e).__name__}: {str(e)[:160]}"
         print(M, H, V, name, res[name], flush=True)
-    kernels._GEMM_STATS_OK[0], kernels._GEMM_STATS_CFG, kernels._GEMM_GRAD_ON[0] = True, base, True
+    kernels._GEMM_STATS_OK[0] = kernels._GEMM_GRAD_OK[0] = kernels._GEMM_GRAD_ON[0] = True
+    kernels._GEMM_STATS_CFG = base
     out[f"{M}x{H}x{V}"] = res
     del h, w, t
     torch.cuda.empty_cache()

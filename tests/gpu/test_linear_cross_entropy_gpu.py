@@ -120,15 +120,23 @@ def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
     elif opts == "softcap":
         kw.update(softcap=20.0)
     bias = kw.pop("bias")
+    from deepspeed_fused.ops.linear_cross_entropy import single
+
+    slices, real_grad = [], single.gemm_grad
+    monkeypatch.setattr(single, "gemm_grad", lambda hh, ww, *a, vocab_start=0, **k: (
+        slices.append((vocab_start, vocab_start + ww.shape[0])), real_grad(hh, ww, *a, vocab_start=vocab_start, **k))[1])
     fused, fgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
-    assert kernels._GEMM_STATS_OK[0], "a fused GEMM failed and fell back (see its warning)"
+    assert kernels._GEMM_STATS_OK[0] and kernels._GEMM_GRAD_OK[0], "a fused GEMM fell back (see its warning)"
+    assert slices and slices[0][0] == 0 and slices[-1][1] == V, slices  # the backward's fused GEMM covered V
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [False])
     rows, rgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
     for a, r in zip(fused, rows, strict=True):
         assert (a - r).abs().max().item() <= 2e-3, (a - r).abs().max().item()
     for a, r in zip(fgrads, rgrads, strict=True):  # the backward's fused GEMM against cuBLAS + rows
         assert _rel(a, r) <= 2e-3, _rel(a, r)
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [True])
     _check(M, H, V, dtype, bias=opts == "all", **kw)
 
 

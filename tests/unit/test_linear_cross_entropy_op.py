@@ -431,6 +431,7 @@ def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
     monkeypatch.setattr(lce_single, "gemm_grad", grad_spy)
     # the fused GEMMs (forward statistics, backward gradients), or cuBLAS and the row kernel
     monkeypatch.setattr(lce_kernels, "_GEMM_STATS_OK", [fused_fwd])
+    monkeypatch.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused_fwd])
     M, V = 13, 300
     temp = (torch.rand(M, generator=torch.Generator().manual_seed(3)) + 0.5).to(interpret)
     if case == "all_options":
@@ -515,29 +516,39 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
 @pytest.mark.parametrize("case", ["strided_bias", "target_past_vocab"])
 def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
     """Inputs the cuBLAS path takes as they are: a bias that is a strided view, and (without the
-    target check) a target past the vocabulary, whose logit counts as 0 in both paths."""
+    target check) a target past the vocabulary, whose logit counts as 0 in both paths; forward
+    outputs and gradients, with the fused GEMMs and without."""
     if interpret == "cuda":
         pytest.skip("CPU")
-    from deepspeed_fused.ops.linear_cross_entropy import kernels
+    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
 
     h, w, t, b = _inputs(13, 16, 150, torch.float32, interpret, bias=True)
     kw = dict(reduction="none", return_lse=True, return_entropy=True)
     if case == "strided_bias":
-        kw["bias"] = torch.randn(300, generator=torch.Generator().manual_seed(4))[::2]
+        b = torch.randn(300, generator=torch.Generator().manual_seed(4))[::2]
     else:
         t[2] = 150 + 3  # in the last tile's padding
-        kw.update(bias=b, validate_targets=False)
-    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
-    fused = linear_cross_entropy(h, w, t, **kw)
-    assert kernels._GEMM_STATS_OK[0]  # the fused GEMM ran
-    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
-    rows = linear_cross_entropy(h, w, t, **kw)
-    for a, r in zip(fused, rows, strict=True):
+        kw.update(validate_targets=False)
+    calls, real_grad = [], single.gemm_grad
+    monkeypatch.setattr(single, "gemm_grad", lambda *a, **k: (calls.append(1), real_grad(*a, **k))[1])
+
+    def run(fused):
+        monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [fused])
+        monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [fused])
+        leaves = [x.clone().requires_grad_() for x in (h, w, b if case != "strided_bias" else b._base)]
+        bias = leaves[2][::2] if case == "strided_bias" else leaves[2]  # a strided view, also in backward
+        outs = linear_cross_entropy(leaves[0], leaves[1], t, bias=bias, **kw)
+        sum((o * torch.linspace(0.5, 1.5, o.numel()) * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+        if fused:
+            assert kernels._GEMM_STATS_OK[0] and kernels._GEMM_GRAD_OK[0] and calls  # both fused GEMMs ran
+        return [o.detach() for o in outs] + [x.grad for x in leaves]
+
+    for a, r in zip(run(True), run(False), strict=True):
         assert torch.isfinite(a).all() and torch.allclose(a, r, rtol=1e-5, atol=1e-5), (a, r)
 
 
 @pytest.mark.parametrize("subtile", [1, 2])
-@pytest.mark.parametrize("opts", ["plain", "all", "fp16_softcap"])
+@pytest.mark.parametrize("opts", ["plain", "all", "fp16_rounded", "fp16_softcap"])
 def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile):
     """The backward's fused GEMM (dlogits in its epilogue) against cuBLAS's logits and the row
     kernel's per-token gradient pass on a vocabulary slice (columns 64..214 of 300: the target
@@ -561,6 +572,8 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile):
         kw = dict(temp=torch.rand(M, generator=gen) + 0.5, softcap=2.5, z_loss=0.01, smoothing=0.1)
     elif opts == "fp16_softcap":
         kw = dict(softcap=3.0, inv_temp=1.25)
+    elif opts == "fp16_rounded":  # fp16 logits: rounded in the epilogue as cuBLAS rounds them
+        kw = dict(temp=torch.rand(M, generator=gen) + 0.5)
     grads = dict(lse=lse, g_loss=gl) if opts == "plain" else dict(lse=lse, ent=ent, g_loss=gl, g_ent=ge, g_lse=gs)
     f32 = single.fp32_logits(dt, kw.get("softcap", 0.0))
     out = torch.full((M, v1 - v0), float("nan"), dtype=dt)
@@ -571,8 +584,8 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile):
     want = torch.empty(M, v1 - v0, dtype=dt)
     kernels._launch_rows(x, t, out=want, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
     assert torch.isfinite(out).all()
-    tol = 1e-5 if dt == torch.float32 else 2e-3
-    assert torch.allclose(out.float(), want.float(), rtol=tol, atol=tol), (out.float() - want.float()).abs().max()
+    rtol, atol = (1e-5, 1e-5) if dt == torch.float32 else (1e-3, 1e-6)  # fp16: the same rounded logits
+    assert torch.allclose(out.float(), want.float(), rtol=rtol, atol=atol), (out.float() - want.float()).abs().max()
 
 
 def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
@@ -602,11 +615,13 @@ def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
 
     monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * 37 * 4)
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [False])
     hw = [h.clone().requires_grad_(), w.clone().requires_grad_()]
     linear_cross_entropy(*hw, t, reduction="none", return_entropy=True)[1].sum().backward()
     want_grads = [x.grad for x in hw]
     monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", real_stats_kernel)
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [True])
     calls = []
     real_grad_kernel = kernels._lce_gemm_grad_kernel
 
@@ -625,7 +640,7 @@ def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
     assert kernels._GEMM_STATS_OK[0]  # the forward's fused GEMM ran
     with pytest.warns(RuntimeWarning, match=r"fused logits GEMM \(gradient\) failed"):
         out[1].sum().backward()
-    assert len(calls) == 2 and not kernels._GEMM_STATS_OK[0]
+    assert len(calls) == 2 and not kernels._GEMM_GRAD_OK[0] and kernels._GEMM_STATS_OK[0]  # its own flag
     for x, r in zip(hw, want_grads):
         assert torch.allclose(x.grad, r, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", _Broken())

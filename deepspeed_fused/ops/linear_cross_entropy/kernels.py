@@ -300,8 +300,8 @@ if HAS_TRITON:
 if HAS_TRITON:
 
     @triton.jit
-    def _tile_grad_store(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
-                         vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
+    def _tile_grad_store(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                         lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
                          ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
                          HAS_CAP: tl.constexpr, HAS_GE: tl.constexpr):
         # dL/dlogits of one accumulator block, as the row kernel's GRAD pass forms it from the
@@ -327,7 +327,9 @@ if HAS_TRITON:
         else:
             g = p * coef[:, None]
         g = g - g_smooth[:, None]
-        hit = ((t - vocab_start)[:, None] == offs_n[None, :]) & cmask & (t != ignore_index)[:, None]
+        # the target's column in this slice (ignored rows have g_tgt = 0; a target outside the
+        # slice or past the vocabulary matches no column)
+        hit = (lt[:, None] == offs_n[None, :]) & cmask
         g = tl.where(hit, g - g_tgt[:, None], g)
         if HAS_CAP:
             th = z / cap
@@ -365,6 +367,8 @@ if HAS_TRITON:
             offs_m = pid_m * BM + tl.arange(0, BM)
             rmask = offs_m < M
             t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index).to(tl.int64)
+            lt = t - vocab_start
+            lt = tl.where((t != ignore_index) & (lt >= 0) & (lt < V), lt, -1).to(tl.int32)
             lse = tl.load(lse_ptr + offs_m, mask=rmask, other=0.0)
             gl = tl.where(t != ignore_index, tl.load(gl_ptr + offs_m, mask=rmask, other=0.0), 0.0)
             coef = gl * (1.0 + 2.0 * z_loss * lse)
@@ -381,16 +385,16 @@ if HAS_TRITON:
             if SUBTILE == 2:
                 halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 offs_n = pid_n * BN + tl.arange(0, BN // 2)
-                _tile_grad_store(halves[0], offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t,
-                                 ignore_index, vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr,
-                                 stride_out, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+                _tile_grad_store(halves[0], offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                                 lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
+                                 ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
                 _tile_grad_store(halves[1], offs_m, offs_n + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap,
-                                 t, ignore_index, vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr,
-                                 stride_out, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+                                 lt, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
+                                 ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
             else:
                 _tile_grad_store(acc, offs_m, pid_n * BN + tl.arange(0, BN), rmask, V, bias_ptr, temp_ptr,
-                                 inv_temp, cap, t, ignore_index, vocab_start, lse, s_pz, ge, coef, g_smooth, g_tgt,
-                                 out_ptr, stride_out, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+                                 inv_temp, cap, lt, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
+                                 ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
 
 
 # (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused GEMM: swept on the H200 at the suite's
@@ -403,14 +407,18 @@ _GEMM_STATS_PART_BYTES = 256 * 1024 * 1024
 # False once the fused GEMM has failed to compile or launch in this process (one warning): later
 # calls form the logits with cuBLAS and run the row kernel
 _GEMM_STATS_OK = [True]
-# the backward's fused GEMM (dlogits in its epilogue) on/off, for A/B measurements
+# the same for the backward's fused GEMM (dlogits in its epilogue), and its switch for A/B runs
+_GEMM_GRAD_OK = [True]
 _GEMM_GRAD_ON = [True]
+# (num_stages, SUBTILE) of the gradient GEMM where they differ from the statistics GEMM's: its 2-D
+# store may convert the accumulator's layout through shared memory, so one stage fewer
+_GEMM_GRAD_STAGES = 3
 
 
-def gemm_stats_supported(hidden, weight) -> bool:
-    """Whether :func:`gemm_stats` can run: a Hopper GPU (TMA, sm90) with fp16/bf16 operands whose
+def _gemm_fusable(hidden, weight) -> bool:
+    """Whether the fused GEMMs can run: a Hopper GPU (TMA, sm90) with fp16/bf16 operands whose
     rows are 16-byte aligned, or the Triton interpreter on CPU (fp32/fp16, for the tests)."""
-    if not (HAS_TRITON and _GEMM_STATS_OK[0] and _TensorDescriptor is not None):
+    if not (HAS_TRITON and _TensorDescriptor is not None):
         return False
     if hidden.shape[1] % 8 or hidden.stride(1) != 1 or weight.stride(1) != 1:
         return False
@@ -421,6 +429,16 @@ def gemm_stats_supported(hidden, weight) -> bool:
             and torch.cuda.get_device_capability(hidden.device)[0] == 9
             and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
             and hidden.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0)
+
+
+def gemm_stats_supported(hidden, weight) -> bool:
+    """Whether :func:`gemm_stats` runs: see :func:`_gemm_fusable`, and it has not failed."""
+    return _GEMM_STATS_OK[0] and _gemm_fusable(hidden, weight)
+
+
+def gemm_grad_supported(hidden, weight) -> bool:
+    """Whether :func:`gemm_grad` runs: see :func:`_gemm_fusable`, and it has not failed."""
+    return _GEMM_GRAD_OK[0] and _GEMM_GRAD_ON[0] and _gemm_fusable(hidden, weight)
 
 
 try:
@@ -509,6 +527,9 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
     V = weight.shape[0]
     interp = interpreter_active()
     BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
+    if not interp:
+        stages = min(stages, _GEMM_GRAD_STAGES)
+    assert g_ent is None or ent is not None, "the entropy gradient needs the forward's entropy"
     if interp:
         sms = 4
     else:
@@ -537,7 +558,7 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
-        _GEMM_STATS_OK[0] = False
+        _GEMM_GRAD_OK[0] = False
         import warnings
 
         warnings.warn("deepspeed_fused.linear_cross_entropy: the fused logits GEMM (gradient) failed "

@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from . import kernels as _kernels
-from .kernels import _launch_rows, _scale_unless_one_, gemm_grad, gemm_stats, gemm_stats_supported
+from .kernels import (_launch_rows, _scale_unless_one_, gemm_grad, gemm_grad_supported, gemm_stats,
+                      gemm_stats_supported)
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -319,12 +319,13 @@ def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw)
     fails (compile, launch; one warning), every chunk is yielded again from the first by the
     second way: the consumer's first chunk starts its sums, so nothing is counted twice."""
     M, V = hidden.shape[0], weight.shape[0]
-    if gemm_stats_supported(hidden, weight) and _kernels._GEMM_GRAD_ON[0]:
+    if gemm_grad_supported(hidden, weight):
         f32 = _fp32_logits_probed(hidden, weight, softcap)
-        buf = hidden.new_empty(M * min(vchunk, V))
+        ld = -(-min(vchunk, V) // 8) * 8  # rows padded to 16 bytes: vector stores, aligned GEMM operands
+        buf = hidden.new_empty(M * ld)
         for v0 in range(0, V, vchunk):
             v1 = min(V, v0 + vchunk)
-            g = buf[:M * (v1 - v0)].view(M, v1 - v0)
+            g = buf.view(M, ld)[:, :v1 - v0]
             if not gemm_grad(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], target, g,
                              vocab_start=v0, vocab_total=V, fp32_logits=f32, temp=kw["temp"],
                              inv_temp=kw["inv_temp"], softcap=kw["softcap"], z_loss=kw["z_loss"],
@@ -333,7 +334,7 @@ def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw)
             yield v0, v1, g
         else:
             return
-        del buf
+        del buf, g  # the consumer drops its reference too: the fallback's workspace replaces this one
     for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
         _launch_rows(x, target, out=g, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
         yield v0, v1, g
@@ -347,7 +348,7 @@ def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss,
     fp32."""
     V = weight.shape[0]
     dh = None
-    dh32 = accum_fp32 and hidden.dtype != torch.float32
+    dh32 = accum_fp32 and hidden.dtype != torch.float32 and vchunk < V  # an fp32 sum only where there is a sum
     dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
     db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
     kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
@@ -359,6 +360,7 @@ def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss,
             torch.mm(g.t(), hidden, out=dw[v0:v1])
         if need_db:
             torch.sum(g, 0, dtype=torch.float32, out=db[v0:v1])
+        del g  # (a fused chunk's workspace is freed if the generator falls back)
     dh = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
     return dh, dw, db.to(bias.dtype) if need_db else hidden.new_empty(0)
 
