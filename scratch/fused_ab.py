@@ -45,6 +45,10 @@ for M, H, V in SHAPES:
                                       bool(cfg is not None and kernels._GEMM_GRAD_OK[0] and kernels._GEMM_GRAD_ON[0])]
         except Exception as e:
             res[name] = f"{type(e).__name__}: {str(e)[:160]}"
+        if cfg is not None:
+            res[name]["compiled"] = {k: [getattr(c, "n_regs", None), getattr(c, "n_spills", None),
+                                         getattr(getattr(c, "metadata", None), "shared", None)]
+                                     for k, c in kernels._COMPILED.items()}
         print(M, H, V, name, res[name], flush=True)
     kernels._GEMM_STATS_OK[0] = kernels._GEMM_GRAD_OK[0] = kernels._GEMM_GRAD_ON[0] = True
     kernels._GEMM_STATS_CFG = base

@@ -447,6 +447,9 @@ except Exception:  # pragma: no cover - older Triton
     _TensorDescriptor = None
 
 _NUM_SMS = {}
+# the last launched fused GEMMs ("stats", "grad"): their registers, spills and shared memory are
+# what a tuning run reads (n_regs, n_spills, metadata.shared)
+_COMPILED = {}
 
 
 def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap=0.0, ignore_index=-100,
@@ -493,7 +496,7 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
                 a = bufs[2][:n_n * n].view(n_n, n) if need_ent else m
                 sz = bufs[-1][:n_n * n].view(n_n, n) if need_sumz else m
                 h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
-                _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
+                _COMPILED["stats"] = _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
                     h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
                     m, d, a, sz, zt[s:e], n, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
                     ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
@@ -546,7 +549,7 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
         with device:
             h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
             w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
-            _lce_gemm_grad_kernel[(min(sms, triton.cdiv(M, BM) * triton.cdiv(V, BN)),)](
+            _COMPILED["grad"] = _lce_gemm_grad_kernel[(min(sms, triton.cdiv(M, BM) * triton.cdiv(V, BN)),)](
                 h_desc, w_desc, bias if bias is not None else lse, target, temp if temp is not None else lse,
                 lse, ent if ent is not None else lse, g_loss, g_ent if g_ent is not None else lse,
                 g_lse if g_lse is not None else lse, out, out.stride(0), M, V, K, vocab_start, ignore_index,
