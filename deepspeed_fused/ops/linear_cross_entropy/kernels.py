@@ -162,12 +162,16 @@ if HAS_TRITON:
         return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
 
     @triton.jit
-    def _tile_part_stats(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
+    def _tile_part_stats(acc, offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
                          ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
-                         HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr):
-        # (max, sum exp, entropy term, sum z, target z) per row of one accumulator block, from the
+                         HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr,
+                         W: tl.constexpr):
+        # (max, sum exp, entropy term, sum z, target z) per row of one accumulator block (W columns
+        # from n0; lt: each row's target column relative to n0, int32, -1 for none), from the
         # logits as the row kernel would read them: (acc + bias) rounded to the input dtype as
         # cuBLAS writes them (ROUND 1: fp16, 2: bf16; 0: fp32 logits), then temperature and cap
+        cols = tl.arange(0, W)
+        offs_n = n0 + cols
         cmask = (offs_n < V)[None, :]
         z = acc
         if HAS_BIAS:
@@ -196,11 +200,10 @@ if HAS_TRITON:
             sz = tl.sum(tl.where(cmask, z, 0.0), axis=1)
         else:
             sz = tl.zeros_like(d)
-        # a target past the vocabulary (possible without the target check) matches no column, as
-        # in the row kernel: its logit counts as 0
-        hit = (t[:, None] == offs_n[None, :]) & cmask & (t != ignore_index)[:, None]
-        zt = tl.sum(tl.where(hit, z, 0.0), axis=1)
-        return m, d, a, sz, zt, tl.max(hit.to(tl.int32), axis=1)
+        # int32 compares against the block's own column numbers: no int64 tile, no second reduction
+        # for whether the block holds the target (the caller checks lt's range)
+        zt = tl.sum(tl.where(lt[:, None] == cols[None, :], z, 0.0), axis=1)
+        return m, d, a, sz, zt
 
     @triton.jit
     def _combine_stats(m0, d0, a0, m1, d1, a1):
@@ -239,25 +242,28 @@ if HAS_TRITON:
                 acc = tl.dot(a, b.T, acc)
             offs_m = pid_m * BM + tl.arange(0, BM)
             rmask = offs_m < M
-            t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index).to(tl.int64)
+            t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index)
+            # the target's column relative to this tile, -1 where it is not in the tile; a target past
+            # the vocabulary (possible without the target check) matches no column, as in the row
+            # kernel: its logit counts as 0
+            n0 = pid_n * BN
+            inside = (t != ignore_index) & (t >= n0) & (t < n0 + BN) & (t < V)
+            lt = tl.where(inside, t - n0, -1).to(tl.int32)
             if SUBTILE == 2:
                 halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-                offs_n = pid_n * BN + tl.arange(0, BN // 2)
-                m, d, a_, sz, zt, has = _tile_part_stats(
-                    halves[0], offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
-                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ)
-                m1, d1, a1, sz1, zt1, has1 = _tile_part_stats(
-                    halves[1], offs_m, offs_n + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t,
-                    ignore_index, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ)
+                m, d, a_, sz, zt = _tile_part_stats(
+                    halves[0], offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN // 2)
+                m1, d1, a1, sz1, zt1 = _tile_part_stats(
+                    halves[1], offs_m, n0 + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt - BN // 2,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN // 2)
                 m, d, a_ = _combine_stats(m, d, a_, m1, d1, a1)
                 sz += sz1
                 zt += zt1
-                has = has | has1
             else:
-                offs_n = pid_n * BN + tl.arange(0, BN)
-                m, d, a_, sz, zt, has = _tile_part_stats(
-                    acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, t, ignore_index,
-                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ)
+                m, d, a_, sz, zt = _tile_part_stats(
+                    acc, offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN)
             o = pid_n.to(tl.int64) * M + offs_m
             tl.store(m_ptr + o, m, mask=rmask)
             tl.store(d_ptr + o, d, mask=rmask)
@@ -265,7 +271,7 @@ if HAS_TRITON:
                 tl.store(a_ptr + o, a_, mask=rmask)
             if NEED_SUMZ:
                 tl.store(sz_ptr + o, sz, mask=rmask)
-            tl.store(zt_ptr + offs_m, zt, mask=rmask & (has != 0))
+            tl.store(zt_ptr + offs_m, zt, mask=rmask & inside)
 
     @triton.jit
     def _merge_tile_stats_kernel(m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, out_ptr, n_tiles, M,
@@ -301,11 +307,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_grad_store(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
-                         lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
+                         lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out, out_desc, m0, n0,
                          ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
-                         HAS_CAP: tl.constexpr, HAS_GE: tl.constexpr):
+                         HAS_CAP: tl.constexpr, HAS_GE: tl.constexpr, TMA_OUT: tl.constexpr):
         # dL/dlogits of one accumulator block, as the row kernel's GRAD pass forms it from the
         # logits it would read (rounded as cuBLAS writes them unless ROUND 0), stored to out
+        # (TMA_OUT: through the output's descriptor, which clips the block at M and V)
         cmask = (offs_n < V)[None, :]
         z = acc
         if HAS_BIAS:
@@ -338,15 +345,18 @@ if HAS_TRITON:
             g = g * inv_t[:, None]
         else:
             g = g * inv_temp
-        ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-        tl.store(ptrs, g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask)
+        if TMA_OUT:
+            out_desc.store([m0, n0], g.to(out_desc.dtype))
+        else:
+            ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+            tl.store(ptrs, g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask)
 
     @triton.jit
     def _lce_gemm_grad_kernel(
         h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr, out_ptr, stride_out,
-        M, V, K, vocab_start, ignore_index, inv_temp, cap, z_loss, smooth, inv_vocab_total,
+        out_desc, M, V, K, vocab_start, ignore_index, inv_temp, cap, z_loss, smooth, inv_vocab_total,
         ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr,
-        HAS_GE: tl.constexpr, HAS_GS: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
+        HAS_GE: tl.constexpr, HAS_GS: tl.constexpr, TMA_OUT: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     ):
         """The per-token backward's logits GEMM with the row kernel's gradient in its epilogue:
@@ -386,15 +396,17 @@ if HAS_TRITON:
                 halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 offs_n = pid_n * BN + tl.arange(0, BN // 2)
                 _tile_grad_store(halves[0], offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
-                                 lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
-                                 ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+                                 lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out, out_desc,
+                                 pid_m * BM, pid_n * BN, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE, TMA_OUT)
                 _tile_grad_store(halves[1], offs_m, offs_n + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap,
-                                 lt, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
-                                 ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+                                 lt, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out, out_desc,
+                                 pid_m * BM, pid_n * BN + BN // 2, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE,
+                                 TMA_OUT)
             else:
                 _tile_grad_store(acc, offs_m, pid_n * BN + tl.arange(0, BN), rmask, V, bias_ptr, temp_ptr,
                                  inv_temp, cap, lt, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
-                                 ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE)
+                                 out_desc, pid_m * BM, pid_n * BN, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE,
+                                 TMA_OUT)
 
 
 # (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused GEMM: swept on the H200 at the suite's
@@ -410,9 +422,11 @@ _GEMM_STATS_OK = [True]
 # the same for the backward's fused GEMM (dlogits in its epilogue), and its switch for A/B runs
 _GEMM_GRAD_OK = [True]
 _GEMM_GRAD_ON = [True]
-# (num_stages, SUBTILE) of the gradient GEMM where they differ from the statistics GEMM's: its 2-D
-# store may convert the accumulator's layout through shared memory, so one stage fewer
-_GEMM_GRAD_STAGES = 3
+# the gradient GEMM's configuration (as _GEMM_STATS_CFG; the interpreter uses _GEMM_STATS_CFG_INTERP
+# for both): its epilogue stores the gradient tile through shared memory, so one stage fewer
+_GEMM_GRAD_CFG = (128, 256, 64, 16, 3, 8, 2)
+# the gradient GEMM stores its tiles through a TMA descriptor of the output (A/B switch)
+_GEMM_GRAD_TMA_OUT = [True]
 
 
 def _gemm_fusable(hidden, weight) -> bool:
@@ -529,9 +543,7 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
     M, K = hidden.shape
     V = weight.shape[0]
     interp = interpreter_active()
-    BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
-    if not interp:
-        stages = min(stages, _GEMM_GRAD_STAGES)
+    BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_GRAD_CFG
     assert g_ent is None or ent is not None, "the entropy gradient needs the forward's entropy"
     if interp:
         sms = 4
@@ -549,14 +561,19 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
         with device:
             h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
             w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
+            # the gradient tiles stored by TMA where the output's rows allow it (16-byte aligned)
+            tma_out = (_GEMM_GRAD_TMA_OUT[0] and out.data_ptr() % 16 == 0
+                       and (out.stride(0) * out.element_size()) % 16 == 0)
+            out_desc = (_TensorDescriptor(out, list(out.shape), list(out.stride()), [BM, BN // subtile])
+                        if tma_out else h_desc)
             _COMPILED["grad"] = _lce_gemm_grad_kernel[(min(sms, triton.cdiv(M, BM) * triton.cdiv(V, BN)),)](
                 h_desc, w_desc, bias if bias is not None else lse, target, temp if temp is not None else lse,
                 lse, ent if ent is not None else lse, g_loss, g_ent if g_ent is not None else lse,
-                g_lse if g_lse is not None else lse, out, out.stride(0), M, V, K, vocab_start, ignore_index,
+                g_lse if g_lse is not None else lse, out, out.stride(0), out_desc, M, V, K, vocab_start, ignore_index,
                 float(inv_temp), float(softcap or 1.0), float(z_loss), float(smoothing),
                 1.0 / float(vocab_total or V),
                 ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
-                HAS_GE=g_ent is not None, HAS_GS=g_lse is not None, SUBTILE=subtile, BM=BM, BN=BN, BK=BK,
+                HAS_GE=g_ent is not None, HAS_GS=g_lse is not None, TMA_OUT=tma_out, SUBTILE=subtile, BM=BM, BN=BN, BK=BK,
                 GROUP_M=group_m, NUM_SMS=sms, num_stages=stages, num_warps=warps)
     except torch.OutOfMemoryError:
         raise
