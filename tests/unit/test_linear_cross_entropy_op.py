@@ -547,12 +547,15 @@ def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
         assert torch.isfinite(a).all() and torch.allclose(a, r, rtol=1e-5, atol=1e-5), (a, r)
 
 
+@pytest.mark.parametrize("store", ["tma", "pointer"])
 @pytest.mark.parametrize("subtile", [1, 2])
 @pytest.mark.parametrize("opts", ["plain", "all", "fp16_rounded", "fp16_softcap"])
-def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile):
+def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
     """The backward's fused GEMM (dlogits in its epilogue) against cuBLAS's logits and the row
     kernel's per-token gradient pass on a vocabulary slice (columns 64..214 of 300: the target
-    offsets and ragged edges), the output poisoned with NaN first so every element is written."""
+    offsets and ragged edges), the output poisoned with NaN first so every element is written.
+    ``store``: the tiles stored through a TMA descriptor of the output (rows padded to 16 bytes, as
+    the op allocates them) or through pointers (packed rows, which TMA cannot take)."""
     if interpret == "cuda":
         pytest.skip("the interpreter's tile sizes")
     from deepspeed_fused.ops.linear_cross_entropy import kernels, single
@@ -576,9 +579,20 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile):
         kw = dict(temp=torch.rand(M, generator=gen) + 0.5)
     grads = dict(lse=lse, g_loss=gl) if opts == "plain" else dict(lse=lse, ent=ent, g_loss=gl, g_ent=ge, g_lse=gs)
     f32 = single.fp32_logits(dt, kw.get("softcap", 0.0))
-    out = torch.full((M, v1 - v0), float("nan"), dtype=dt)
+    ld = v1 - v0 + (10 if store == "tma" else 0)  # 160 columns: 16-byte rows in fp16 and fp32
+    out = torch.full((M, ld), float("nan"), dtype=dt)[:, :v1 - v0]
     wb = None if b is None else b[v0:v1]
+    made, real = [], kernels._TensorDescriptor
+
+    class Spy(real):  # records the blocks of descriptors made directly: the output's (from_tensor makes the operands')
+        def __init__(self, base, shape, strides, block_shape, *a, **k):
+            made.append(list(block_shape))
+            super().__init__(base, shape, strides, block_shape, *a, **k)
+
+    monkeypatch.setattr(kernels, "_TensorDescriptor", Spy)
     assert kernels.gemm_grad(h, w[v0:v1], wb, t, out, vocab_start=v0, vocab_total=V, fp32_logits=f32, **grads, **kw)
+    BM, BN = cfg[:2]
+    assert made == ([[BM, BN // subtile]] if store == "tma" else []), made
     x = torch.empty(M, v1 - v0, dtype=torch.float32 if f32 else dt)
     single._logits_into(h, w[v0:v1], wb, x)
     want = torch.empty(M, v1 - v0, dtype=dt)

@@ -409,10 +409,12 @@ if HAS_TRITON:
                                  TMA_OUT)
 
 
-# (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused GEMM: swept on the H200 at the suite's
-# four shapes (scratch/fused_fwd.py, 2026-11-30): 1.01-1.05 T, against 1.07-1.13 T for cuBLAS and
-# the row kernel; BK 128, BN 128, BM 256, GROUP_M 1/4/8/32, warp specialization all slower
-_GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8, 2)  # + epilogue subtiles (not yet measured on the GPU)
+# (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused statistics GEMM, swept on the
+# H200 at the suite's four shapes: the GEMM alone (scratch/fused_fwd.py, 2026-11-30; BK 128, BN 128,
+# BM 256, GROUP_M 1/4/8/32, warp specialization all slower), then in the op (scratch/fused_ab.py,
+# 2026-12-01): per-token forward 1.005-1.04 T with the epilogue in two column halves and 4 stages
+# (one half at a time: 0.99-1.04; 3 stages 1.01-1.05), against 1.05-1.13 T for cuBLAS + row kernel
+_GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8, 2)
 _GEMM_STATS_CFG_INTERP = (16, 64, 16, 2, 1, 1, 2)
 # bound on the fused GEMM's per-tile partial statistics (fp32, [V / BN, tokens] per field)
 _GEMM_STATS_PART_BYTES = 256 * 1024 * 1024
@@ -423,8 +425,11 @@ _GEMM_STATS_OK = [True]
 _GEMM_GRAD_OK = [True]
 _GEMM_GRAD_ON = [True]
 # the gradient GEMM's configuration (as _GEMM_STATS_CFG; the interpreter uses _GEMM_STATS_CFG_INTERP
-# for both): its epilogue stores the gradient tile through shared memory, so one stage fewer
-_GEMM_GRAD_CFG = (128, 256, 64, 16, 3, 8, 2)
+# for both): the tile stored by TMA from shared memory, whole (fewest registers, 175), 3 stages to
+# leave the store its shared memory. Per-token + entropy fwd+bwd (scratch/fused_ab.py, 2026-12-01):
+# 4.04 / 4.20 / 4.02 / 4.06 T, against 4.04-4.31 T for the column halves with TMA or pointer stores
+# and 4.08-4.29 T for cuBLAS + row kernel
+_GEMM_GRAD_CFG = (128, 256, 64, 16, 3, 8, 1)
 # the gradient GEMM stores its tiles through a TMA descriptor of the output (A/B switch)
 _GEMM_GRAD_TMA_OUT = [True]
 
@@ -564,17 +569,19 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
             # the gradient tiles stored by TMA where the output's rows allow it (16-byte aligned)
             tma_out = (_GEMM_GRAD_TMA_OUT[0] and out.data_ptr() % 16 == 0
                        and (out.stride(0) * out.element_size()) % 16 == 0)
+            if not tma_out:
+                subtile = 2  # a pointer store of the whole tile spills registers
             out_desc = (_TensorDescriptor(out, list(out.shape), list(out.stride()), [BM, BN // subtile])
                         if tma_out else h_desc)
             _COMPILED["grad"] = _lce_gemm_grad_kernel[(min(sms, triton.cdiv(M, BM) * triton.cdiv(V, BN)),)](
                 h_desc, w_desc, bias if bias is not None else lse, target, temp if temp is not None else lse,
                 lse, ent if ent is not None else lse, g_loss, g_ent if g_ent is not None else lse,
-                g_lse if g_lse is not None else lse, out, out.stride(0), out_desc, M, V, K, vocab_start, ignore_index,
-                float(inv_temp), float(softcap or 1.0), float(z_loss), float(smoothing),
+                g_lse if g_lse is not None else lse, out, out.stride(0), out_desc, M, V, K, vocab_start,
+                ignore_index, float(inv_temp), float(softcap or 1.0), float(z_loss), float(smoothing),
                 1.0 / float(vocab_total or V),
                 ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
-                HAS_GE=g_ent is not None, HAS_GS=g_lse is not None, TMA_OUT=tma_out, SUBTILE=subtile, BM=BM, BN=BN, BK=BK,
-                GROUP_M=group_m, NUM_SMS=sms, num_stages=stages, num_warps=warps)
+                HAS_GE=g_ent is not None, HAS_GS=g_lse is not None, TMA_OUT=tma_out, SUBTILE=subtile, BM=BM,
+                BN=BN, BK=BK, GROUP_M=group_m, NUM_SMS=sms, num_stages=stages, num_warps=warps)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
