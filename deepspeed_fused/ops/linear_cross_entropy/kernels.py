@@ -410,10 +410,11 @@ if HAS_TRITON:
 
 
 # (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused statistics GEMM, swept on the
-# H200 at the suite's four shapes: the GEMM alone (scratch/fused_fwd.py, 2026-11-30; BK 128, BN 128,
-# BM 256, GROUP_M 1/4/8/32, warp specialization all slower), then in the op (scratch/fused_ab.py,
-# 2026-12-01): per-token forward 1.005-1.04 T with the epilogue in two column halves and 4 stages
-# (one half at a time: 0.99-1.04; 3 stages 1.01-1.05), against 1.05-1.13 T for cuBLAS + row kernel
+# H200 at the suite's four shapes: the GEMM alone (a scratch prototype, 2026-11-30; BK 128, BN 128,
+# BM 256, GROUP_M 1/4/8/32, warp specialization all slower), then in the op (2026-12-01,
+# docs/benchmarks/linear_cross_entropy_fused_ab.json): per-token forward 1.005-1.04 T with the
+# epilogue in two column halves and 4 stages (the whole tile at once: 0.99-1.04; 3 stages
+# 1.01-1.05), against 1.05-1.13 T for cuBLAS + row kernel
 _GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8, 2)
 _GEMM_STATS_CFG_INTERP = (16, 64, 16, 2, 1, 1, 2)
 # bound on the fused GEMM's per-tile partial statistics (fp32, [V / BN, tokens] per field)
@@ -426,8 +427,8 @@ _GEMM_GRAD_OK = [True]
 _GEMM_GRAD_ON = [True]
 # the gradient GEMM's configuration (as _GEMM_STATS_CFG; the interpreter uses _GEMM_STATS_CFG_INTERP
 # for both): the tile stored by TMA from shared memory, whole (fewest registers, 175), 3 stages to
-# leave the store its shared memory. Per-token + entropy fwd+bwd (scratch/fused_ab.py, 2026-12-01):
-# 4.04 / 4.20 / 4.02 / 4.06 T, against 4.04-4.31 T for the column halves with TMA or pointer stores
+# leave the store its shared memory. Per-token + entropy fwd+bwd (the same A/B):
+# 4.04 / 4.20 / 4.02 / 4.06 T, against 4.01-4.31 T for the column halves with TMA or pointer stores
 # and 4.08-4.29 T for cuBLAS + row kernel
 _GEMM_GRAD_CFG = (128, 256, 64, 16, 3, 8, 1)
 # the gradient GEMM stores its tiles through a TMA descriptor of the output (A/B switch)
