@@ -102,6 +102,44 @@ def test_vocab_chunks(monkeypatch, dtype, opts):
     _check(M, 1024, V, dtype, bias=bias, reduction="none", return_entropy=True, return_lse=True, **kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opts", ["plain", "all", "softcap"])
+def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
+    """The per-token path through the fused GEMMs (forward statistics, backward dlogits; the logits
+    rounded in their epilogues as cuBLAS rounds them) against cuBLAS and the row kernel at a
+    Qwen3-head shape: the same outputs and gradients up to the GEMMs' different summation orders
+    (an occasional last-bit difference of a logit), and within the usual bounds of float64."""
+    from deepspeed_fused.ops.linear_cross_entropy import kernels
+
+    M, H, V = 1024, 2048, 151936
+    h, w, t, b = _data(M, H, V, dtype, bias=opts == "all")
+    assert kernels.gemm_stats_supported(h, w)
+    kw = dict(reduction="none", return_entropy=True, return_lse=True, bias=b)
+    if opts == "all":
+        kw.update(temperature=torch.rand(M, device=DEV) + 0.5, z_loss=1e-3, label_smoothing=0.1)
+    elif opts == "softcap":
+        kw.update(softcap=20.0)
+    bias = kw.pop("bias")
+    from deepspeed_fused.ops.linear_cross_entropy import single
+
+    slices, real_grad = [], single.gemm_grad
+    monkeypatch.setattr(single, "gemm_grad", lambda hh, ww, *a, vocab_start=0, **k: (
+        slices.append((vocab_start, vocab_start + ww.shape[0])), real_grad(hh, ww, *a, vocab_start=vocab_start, **k))[1])
+    fused, fgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
+    assert kernels._GEMM_STATS_OK[0] and kernels._GEMM_GRAD_OK[0], "a fused GEMM fell back (see its warning)"
+    assert slices and slices[0][0] == 0 and slices[-1][1] == V, slices  # the backward's fused GEMM covered V
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [False])
+    rows, rgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
+    for a, r in zip(fused, rows, strict=True):
+        assert (a - r).abs().max().item() <= 2e-3, (a - r).abs().max().item()
+    for a, r in zip(fgrads, rgrads, strict=True):  # the backward's fused GEMM against cuBLAS + rows
+        assert _rel(a, r) <= 2e-3, _rel(a, r)
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [True])
+    _check(M, H, V, dtype, bias=opts == "all", **kw)
+
+
 _OPTIONS = {
     "plain": {},
     "temp_cap_bias": dict(temperature=0.7, softcap=3.0, bias=True),

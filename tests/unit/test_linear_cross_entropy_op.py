@@ -383,8 +383,9 @@ def test_target_check_read_after_the_kernels_are_queued(interpret, monkeypatch, 
     order = []
     finish = checks._ValueCheck.finish
     monkeypatch.setattr(checks._ValueCheck, "finish", lambda self: (order.append("check"), finish(self))[1])
-    launch = single._launch_rows
+    launch, fused = single._launch_rows, single.gemm_stats
     monkeypatch.setattr(single, "_launch_rows", lambda *a, **k: (order.append("kernel"), launch(*a, **k))[1])
+    monkeypatch.setattr(single, "gemm_stats", lambda *a, **k: (order.append("kernel"), fused(*a, **k))[1])
     h, w, t, _ = _inputs(6, 8, 20, torch.float32, interpret)
     h.requires_grad_(not per_token)
     bad = torch.tensor([0, 1, 2, 20, 1, -100], device=interpret)
@@ -403,8 +404,9 @@ def test_target_check_read_after_the_kernels_are_queued(interpret, monkeypatch, 
     _common.reset_fallback_warnings()
 
 
+@pytest.mark.parametrize("fused_fwd", [False, True])
 @pytest.mark.parametrize("case", ["all_options", "fp16_softcap", "fp16_accum_fp32", "target_at_chunk_edges"])
-def test_vocab_chunks(interpret, monkeypatch, case):
+def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
     """The per-token path splits the vocabulary when the automatic chunk would split fewer tokens
     than there are vocabulary rows: partial statistics per chunk, merged; dweight rows per chunk,
     dhidden summed over chunks. A small workspace budget forces it here (13 tokens, V=300: three
@@ -420,6 +422,16 @@ def test_vocab_chunks(interpret, monkeypatch, case):
             yield v0, v1, x, g
 
     monkeypatch.setattr(lce_single, "_vocab_chunks", spy)
+    fused, real_grad = [], lce_single.gemm_grad
+
+    def grad_spy(hidden, weight, *a, vocab_start=0, **k):
+        fused.append((vocab_start, vocab_start + weight.shape[0]))
+        return real_grad(hidden, weight, *a, vocab_start=vocab_start, **k)
+
+    monkeypatch.setattr(lce_single, "gemm_grad", grad_spy)
+    # the fused GEMMs (forward statistics, backward gradients), or cuBLAS and the row kernel
+    monkeypatch.setattr(lce_kernels, "_GEMM_STATS_OK", [fused_fwd])
+    monkeypatch.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused_fwd])
     M, V = 13, 300
     temp = (torch.rand(M, generator=torch.Generator().manual_seed(3)) + 0.5).to(interpret)
     if case == "all_options":
@@ -444,12 +456,217 @@ def test_vocab_chunks(interpret, monkeypatch, case):
                                          reduction="none", label_smoothing=0.2, return_lse=True)
         for o, r in zip(out + grads, rout + rgrads, strict=True):
             assert rel(o, r) <= 1e-5
-    # forward and backward each went over the three chunks
-    assert seen == [(0, 112), (112, 224), (224, 300)] * 2, seen
+    # without the fused GEMM the forward and the backward went over the three chunks through
+    # cuBLAS and the row kernel; with it, the backward's three chunks went through the fused GEMM
+    assert seen == ([] if fused_fwd else [(0, 112), (112, 224), (224, 300)] * 2), seen
+    assert fused == ([(0, 112), (112, 224), (224, 300)] if fused_fwd else []), fused
     if case == "all_options":
         assert lce_api._vocab_chunk(None, 5, V, torch.float32, M, 0.0, True) == 112
     assert lce_api._vocab_chunk(7, 7, V, torch.float32, M, 0.0, True) == 0  # chunk_tokens given: tokens
     assert lce_api._vocab_chunk(None, 5, 12, torch.float32, M, 0.0, True) == 0  # more tokens than V rows
+
+
+@pytest.mark.parametrize("subtile", [1, 2])
+@pytest.mark.parametrize("opts", ["plain", "all", "fp16_rounded", "fp16_softcap"])
+def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
+    """The fused GEMM's row statistics (after the merge over its vocabulary tiles) against the same
+    statistics of float64 logits formed as the cuBLAS path forms them (fp16: rounded to fp16 first,
+    unless the soft cap makes them fp32): ragged edges in every dimension (M=37 over tiles of 16
+    rows, V=150 over 64 columns, H=24 over 16), every workspace poisoned with NaN first, the
+    epilogue whole or in two column halves (then also in token chunks of 16 rows: the partials'
+    memory bound)."""
+    if interpret == "cuda":
+        pytest.skip("the interpreter's tile sizes")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
+
+    cfg = kernels._GEMM_STATS_CFG_INTERP
+    monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
+    if subtile == 2:  # token chunks of 16 rows for the partials (3 tiles x 16 rows x 4 fields)
+        monkeypatch.setattr(kernels, "_GEMM_STATS_PART_BYTES", 3 * 16 * 4 * (4 if opts == "all" else 2))
+    M, H, V = 37, 24, 150
+    dt = torch.float16 if opts.startswith("fp16") else torch.float32
+    h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")
+    t[3] = 149  # a target in the last, ragged tile
+    temp = (torch.rand(M, generator=torch.Generator().manual_seed(2)) + 0.5) if opts == "all" else None
+    cap = {"all": 2.5, "fp16_softcap": 3.0}.get(opts, 0.0)
+    full = opts == "all"
+    real_empty = torch.empty
+    monkeypatch.setattr(kernels.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    stats = kernels.gemm_stats(h, w, b, t, temp=temp, softcap=cap, need_ent=full, need_sumz=full,
+                               fp32_logits=single.fp32_logits(dt, cap))
+    monkeypatch.setattr(kernels.torch, "empty", real_empty)
+    assert stats is not None and stats.shape == (M, 5) and torch.isfinite(stats).all()
+    z = h.double() @ w.double().t() + (0 if b is None else b.double())
+    if opts == "fp16_rounded":
+        z = z.half().double()
+    if temp is not None:
+        z = z / temp.double()[:, None]
+    if cap:
+        z = cap * torch.tanh(z / cap)
+    m, d, a, sz, zt = stats.double().unbind(-1)
+    assert torch.allclose(m + d.log(), torch.logsumexp(z, 1), rtol=1e-5, atol=1e-5)
+    valid = t != -100
+    assert torch.allclose(zt, torch.where(valid, z.gather(1, t.clamp(min=0)[:, None]).squeeze(1), 0.0), atol=1e-5)
+    if full:
+        p = torch.softmax(z, 1)
+        assert torch.allclose(d.log() - a / d, -(p * p.log()).sum(1), rtol=1e-5, atol=1e-5)  # entropy
+        assert torch.allclose(sz, z.sum(1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["strided_bias", "target_past_vocab"])
+def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
+    """Inputs the cuBLAS path takes as they are: a bias that is a strided view, and (without the
+    target check) a target past the vocabulary, whose logit counts as 0 in both paths; forward
+    outputs and gradients, with the fused GEMMs and without."""
+    if interpret == "cuda":
+        pytest.skip("CPU")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
+
+    h, w, t, b = _inputs(13, 16, 150, torch.float32, interpret, bias=True)
+    kw = dict(reduction="none", return_lse=True, return_entropy=True)
+    if case == "strided_bias":
+        b = torch.randn(300, generator=torch.Generator().manual_seed(4))[::2]
+    else:
+        t[2] = 150 + 3  # in the last tile's padding
+        kw.update(validate_targets=False)
+    calls, real_grad = [], single.gemm_grad
+    monkeypatch.setattr(single, "gemm_grad", lambda *a, **k: (calls.append(1), real_grad(*a, **k))[1])
+
+    def run(fused):
+        monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [fused])
+        monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [fused])
+        leaves = [x.clone().requires_grad_() for x in (h, w, b if case != "strided_bias" else b._base)]
+        bias = leaves[2][::2] if case == "strided_bias" else leaves[2]  # a strided view, also in backward
+        outs = linear_cross_entropy(leaves[0], leaves[1], t, bias=bias, **kw)
+        sum((o * torch.linspace(0.5, 1.5, o.numel()) * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+        if fused:
+            assert kernels._GEMM_STATS_OK[0] and kernels._GEMM_GRAD_OK[0] and calls  # both fused GEMMs ran
+        return [o.detach() for o in outs] + [x.grad for x in leaves]
+
+    for a, r in zip(run(True), run(False), strict=True):
+        assert torch.isfinite(a).all() and torch.allclose(a, r, rtol=1e-5, atol=1e-5), (a, r)
+
+
+@pytest.mark.parametrize("store", ["tma", "pointer"])
+@pytest.mark.parametrize("subtile", [1, 2])
+@pytest.mark.parametrize("opts", ["plain", "all", "fp16_rounded", "fp16_softcap"])
+def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
+    """The backward's fused GEMM (dlogits in its epilogue) against cuBLAS's logits and the row
+    kernel's per-token gradient pass on a vocabulary slice (columns 64..214 of 300: the target
+    offsets and ragged edges), the output poisoned with NaN first so every element is written.
+    ``store``: the tiles stored through a TMA descriptor of the output (rows padded to 16 bytes, as
+    the op allocates them) or through pointers (packed rows, which TMA cannot take)."""
+    if interpret == "cuda":
+        pytest.skip("the interpreter's tile sizes")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
+
+    cfg = kernels._GEMM_STATS_CFG_INTERP
+    monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
+    M, H, V, v0, v1 = 37, 24, 300, 64, 214
+    dt = torch.float16 if opts.startswith("fp16") else torch.float32
+    h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")
+    t[:4] = torch.tensor([64, 213, 63, 214])  # first and last column of the slice, just outside it
+    gen = torch.Generator().manual_seed(5)
+    lse = torch.randn(M, generator=gen) + 5
+    ent = torch.rand(M, generator=gen) + 1
+    gl, ge, gs = (torch.randn(M, generator=gen) for _ in range(3))
+    kw = {}
+    if opts == "all":
+        kw = dict(temp=torch.rand(M, generator=gen) + 0.5, softcap=2.5, z_loss=0.01, smoothing=0.1)
+    elif opts == "fp16_softcap":
+        kw = dict(softcap=3.0, inv_temp=1.25)
+    elif opts == "fp16_rounded":  # fp16 logits: rounded in the epilogue as cuBLAS rounds them
+        kw = dict(temp=torch.rand(M, generator=gen) + 0.5)
+    grads = dict(lse=lse, g_loss=gl) if opts == "plain" else dict(lse=lse, ent=ent, g_loss=gl, g_ent=ge, g_lse=gs)
+    f32 = single.fp32_logits(dt, kw.get("softcap", 0.0))
+    ld = v1 - v0 + (10 if store == "tma" else 0)  # 160 columns: 16-byte rows in fp16 and fp32
+    out = torch.full((M, ld), float("nan"), dtype=dt)[:, :v1 - v0]
+    wb = None if b is None else b[v0:v1]
+    made, real = [], kernels._TensorDescriptor
+
+    class Spy(real):  # records the blocks of descriptors made directly: the output's (from_tensor makes the operands')
+        def __init__(self, base, shape, strides, block_shape, *a, **k):
+            made.append(list(block_shape))
+            super().__init__(base, shape, strides, block_shape, *a, **k)
+
+    monkeypatch.setattr(kernels, "_TensorDescriptor", Spy)
+    assert kernels.gemm_grad(h, w[v0:v1], wb, t, out, vocab_start=v0, vocab_total=V, fp32_logits=f32, **grads, **kw)
+    BM, BN = cfg[:2]
+    assert made == ([[BM, BN // subtile]] if store == "tma" else []), made
+    x = torch.empty(M, v1 - v0, dtype=torch.float32 if f32 else dt)
+    single._logits_into(h, w[v0:v1], wb, x)
+    want = torch.empty(M, v1 - v0, dtype=dt)
+    kernels._launch_rows(x, t, out=want, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
+    assert torch.isfinite(out).all()
+    rtol, atol = (1e-5, 1e-5) if dt == torch.float32 else (1e-3, 1e-6)  # fp16: the same rounded logits
+    assert torch.allclose(out.float(), want.float(), rtol=rtol, atol=atol), (out.float() - want.float()).abs().max()
+
+
+def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
+    """A fused GEMM that fails to compile or launch: one warning, later calls skip it, and the
+    per-token forward runs cuBLAS and the row kernel with the same results."""
+    if interpret == "cuda":
+        pytest.skip("CPU: a stand-in kernel that raises")
+    from deepspeed_fused.ops.linear_cross_entropy import kernels
+
+    h, w, t, _ = _inputs(13, 16, 37, torch.float32, interpret)
+    want = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)
+
+    class _Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("no TMA here")
+            return launch
+
+    real_stats_kernel = kernels._lce_gemm_stats_kernel
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", _Broken())
+    with pytest.warns(RuntimeWarning, match="fused logits GEMM failed"):
+        got = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)
+    # the backward's fused GEMM failing after the forward's ran: its chunks redone by cuBLAS and
+    # the row kernel (vocabulary chunks forced), the gradients as without it
+    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api
+
+    monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * 37 * 4)
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [False])
+    hw = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    linear_cross_entropy(*hw, t, reduction="none", return_entropy=True)[1].sum().backward()
+    want_grads = [x.grad for x in hw]
+    monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", real_stats_kernel)
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
+    monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [True])
+    calls = []
+    real_grad_kernel = kernels._lce_gemm_grad_kernel
+
+    class _BreaksSecond:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("second chunk fails")
+                return real_grad_kernel[grid](*a, **k)
+            return launch
+
+    monkeypatch.setattr(kernels, "_lce_gemm_grad_kernel", _BreaksSecond())
+    hw = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    out = linear_cross_entropy(*hw, t, reduction="none", return_entropy=True)
+    assert kernels._GEMM_STATS_OK[0]  # the forward's fused GEMM ran
+    with pytest.warns(RuntimeWarning, match=r"fused logits GEMM \(gradient\) failed"):
+        out[1].sum().backward()
+    assert len(calls) == 2 and not kernels._GEMM_GRAD_OK[0] and kernels._GEMM_STATS_OK[0]  # its own flag
+    for x, r in zip(hw, want_grads):
+        assert torch.allclose(x.grad, r, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(kernels, "_lce_gemm_stats_kernel", _Broken())
+    monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
+    assert not kernels._GEMM_STATS_OK[0] and not kernels.gemm_stats_supported(h, w)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        linear_cross_entropy(h, w, t, reduction="none")
+    assert not [r for r in rec if "fused logits GEMM" in str(r.message)]  # no second warning
+    assert not kernels.gemm_stats_supported(torch.randn(4, 12), torch.randn(5, 12))  # H % 8
 
 
 def test_auto_chunk_bounds_workspace():

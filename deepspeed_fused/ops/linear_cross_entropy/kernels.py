@@ -13,6 +13,8 @@ Math per token with ``s`` the raw logits, ``T`` the temperature, ``c`` the soft 
 ``gS`` (lse): ``dz_j = p_j (gL (1 + 2 z_loss lse) + gS - gE (z_j - sum p z))
 - gL eps/V - gL (1-eps) [j == t]``, then ``ds = dz (1 - (z/c)^2) / T``.
 """
+import contextlib
+
 import torch
 
 from .._common import HAS_TRITON, interpreter_active, tl, triton
@@ -147,6 +149,451 @@ if HAS_TRITON:
                     g = g * (1.0 - th * th)
                 g = g * inv_t
                 tl.store(g_row + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        # tiles in groups of GROUP_M row-blocks, so the programs running together share weight tiles in L2
+        group = GROUP_M * num_pid_n
+        first_m = (tile_id // group) * GROUP_M
+        size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
+
+    @triton.jit
+    def _tile_part_stats(acc, offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                         ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
+                         HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr,
+                         W: tl.constexpr):
+        # (max, sum exp, entropy term, sum z, target z) per row of one accumulator block (W columns
+        # from n0; lt: each row's target column relative to n0, int32, -1 for none), from the
+        # logits as the row kernel would read them: (acc + bias) rounded to the input dtype as
+        # cuBLAS writes them (ROUND 1: fp16, 2: bf16; 0: fp32 logits), then temperature and cap
+        cols = tl.arange(0, W)
+        offs_n = n0 + cols
+        cmask = (offs_n < V)[None, :]
+        z = acc
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
+        if ROUND == 1:
+            z = z.to(tl.float16).to(tl.float32)
+        elif ROUND == 2:
+            z = z.to(tl.bfloat16).to(tl.float32)
+        if HAS_TEMP:
+            z = z * (1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32))[:, None]
+        else:
+            z = z * inv_temp
+        if HAS_CAP:
+            z = _softcap(z, cap)
+        z = tl.where(cmask, z, float("-inf"))
+        # floored: a block wholly past the vocabulary (a column half of the last tile) gives
+        # m = -1e30 and d = a = 0, which the merge takes as empty
+        m = tl.maximum(tl.max(z, axis=1), -1e30)
+        e = tl.exp(z - m[:, None])
+        d = tl.sum(e, axis=1)
+        if NEED_ENT:
+            a = tl.sum(e * tl.where(cmask, z - m[:, None], 0.0), axis=1)
+        else:
+            a = tl.zeros_like(d)
+        if NEED_SUMZ:
+            sz = tl.sum(tl.where(cmask, z, 0.0), axis=1)
+        else:
+            sz = tl.zeros_like(d)
+        # int32 compares against the block's own column numbers: no int64 tile, no second reduction
+        # for whether the block holds the target (the caller checks lt's range)
+        zt = tl.sum(tl.where(lt[:, None] == cols[None, :], z, 0.0), axis=1)
+        return m, d, a, sz, zt
+
+    @triton.jit
+    def _combine_stats(m0, d0, a0, m1, d1, a1):
+        # two blocks' (max, sum exp, entropy term) of the same rows -> the blocks together
+        m = tl.maximum(m0, m1)
+        s0 = tl.exp(m0 - m)
+        s1 = tl.exp(m1 - m)
+        return m, d0 * s0 + d1 * s1, s0 * (a0 + (m0 - m) * d0) + s1 * (a1 + (m1 - m) * d1)
+
+    @triton.jit
+    def _lce_gemm_stats_kernel(
+        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, M, V, K,
+        ignore_index, inv_temp, cap,
+        ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr,
+        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    ):
+        """The logits GEMM with the row statistics in its epilogue: persistent programs walk the
+        (BM x BN) tiles of ``h @ w.T``; each tile's fp32 accumulator is turned, in registers, into
+        the tile's partial statistics per row (the row kernel's, over the tile's BN vocabulary
+        columns), written field by field to ``m_ptr``, ``d_ptr`` (and ``a_ptr``, ``sz_ptr`` when
+        needed), each [V tiles, M]; the target logit goes to ``zt_ptr`` [M] from the one tile
+        that holds it. The logits never reach memory. TMA descriptors load the operands
+        (zero-filled past the edges). SUBTILE 2: the epilogue takes the tile in two column
+        halves (fewer registers live at once)."""
+        start = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(V, BN)
+        k_tiles = tl.cdiv(K, BK)
+        for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+            pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = h_desc.load([pid_m * BM, ki * BK])
+                b = w_desc.load([pid_n * BN, ki * BK])
+                acc = tl.dot(a, b.T, acc)
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            rmask = offs_m < M
+            t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index)
+            # the target's column relative to this tile, -1 where it is not in the tile; a target past
+            # the vocabulary (possible without the target check) matches no column, as in the row
+            # kernel: its logit counts as 0
+            n0 = pid_n * BN
+            inside = (t != ignore_index) & (t >= n0) & (t < n0 + BN) & (t < V)
+            lt = tl.where(inside, t - n0, -1).to(tl.int32)
+            if SUBTILE == 2:
+                halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                m, d, a_, sz, zt = _tile_part_stats(
+                    halves[0], offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN // 2)
+                m1, d1, a1, sz1, zt1 = _tile_part_stats(
+                    halves[1], offs_m, n0 + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt - BN // 2,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN // 2)
+                m, d, a_ = _combine_stats(m, d, a_, m1, d1, a1)
+                sz += sz1
+                zt += zt1
+            else:
+                m, d, a_, sz, zt = _tile_part_stats(
+                    acc, offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN)
+            o = pid_n.to(tl.int64) * M + offs_m
+            tl.store(m_ptr + o, m, mask=rmask)
+            tl.store(d_ptr + o, d, mask=rmask)
+            if NEED_ENT:
+                tl.store(a_ptr + o, a_, mask=rmask)
+            if NEED_SUMZ:
+                tl.store(sz_ptr + o, sz, mask=rmask)
+            tl.store(zt_ptr + offs_m, zt, mask=rmask & inside)
+
+    @triton.jit
+    def _merge_tile_stats_kernel(m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, out_ptr, n_tiles, M,
+                                 NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, BLOCK: tl.constexpr):
+        """Merge the fused GEMM's per-tile statistics ([n_tiles, M] per field) into the row
+        statistics [M, 5] that ``stats._finalize_stats`` reads, in tile order."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M
+        m = tl.full((BLOCK,), -1e30, tl.float32)
+        d = tl.zeros((BLOCK,), tl.float32)
+        a = tl.zeros((BLOCK,), tl.float32)
+        sz = tl.zeros((BLOCK,), tl.float32)
+        for r in range(0, n_tiles):
+            o = r * M + offs
+            m_r = tl.load(m_ptr + o, mask=mask, other=0.0)
+            d_r = tl.load(d_ptr + o, mask=mask, other=0.0)
+            if NEED_ENT:
+                a_r = tl.load(a_ptr + o, mask=mask, other=0.0)
+            else:
+                a_r = tl.zeros_like(d_r)
+            m, d, a = _combine_stats(m, d, a, m_r, d_r, a_r)
+            if NEED_SUMZ:
+                sz += tl.load(sz_ptr + o, mask=mask, other=0.0)
+        p = out_ptr + offs.to(tl.int64) * 5
+        tl.store(p + 0, m, mask=mask)
+        tl.store(p + 1, d, mask=mask)
+        tl.store(p + 2, a if NEED_ENT else tl.zeros_like(a), mask=mask)
+        tl.store(p + 3, sz, mask=mask)
+        tl.store(p + 4, tl.load(zt_ptr + offs, mask=mask, other=0.0), mask=mask)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tile_grad_store(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                         lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out, out_desc, m0, n0,
+                         ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
+                         HAS_CAP: tl.constexpr, HAS_GE: tl.constexpr, TMA_OUT: tl.constexpr):
+        # dL/dlogits of one accumulator block, as the row kernel's GRAD pass forms it from the
+        # logits it would read (rounded as cuBLAS writes them unless ROUND 0), stored to out
+        # (TMA_OUT: through the output's descriptor, which clips the block at M and V)
+        cmask = (offs_n < V)[None, :]
+        z = acc
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
+        if ROUND == 1:
+            z = z.to(tl.float16).to(tl.float32)
+        elif ROUND == 2:
+            z = z.to(tl.bfloat16).to(tl.float32)
+        if HAS_TEMP:
+            inv_t = 1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32)
+            z = z * inv_t[:, None]
+        else:
+            z = z * inv_temp
+        if HAS_CAP:
+            z = _softcap(z, cap)
+        p = tl.exp(z - lse[:, None])
+        if HAS_GE:
+            g = p * (coef[:, None] - ge[:, None] * (z - s_pz[:, None]))
+        else:
+            g = p * coef[:, None]
+        g = g - g_smooth[:, None]
+        # the target's column in this slice (ignored rows have g_tgt = 0; a target outside the
+        # slice or past the vocabulary matches no column)
+        hit = (lt[:, None] == offs_n[None, :]) & cmask
+        g = tl.where(hit, g - g_tgt[:, None], g)
+        if HAS_CAP:
+            th = z / cap
+            g = g * (1.0 - th * th)
+        if HAS_TEMP:
+            g = g * inv_t[:, None]
+        else:
+            g = g * inv_temp
+        if TMA_OUT:
+            out_desc.store([m0, n0], g.to(out_desc.dtype))
+        else:
+            ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+            tl.store(ptrs, g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask)
+
+    @triton.jit
+    def _lce_gemm_grad_kernel(
+        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr, out_ptr, stride_out,
+        out_desc, M, V, K, vocab_start, ignore_index, inv_temp, cap, z_loss, smooth, inv_vocab_total,
+        ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr,
+        HAS_GE: tl.constexpr, HAS_GS: tl.constexpr, TMA_OUT: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    ):
+        """The per-token backward's logits GEMM with the row kernel's gradient in its epilogue:
+        each (BM x BN) tile of ``h @ w.T`` (the vocabulary slice ``[vocab_start, vocab_start + V)``)
+        becomes ``dL/dlogits`` from the forward's per-token lse (and entropy) and the upstream
+        gradients, stored in the output's dtype; the logits themselves never reach memory."""
+        start = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(V, BN)
+        k_tiles = tl.cdiv(K, BK)
+        for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
+            pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = h_desc.load([pid_m * BM, ki * BK])
+                b = w_desc.load([pid_n * BN, ki * BK])
+                acc = tl.dot(a, b.T, acc)
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            rmask = offs_m < M
+            t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index).to(tl.int64)
+            lt = t - vocab_start
+            lt = tl.where((t != ignore_index) & (lt >= 0) & (lt < V), lt, -1).to(tl.int32)
+            lse = tl.load(lse_ptr + offs_m, mask=rmask, other=0.0)
+            gl = tl.where(t != ignore_index, tl.load(gl_ptr + offs_m, mask=rmask, other=0.0), 0.0)
+            coef = gl * (1.0 + 2.0 * z_loss * lse)
+            if HAS_GS:
+                coef += tl.load(gs_ptr + offs_m, mask=rmask, other=0.0)
+            if HAS_GE:
+                ge = tl.load(ge_ptr + offs_m, mask=rmask, other=0.0)
+                s_pz = lse - tl.load(ent_ptr + offs_m, mask=rmask, other=0.0)
+            else:
+                ge = lse
+                s_pz = lse
+            g_smooth = gl * smooth * inv_vocab_total
+            g_tgt = gl * (1.0 - smooth)
+            if SUBTILE == 2:
+                halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                offs_n = pid_n * BN + tl.arange(0, BN // 2)
+                _tile_grad_store(halves[0], offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
+                                 lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out, out_desc,
+                                 pid_m * BM, pid_n * BN, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE, TMA_OUT)
+                _tile_grad_store(halves[1], offs_m, offs_n + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap,
+                                 lt, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out, out_desc,
+                                 pid_m * BM, pid_n * BN + BN // 2, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE,
+                                 TMA_OUT)
+            else:
+                _tile_grad_store(acc, offs_m, pid_n * BN + tl.arange(0, BN), rmask, V, bias_ptr, temp_ptr,
+                                 inv_temp, cap, lt, lse, s_pz, ge, coef, g_smooth, g_tgt, out_ptr, stride_out,
+                                 out_desc, pid_m * BM, pid_n * BN, ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, HAS_GE,
+                                 TMA_OUT)
+
+
+# (BM, BN, BK, GROUP_M, num_stages, num_warps, SUBTILE) of the fused statistics GEMM, swept on the
+# H200 at the suite's four shapes: the GEMM alone (a scratch prototype, 2026-11-30; BK 128, BN 128,
+# BM 256, GROUP_M 1/4/8/32, warp specialization all slower), then in the op (2026-12-01,
+# docs/benchmarks/linear_cross_entropy_fused_ab.json): per-token forward 1.005-1.04 T with the
+# epilogue in two column halves and 4 stages (the whole tile at once: 0.99-1.04; 3 stages
+# 1.01-1.05), against 1.05-1.13 T for cuBLAS + row kernel
+_GEMM_STATS_CFG = (128, 256, 64, 16, 4, 8, 2)
+_GEMM_STATS_CFG_INTERP = (16, 64, 16, 2, 1, 1, 2)
+# bound on the fused GEMM's per-tile partial statistics (fp32, [V / BN, tokens] per field)
+_GEMM_STATS_PART_BYTES = 256 * 1024 * 1024
+# False once the fused GEMM has failed to compile or launch in this process (one warning): later
+# calls form the logits with cuBLAS and run the row kernel
+_GEMM_STATS_OK = [True]
+# the same for the backward's fused GEMM (dlogits in its epilogue), and its switch for A/B runs
+_GEMM_GRAD_OK = [True]
+_GEMM_GRAD_ON = [True]
+# the gradient GEMM's configuration (as _GEMM_STATS_CFG; the interpreter uses _GEMM_STATS_CFG_INTERP
+# for both): the tile stored by TMA from shared memory, whole (fewest registers, 175), 3 stages to
+# leave the store its shared memory. Per-token + entropy fwd+bwd (the same A/B):
+# 4.04 / 4.20 / 4.02 / 4.06 T, against 4.01-4.31 T for the column halves with TMA or pointer stores
+# and 4.08-4.29 T for cuBLAS + row kernel
+_GEMM_GRAD_CFG = (128, 256, 64, 16, 3, 8, 1)
+# the gradient GEMM stores its tiles through a TMA descriptor of the output (A/B switch)
+_GEMM_GRAD_TMA_OUT = [True]
+
+
+def _gemm_fusable(hidden, weight) -> bool:
+    """Whether the fused GEMMs can run: a Hopper GPU (TMA, sm90) with fp16/bf16 operands whose
+    rows are 16-byte aligned, or the Triton interpreter on CPU (fp32/fp16, for the tests)."""
+    if not (HAS_TRITON and _TensorDescriptor is not None):
+        return False
+    if hidden.shape[1] % 8 or hidden.stride(1) != 1 or weight.stride(1) != 1:
+        return False
+    if interpreter_active():
+        return hidden.device.type == "cpu" and hidden.dtype in (torch.float32, torch.float16)
+    # Hopper only: the tile configuration (and its shared memory) is the one swept on the H200
+    return (hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(hidden.device)[0] == 9
+            and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and hidden.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0)
+
+
+def gemm_stats_supported(hidden, weight) -> bool:
+    """Whether :func:`gemm_stats` runs: see :func:`_gemm_fusable`, and it has not failed."""
+    return _GEMM_STATS_OK[0] and _gemm_fusable(hidden, weight)
+
+
+def gemm_grad_supported(hidden, weight) -> bool:
+    """Whether :func:`gemm_grad` runs: see :func:`_gemm_fusable`, and it has not failed."""
+    return _GEMM_GRAD_OK[0] and _GEMM_GRAD_ON[0] and _gemm_fusable(hidden, weight)
+
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except Exception:  # pragma: no cover - older Triton
+    _TensorDescriptor = None
+
+_NUM_SMS = {}
+# the last launched fused GEMMs ("stats", "grad"): their registers, spills and shared memory are
+# what a tuning run reads (n_regs, n_spills, metadata.shared)
+_COMPILED = {}
+
+
+def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap=0.0, ignore_index=-100,
+               need_ent=False, need_sumz=False, fp32_logits=False):
+    """Row statistics [M, 5] (fp32, as ``stats._finalize_stats`` reads them) of the logits
+    ``hidden @ weight.T (+ bias)`` from the fused GEMM (``_lce_gemm_stats_kernel``) and a merge over
+    its vocabulary tiles. The logits are taken as cuBLAS would write them: rounded to the input
+    dtype, unless ``fp32_logits`` (see ``single.fp32_logits``), so the statistics agree with a
+    backward that recomputes them. None when the kernel failed (one warning; the caller runs
+    cuBLAS and the row kernel instead)."""
+    M, K = hidden.shape
+    V = weight.shape[0]
+    interp = interpreter_active()
+    BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
+    n_n = triton.cdiv(V, BN)
+    # token chunks so the per-tile partials stay within _GEMM_STATS_PART_BYTES (one chunk up to
+    # M x V = 2^33 (bf16 sizes: 8192 x 1M vocabulary) with two fields)
+    nf = 2 + int(need_ent) + int(need_sumz)
+    rows = max(BM, _GEMM_STATS_PART_BYTES // (n_n * 4 * nf) // BM * BM)
+    rows = min(rows, M)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    bufs = [torch.empty(n_n * rows, **f32) for _ in range(nf)]
+    zt = torch.zeros(M, **f32)
+    stats = torch.empty((M, 5), **f32)
+    if interp:
+        sms = 4
+    else:
+        idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+        sms = _NUM_SMS.get(idx)
+        if sms is None:
+            sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
+    block = 64 if interp else 128
+    if bias is not None:
+        bias = bias.contiguous()  # the epilogue reads it as one contiguous row
+    device = contextlib.nullcontext() if interp else torch.cuda.device(hidden.device)
+    try:
+        with device:  # Triton launches on the current device: make it the tensors'
+            w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
+            for s in range(0, M, rows):
+                e = min(M, s + rows)
+                n = e - s
+                m, d = bufs[0][:n_n * n].view(n_n, n), bufs[1][:n_n * n].view(n_n, n)
+                a = bufs[2][:n_n * n].view(n_n, n) if need_ent else m
+                sz = bufs[-1][:n_n * n].view(n_n, n) if need_sumz else m
+                h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
+                _COMPILED["stats"] = _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
+                    h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
+                    m, d, a, sz, zt[s:e], n, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
+                    ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
+                    NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
+                    NUM_SMS=sms, num_stages=stages, num_warps=warps)
+                _merge_tile_stats_kernel[(triton.cdiv(n, block),)](
+                    m, d, a, sz, zt[s:e], stats[s:e], n_n, n, NEED_ENT=need_ent, NEED_SUMZ=need_sumz, BLOCK=block,
+                    num_warps=1 if interp else 4)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
+        _GEMM_STATS_OK[0] = False
+        import warnings
+
+        warnings.warn("deepspeed_fused.linear_cross_entropy: the fused logits GEMM failed "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
+                      "forward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
+        return None
+    return stats
+
+
+def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent=None, g_lse=None, temp=None,
+              inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0, ignore_index=-100, vocab_start=0,
+              vocab_total=None, fp32_logits=False) -> bool:
+    """``out`` [M, V] (input dtype) = dL/dlogits of the vocabulary slice ``weight`` (rows from
+    ``vocab_start`` of ``vocab_total``) from the fused GEMM (``_lce_gemm_grad_kernel``): what the
+    cuBLAS logits GEMM and the row kernel's per-token gradient pass would write, without the
+    logits in memory. ``lse``/``ent``/``g_*``: fp32 per token, as for ``_launch_rows``. False when
+    the kernel failed (one warning, ``out`` not written; the caller runs cuBLAS and the row kernel)."""
+    M, K = hidden.shape
+    V = weight.shape[0]
+    interp = interpreter_active()
+    BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_GRAD_CFG
+    assert g_ent is None or ent is not None, "the entropy gradient needs the forward's entropy"
+    if interp:
+        sms = 4
+    else:
+        idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+        sms = _NUM_SMS.get(idx)
+        if sms is None:
+            sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
+    if bias is not None:
+        bias = bias.contiguous()
+    assert out.shape == (M, V) and out.stride(1) == 1
+    device = contextlib.nullcontext() if interp else torch.cuda.device(hidden.device)
+    try:
+        with device:
+            h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
+            w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
+            # the gradient tiles stored by TMA where the output's rows allow it (16-byte aligned)
+            tma_out = (_GEMM_GRAD_TMA_OUT[0] and out.data_ptr() % 16 == 0
+                       and (out.stride(0) * out.element_size()) % 16 == 0)
+            if not tma_out:
+                subtile = 2  # a pointer store of the whole tile spills registers
+            out_desc = (_TensorDescriptor(out, list(out.shape), list(out.stride()), [BM, BN // subtile])
+                        if tma_out else h_desc)
+            _COMPILED["grad"] = _lce_gemm_grad_kernel[(min(sms, triton.cdiv(M, BM) * triton.cdiv(V, BN)),)](
+                h_desc, w_desc, bias if bias is not None else lse, target, temp if temp is not None else lse,
+                lse, ent if ent is not None else lse, g_loss, g_ent if g_ent is not None else lse,
+                g_lse if g_lse is not None else lse, out, out.stride(0), out_desc, M, V, K, vocab_start,
+                ignore_index, float(inv_temp), float(softcap or 1.0), float(z_loss), float(smoothing),
+                1.0 / float(vocab_total or V),
+                ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
+                HAS_GE=g_ent is not None, HAS_GS=g_lse is not None, TMA_OUT=tma_out, SUBTILE=subtile, BM=BM,
+                BN=BN, BK=BK, GROUP_M=group_m, NUM_SMS=sms, num_stages=stages, num_warps=warps)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
+        _GEMM_GRAD_OK[0] = False
+        import warnings
+
+        warnings.warn("deepspeed_fused.linear_cross_entropy: the fused logits GEMM (gradient) failed "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
+                      "backward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 if HAS_TRITON:

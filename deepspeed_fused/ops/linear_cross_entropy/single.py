@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from .kernels import _launch_rows, _scale_unless_one_
+from .kernels import (_launch_rows, _scale_unless_one_, gemm_grad, gemm_grad_supported, gemm_stats,
+                      gemm_stats_supported)
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -108,6 +109,20 @@ def _logits_fp32_into(h, weight, bias, out):
             out.copy_(torch.mm(h, weight.t()))
     if bias is not None:
         out.add_(bias)
+
+
+_FP32_LOGITS_PROBED = [False]
+
+
+def _fp32_logits_probed(hidden, weight, softcap) -> bool:
+    """:func:`fp32_logits`, after trying the fp32-output GEMM once in this process (a 1 x 1 product)
+    when it would be used: a forward that forms its statistics without cuBLAS (the fused GEMM)
+    must take the logits as the backward's cuBLAS GEMM will, and a torch without ``mm``'s
+    ``out_dtype`` is found (one warning) before the forward rather than in the backward."""
+    if fp32_logits(hidden.dtype, softcap) and hidden.is_cuda and not _FP32_LOGITS_PROBED[0]:
+        _FP32_LOGITS_PROBED[0] = True
+        _logits_fp32_into(hidden[:1], weight[:1], None, hidden.new_empty((1, 1), dtype=torch.float32))
+    return fp32_logits(hidden.dtype, softcap)
 
 
 def _dhidden_into(dlogits, weight, out):
@@ -239,18 +254,25 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
 
 def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap,
                   chunk, vchunk, need_ent):
-    """Per-token (loss, lse, entropy) in fp32; one GEMM. Token chunks of ``chunk`` rows, or with
-    ``vchunk`` > 0 vocabulary chunks of that many columns (partial statistics per chunk, merged)."""
+    """Per-token (loss, lse, entropy) in fp32; one GEMM: the fused GEMM with the statistics in its
+    epilogue where it runs (:func:`.kernels.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and the
+    row kernel over token chunks of ``chunk`` rows or, with ``vchunk`` > 0, vocabulary chunks of
+    that many columns (partial statistics per chunk, merged)."""
     M = hidden.shape[0]
     V = weight.shape[0]
-    if vchunk:
+    stats = None
+    if gemm_stats_supported(hidden, weight):  # one fused GEMM, no logits in memory
+        stats = gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
+                           ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0,
+                           fp32_logits=_fp32_logits_probed(hidden, weight, softcap))
+    if stats is None and vchunk:
         n_v = -(-V // vchunk)
         parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
         kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
         for j, (v0, _, x, _) in enumerate(_vocab_chunks(hidden, weight, bias, vchunk, softcap, False)):
             _launch_rows(x, target, stats=parts[j], need_ent=need_ent, vocab_start=v0, vocab_total=V, **kw)
         stats = merge_partial_stats(parts) if n_v > 1 else parts[0]
-    else:
+    elif stats is None:
         stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
         for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, softcap, False):
             _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
@@ -270,6 +292,8 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     g_loss = g_loss.float().contiguous()
     g_ent = None if g_ent is None else g_ent.float().contiguous()
     g_lse = None if g_lse is None else g_lse.float().contiguous()
+    if not vchunk and chunk >= M:
+        vchunk = weight.shape[0]  # one chunk: the whole vocabulary as one slice (the same GEMMs)
     if vchunk:
         return _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
                                       ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh,
@@ -288,6 +312,34 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     return dh, dw, db
 
 
+def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw):
+    """Yield ``(v0, v1, dlogits)`` per vocabulary chunk for the per-token backward: from the fused
+    GEMM with the gradient in its epilogue where it runs (one input-dtype workspace, no logits in
+    memory), else from cuBLAS's logits and the row kernel (:func:`_vocab_chunks`). If the fused GEMM
+    fails (compile, launch; one warning), every chunk is yielded again from the first by the
+    second way: the consumer's first chunk starts its sums, so nothing is counted twice."""
+    M, V = hidden.shape[0], weight.shape[0]
+    if gemm_grad_supported(hidden, weight):
+        f32 = _fp32_logits_probed(hidden, weight, softcap)
+        ld = -(-min(vchunk, V) // 8) * 8  # rows padded to 16 bytes: vector stores, aligned GEMM operands
+        buf = hidden.new_empty(M * ld)
+        for v0 in range(0, V, vchunk):
+            v1 = min(V, v0 + vchunk)
+            g = buf.view(M, ld)[:, :v1 - v0]
+            if not gemm_grad(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], target, g,
+                             vocab_start=v0, vocab_total=V, fp32_logits=f32, temp=kw["temp"],
+                             inv_temp=kw["inv_temp"], softcap=kw["softcap"], z_loss=kw["z_loss"],
+                             smoothing=kw["smoothing"], ignore_index=kw["ignore_index"], **grads):
+                break  # the loop below yields every chunk again, from the first (whose dhidden GEMM starts the sum)
+            yield v0, v1, g
+        else:
+            return
+        del buf, g  # the consumer drops its reference too: the fallback's workspace replaces this one
+    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
+        _launch_rows(x, target, out=g, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
+        yield v0, v1, g
+
+
 def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
                            ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh, need_dw, need_db):
     """The per-token backward over vocabulary chunks: each chunk's dweight (and dbias) rows are
@@ -296,19 +348,19 @@ def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss,
     fp32."""
     V = weight.shape[0]
     dh = None
-    dh32 = accum_fp32 and hidden.dtype != torch.float32
+    dh32 = accum_fp32 and hidden.dtype != torch.float32 and vchunk < V  # an fp32 sum only where there is a sum
     dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
     db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
     kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
-    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
-        _launch_rows(x, target, lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent,
-                     g_lse=g_lse, per_token=True, out=g, vocab_start=v0, vocab_total=V, **kw)
-        if need_dh:
-            dh = _mm_sum(dh, g, weight[v0:v1], dh32)
+    grads = dict(lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent, g_lse=g_lse)
+    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw):
+        if need_dh:  # the first chunk starts the sum (also when a fallback yields the chunks again)
+            dh = _mm_sum(None if v0 == 0 else dh, g, weight[v0:v1], dh32)
         if need_dw:
             torch.mm(g.t(), hidden, out=dw[v0:v1])
         if need_db:
             torch.sum(g, 0, dtype=torch.float32, out=db[v0:v1])
+        del g  # (a fused chunk's workspace is freed if the generator falls back)
     dh = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
     return dh, dw, db.to(bias.dtype) if need_db else hidden.new_empty(0)
 
