@@ -103,15 +103,20 @@ def test_vocab_chunks(monkeypatch, dtype, opts):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("opts", ["plain", "all", "softcap"])
+@pytest.mark.parametrize("opts", ["plain", "all", "softcap", "ragged"])
 def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
     """The per-token path through the fused GEMMs (forward statistics, backward dlogits; the logits
     rounded in their epilogues as cuBLAS rounds them) against cuBLAS and the row kernel at a
     Qwen3-head shape: the same outputs and gradients up to the GEMMs' different summation orders
-    (an occasional last-bit difference of a logit), and within the usual bounds of float64."""
-    from deepspeed_fused.ops.linear_cross_entropy import kernels
+    (an occasional last-bit difference of a logit), and within the usual bounds of float64.
+    "ragged": tokens and vocabulary off the tile sizes (1000 x 50001: odd rows, padded dlogits
+    rows) and a small workspace, so the backward's fused GEMM takes several vocabulary slices."""
+    from deepspeed_fused.ops.linear_cross_entropy import api, kernels
 
     M, H, V = 1024, 2048, 151936
+    if opts == "ragged":
+        M, V = 1000, 50001
+        monkeypatch.setattr(api, "DEFAULT_WORKSPACE_BYTES", 24 * 2**20)
     h, w, t, b = _data(M, H, V, dtype, bias=opts == "all")
     assert kernels.gemm_stats_supported(h, w)
     kw = dict(reduction="none", return_entropy=True, return_lse=True, bias=b)
@@ -128,6 +133,7 @@ def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
     fused, fgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
     assert kernels._GEMM_STATS_OK[0] and kernels._GEMM_GRAD_OK[0], "a fused GEMM fell back (see its warning)"
     assert slices and slices[0][0] == 0 and slices[-1][1] == V, slices  # the backward's fused GEMM covered V
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:])) and (len(slices) > 1 or opts != "ragged"), slices
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
     monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [False])
     rows, rgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)

@@ -486,14 +486,21 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
     M, H, V = 37, 24, 150
     dt = torch.float16 if opts.startswith("fp16") else torch.float32
     h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")
-    t[3] = 149  # a target in the last, ragged tile
+    BN = cfg[1]
+    # a target in the last, ragged tile, and on every tile and half-tile edge: exactly one tile
+    # (and one half) must hold each (a wrong range check writes the target logit twice or never)
+    t[3:11] = torch.tensor([149, BN - 1, BN, BN + BN // 2 - 1, BN + BN // 2, 2 * BN - 1, 2 * BN, 0])
+    ignore = -100
+    if opts == "plain":  # a positive ignore_index, itself a vocabulary column: its rows match no column
+        ignore = 5
+        t[11:14] = 5
     temp = (torch.rand(M, generator=torch.Generator().manual_seed(2)) + 0.5) if opts == "all" else None
     cap = {"all": 2.5, "fp16_softcap": 3.0}.get(opts, 0.0)
     full = opts == "all"
     real_empty = torch.empty
     monkeypatch.setattr(kernels.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     stats = kernels.gemm_stats(h, w, b, t, temp=temp, softcap=cap, need_ent=full, need_sumz=full,
-                               fp32_logits=single.fp32_logits(dt, cap))
+                               fp32_logits=single.fp32_logits(dt, cap), ignore_index=ignore)
     monkeypatch.setattr(kernels.torch, "empty", real_empty)
     assert stats is not None and stats.shape == (M, 5) and torch.isfinite(stats).all()
     z = h.double() @ w.double().t() + (0 if b is None else b.double())
@@ -505,7 +512,8 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
         z = cap * torch.tanh(z / cap)
     m, d, a, sz, zt = stats.double().unbind(-1)
     assert torch.allclose(m + d.log(), torch.logsumexp(z, 1), rtol=1e-5, atol=1e-5)
-    valid = t != -100
+    valid = (t != ignore) & (t >= 0)
+    assert valid.sum() < M - 4  # ignored rows (every 7th, or ignore_index 5) are in the check
     assert torch.allclose(zt, torch.where(valid, z.gather(1, t.clamp(min=0)[:, None]).squeeze(1), 0.0), atol=1e-5)
     if full:
         p = torch.softmax(z, 1)
@@ -558,6 +566,8 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
     the op allocates them) or through pointers (packed rows, which TMA cannot take)."""
     if interpret == "cuda":
         pytest.skip("the interpreter's tile sizes")
+    if store == "pointer" and subtile == 1:
+        pytest.skip("pointer stores always take the column halves")
     from deepspeed_fused.ops.linear_cross_entropy import kernels, single
 
     cfg = kernels._GEMM_STATS_CFG_INTERP
@@ -565,7 +575,14 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
     M, H, V, v0, v1 = 37, 24, 300, 64, 214
     dt = torch.float16 if opts.startswith("fp16") else torch.float32
     h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")
-    t[:4] = torch.tensor([64, 213, 63, 214])  # first and last column of the slice, just outside it
+    BN = cfg[1]
+    # first and last column of the slice, just outside it, and on the slice's tile and half-tile edges
+    t[:9] = torch.tensor([64, 213, 63, 214, v0 + BN - 1, v0 + BN, v0 + BN // 2 - 1, v0 + BN // 2, v0 + 2 * BN])
+    if opts == "plain":  # a positive ignore_index inside the slice: those rows get no target term
+        kw_ignore = dict(ignore_index=100)
+        t[9:12] = 100
+    else:
+        kw_ignore = {}
     gen = torch.Generator().manual_seed(5)
     lse = torch.randn(M, generator=gen) + 5
     ent = torch.rand(M, generator=gen) + 1
@@ -590,13 +607,15 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
             super().__init__(base, shape, strides, block_shape, *a, **k)
 
     monkeypatch.setattr(kernels, "_TensorDescriptor", Spy)
-    assert kernels.gemm_grad(h, w[v0:v1], wb, t, out, vocab_start=v0, vocab_total=V, fp32_logits=f32, **grads, **kw)
+    assert kernels.gemm_grad(h, w[v0:v1], wb, t, out, vocab_start=v0, vocab_total=V, fp32_logits=f32, **grads, **kw,
+                             **kw_ignore)
+    assert out._base[:, v1 - v0:].isnan().all()  # the padding is not written (TMA clips at the slice)
     BM, BN = cfg[:2]
     assert made == ([[BM, BN // subtile]] if store == "tma" else []), made
     x = torch.empty(M, v1 - v0, dtype=torch.float32 if f32 else dt)
     single._logits_into(h, w[v0:v1], wb, x)
     want = torch.empty(M, v1 - v0, dtype=dt)
-    kernels._launch_rows(x, t, out=want, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
+    kernels._launch_rows(x, t, out=want, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw, **kw_ignore)
     assert torch.isfinite(out).all()
     rtol, atol = (1e-5, 1e-5) if dt == torch.float32 else (1e-3, 1e-6)  # fp16: the same rounded logits
     assert torch.allclose(out.float(), want.float(), rtol=rtol, atol=atol), (out.float() - want.float()).abs().max()
