@@ -15,6 +15,7 @@ from unit.common import DistributedTest
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
+from deepspeed_fused.ops.linear_cross_entropy import kernels as lce_kernels
 from deepspeed_fused.ops.linear_cross_entropy import parallel as lce_parallel
 from deepspeed_fused.ops.linear_cross_entropy import single as lce_single
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
@@ -293,12 +294,30 @@ class TestVocabParallel(DistributedTest):
             hh, ww = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
             linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD, validate_targets=False).backward()
             assert events == ["logits", "gather", "dh", "dw", "all_reduce"], events
-            # per-token outputs, 3 chunks: forward gathers per chunk; backward recomputes the logits
-            events.clear()
-            _check_tp(h, w, t, b, rank * 16, 16, chunk_tokens=4, reduction="none", return_entropy=True)
-            fwd = ["gather"] + ["logits", "gather"] * 3
+            # per-token outputs, 3 chunks: forward gathers per chunk; backward recomputes the logits.
+            # With the fused statistics GEMM (Hopper; here the interpreter) the forward forms no logits
+            # and gathers in the same chunks (the same collectives on every rank either way)
             bwd = ["logits", "dh", "dw", "logits", "dh", "dw", "logits", "dh", "all_reduce", "dw"]
-            assert events == fwd + bwd, events
+            for fused in (False, True):
+                mp.setattr(lce_kernels, "_GEMM_STATS_OK", [fused])
+                mp.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused])
+                events.clear()
+                _check_tp(h, w, t, b, rank * 16, 16, chunk_tokens=4, reduction="none", return_entropy=True)
+                ran = fused and lce_kernels._gemm_fusable(h, w[sl])  # (on a GPU: Hopper, fp16/bf16 only)
+                fwd = ["gather"] + (["gather"] * 3 if ran else ["logits", "gather"] * 3)
+                assert events == fwd + bwd, (fused, events)
+                assert lce_kernels._GEMM_STATS_OK[0] == fused  # the fused GEMM ran without failing
+            # per-token, one chunk: the backward takes the shard as one vocabulary slice (the fused
+            # gradient GEMM, else cuBLAS and the row kernel), then the dhidden all-reduce
+            for fused in (False, True):
+                mp.setattr(lce_kernels, "_GEMM_STATS_OK", [fused])
+                mp.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused])
+                events.clear()
+                _check_tp(h, w, t, b, rank * 16, 16, reduction="none", return_entropy=True, label_smoothing=0.1)
+                ran = fused and lce_kernels._gemm_fusable(h, w[sl])
+                fwd = ["gather"] + ([] if ran else ["logits"]) + ["gather"]
+                assert events == fwd + ([] if ran else ["logits"]) + ["all_reduce"], (fused, events)
+                assert lce_kernels._GEMM_STATS_OK[0] == lce_kernels._GEMM_GRAD_OK[0] == fused
         finally:
             mp.undo()
 

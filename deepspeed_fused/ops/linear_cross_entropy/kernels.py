@@ -216,7 +216,7 @@ if HAS_TRITON:
     @triton.jit
     def _lce_gemm_stats_kernel(
         h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, M, V, K,
-        ignore_index, inv_temp, cap,
+        ignore_index, vocab_start, inv_temp, cap,
         ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr,
         NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
@@ -247,8 +247,9 @@ if HAS_TRITON:
             # the vocabulary (possible without the target check) matches no column, as in the row
             # kernel: its logit counts as 0
             n0 = pid_n * BN
-            inside = (t != ignore_index) & (t >= n0) & (t < n0 + BN) & (t < V)
-            lt = tl.where(inside, t - n0, -1).to(tl.int32)
+            c0 = vocab_start + n0  # the tile's first column in the whole vocabulary (a TP shard's offset)
+            inside = (t != ignore_index) & (t >= c0) & (t < c0 + BN) & (t < vocab_start + V)
+            lt = tl.where(inside, t - c0, -1).to(tl.int32)
             if SUBTILE == 2:
                 halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
                 m, d, a_, sz, zt = _tile_part_stats(
@@ -473,13 +474,15 @@ _COMPILED = {}
 
 
 def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap=0.0, ignore_index=-100,
-               need_ent=False, need_sumz=False, fp32_logits=False):
+               need_ent=False, need_sumz=False, fp32_logits=False, vocab_start=0):
     """Row statistics [M, 5] (fp32, as ``stats._finalize_stats`` reads them) of the logits
     ``hidden @ weight.T (+ bias)`` from the fused GEMM (``_lce_gemm_stats_kernel``) and a merge over
     its vocabulary tiles. The logits are taken as cuBLAS would write them: rounded to the input
     dtype, unless ``fp32_logits`` (see ``single.fp32_logits``), so the statistics agree with a
-    backward that recomputes them. None when the kernel failed (one warning; the caller runs
-    cuBLAS and the row kernel instead)."""
+    backward that recomputes them. ``weight`` may be a vocabulary shard starting at column
+    ``vocab_start``: the target logit is then this shard's (0 for targets outside it), as the row
+    kernel's partial statistics of a shard. None when the kernel failed (one warning; the caller
+    runs cuBLAS and the row kernel instead)."""
     M, K = hidden.shape
     V = weight.shape[0]
     interp = interpreter_active()
@@ -518,7 +521,7 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
                 h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
                 _COMPILED["stats"] = _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
                     h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
-                    m, d, a, sz, zt[s:e], n, V, K, ignore_index, float(inv_temp), float(softcap or 1.0),
+                    m, d, a, sz, zt[s:e], n, V, K, ignore_index, vocab_start, float(inv_temp), float(softcap or 1.0),
                     ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
                     NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
                     NUM_SMS=sms, num_stages=stages, num_warps=warps)

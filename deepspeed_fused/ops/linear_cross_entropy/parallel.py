@@ -33,8 +33,9 @@ checks (:mod:`.checks`).
 """
 import torch
 
-from .kernels import _launch_rows
-from .single import _ChunkBuffers, _ParamGrads, _dhidden_into, _kw, _logit_chunks, _logits_into
+from .kernels import _launch_rows, gemm_stats, gemm_stats_supported
+from .single import (_backward_vocab_chunks, _ChunkBuffers, _fp32_logits_probed, _ParamGrads, _dhidden_into, _kw,
+                     _logit_chunks, _logits_into)
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -234,7 +235,20 @@ def _grad_kw(c, temp, s, e):
 
 def _tp_stats_pass(h, weight, bias, t, temp, c):
     """Statistics of every shard [size, M, 5]: per chunk the local logits GEMM, the shard's
-    statistics and their asynchronous all-gather, which the next chunk's GEMM overlaps."""
+    statistics and their asynchronous all-gather, which the next chunk's GEMM overlaps. Where the
+    fused GEMM runs (:func:`.kernels.gemm_stats`, Hopper) it forms the shard's statistics of all
+    tokens at once, without logits in memory; they are gathered in the same chunks, so every rank
+    issues the same collectives whichever way its statistics were formed."""
+    stats = None
+    if gemm_stats_supported(h, weight):
+        stats = gemm_stats(h, weight, bias, t, temp=temp, inv_temp=c.inv_temp, softcap=c.cap,
+                           ignore_index=c.ignore_index, need_ent=c.need_ent, need_sumz=c.smoothing != 0.0,
+                           fp32_logits=_fp32_logits_probed(h, weight, c.cap), vocab_start=c.tp.start)
+    if stats is not None:
+        parts = [_stats_gather(stats[s:e], c.tp, async_op=True) for s, e in _bounds(h.shape[0], c.chunk)]
+        for _, work in parts:
+            work.wait()
+        return torch.cat([g for g, _ in parts], 1)
     stats = torch.empty((h.shape[0], _NSTAT), dtype=torch.float32, device=h.device)
     parts = []
     for s, e, x, _, _ in _logit_chunks(h, weight, bias, c.chunk, c.cap, False):  # workspace freed after
@@ -290,8 +304,17 @@ def _tp_grad_pass(h, weight, bias, t, temp, c, need_dh, need_dw, need_db, *, lse
     """Per-token backward: the chunk logits recomputed and turned into dlogits from the per-token
     upstream gradients, local dweight/dbias and the dhidden partials (3 GEMMs per chunk). With
     ``reduce_dh`` the dhidden all-reduce starts before the last dweight GEMM, which it overlaps.
-    Returns (dh, reduce handle or None, dw, db)."""
+    One chunk of all tokens: the shard as one vocabulary slice (``single._backward_vocab_chunks``:
+    the fused GEMM writing dlogits where it runs, else cuBLAS and the row kernel), the dhidden
+    all-reduce after it. Returns (dh, reduce handle or None, dw, db)."""
     M = h.shape[0]
+    if c.chunk >= M:
+        dh, dw, db = _backward_vocab_chunks(h, weight, t, bias, temp, lse, ent, g_loss, g_ent, g_lse, c.inv_temp,
+                                            c.ignore_index, c.z_loss, c.smoothing, c.cap, c.accum_fp32,
+                                            weight.shape[0], need_dh, need_dw, need_db, base=c.tp.start,
+                                            total=c.V_total)
+        handle = _dh_reduce_start(dh, c.tp.group, c.accum_fp32) if need_dh and reduce_dh else None
+        return (dh if need_dh else None), handle, dw, db
     dh = torch.empty_like(h) if need_dh else None
     pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
     handle = None

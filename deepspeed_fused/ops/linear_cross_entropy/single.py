@@ -312,13 +312,15 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     return dh, dw, db
 
 
-def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw):
-    """Yield ``(v0, v1, dlogits)`` per vocabulary chunk for the per-token backward: from the fused
+def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw, base=0, total=None):
+    """Yield ``(v0, v1, dlogits)`` per vocabulary chunk for the per-token backward (``weight``: the
+    vocabulary from column ``base`` of ``total``, a TP shard, or all of it): from the fused
     GEMM with the gradient in its epilogue where it runs (one input-dtype workspace, no logits in
     memory), else from cuBLAS's logits and the row kernel (:func:`_vocab_chunks`). If the fused GEMM
     fails (compile, launch; one warning), every chunk is yielded again from the first by the
     second way: the consumer's first chunk starts its sums, so nothing is counted twice."""
     M, V = hidden.shape[0], weight.shape[0]
+    total = total or V
     if gemm_grad_supported(hidden, weight):
         f32 = _fp32_logits_probed(hidden, weight, softcap)
         ld = -(-min(vchunk, V) // 8) * 8  # rows padded to 16 bytes: vector stores, aligned GEMM operands
@@ -327,7 +329,7 @@ def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw)
             v1 = min(V, v0 + vchunk)
             g = buf.view(M, ld)[:, :v1 - v0]
             if not gemm_grad(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], target, g,
-                             vocab_start=v0, vocab_total=V, fp32_logits=f32, temp=kw["temp"],
+                             vocab_start=base + v0, vocab_total=total, fp32_logits=f32, temp=kw["temp"],
                              inv_temp=kw["inv_temp"], softcap=kw["softcap"], z_loss=kw["z_loss"],
                              smoothing=kw["smoothing"], ignore_index=kw["ignore_index"], **grads):
                 break  # the loop below yields every chunk again, from the first (whose dhidden GEMM starts the sum)
@@ -336,16 +338,18 @@ def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw)
             return
         del buf, g  # the consumer drops its reference too: the fallback's workspace replaces this one
     for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
-        _launch_rows(x, target, out=g, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw)
+        _launch_rows(x, target, out=g, vocab_start=base + v0, vocab_total=total, per_token=True, **grads, **kw)
         yield v0, v1, g
 
 
 def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
-                           ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh, need_dw, need_db):
+                           ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh, need_dw, need_db,
+                           base=0, total=None):
     """The per-token backward over vocabulary chunks: each chunk's dweight (and dbias) rows are
     final after one GEMM over all tokens (no accumulation); dhidden sums over the chunks, in
     the hidden dtype (fp32 with ``accum_fp32``) with the sum of each chunk formed by cuBLAS in
-    fp32."""
+    fp32. ``base``/``total``: ``weight`` is the vocabulary shard from column ``base`` of
+    ``total`` (tensor parallel; dhidden is then this shard's partial sum)."""
     V = weight.shape[0]
     dh = None
     dh32 = accum_fp32 and hidden.dtype != torch.float32 and vchunk < V  # an fp32 sum only where there is a sum
@@ -353,7 +357,7 @@ def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss,
     db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
     kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
     grads = dict(lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent, g_lse=g_lse)
-    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw):
+    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw, base, total):
         if need_dh:  # the first chunk starts the sum (also when a fallback yields the chunks again)
             dh = _mm_sum(None if v0 == 0 else dh, g, weight[v0:v1], dh32)
         if need_dw:
