@@ -162,6 +162,39 @@ if HAS_TRITON:
         return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
 
     @triton.jit
+    def _tile_acc(h_desc, w_desc, pid_m, pid_n, k_tiles, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # the fp32 accumulator of one (BM x BN) tile of h @ w.T, operands loaded by TMA
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = h_desc.load([pid_m * BM, ki * BK])
+            b = w_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        return acc
+
+    @triton.jit
+    def _tile_logits(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap,
+                     ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr):
+        # the logits of one accumulator block as the row kernel reads them: (acc + bias) rounded to
+        # the input dtype as cuBLAS writes them (ROUND 1: fp16, 2: bf16; 0: fp32 logits), then
+        # temperature and cap; also the inverse temperature (per row with HAS_TEMP, else the scalar)
+        z = acc
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
+        if ROUND == 1:
+            z = z.to(tl.float16).to(tl.float32)
+        elif ROUND == 2:
+            z = z.to(tl.bfloat16).to(tl.float32)
+        if HAS_TEMP:
+            inv_t = 1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32)
+            z = z * inv_t[:, None]
+        else:
+            inv_t = inv_temp
+            z = z * inv_t
+        if HAS_CAP:
+            z = _softcap(z, cap)
+        return z, inv_t
+
+    @triton.jit
     def _tile_part_stats(acc, offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
                          ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
                          HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr,
@@ -173,19 +206,8 @@ if HAS_TRITON:
         cols = tl.arange(0, W)
         offs_n = n0 + cols
         cmask = (offs_n < V)[None, :]
-        z = acc
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
-        if ROUND == 1:
-            z = z.to(tl.float16).to(tl.float32)
-        elif ROUND == 2:
-            z = z.to(tl.bfloat16).to(tl.float32)
-        if HAS_TEMP:
-            z = z * (1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32))[:, None]
-        else:
-            z = z * inv_temp
-        if HAS_CAP:
-            z = _softcap(z, cap)
+        z, _ = _tile_logits(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap,
+                            ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP)
         z = tl.where(cmask, z, float("-inf"))
         # floored: a block wholly past the vocabulary (a column half of the last tile) gives
         # m = -1e30 and d = a = 0, which the merge takes as empty
@@ -235,11 +257,7 @@ if HAS_TRITON:
         k_tiles = tl.cdiv(K, BK)
         for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
             pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for ki in range(k_tiles):
-                a = h_desc.load([pid_m * BM, ki * BK])
-                b = w_desc.load([pid_n * BN, ki * BK])
-                acc = tl.dot(a, b.T, acc)
+            acc = _tile_acc(h_desc, w_desc, pid_m, pid_n, k_tiles, BM, BN, BK)
             offs_m = pid_m * BM + tl.arange(0, BM)
             rmask = offs_m < M
             t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index)
@@ -315,20 +333,8 @@ if HAS_TRITON:
         # logits it would read (rounded as cuBLAS writes them unless ROUND 0), stored to out
         # (TMA_OUT: through the output's descriptor, which clips the block at M and V)
         cmask = (offs_n < V)[None, :]
-        z = acc
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + offs_n, mask=offs_n < V, other=0.0).to(tl.float32)[None, :]
-        if ROUND == 1:
-            z = z.to(tl.float16).to(tl.float32)
-        elif ROUND == 2:
-            z = z.to(tl.bfloat16).to(tl.float32)
-        if HAS_TEMP:
-            inv_t = 1.0 / tl.load(temp_ptr + offs_m, mask=rmask, other=1.0).to(tl.float32)
-            z = z * inv_t[:, None]
-        else:
-            z = z * inv_temp
-        if HAS_CAP:
-            z = _softcap(z, cap)
+        z, inv_t = _tile_logits(acc, offs_m, offs_n, rmask, V, bias_ptr, temp_ptr, inv_temp, cap,
+                                ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP)
         p = tl.exp(z - lse[:, None])
         if HAS_GE:
             g = p * (coef[:, None] - ge[:, None] * (z - s_pz[:, None]))
@@ -370,11 +376,7 @@ if HAS_TRITON:
         k_tiles = tl.cdiv(K, BK)
         for tile_id in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True):
             pid_m, pid_n = _tile_ids(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for ki in range(k_tiles):
-                a = h_desc.load([pid_m * BM, ki * BK])
-                b = w_desc.load([pid_n * BN, ki * BK])
-                acc = tl.dot(a, b.T, acc)
+            acc = _tile_acc(h_desc, w_desc, pid_m, pid_n, k_tiles, BM, BN, BK)
             offs_m = pid_m * BM + tl.arange(0, BM)
             rmask = offs_m < M
             t = tl.load(tgt_ptr + offs_m, mask=rmask, other=ignore_index).to(tl.int64)
@@ -473,6 +475,32 @@ _NUM_SMS = {}
 _COMPILED = {}
 
 
+def _fused_launch(hidden, fp32_logits, interp):
+    """What both fused GEMMs launch with: the persistent grid's size (the device's SM count, cached
+    per device; 4 programs under the interpreter), the epilogue's rounding of the logits (0: none,
+    fp32 logits; 1: fp16; 2: bf16, as cuBLAS writes them) and the device context (Triton launches
+    on the current device: make it the tensors')."""
+    rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
+    if interp:
+        return 4, rnd, contextlib.nullcontext()
+    idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
+    sms = _NUM_SMS.get(idx)
+    if sms is None:
+        sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return sms, rnd, torch.cuda.device(hidden.device)
+
+
+def _fused_failed(flag, which, path, e):
+    """A fused GEMM failed to compile or launch: never try it again in this process (``flag``), and
+    say so once."""
+    import warnings
+
+    flag[0] = False
+    warnings.warn(f"deepspeed_fused.linear_cross_entropy: the fused logits GEMM{which} failed "
+                  f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
+                  f"{path} now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=3)
+
+
 def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap=0.0, ignore_index=-100,
                need_ent=False, need_sumz=False, fp32_logits=False, vocab_start=0):
     """Row statistics [M, 5] (fp32, as ``stats._finalize_stats`` reads them) of the logits
@@ -497,20 +525,12 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     bufs = [torch.empty(n_n * rows, **f32) for _ in range(nf)]
     zt = torch.zeros(M, **f32)
     stats = torch.empty((M, 5), **f32)
-    if interp:
-        sms = 4
-    else:
-        idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-        sms = _NUM_SMS.get(idx)
-        if sms is None:
-            sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
+    sms, rnd, device = _fused_launch(hidden, fp32_logits, interp)
     block = 64 if interp else 128
     if bias is not None:
         bias = bias.contiguous()  # the epilogue reads it as one contiguous row
-    device = contextlib.nullcontext() if interp else torch.cuda.device(hidden.device)
     try:
-        with device:  # Triton launches on the current device: make it the tensors'
+        with device:
             w_desc = _TensorDescriptor.from_tensor(weight, [BN, BK])
             for s in range(0, M, rows):
                 e = min(M, s + rows)
@@ -531,12 +551,7 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
-        _GEMM_STATS_OK[0] = False
-        import warnings
-
-        warnings.warn("deepspeed_fused.linear_cross_entropy: the fused logits GEMM failed "
-                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
-                      "forward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
+        _fused_failed(_GEMM_STATS_OK, "", "forward", e)
         return None
     return stats
 
@@ -554,18 +569,10 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
     interp = interpreter_active()
     BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_GRAD_CFG
     assert g_ent is None or ent is not None, "the entropy gradient needs the forward's entropy"
-    if interp:
-        sms = 4
-    else:
-        idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-        sms = _NUM_SMS.get(idx)
-        if sms is None:
-            sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
+    sms, rnd, device = _fused_launch(hidden, fp32_logits, interp)
     if bias is not None:
         bias = bias.contiguous()
     assert out.shape == (M, V) and out.stride(1) == 1
-    device = contextlib.nullcontext() if interp else torch.cuda.device(hidden.device)
     try:
         with device:
             h_desc = _TensorDescriptor.from_tensor(hidden, [BM, BK])
@@ -589,12 +596,7 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compile or launch failure on this GPU/Triton: fall back, once
-        _GEMM_GRAD_OK[0] = False
-        import warnings
-
-        warnings.warn("deepspeed_fused.linear_cross_entropy: the fused logits GEMM (gradient) failed "
-                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the per-token "
-                      "backward now runs cuBLAS and the row kernel", RuntimeWarning, stacklevel=2)
+        _fused_failed(_GEMM_GRAD_OK, " (gradient)", "backward", e)
         return False
     return True
 

@@ -33,8 +33,8 @@ checks (:mod:`.checks`).
 """
 import torch
 
-from .kernels import _launch_rows, gemm_stats, gemm_stats_supported
-from .single import (_backward_vocab_chunks, _ChunkBuffers, _fp32_logits_probed, _ParamGrads, _dhidden_into, _kw,
+from .kernels import _launch_rows
+from .single import (_backward_vocab_chunks, _ChunkBuffers, _fused_stats, _ParamGrads, _dhidden_into, _kw,
                      _logit_chunks, _logits_into)
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
@@ -239,21 +239,16 @@ def _tp_stats_pass(h, weight, bias, t, temp, c):
     fused GEMM runs (:func:`.kernels.gemm_stats`, Hopper) it forms the shard's statistics of all
     tokens at once, without logits in memory; they are gathered in the same chunks, so every rank
     issues the same collectives whichever way its statistics were formed."""
-    stats = None
-    if gemm_stats_supported(h, weight):
-        stats = gemm_stats(h, weight, bias, t, temp=temp, inv_temp=c.inv_temp, softcap=c.cap,
-                           ignore_index=c.ignore_index, need_ent=c.need_ent, need_sumz=c.smoothing != 0.0,
-                           fp32_logits=_fp32_logits_probed(h, weight, c.cap), vocab_start=c.tp.start)
+    stats = _fused_stats(h, weight, bias, t, temp, c.inv_temp, c.ignore_index, c.smoothing, c.cap, c.need_ent,
+                         vocab_start=c.tp.start)
     if stats is not None:
         parts = [_stats_gather(stats[s:e], c.tp, async_op=True) for s, e in _bounds(h.shape[0], c.chunk)]
-        for _, work in parts:
-            work.wait()
-        return torch.cat([g for g, _ in parts], 1)
-    stats = torch.empty((h.shape[0], _NSTAT), dtype=torch.float32, device=h.device)
-    parts = []
-    for s, e, x, _, _ in _logit_chunks(h, weight, bias, c.chunk, c.cap, False):  # workspace freed after
-        _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, **_stats_kw(c, temp, s, e))
-        parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
+    else:
+        stats = torch.empty((h.shape[0], _NSTAT), dtype=torch.float32, device=h.device)
+        parts = []
+        for s, e, x, _, _ in _logit_chunks(h, weight, bias, c.chunk, c.cap, False):  # workspace freed after
+            _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, **_stats_kw(c, temp, s, e))
+            parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
     for _, work in parts:
         work.wait()
     return torch.cat([g for g, _ in parts], 1)

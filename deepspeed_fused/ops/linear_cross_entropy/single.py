@@ -252,6 +252,19 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
     return loss, dh, dw, db
 
 
+def _fused_stats(hidden, weight, bias, target, temp, inv_temp, ignore_index, smoothing, softcap, need_ent,
+                 vocab_start=0):
+    """The row statistics [M, 5] of ``weight``'s vocabulary rows (a TP shard from ``vocab_start``)
+    from one fused GEMM, no logits in memory (:func:`.kernels.gemm_stats`: Hopper, fp16/bf16), the
+    logits taken as the backward's cuBLAS GEMM forms them; None where it cannot run or failed
+    (the caller then runs cuBLAS and the row kernel)."""
+    if not gemm_stats_supported(hidden, weight):
+        return None
+    return gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
+                      ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0,
+                      fp32_logits=_fp32_logits_probed(hidden, weight, softcap), vocab_start=vocab_start)
+
+
 def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap,
                   chunk, vchunk, need_ent):
     """Per-token (loss, lse, entropy) in fp32; one GEMM: the fused GEMM with the statistics in its
@@ -260,11 +273,7 @@ def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_
     that many columns (partial statistics per chunk, merged)."""
     M = hidden.shape[0]
     V = weight.shape[0]
-    stats = None
-    if gemm_stats_supported(hidden, weight):  # one fused GEMM, no logits in memory
-        stats = gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
-                           ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0,
-                           fp32_logits=_fp32_logits_probed(hidden, weight, softcap))
+    stats = _fused_stats(hidden, weight, bias, target, temp, inv_temp, ignore_index, smoothing, softcap, need_ent)
     if stats is None and vchunk:
         n_v = -(-V // vchunk)
         parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
