@@ -419,6 +419,10 @@ def _unfused_reason(model) -> str:
     if shard is None and not isinstance(lm_head, torch.nn.Linear):
         return (f"lm_head is {type(lm_head).__name__}, not nn.Linear or a DeepSpeed AutoTP head split by "
                 "vocabulary (VocabParallelLinear, LinearLayer with gather_output)")
+    if shard is None and type(lm_head).forward is not torch.nn.Linear.forward:
+        # e.g. a learned per-token logit scale after the GEMM: the op computes x @ W.T + b only
+        return (f"lm_head is {type(lm_head).__name__}, an nn.Linear whose class has its own forward (the fused op "
+                "computes only x @ weight.T + bias)")
     if "forward" in lm_head.__dict__:
         return "lm_head.forward is overridden on the instance"
     if shard is not None and getattr(lm_head, "defer_collectives_to_compiler", False):
