@@ -185,7 +185,8 @@ def _layer_plan(d: dict, n0: int, min_layers: int = 2) -> tuple:
                    and v and all(_is_int(i) and 0 <= i < n0 for i in v)}
     # {layer index: settings} (keys int or digit strings)
     index_dicts = {k: v for k, v in d.items()
-                   if isinstance(v, dict) and v and all(_layer_key(i) is not None and _layer_key(i) < n0 for i in v)}
+                   if isinstance(v, dict) and v and k not in ("id2label", "label2id")
+                   and all(_layer_key(i) is not None and _layer_key(i) < n0 and isinstance(x, dict) for i, x in v.items())}
     keep, kinds = [], set()
     for i in range(n0):
         kind = (tuple(repr(v[i]) for v in per_layer.values()) + tuple(i in v for v in index_lists.values())
@@ -783,17 +784,17 @@ def _rounding_form(module, width: int, eps: float) -> str:
 
 def norm_inventory(model, calls: dict) -> dict:
     """Norm modules of ``model`` by class: count, forms, how many ran in the forward."""
+    import torch
+
     inv: dict = {}
     for name, m in model.named_modules():
         if not _is_norm_like(m):
             continue
         c = calls.get(name)
-        width = c[0] if c else getattr(getattr(m, "weight", None), "shape", [HIDDEN])[0] if \
-            getattr(m, "weight", None) is not None else None
-        if width is None:
-            form = "other"
-        else:
-            form = norm_form(m, int(width), c[1] if c else 1)
+        w = getattr(m, "weight", None)
+        # width: as called in the forward, else the weight's, else any (an unweighted norm)
+        width = c[0] if c else (w.shape[0] if isinstance(w, torch.Tensor) and w.ndim == 1 else HIDDEN)
+        form = norm_form(m, int(width), c[1] if c else 1)
         key = (type(m).__name__, form)
         e = inv.setdefault(key, dict(cls=type(m).__name__, form=form, count=0, ran=0, names=[]))
         e["count"] += 1
@@ -1011,7 +1012,12 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
 
     from .. import patch_model
 
+    from .. import unpatch_model
+    from ..ops._common import reset_fallback_warnings
+
+    reset_fallback_warnings()  # every family sees its own fallback warnings (a worker runs many)
     t0 = time.time()
+    patched = None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rec = dict(family=fam.model_type, cls=fam.cls, kind=fam.kind, id=fam.id, mode=mode, device=device,
                input="text only (no pixels)" if fam.kind == "image-text-to-text" else "text",
@@ -1084,6 +1090,12 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
         rec["status"] = "build_failed" if rec["stage"] == "build" else "failed"
         rec["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         rec["traceback"] = traceback.format_exc(limit=-4)[-2000:]
+    finally:
+        if patched is not None:
+            try:
+                unpatch_model(patched)  # the class-level patches go with the last patched instance
+            except Exception:
+                pass
     rec["seconds"] = round(time.time() - t0, 2)
     return rec
 
@@ -1105,17 +1117,32 @@ def _bf16_grads_ok(grads_e: dict, grads_p: dict, grads_r: dict) -> list:
 # ---- running many families ------------------------------------------------------------------------
 
 
-def _child(fam: Family, mode: str, conn) -> None:
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("DEEPSPEED_FUSED_COVERAGE_THREADS", "1")))
+def _run_one(fam: Family, mode: str) -> str:
     try:
         rec = run_family(fam, mode)
     except BaseException as e:  # pragma: no cover - run_family catches what it can
         rec = dict(family=fam.model_type, cls=fam.cls, kind=fam.kind, id=fam.id, mode=mode, status="failed",
                    error=f"{type(e).__name__}: {e}")
-    conn.send(json.dumps(rec, default=str))
-    conn.close()
+    return json.dumps(rec, default=str)
+
+
+def _worker(conn, persistent: bool) -> None:
+    """A worker process: runs the (family, mode) pairs it is sent, one at a time, and sends each
+    record back; a one-shot worker (a fork per family) stops after the first."""
+    prepare_environment()
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("DEEPSPEED_FUSED_COVERAGE_THREADS", "1")))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        conn.send(_run_one(*task))
+        if not persistent:
+            return
 
 
 _PRELOAD = ["torch", "transformers", "deepspeed_fused", "deepspeed_fused.features.rms_norm",
@@ -1136,56 +1163,116 @@ def prepare_environment() -> None:
             os.environ["TRITON_INTERPRET"] = "1"
 
 
-def run_many(fams: list, modes: list, timeout: float = 300.0, jobs: int = 1, progress=None) -> list:
-    """Each (family, mode) in a process of its own, forked from a server that preloaded the heavy
-    modules; ``timeout`` seconds each (then killed and recorded as a timeout)."""
+class _Slot:
+    """One worker process and the task it runs."""
+
+    def __init__(self, ctx, persistent: bool):
+        self.ctx, self.persistent = ctx, persistent
+        self.proc = self.conn = self.task = None
+        self.t0 = 0.0
+
+    def start(self):
+        self.conn, child = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=_worker, args=(child, self.persistent), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def submit(self, task):
+        if self.proc is None or not self.proc.is_alive():
+            self.start()
+        self.task, self.t0 = task, time.time()
+        self.conn.send((task[0], task[1]))
+
+    def stop(self):
+        if self.proc is not None and self.proc.pid is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join()
+        if self.conn is not None:
+            self.conn.close()
+        self.proc = self.conn = None
+
+    def poll(self, timeout: float):
+        """The finished task's record, or None while it runs."""
+        rec = None
+        if self.conn.poll():
+            try:
+                rec = json.loads(self.conn.recv())
+            except (EOFError, OSError):
+                self.proc.join(5)
+                rec = dict(status="failed", error=f"the worker died (exit code {self.proc.exitcode}) without a result")
+        elif not self.proc.is_alive():
+            self.proc.join()
+            rec = dict(status="failed", error=f"the worker died (exit code {self.proc.exitcode}) without a result")
+        elif time.time() - self.t0 > timeout:
+            rec = dict(status="timeout", error=f"no result within {timeout:.0f} s (killed)")
+        else:
+            return None
+        # a fresh worker after one that stops, hung, died or saw anything but a clean run (a
+        # failure can leave CUDA or module state behind)
+        if not self.persistent or rec.get("status") not in ("ok", "differs"):
+            self.stop()
+        return rec
+
+
+def run_many(fams: list, modes: list, timeout: float = 300.0, jobs: int = 1, progress=None,
+             spawn: Optional[bool] = None) -> list:
+    """Each (family, mode) under ``timeout`` seconds (then its worker is killed and it is recorded
+    as a timeout), in worker processes. Without CUDA each family runs in a fork of this process
+    made after it imported the heavy modules once; with CUDA in spawned workers (a fork of a
+    process that touched the CUDA driver could not use it) that import them once and run family
+    after family, a fresh worker after any family that did not run cleanly (``spawn`` forces one
+    way or the other)."""
+    import importlib
     import multiprocessing as mp
 
+    import torch
+
     prepare_environment()
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    if spawn is None:
+        spawn = torch.cuda.is_available() or "fork" not in mp.get_all_start_methods()
+    if spawn:
+        ctx, persistent = mp.get_context("spawn"), True
+    else:
+        for name in _PRELOAD:
+            importlib.import_module(name)
+        ctx, persistent = mp.get_context("fork"), False
     pending = [(f, m) for f in fams for m in modes]
-    running, results = [], {}
-    while pending or running:
-        while pending and len(running) < max(1, jobs):
-            fam, mode = pending.pop(0)
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(fam, mode, send), daemon=True)
-            p.start()
-            send.close()
-            running.append((fam, mode, p, recv, time.time()))
-        time.sleep(0.05)
-        for item in list(running):
-            fam, mode, p, recv, t0 = item
-            rec = None
-            if recv.poll():
-                try:
-                    rec = json.loads(recv.recv())
-                except EOFError:
-                    rec = None
-                p.join(10)
-            elif not p.is_alive():
-                p.join()
-            elif time.time() - t0 > timeout:
-                p.kill()
-                p.join()
-                rec = dict(status="timeout", error=f"no result within {timeout:.0f} s (killed)")
-            else:
-                continue
-            if rec is None:
-                rec = dict(status="failed", error=f"the process died (exit code {p.exitcode}) without a result")
-            if p.is_alive():
-                p.kill()
-                p.join()
-            base = dict(family=fam.model_type, cls=fam.cls, kind=fam.kind, id=fam.id, mode=mode)
-            rec = {**base, **rec}
-            rec.setdefault("seconds", round(time.time() - t0, 2))
-            results[(fam.id, mode)] = rec
-            running.remove(item)
-            recv.close()
-            if progress:
-                progress(rec)
+    slots = [_Slot(ctx, persistent) for _ in range(max(1, jobs))]
+    results = {}
+    try:
+        while pending or any(s.task for s in slots):
+            for s in slots:
+                if s.task is None and pending:
+                    s.submit(pending.pop(0))
+            time.sleep(0.02)
+            for s in slots:
+                if s.task is None:
+                    continue
+                rec = s.poll(timeout)
+                if rec is None:
+                    continue
+                fam, mode = s.task
+                rec = {**dict(family=fam.model_type, cls=fam.cls, kind=fam.kind, id=fam.id, mode=mode), **rec}
+                rec.setdefault("seconds", round(time.time() - s.t0, 2))
+                results[(fam.id, mode)] = rec
+                s.task = None
+                if progress:
+                    progress(rec)
+    finally:
+        for s in slots:
+            s.stop()
     return [results[(f.id, m)] for f in fams for m in modes]
+
+
+def expectations(rec: dict) -> dict:
+    """What the features covered on one family, in the form the CI test's table keeps: RMSNorm
+    forms replaced and forms left eager, whether the loss ran fused, whether the experts ran the
+    gathers (None: no experts modules)."""
+    n, mo = rec["norms"], rec["moe"]
+    return dict(replaced=set(n["replaced_by_form"]), eager={row["form"] for row in n["left_eager"]},
+                loss_fused=bool(rec["loss_fused"]["fused"]),
+                gathers=(bool(mo["gathers"]) if (mo["experts_modules"] or mo["applied"]) else None))
 
 
 # ---- outputs --------------------------------------------------------------------------------------
