@@ -225,6 +225,16 @@ def _shrink_scalars(d: dict, original: dict) -> dict:
             d[k] = 0.0
         if not _is_int(v) or v <= 0:
             continue
+        # a prefixed variant of a known field (swa_head_dim, global_num_key_value_heads, ...)
+        base = next((b for b in HEAD_DIM_KEYS + KV_KEYS + HEAD_KEYS if lk.endswith("_" + b)), None)
+        if base in KV_KEYS:
+            pre = k[: -len(base)]
+            heads = next((original[pre + h] for h in HEAD_KEYS if _is_int(original.get(pre + h))), heads_before)
+            d[k] = KV_HEADS if (heads is None or v < heads) else HEADS
+            continue
+        if base in HEAD_DIM_KEYS and k not in SMALL:
+            d[k] = HEAD_DIM
+            continue
         if k in HIDDEN_KEYS:
             d[k] = HIDDEN
         elif k in FFN_KEYS or ("intermediate" in lk and "moe" not in lk and "expert" not in lk):
@@ -330,6 +340,8 @@ def _relations(d: dict, original: dict) -> None:
             d[k] = 1
     # multi-head latent attention: head_dim read as qk_rope_head_dim, or as nope + rope
     if _is_int(d.get("qk_rope_head_dim")):
+        if _is_int(d.get("qk_nope_head_dim")) and original.get("qk_nope_head_dim") == original.get("qk_rope_head_dim"):
+            d["qk_nope_head_dim"] = d["qk_rope_head_dim"]  # equal halves stay equal (partial rotary of a head)
         if _is_int(d.get("qk_nope_head_dim")) and "qk_head_dim" in d:
             d["qk_head_dim"] = d["qk_rope_head_dim"] + d["qk_nope_head_dim"]
         if _is_int(d.get("head_dim")) and _is_int(original.get("head_dim")):
@@ -350,8 +362,11 @@ def _relations(d: dict, original: dict) -> None:
     if mh is None and md is None and expand is not None and _is_int(d.get("state_size")):
         mh, md = ("num_heads", "head_dim") if _is_int(d.get("num_heads")) and _is_int(d.get("head_dim")) else (None, None)
     if expand is not None and mh and md:
+        inner = int(expand * d.get("hidden_size", HIDDEN))
         d[md] = 16
-        d[mh] = max(1, int(expand * d.get("hidden_size", HIDDEN)) // 16)
+        d[mh] = max(1, inner // 16)
+        if _is_int(d.get("mamba_d_ssm")):
+            d["mamba_d_ssm"] = inner
     # expert groups must split the experts (DeepSeek-style group-limited routing)
     ne = next((d[k] for k in EXPERT_KEYS if _is_int(d.get(k))), None)
     for k in ("n_group", "num_group", "num_expert_group", "n_expert_groups", "moe_n_group"):
@@ -526,12 +541,27 @@ OVERRIDES: dict = {
                             why="the default text config leaves the experts unset (None), which the model builds with"),
     "deepseek_ocr2": dict(set={"text_config.mlp_layer_types": lambda d: ["dense"] + ["sparse"] * (
         d["text_config"]["num_hidden_layers"] - 1)}, why="the default mlp_layer_types is None, which the model indexes"),
-    "gemma4_assistant": dict(init={"hidden_size_per_layer_input": 0},
-                             why="the default config does not validate (hidden_size_per_layer_input must be 0)"),
+    "qwen4_exp_text": dict(set={"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                                "indexer_budget": 8, "indexer_compress_ratio": 2},
+                           why="the default leaves the sparse-attention indexer unset (None), which the model divides by"),
+    "reformer": dict(set={"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4], "lsh_attn_chunk_length": 8,
+                          "local_attn_chunk_length": 8, "num_buckets": 2},
+                     why="the axial position widths must add up to the width and the axial shape multiply to the "
+                         "sequence; chunks no longer than it; ReformerModelWithLMHead requires is_decoder"),
+    "chameleon": dict(set={"vocabulary_map": {"<image>": 250}}, avoid=[250],
+                      why="the default vocabulary map is None, which the model reads the image token from"),
+    "qwen2_5_omni_thinker": dict(set={"vision_start_token_id": 250},
+                                 why="the thinker's config has no vision_start_token_id, which its position ids read"),
+    "molmo2": dict(inputs=lambda b: {"mm_token_type_ids": b["input_ids"] * 0},
+                   why="training needs mm_token_type_ids (all text here)"),
     "xmod": dict(model=lambda m: m.set_default_language(m.config.languages[0]),
                  why="the model needs a default language for inputs without language ids"),
-    "reformer": dict(set={"is_decoder": True}, why="ReformerModelWithLMHead requires is_decoder=True"),
 }
+OVERRIDES["qwen4_exp"] = dict(set={f"text_config.{k}": v for k, v in OVERRIDES["qwen4_exp_text"]["set"].items()},
+                              why=OVERRIDES["qwen4_exp_text"]["why"])
+OVERRIDES["emu3"] = dict(set={"vq_config.vocabulary_map": None, "vocabulary_map": {"<image>": 250}}, avoid=[250],
+                         why=OVERRIDES["chameleon"]["why"])
+OVERRIDES["qwen3_omni_moe_thinker"] = OVERRIDES["qwen2_5_omni_thinker"]
 OVERRIDES["cohere_compass"] = dict(
     set={"text_config.rope_parameters": OVERRIDES["cohere_compass_text"]["set"]["rope_parameters"]},
     why=OVERRIDES["cohere_compass_text"]["why"])
@@ -552,7 +582,7 @@ def tiny_config(fam: Family):
     for key, val in ov.get("set", {}).items():
         _set_path(d, key, val(d) if callable(val) else copy.deepcopy(val))
     vocab = d.get("vocab_size") if _is_int(d.get("vocab_size")) else _text_vocab(d)
-    special = _remap_special_tokens(d, vocab)
+    special = _remap_special_tokens(d, vocab) | set(ov.get("avoid", ()))
     d.pop("transformers_version", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -760,7 +790,8 @@ def norm_form(module, width: int, n_tensor_args: int) -> str:
 
 
 def _rounding_form(module, width: int, eps: float) -> str:
-    """``llama`` or ``weight_before_cast``: the bf16 output of a copy bit-matched against each."""
+    """``llama`` or ``weight_before_cast``: the bf16 output of a copy bit-matched against each
+    (``other`` when it matches neither)."""
     import torch
 
     m = copy.deepcopy(module).to(torch.bfloat16)
@@ -772,14 +803,14 @@ def _rounding_form(module, width: int, eps: float) -> str:
         try:
             y = m(x)
         except Exception:
-            return "llama"
+            return "other"
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         w = m.weight
         cands = {"llama": w * normed.to(torch.bfloat16), "weight_before_cast": (w * normed).to(torch.bfloat16)}
         mism = {k: int((y != v).sum()) for k, v in cands.items()}
-    best = min(mism, key=mism.get)
-    return best
+    exact = [k for k, v in mism.items() if v == 0]
+    return exact[0] if exact else "other"  # Llama-like in fp32, but neither rounding
 
 
 def norm_inventory(model, calls: dict) -> dict:
@@ -1035,6 +1066,9 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
         else:
             ref, eager, patched = None, base, copy.deepcopy(base)
         batch = make_batch(_vocab_of(base), special, device)
+        extra = OVERRIDES.get(fam.model_type, {}).get("inputs")
+        if extra is not None:
+            batch.update(extra(batch))
         rec["stage"] = "eager run"
         calls, handles = _record_norm_calls(eager)
         with warnings.catch_warnings():
