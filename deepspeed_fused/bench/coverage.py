@@ -29,13 +29,14 @@ must stay within twice the eager bf16 run's error plus a floor, both recorded).
     python -m deepspeed_fused.bench coverage                        # every family, fp32
     python -m deepspeed_fused.bench coverage --modes fp32,bf16      # on a GPU
     python -m deepspeed_fused.bench coverage --families llama,gpt2 --out /tmp/cov
-    python -m deepspeed_fused.bench coverage --render docs/benchmarks/coverage.json
+    python -m deepspeed_fused.bench coverage --render docs/benchmarks/coverage.json /tmp/cov_gpu/coverage.json
 
 Outputs: ``coverage.json`` under ``--out`` (default ``docs/benchmarks/``) and ``coverage.md``
 (``docs/coverage.md`` by default, next to the JSON with ``--out``).
 Flags: ``--families A,B`` (model types or ``model_type/Class`` ids), ``--modes``, ``--timeout``
 (s per family, default 300), ``--jobs`` (families at once, default 1), ``--md PATH``,
-``--render JSON`` (write the Markdown from a JSON file without running).
+``--render JSON [JSON ...]`` (write the outputs from earlier runs' JSON files without running,
+their records merged: CPU and GPU runs side by side).
 """
 from __future__ import annotations
 
@@ -536,9 +537,6 @@ OVERRIDES: dict = {
     "zamba": dict(set={"layers_block_type": None, "num_hidden_layers": 5, "attn_layer_period": 2,
                        "attn_layer_offset": 1},
                   why="the shared attention block is tied across hybrid layers: at least two are needed"),
-    "diffusion_gemma": dict(set={"text_config.num_experts": EXPERTS, "text_config.top_k_experts": TOP_K,
-                                 "text_config.moe_intermediate_size": MOE_FFN},
-                            why="the default text config leaves the experts unset (None), which the model builds with"),
     "deepseek_ocr2": dict(set={"text_config.mlp_layer_types": lambda d: ["dense"] + ["sparse"] * (
         d["text_config"]["num_hidden_layers"] - 1)}, why="the default mlp_layer_types is None, which the model indexes"),
     "qwen4_exp_text": dict(set={"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
@@ -559,7 +557,7 @@ OVERRIDES: dict = {
 }
 OVERRIDES["qwen4_exp"] = dict(set={f"text_config.{k}": v for k, v in OVERRIDES["qwen4_exp_text"]["set"].items()},
                               why=OVERRIDES["qwen4_exp_text"]["why"])
-OVERRIDES["emu3"] = dict(set={"vq_config.vocabulary_map": None, "vocabulary_map": {"<image>": 250}}, avoid=[250],
+OVERRIDES["emu3"] = dict(set={"vocabulary_map": {"<image>": 250}}, avoid=[250],
                          why=OVERRIDES["chameleon"]["why"])
 OVERRIDES["qwen3_omni_moe_thinker"] = OVERRIDES["qwen2_5_omni_thinker"]
 OVERRIDES["cohere_compass"] = dict(
@@ -995,11 +993,16 @@ def _lce_info(model, feature_report) -> dict:
     states = [(type(m).__name__, lce.fused_state(m)) for m in model.modules() if lce.is_patched(m)]
     calls = sum(st.fused_calls for _, st in states)
     info = dict(patched=sorted({c for c, _ in states}), fused_calls=calls, fused=calls > 0, reason="")
+    skipped = (feature_report.details or {}).get("skipped") or {}
     if not states:
         info["reason"] = feature_report.reason or "not applied"
+        # the kind of reason, for the summary: the first skipped class's, without its specifics
+        info["why"] = next(iter(skipped.values())) if skipped else "no *ForCausalLM module in the model"
+        info["kind"] = info["why"].split(":")[0].split(" (")[0]
     elif not calls:
         why = "; ".join(sorted({st.unfused_reason for _, st in states if st.unfused_reason}))
-        info["reason"] = why or "patched, but the forward did not take the fused path"
+        info["reason"] = info["why"] = why or "patched, but the forward did not take the fused path"
+        info["kind"] = "patched, not fused in the forward"
     return info
 
 
@@ -1051,6 +1054,7 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
     patched = None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rec = dict(family=fam.model_type, cls=fam.cls, kind=fam.kind, id=fam.id, mode=mode, device=device,
+               run=f"{device} {mode}",
                input="text only (no pixels)" if fam.kind == "image-text-to-text" else "text",
                status="", error="", stage="build")
     try:
@@ -1271,6 +1275,7 @@ def run_many(fams: list, modes: list, timeout: float = 300.0, jobs: int = 1, pro
         for name in _PRELOAD:
             importlib.import_module(name)
         ctx, persistent = mp.get_context("fork"), False
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     pending = [(f, m) for f in fams for m in modes]
     slots = [_Slot(ctx, persistent) for _ in range(max(1, jobs))]
     results = {}
@@ -1287,7 +1292,8 @@ def run_many(fams: list, modes: list, timeout: float = 300.0, jobs: int = 1, pro
                 if rec is None:
                     continue
                 fam, mode = s.task
-                rec = {**dict(family=fam.model_type, cls=fam.cls, kind=fam.kind, id=fam.id, mode=mode), **rec}
+                rec = {**dict(family=fam.model_type, cls=fam.cls, kind=fam.kind, id=fam.id, mode=mode, device=device,
+                              run=f"{device} {mode}"), **rec}
                 rec.setdefault("seconds", round(time.time() - s.t0, 2))
                 results[(fam.id, mode)] = rec
                 s.task = None
@@ -1312,11 +1318,26 @@ def expectations(rec: dict) -> dict:
 # ---- outputs --------------------------------------------------------------------------------------
 
 
+def merge(record_lists: list) -> list:
+    """Records of several runs in one list: per (family id, run) the last one given, in order of
+    first appearance."""
+    out: dict = {}
+    for recs in record_lists:
+        for r in recs:
+            out[(r["id"], run_label(r))] = r
+    return list(out.values())
+
+
+def run_label(rec: dict) -> str:
+    """Where and how a record ran: "cpu fp32" (kernels under the interpreter), "cuda fp32", "cuda bf16"."""
+    return rec.get("run") or f"{rec.get('device', 'cpu')} {rec['mode']}"
+
+
 def summarize(records: list) -> dict:
-    """Counts per mode: families built and run, covered per feature, left eager, differing."""
+    """Counts per run ("cpu fp32", "cuda bf16", ...): families built and run, covered per feature, left eager, differing."""
     out = {}
-    for mode in sorted({r["mode"] for r in records}):
-        rs = [r for r in records if r["mode"] == mode]
+    for run in sorted({run_label(r) for r in records}):
+        rs = [r for r in records if run_label(r) == run]
         ran = [r for r in rs if r["status"] in ("ok", "differs")]
         with_rms = [r for r in ran if r["norms"]["rms_present"]]
         forms_present, forms_replaced = collections.Counter(), collections.Counter()
@@ -1327,7 +1348,7 @@ def summarize(records: list) -> dict:
             for form, n in r["norms"]["replaced_by_form"].items():
                 forms_replaced[form] += 1 if n else 0
         moe = [r for r in ran if r["moe"]["experts_modules"]]
-        out[mode] = dict(
+        out[run] = dict(
             families=len(rs), ran=len(ran), build_failed=sum(r["status"] == "build_failed" for r in rs),
             failed=sum(r["status"] == "failed" for r in rs), timeout=sum(r["status"] == "timeout" for r in rs),
             differs=sorted(r["id"] for r in rs if r["status"] == "differs"),
@@ -1336,8 +1357,14 @@ def summarize(records: list) -> dict:
             rms_norm_some_replaced=sum(bool(r["norms"]["replaced"]) for r in with_rms),
             rms_norm_left_eager=sorted(r["id"] for r in with_rms if r["norms"]["left_eager"]),
             rms_forms_present=dict(forms_present), rms_forms_replaced=dict(forms_replaced),
+            rms_left_eager_by_form={form: sorted({r["family"] for r in with_rms
+                                                  if any(row["form"] == form for row in r["norms"]["left_eager"])})
+                                    for form in RMS_FORMS
+                                    if any(row["form"] == form for r in with_rms for row in r["norms"]["left_eager"])},
             loss_fused=sum(r["loss_fused"]["fused"] for r in ran),
             loss_eager=sorted(r["id"] for r in ran if not r["loss_fused"]["fused"]),
+            loss_eager_kinds=dict(collections.Counter(r["loss_fused"].get("kind", "?") for r in ran
+                                                      if not r["loss_fused"]["fused"]).most_common()),
             vlm_ran=sum(r["kind"] == "image-text-to-text" for r in ran),
             vlm_loss_fused=sum(r["kind"] == "image-text-to-text" and r["loss_fused"]["fused"] for r in ran),
             with_experts=len(moe), experts_gathers=sum(r["moe"]["gathers"] for r in moe),
@@ -1369,25 +1396,48 @@ def _short(s: str, n: int = 110) -> str:
 
 
 def render_markdown(doc: dict) -> str:
-    recs, env, summ = doc["records"], doc["env"], doc["summary"]
+    recs, summ, tol = doc["records"], doc["summary"], doc.get("tolerances", {})
+    runs = []
+    for run, env in doc.get("envs", {}).items():
+        runs.append(f"`{run}`: {env.get('date', '')}, {env.get('gpu', '')}, torch {env.get('torch', '')}, Triton "
+                    f"{env.get('triton', '')}, transformers {env.get('transformers', '')}, kernels "
+                    + ("under the Triton interpreter" if env.get("interpreter") else "on the GPU")
+                    + (f", {env['wall_s'] / 60:.0f} min with {env.get('jobs', 1)} job(s)" if env.get("wall_s") else ""))
     lines = ["# Coverage: every causal-LM and image-text-to-text family", "",
-             f"Generated by `{doc['command']}` on {env['date']} ({env['gpu']}, torch {env['torch']}, Triton "
-             f"{env['triton']}, transformers {env.get('transformers', '')}; kernels "
-             f"{'under the Triton interpreter' if env.get('interpreter') else 'on the GPU'}). "
-             f"Data: [benchmarks/coverage.json](benchmarks/coverage.json).", "",
-             "Each family of the installed transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and "
-             "`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES` is built tiny with random weights (its default "
-             "config shrunk field by field: widths 64, 4 heads, 4 experts with 2 per token, vocabulary 256, "
-             "one layer of each kind the full config has and at least 2; dropout off), deep-copied, and both "
-             "copies run a training forward and backward on the same batch (2 x 16 random tokens, one row "
-             "right-padded, some labels -100; image-text models get text only, no pixels): the unpatched "
-             "model, and the copy after `patch_model` with `rms_norm`, `linear_cross_entropy` and "
-             "`moe_reorder` on. Target in fp32: the loss within "
-             f"{FP32_LOSS_RTOL:g} relative and every parameter's gradient within {FP32_GRAD_RTOL:g} of its "
-             "norm. The RMSNorm form of a module is read from what it computes on random inputs "
-             "(fp32 for the kind, bf16 for where the weight multiplies), not from its class name. "
-             "A family that could not be built or run is listed with the error: a limit of this harness's "
-             "generic shrinking, not a verdict on the features.", ""]
+             f"Generated by `{doc['command']}`. Runs: " + "; ".join(runs) + ". Data: "
+             "[benchmarks/coverage.json](benchmarks/coverage.json); the suite: `deepspeed_fused/bench/coverage.py` "
+             "(`python -m deepspeed_fused.bench coverage`).", "",
+             "Each family (a model type of the installed transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` and "
+             "`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, with the class the mapping names) is built tiny with "
+             "random weights: its default config shrunk field by field (widths 64, FFN 128, 4 heads, 4 experts "
+             "with 2 per token, vocabulary 256, the first layer of each kind of layer the full config has and "
+             "at least 2; dropout, layer drop and router jitter off; a few per-family settings where "
+             "transformers' own defaults do not build, listed below). Parameters the init leaves constant "
+             "(norm weights, zero biases, learned scales) get noise, so that a patch that drops one shows in "
+             "the loss. The model is deep-copied and both copies run one training forward and backward on the "
+             "same batch (2 x 16 random tokens, one row right-padded, some labels -100; image-text models "
+             "get text only, no pixels): the unpatched model, and the copy after `patch_model` with "
+             "`rms_norm`, `linear_cross_entropy` and `moe_reorder` on.", "",
+             f"Target in fp32: the loss within {tol.get('fp32_loss_rtol', FP32_LOSS_RTOL):g} relative and every "
+             f"parameter's gradient within {tol.get('fp32_grad_rtol', FP32_GRAD_RTOL):g} of its norm. A gradient "
+             "past that is checked against an fp64 run of the unpatched model: it is fp32 noise (and passes) "
+             f"when the patched gradient is no further from the fp64 one than {NOISE_FACTOR:g} x the eager fp32 "
+             "gradient is, plus fp32 epsilon x the norm of the whole gradient (a gradient that is zero in exact "
+             "arithmetic, such as a key bias under softmax, is all noise); the JSON lists those parameters.",
+             "",
+             "RMSNorm forms are read from what each norm-named module computes on random inputs (fp32: mean "
+             "removed or not, weight or 1 + weight, a gate after or before the normalisation; bf16: whether the "
+             "weight multiplies before or after the cast to the input dtype), never from the class name. "
+             "Counted: the modules in the model (those of a vision tower too, which text-only inputs do not "
+             "run). The loss counts as fused when the fused op ran (calls counted), the experts when the "
+             "gathers ran. A family that could not be built or run is listed with the error: a limit of this "
+             "harness, not a verdict on the features.", ""]
+    if any(k.endswith("bf16") for k in summ):
+        lines += [f"bf16 (GPU): both runs in bf16, each compared with an fp32 run of the same bf16-rounded "
+                  f"weights; the patched run passes when its error is within {tol.get('bf16_factor', BF16_FACTOR):g}"
+                  f" x the eager bf16 run's error plus {tol.get('bf16_loss_floor', BF16_LOSS_FLOOR):g} (loss, "
+                  f"relative) or {tol.get('bf16_grad_floor', BF16_GRAD_FLOOR):g} (each gradient, relative to its "
+                  "norm).", ""]
     for mode, s in summ.items():
         lines += [f"## Summary ({mode})", "",
                   "| | families |", "|---|---:|",
@@ -1407,29 +1457,37 @@ def render_markdown(doc: dict) -> str:
                   f"| with transformers experts modules | {s['with_experts']} |",
                   f"| moe_reorder: experts ran the gathers | {s['experts_gathers']} of {s['with_experts']} |",
                   ""]
-        lines += ["RMSNorm forms (families where the form is present / where it is replaced):", ""]
-        lines += ["| form | present | replaced |", "|---|---:|---:|"]
+        if s["differs"]:
+            lines += ["Beyond tolerance: " + ", ".join(f"`{x}`" for x in s["differs"]) + ".", ""]
+        lines += ["RMSNorm forms: families where the form is present, and where its modules are replaced:", "",
+                  "| form | present | replaced |", "|---|---:|---:|"]
         for form in RMS_FORMS:
             p = s["rms_forms_present"].get(form, 0)
             if p:
                 lines.append(f"| {FORM_TEXT[form]} | {p} | {s['rms_forms_replaced'].get(form, 0)} |")
+        lines += ["", "Families with RMSNorm modules left eager, by form:", ""]
+        for form, fams in s.get("rms_left_eager_by_form", {}).items():
+            lines.append(f"- {form} ({len(fams)}): " + ", ".join(fams))
+        lines += ["", "Why the loss stays eager (families):", "", "| reason | families |", "|---|---:|"]
+        for why, n in s.get("loss_eager_kinds", {}).items():
+            lines.append(f"| {_short(why, 140)} | {n} |")
         lines.append("")
-        if s["differs"]:
-            lines += ["Families beyond tolerance: " + ", ".join(f"`{x}`" for x in s["differs"]), ""]
     for mode in summ:
-        rs = [r for r in recs if r["mode"] == mode]
+        rs = [r for r in recs if run_label(r) == mode]
         lines += [f"## Families ({mode})", "",
-                  "Norms: replaced/present per class (form). Loss: fused (calls) or why not. Experts: "
-                  "gathers (calls) or why not. Differences: loss relative, largest gradient relative to "
-                  "its norm.", "",
+                  "RMSNorm: replaced/present modules per class (form). Loss: fused (op calls) or why not. "
+                  "Experts: gathers (calls) or why not; - where there are no experts modules. Differences: "
+                  "the loss relative to its value, the largest gradient difference relative to its norm "
+                  "(fp32 noise excluded, see above).", "",
                   "| family | class | status | RMSNorm replaced/present | loss | experts | loss diff | grad diff |",
                   "|---|---|---|---|---|---|---:|---:|"]
         for r in rs:
             if r["status"] not in ("ok", "differs"):
-                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} | | | | | |")
+                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} (below) | | | | | |")
                 continue
             lf = r["loss_fused"]
-            loss = f"fused ({lf['fused_calls']})" if lf["fused"] else "eager: " + _short(lf["reason"], 90)
+            loss = f"fused ({lf['fused_calls']})" if lf["fused"] else \
+                "eager: " + _short(lf.get("why") or lf["reason"], 90)
             mo = r["moe"]
             if not mo["experts_modules"] and not mo["applied"]:
                 experts = "-"
@@ -1444,25 +1502,54 @@ def render_markdown(doc: dict) -> str:
         lines.append("")
         bad = [r for r in rs if r["status"] not in ("ok", "differs")]
         if bad:
-            lines += [f"### Not built or not run ({mode})", "", "| family | class | status | error |",
-                      "|---|---|---|---|"]
+            lines += [f"### Not built or not run ({mode}): harness limits", "",
+                      "| family | class | status | error |", "|---|---|---|---|"]
             for r in bad:
                 lines.append(f"| {r['family']} | {r['cls']} | {r['status']} | {_short(r.get('error', ''), 200)} |")
             lines.append("")
+    ov = doc.get("overrides") or {}
+    if ov:
+        lines += ["## Per-family settings", "",
+                  "Where the generic shrinking alone does not build or run a family:", "",
+                  "| family | settings | why |", "|---|---|---|"]
+        for fam, o in sorted(ov.items()):
+            lines.append(f"| {fam} | {_short(o['settings'], 150)} | {_short(o['why'], 200)} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
+def _overrides_doc() -> dict:
+    out = {}
+    for fam, o in OVERRIDES.items():
+        parts = []
+        for k in ("init", "layers"):
+            if k in o:
+                parts.append(f"{k}: {o[k]}")
+        for k, v in o.get("set", {}).items():
+            parts.append(f"{k} = {'(computed)' if callable(v) else json.dumps(v, default=str)}")
+        if "inputs" in o:
+            parts.append("extra inputs")
+        if "model" in o:
+            parts.append("a call on the built model")
+        out[fam] = dict(settings="; ".join(parts), why=o.get("why", ""))
+    return out
+
+
 def write(records: list, out_dir: Optional[str] = None, md_path: Optional[str] = None, command: str = "",
-          extra_env: Optional[dict] = None) -> dict:
+          envs: Optional[dict] = None) -> dict:
+    """Write coverage.json (under ``out_dir``, default docs/benchmarks/) and coverage.md
+    (docs/coverage.md by default, else next to the JSON). ``envs``: run -> the environment it ran
+    in (default: this machine's, for every run in ``records``)."""
     out_dir = out_dir or OUT_DIR
     os.makedirs(out_dir, exist_ok=True)
     md_path = md_path or (os.path.join(DOCS_DIR, "coverage.md") if os.path.abspath(out_dir) == os.path.abspath(OUT_DIR)
                           else os.path.join(out_dir, "coverage.md"))
-    env = {**env_fields(), **(extra_env or {})}
-    doc = dict(env=env, command=command, tolerances=dict(
+    here = env_fields()
+    envs = {run: (envs or {}).get(run, here) for run in sorted({run_label(r) for r in records})}
+    doc = dict(command=command, envs=envs, tolerances=dict(
         fp32_loss_rtol=FP32_LOSS_RTOL, fp32_grad_rtol=FP32_GRAD_RTOL, bf16_factor=BF16_FACTOR,
-        bf16_loss_floor=BF16_LOSS_FLOOR, bf16_grad_floor=BF16_GRAD_FLOOR),
-        summary=summarize(records), records=records)
+        bf16_loss_floor=BF16_LOSS_FLOOR, bf16_grad_floor=BF16_GRAD_FLOOR, noise_factor=NOISE_FACTOR),
+        summary=summarize(records), overrides=_overrides_doc(), records=records)
     paths = dict(json=os.path.join(out_dir, "coverage.json"), md=md_path)
     with open(paths["json"], "w") as f:
         json.dump(doc, f, indent=1, default=str)
@@ -1486,13 +1573,21 @@ def main(args) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--md", default=None)
-    p.add_argument("--render", default=None)
+    p.add_argument("--render", nargs="+", default=None,
+                   help="write the outputs from earlier runs' JSON files (records merged: a later file's "
+                        "record of the same family and run replaces an earlier one)")
     opts = p.parse_args(getattr(args, "extra", []) or [])
     if opts.render:
-        with open(opts.render) as f:
-            doc = json.load(f)
-        paths = write(doc["records"], getattr(args, "out", None) or os.path.dirname(opts.render), opts.md,
-                      doc.get("command", ""), doc.get("env"))
+        docs = []
+        for path in opts.render:
+            with open(path) as f:
+                docs.append(json.load(f))
+        records = merge([d["records"] for d in docs])
+        out = getattr(args, "out", None)
+        envs = {}
+        for d in docs:
+            envs.update(d.get("envs") or {run_label(r): d.get("env", {}) for r in d["records"]})
+        paths = write(records, out, opts.md, " + ".join(dict.fromkeys(d.get("command", "") for d in docs)), envs)
         print("wrote", ", ".join(paths.values()))
         return 0
     prepare_environment()
@@ -1516,8 +1611,9 @@ def main(args) -> int:
     records = run_many(fams, modes, timeout=opts.timeout, jobs=opts.jobs, progress=progress)
     command = "python -m deepspeed_fused.bench coverage" + (f" --families {opts.families}" if opts.families else "") \
         + (f" --modes {opts.modes}" if opts.modes != "fp32" else "")
+    env = {**env_fields(), **_env_extra(), "wall_s": round(time.time() - t0, 1), "jobs": opts.jobs}
     paths = write(records, getattr(args, "out", None), opts.md, command,
-                  {**_env_extra(), "wall_s": round(time.time() - t0, 1), "jobs": opts.jobs})
+                  {run_label(r): env for r in records})
     print(json.dumps(summarize(records), indent=1))
     print("wrote", ", ".join(paths.values()))
     return 0
