@@ -124,6 +124,13 @@ FAMILIES = {
                                            num_hidden_layers=1, num_attention_heads=4, image_size=8, patch_size=2,
                                            head_dim=8),
                         image_token_id=V - 1, spatial_merge_size=1), {}),
+    "cohere2-vision": (_build("Cohere2VisionConfig", "Cohere2VisionForConditionalGeneration",
+                              text_config=dict(model_type="cohere2", **_TXT, logit_scale=0.5),
+                              vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                                                 intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                                 image_size=8, patch_size=2),
+                              image_token_id=V - 1, downsample_factor=1, alignment_intermediate_size=32),
+                       {}),  # its multimodal forward does not apply the text model's logit_scale
     # Gemma 3's multimodal forward applies no final soft cap (its causal LM does): neither does the op
     "gemma3": (_build("Gemma3Config", "Gemma3ForConditionalGeneration",
                       text_config=dict(**_TXT, final_logit_softcapping=3.0),

@@ -1,27 +1,35 @@
-"""Feature "linear_cross_entropy": Hugging Face causal LMs compute their training loss with the
-fused LM-head + cross-entropy op, so the [tokens, vocab] logits are never materialized.
+"""Feature "linear_cross_entropy": Hugging Face language models compute their training loss with
+the fused LM-head + cross-entropy op, so the [tokens, vocab] logits are never materialized.
 
-One generic mechanism serves every ``*ForCausalLM`` whose forward follows the usual pattern
-(``self.model(...)`` -> hidden states -> ``logits = self.lm_head(hidden)`` ->
-``self.loss_function(logits, labels, vocab_size, **kwargs)``, optional router aux loss):
+One generic mechanism serves every model whose forward has a vocabulary projection feeding
+transformers' ``ForCausalLMLoss`` (``*ForCausalLM``, ``*LMHeadModel``, the language model's head
+of a ``*ForConditionalGeneration`` vision-language model, ...): hidden states ->
+``logits = self.<head>(hidden)`` (scaled, soft-capped) -> ``self.loss_function(logits, labels,
+vocab_size, **kwargs)``, optional router aux loss. Which forwards qualify, and what the op must
+do to the logits, is read from the forward's source (``lm_heads.py``), never from a class name:
 
 * The class's ``forward`` is wrapped once by a dispatcher; only instances that opted in (a state
   object in their ``__dict__``) take the fused path, and only when training with labels and with
   transformers' own ``ForCausalLMLoss``. Everything else (eval, generation, no labels, a user's own
   ``loss_function``) runs the original forward unchanged and gets real logits.
 * On the fused path the model's own forward runs with two per-call substitutions in the instance
-  ``__dict__``: ``self.lm_head`` becomes a capture that records the (already ``logits_to_keep``
-  sliced) hidden states and returns a zero-width tensor, and ``self.loss_function`` becomes a loss
+  ``__dict__``: the head (``self.lm_head``, or whatever the forward calls) becomes a capture that
+  records the (already ``logits_to_keep`` sliced) hidden states and returns a zero-width tensor
+  (reads of the head's attributes pass through), and ``self.loss_function`` becomes a loss
   that shifts/pads labels exactly as ``ForCausalLMLoss`` does (or takes ``shift_labels`` as given),
-  then calls the real ``lm_head`` *as a module* with its forward swapped for the op. Calling the
+  then calls the real head *as a module* with its forward swapped for the op. When the logits
+  are those of an inner model called without labels (``outputs = self.language_model(...)``;
+  ``logits = outputs[0]``), the capture goes on the inner model's head. Calling the
   module keeps DeepSpeed ZeRO-3's hooks in charge: the partitioned weight is gathered for the op's
   forward and backward and its gradient reaches the partitioned parameter like an ``nn.Linear``'s.
   The model's code therefore still does the slicing, router aux loss, output class and
   ``return_dict`` handling; the output is rebuilt with ``logits=None``.
-* Which forwards qualify is read from their source (AST): between ``self.lm_head`` and the loss
-  the logits may only be upcast (``.float()``), divided by a config scalar (-> the op's
-  ``temperature``) or soft-capped with ``config.<x>`` (-> the op's ``softcap``). Anything else is
-  reported and left unpatched, never silently changed.
+* Between the head and the loss the logits may only be upcast or copied, multiplied or divided
+  by scalars read from the model (-> the op's ``temperature``) and go through one ``tanh``
+  (-> ``softcap``), under conditions on such scalars; after the loss they may be read only where
+  the fused path does not go. The scalars and conditions are evaluated per call; the head must be
+  an ``nn.Linear`` (or an AutoTP vocabulary shard). Anything else is reported and left
+  unpatched (or, found at call time, runs eager with a warning), never silently changed.
 * DeepSpeed AutoTP heads split by vocabulary (``tensor_parallel``: ``VocabParallelLinear`` with
   DeepSpeed's ``VocabParallelCausalLMLoss``, or the training-mode ``LinearLayer`` that all-gathers
   the logits) take the op's vocab-parallel path with the layer's TP group (``mp_group``) and its
@@ -102,29 +110,27 @@ def causal_lm_support(cls) -> tuple[bool, str]:
     return spec is not None, why
 
 
-def _default_loss(model):
-    """The loss transformers' ``loss_function`` picks for ``model`` when no one set their own."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    return LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM", _causal_lm_loss())
-
-
 def _is_lm_candidate(model) -> bool:
-    """A PreTrainedModel whose own loss would be ForCausalLMLoss and that has a head: an output
-    embedding, or a forward calling ``self.loss_function`` (reported when it cannot be fused)."""
+    """A PreTrainedModel with a head: an output embedding, or a forward calling
+    ``self.loss_function`` (patched, or reported with the reason it is not)."""
     try:
         from transformers import PreTrainedModel
     except Exception:  # pragma: no cover
         return False
-    if not isinstance(model, PreTrainedModel) or _default_loss(model) is not _causal_lm_loss():
+    if not isinstance(model, PreTrainedModel):
         return False
     try:
         if model.get_output_embeddings() is not None:
             return True
     except Exception:
         pass
+    return _calls_loss_function(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_loss_function(cls) -> bool:
     try:
-        return "self.loss_function" in inspect.getsource(inspect.unwrap(_original_forward(type(model))))
+        return "self.loss_function" in inspect.getsource(inspect.unwrap(_original_forward(cls)))
     except (OSError, TypeError):
         return False
 
@@ -362,7 +368,11 @@ def _unfused_reason(model, spec: Optional[HeadSpec] = None) -> str:
     if shard is not None and shard.kind == "VocabParallelLinear":
         return _ds_vocab_parallel_loss(model.loss_function, lm_head)
     if model.loss_function is not _causal_lm_loss():
-        return "the model's loss_function is not transformers' ForCausalLMLoss (a user's own loss is kept)"
+        if "_loss_function" in model.__dict__:
+            return "the model's loss_function is not transformers' ForCausalLMLoss (a user's own loss is kept)"
+        loss = model.loss_function
+        return (f"the model's loss_function is {getattr(loss, '__name__', type(loss).__name__)} (loss_type "
+                f"{getattr(model, 'loss_type', None)!r}), not transformers' ForCausalLMLoss")
     return ""
 
 

@@ -505,14 +505,17 @@ def logit_transform(chain) -> tuple[float, Optional[float]]:
             try:
                 if not _holds(conds, model, spec):
                     continue
-                if op == "tanh":
-                    if tanh:
-                        raise Unsupported("the logits go through tanh twice")
-                    tanh = True
-                    continue
+            except _Unknown as e:
+                raise Unsupported(f"cannot evaluate the condition `{_src(conds[-1])}` on the logits ({e})")
+            if op == "tanh":
+                if tanh:
+                    raise Unsupported("the logits go through tanh twice")
+                tanh = True
+                continue
+            try:
                 v = float(_number(_value(expr, model, spec)))
             except _Unknown as e:
-                raise Unsupported(f"cannot evaluate the logits' transformation ({e})")
+                raise Unsupported(f"cannot evaluate the logits' scale `{_src(expr)}` as a number ({e})")
             if not (math.isfinite(v) and v != 0):
                 raise Unsupported(f"the logits are scaled by `{_src(expr)}` = {v}")
             (post if tanh else pre)[op == "div"].append(v)

@@ -411,8 +411,12 @@ def test_accepted_forward_patterns():
     assert lm_heads.logit_transform(((spec, M(3.0, use_cap=False)),)) == (2.0, None)
     why = lm_heads.blocked(((spec, M(3.0, z=1)),))
     assert "loss = loss + logits.sum()" in why and "`self.config.z > 0` holds" in why
-    with pytest.raises(lm_heads.Unsupported, match="cannot evaluate"):
+    with pytest.raises(lm_heads.Unsupported, match="cannot evaluate the logits' scale `self.config.get_text_config"):
         lm_heads.logit_transform(((spec, object()),))
+    m = M(3.0)
+    m.config.mult = torch.tensor(0.5)  # a tensor (a learnt scale would need its gradient): not a number
+    with pytest.raises(lm_heads.Unsupported, match="as a number .Tensor, not a number"):
+        lm_heads.logit_transform(((spec, m),))
 
 
 # ---------------------------------------------------------------------------------------------
