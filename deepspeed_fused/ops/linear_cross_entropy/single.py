@@ -10,8 +10,8 @@ Two gradient strategies:
   needed: the same kernel makes a second pass over the row and overwrites the logits with
   ``dL/dlogits`` (or writes them to a second buffer when the logits are fp32, see
   :func:`fp32_logits`; already weighted by ``1/n_valid`` for "mean"); two more chunk GEMMs give
-  ``dhidden`` and accumulate ``dweight``. Backward only multiplies these by ``grad_output``:
-  3 GEMMs in all.
+  ``dhidden`` and accumulate ``dweight``. Backward only multiplies these by ``grad_output``
+  (:func:`_scale_formed_grads`: ignored rows stay exact zeros, whatever it is): 3 GEMMs in all.
 * **Per-token upstream gradients** (reduction "none", entropy or lse returned): forward keeps
   per-token ``lse`` and entropy (fp32); backward recomputes the chunk logits and the kernel
   turns them in place (or into the second buffer) into ``dlogits`` from the per-token upstream
