@@ -355,10 +355,15 @@ def _unfused_reason(model, spec: Optional[HeadSpec] = None) -> str:
     lm_head = owner._modules.get(name)
     if owner is not model:
         name = f"{spec.via}.{name}"
+    if lm_head is None:
+        return f"self.{name} is not a submodule (the forward calls it as the head)"
     shard = _vocab_shard(lm_head)
     if shard is None and not isinstance(lm_head, torch.nn.Linear):
         return (f"self.{name} is {type(lm_head).__name__}, not nn.Linear or a DeepSpeed AutoTP head split by "
                 "vocabulary (VocabParallelLinear, LinearLayer with gather_output)")
+    if shard is None and type(lm_head).forward is not torch.nn.Linear.forward:
+        return (f"self.{name} is {type(lm_head).__name__}, an nn.Linear with its own forward (quantized or "
+                "otherwise not x @ weight.T + bias)")
     if "forward" in lm_head.__dict__:
         return f"self.{name}.forward is overridden on the instance"
     if shard is not None and getattr(lm_head, "defer_collectives_to_compiler", False):

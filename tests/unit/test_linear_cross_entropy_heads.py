@@ -208,6 +208,21 @@ def test_head_that_is_not_a_projection_is_refused():
     assert type(model).forward is fwd and not lce.is_patched(model)
 
 
+def test_linear_subclass_with_its_own_forward_is_refused():
+    """An nn.Linear subclass that computes something else (a quantized layer, say) is no plain
+    projection: the op would read its weight as one."""
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    build, _ = FAMILIES["gpt2"]
+    model = build().train()
+    old = model.lm_head
+    model.lm_head = Scaled(old.in_features, old.out_features, bias=False)
+    rep = _apply(model)
+    assert not rep.applied and "self.lm_head is Scaled, an nn.Linear with its own forward" in rep.reason
+
+
 def test_seq2seq_with_its_own_loss_is_reported():
     cfg = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     model = transformers.T5ForConditionalGeneration(cfg)
