@@ -358,7 +358,8 @@ def read_forward(func) -> tuple[Optional[HeadSpec], str]:
             and not _static(e, env, params)
 
     ops, via = None, []
-    simple = isinstance(head_stmt, ast.Assign) and len(head_stmt.targets) == 1 and isinstance(head_stmt.targets[0], ast.Name)
+    simple = (isinstance(head_stmt, ast.Assign) and len(head_stmt.targets) == 1
+              and isinstance(head_stmt.targets[0], ast.Name))
     if simple:
         ops = _chain(head_stmt.value, is_head, scalar_ok)
         if ops is None or not head_call:

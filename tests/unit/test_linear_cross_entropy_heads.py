@@ -7,7 +7,6 @@ each gradient's norm, fp32); families that cannot be fused are refused with the 
 import copy
 import math
 import textwrap
-import warnings
 
 import pytest
 import torch
