@@ -427,7 +427,10 @@ def _unfused_reason(model) -> str:
     lm_head = model._modules.get("lm_head")
     shard = _vocab_shard(lm_head)
     if shard is None and not isinstance(lm_head, torch.nn.Linear):
-        return (f"lm_head is {_head_kind(lm_head)}, not nn.Linear or a DeepSpeed AutoTP head split by "
+        kind = _head_kind(lm_head)
+        if kind.startswith("peft's"):
+            return f"lm_head is {kind}"
+        return (f"lm_head is {kind}, not nn.Linear or a DeepSpeed AutoTP head split by "
                 "vocabulary (VocabParallelLinear, LinearLayer with gather_output)")
     if "forward" in lm_head.__dict__:
         return "lm_head.forward is overridden on the instance"
@@ -441,8 +444,9 @@ def _unfused_reason(model) -> str:
 
 
 def _head_kind(lm_head) -> str:
-    """What a head that is not an ``nn.Linear`` is, in the reason: peft's tuner layers (a LoRA
-    ``Linear`` shares the name of the class it wraps) are named with their package and base layer."""
+    """What a head that is not an ``nn.Linear`` is, for the reason: peft's tuner layers (a LoRA
+    ``Linear`` has the name of the class it wraps) are named with their package and base layer, and
+    with what to do."""
     cls = type(lm_head)
     if cls.__module__.split(".")[0] != "peft":
         return cls.__name__
@@ -450,9 +454,11 @@ def _head_kind(lm_head) -> str:
     if base is None:
         base = getattr(lm_head, "original_module", None)  # peft's modules_to_save wrapper
     what = "peft's LoRA layer" if hasattr(lm_head, "lora_A") else "peft's wrapper"
-    inner = f" around {type(base).__name__}" if base is not None else ""
-    return (f"{what} {cls.__module__}.{cls.__qualname__}{inner} (the fused loss needs the plain head: leave "
-            "lm_head out of the adapter's target_modules and modules_to_save)")
+    inner = ""
+    if base is not None:
+        inner = " around " + ("nn.Linear" if type(base) is torch.nn.Linear else type(base).__name__)
+    return (f"{what} {cls.__module__}.{cls.__qualname__}{inner} (the fused loss takes the plain head: leave lm_head "
+            "out of the adapter's target_modules and modules_to_save)")
 
 
 def _trainer_cause():
@@ -506,7 +512,8 @@ def _warn_no_labels(model, out) -> None:
     else:
         msg = (f"{head}. Pass labels= (or the Trainer's \"labels\" column) to use the fused loss; in training mode "
                "with labels the output's logits are None. For per-token losses or entropy without logits, call "
-               "deepspeed_fused.ops.linear_cross_entropy on the hidden states (reduction=\"none\", return_entropy=True).")
+               "deepspeed_fused.ops.linear_cross_entropy.linear_cross_entropy on the hidden states "
+               "(reduction=\"none\", return_entropy=True).")
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
