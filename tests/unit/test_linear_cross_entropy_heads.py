@@ -7,6 +7,7 @@ each gradient's norm, fp32); families that cannot be fused are refused with the 
 import copy
 import math
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -338,8 +339,15 @@ def test_logits_of_an_inner_model(op_calls):
     rep = _apply(fused)
     assert rep.details["patched"] == {"_Wrapper": 1, "LlamaForCausalLM": 1}  # the inner one on its own too
     b = text_batch(9)
-    out_r, out_f = _run(ref, b), _run(fused, b)
+    out_r = _run(ref, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the inner model's no-label call is part of the fused one
+        warnings.filterwarnings("ignore", message=".*running the torch reference.*")
+        out_f = _run(fused, b)
     assert out_f.logits is None
+    inner = lce.fused_state(fused.language_model)
+    # one counter per apply: one fused forward, and the inner model's call not counted as eager
+    assert (inner.calls.fused, inner.calls.eager) == (1, 0) and not inner.warned_no_labels
     torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
     out_r.loss.backward()
     out_f.loss.backward()
