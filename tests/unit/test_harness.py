@@ -139,3 +139,67 @@ class TestHarnessFailure:
             pytest.skip("a machine with 64 GPUs")
         with pytest.raises(pytest.skip.Exception, match="GPUs required"):
             run_distributed(_boom, 64, backend="nccl")
+
+
+def _skip_on_every_rank():
+    pytest.skip(f"rank {os.environ['RANK']} has nothing to do")
+
+
+def _skip_on_rank_one_fail_on_zero():
+    if int(os.environ["RANK"]) == 1:
+        pytest.skip("rank one skips")
+    raise ValueError("rank zero failed")
+
+
+class TestHarnessOutcomes:
+    def test_skip_in_the_ranks_skips_the_test(self):
+        with pytest.raises(pytest.skip.Exception, match="rank 0 has nothing to do"):
+            run_distributed(_skip_on_every_rank, 2, init_dist=False)
+
+    def test_a_failure_beside_a_skip_fails(self):
+        with pytest.raises(pytest.fail.Exception, match=r"(?s)rank 0 ---.*ValueError: rank zero failed.*rank 1 ---\n"
+                                                         r"skipped: rank one skips"):
+            run_distributed(_skip_on_rank_one_fail_on_zero, 2, init_dist=False)
+
+    def test_nccl_ranks_start_on_other_gpus_per_xdist_worker(self, monkeypatch):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+        assert common._visible_devices() == "0,1,2,3"
+        for worker, want in (("gw0", "0,1,2,3"), ("gw1", "1,2,3,0"), ("gw6", "2,3,0,1")):
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+            assert common._visible_devices() == want
+
+    def test_gpu_heavy_tests_hold_one_lock(self, monkeypatch):
+        """Under xdist (a run id), a heavy test holds a lock file another process cannot take."""
+        import fcntl
+
+        monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", f"harness-test-{os.getpid()}")
+        path = os.path.join(common.tempfile.gettempdir(), f"deepspeed_fused-gpu-heavy-harness-test-{os.getpid()}.lock")
+
+        def other_can_lock():
+            ctx = mp.get_context("fork")
+            q = ctx.Queue()
+
+            def probe():
+                with open(path, "w") as f:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        q.put(True)
+                    except BlockingIOError:
+                        q.put(False)
+
+            p = ctx.Process(target=probe)
+            p.start()
+            got = q.get(timeout=60)
+            p.join()
+            return got
+
+        try:
+            with common.gpu_heavy_lock(True):
+                assert not other_can_lock()
+            assert other_can_lock()
+            with common.gpu_heavy_lock(False):  # not heavy: no lock
+                assert other_can_lock()
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
