@@ -46,6 +46,14 @@ class TestWorldSizeOne(DistributedTest):
         _ask_for_cuda()
 
 
+class TestPlainClass:
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("value", ["a"])
+    def test_method_in_worker(self, value):
+        assert os.environ["RANK"] == "0" and value == "a" and isinstance(self, TestPlainClass)
+        _ask_for_cuda()
+
+
 @pytest.fixture
 def cuda_in_parent():
     _ask_for_cuda()  # catches the refusal: the conftest fails the test all the same

@@ -68,7 +68,7 @@ def test_collection_and_workers_never_initialise_cuda_in_the_pytest_process(tmp_
     assert junit.exists(), report
     got = _outcomes(junit)
     want = {"test_plain_gpu_function[1]": "passed", "test_plain_gpu_function[2]": "passed",
-            "test_method": "passed", "test_not_gpu_asking_for_cuda_here": "passed",
+            "test_method": "passed", "test_method_in_worker[a]": "passed", "test_not_gpu_asking_for_cuda_here": "passed",
             "test_gpu_fixture_asking_for_cuda": "error"}
     assert {k: v[0] for k, v in got.items()} == want, report
     assert "requested in the pytest process for the gpu test" in got["test_gpu_fixture_asking_for_cuda"][1], report
@@ -77,10 +77,10 @@ def test_collection_and_workers_never_initialise_cuda_in_the_pytest_process(tmp_
 
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     in_ranks = {r["test"].split("::")[-1].split(" ")[0] for r in records if r["rank"] == "0" and r["test"]}
-    assert {"test_plain_gpu_function[1]", "test_plain_gpu_function[2]", "test_method"} <= in_ranks, records
+    assert {"test_plain_gpu_function[1]", "test_plain_gpu_function[2]", "test_method",
+            "test_method_in_worker[a]"} <= in_ranks, records
     here = [r for r in records if r["rank"] is None and "test_not_gpu_asking_for_cuda_here" in (r["test"] or "")]
     assert here and all("forkserver" not in r["argv"] for r in here), records  # the log sees the pytest process
-    print(json.dumps([{k: v for k, v in r.items() if k != "stack"} for r in records], indent=1))
     bad = [r for r in records if r["rank"] != "0" and r not in here]
     assert not bad, "CUDA requested outside the ranks:\n" + "\n".join(
         f"{r['what']} in pid {r['pid']} (started as {r['start_pid']}: {r['argv'][:200]}), test {r['test']}:\n"

@@ -151,7 +151,21 @@ def _skip_on_rank_one_fail_on_zero():
     raise ValueError("rank zero failed")
 
 
+def _world_two_env():
+    assert os.environ["WORLD_SIZE"] == "2" and os.environ["RANK"] in ("0", "1")
+
+
+def _ranks_from_a_worker():
+    common.start_worker_server()  # this worker's own server (a fresh interpreter)
+    run_distributed(_world_two_env, 2, init_dist=False)
+
+
 class TestHarnessOutcomes:
+    def test_a_worker_starts_ranks_of_its_own(self):
+        """As tests/gpu/test_harness_gpu.py does after initialising CUDA in its worker."""
+        run_distributed(_ranks_from_a_worker, 1, init_dist=False)
+
+
     def test_skip_in_the_ranks_skips_the_test(self):
         with pytest.raises(pytest.skip.Exception, match="rank 0 has nothing to do"):
             run_distributed(_skip_on_every_rank, 2, init_dist=False)
