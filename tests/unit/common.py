@@ -356,7 +356,10 @@ def _run_rank(rank, world_size, port, payload, env, backend, store, log_path, qu
 
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=store,
                                        rank=rank, world_size=world_size)
-        fn(**kwargs)
+        try:
+            fn(**kwargs)
+        finally:
+            _finish_background_builds()
         if init_dist:
             import deepspeed.comm as dist
 
@@ -376,6 +379,15 @@ def _run_rank(rank, world_size, port, payload, env, backend, store, log_path, qu
             except Exception:
                 pass
         sys.stdout.flush(), sys.stderr.flush()
+
+
+def _finish_background_builds():
+    """Wait for the background build (or cached load) of deepspeed_fused's C++ node if the test
+    started one: torch's extension build holds a lock file while it runs, and a rank that exited
+    in the middle would leave it behind for every later build or load to wait on forever."""
+    native = sys.modules.get("deepspeed_fused.ops._native")
+    if native is not None and native.building():
+        native._state["thread"].join()
 
 
 def _tail(path, lines=30):

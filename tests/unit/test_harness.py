@@ -160,7 +160,27 @@ def _ranks_from_a_worker():
     run_distributed(_world_two_env, 2, init_dist=False)
 
 
+def _start_a_background_build(path):
+    import threading
+
+    from deepspeed_fused.ops import _native
+
+    def build():  # a daemon thread, as _native.get() starts: it would die with the rank
+        time.sleep(1.0)
+        with open(path, "w") as f:
+            f.write("built")
+
+    _native._state["thread"] = threading.Thread(target=build, daemon=True)
+    _native._state["thread"].start()
+
+
 class TestHarnessOutcomes:
+    def test_ranks_finish_the_native_build_they_started(self, tmp_path):
+        """torch's extension build holds a lock file: a rank may not exit in the middle of it."""
+        run_distributed(_start_a_background_build, 1, init_dist=False, path=str(tmp_path / "built"))
+        assert (tmp_path / "built").read_text() == "built"
+
+
     def test_a_worker_starts_ranks_of_its_own(self):
         """As tests/gpu/test_harness_gpu.py does after initialising CUDA in its worker."""
         run_distributed(_ranks_from_a_worker, 1, init_dist=False)
