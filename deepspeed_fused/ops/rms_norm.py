@@ -1504,15 +1504,20 @@ def _gate_act(g: torch.Tensor, act: str) -> torch.Tensor:
 def rms_norm_form_reference(hidden: torch.Tensor, weight: Optional[torch.Tensor], eps: float, form,
                             gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``form`` written as the eager modules write it (same rounding points)."""
-    form = _check_form(form)
+    return _form_eager(hidden, weight, eps, _check_form(form), gate)
+
+
+def _form_eager(hidden, weight, eps, form: RMSForm, gate=None, rstd=None):
+    """The reference; ``rstd`` (tests): this FP32 rstd ([..., 1]) instead of the input's own."""
     input_dtype = hidden.dtype
     h = hidden.to(torch.float32)
     if form.gate == "before" and gate is not None:
         h = h * _gate_act(gate.to(torch.float32), form.act)
-    variance = h.pow(2).mean(-1, keepdim=True)
+    if rstd is None:
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if form.rstd_cast:
-        return hidden * torch.rsqrt(variance + eps).to(input_dtype)
-    h = h * torch.rsqrt(variance + eps)
+        return hidden * rstd.to(input_dtype)
+    h = h * rstd
     if form.norm_cast == "input":
         h = h.to(input_dtype)
     elif form.norm_cast == "weight_half" and weight is not None and weight.dtype in _HALF:
