@@ -1775,8 +1775,7 @@ def _(x, w, g, eps, form):
 def _rms_norm_form_bwd(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], g: Optional[torch.Tensor],
                        rstd: torch.Tensor, form: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, dg = _form_backward_impl(dy, x, w, g, rstd, _form_of(form))
-    empty = x.new_empty(0)
-    return dx, (empty if dw is None else dw), (empty if dg is None else dg)
+    return dx, (x.new_empty(0) if dw is None else dw), (x.new_empty(0) if dg is None else dg)
 
 
 @_rms_norm_form_bwd.register_fake
