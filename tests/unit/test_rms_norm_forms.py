@@ -281,3 +281,195 @@ def test_form_gradient_of_gradient_raises(interpret):
     (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
     with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
         torch.autograd.grad(gx.sum(), x)
+
+
+# ---- recognition and the installer on transformers' own classes ----------------------------------
+# (model, class, template) of transformers' RMSNorm-like classes: two of each template where there
+# are two; the docs' table (docs/rms_norm.md) lists every class of transformers 5.24.
+RECOGNISED = [
+    ("llama", "LlamaRMSNorm", "llama"), ("glm4", "Glm4RMSNorm", "llama"),
+    ("llama4", "Llama4TextRMSNorm", "llama4"), ("cpmant", "CpmAntLayerNorm", "cpmant"),
+    ("gemma3", "Gemma3RMSNorm", "gemma"), ("qwen3_next", "Qwen3NextRMSNorm", "gemma"),
+    ("qwen3_5", "Qwen3_5RMSNorm", "gemma"), ("vaultgemma", "VaultGemmaRMSNorm", "gemma"),
+    ("muse_spark", "MuseSparkTextCenteredRMSNorm", "centered"),
+    ("gpt_oss", "GptOssRMSNorm", "olmo2"), ("olmo2", "Olmo2RMSNorm", "olmo2"), ("olmo3", "Olmo3RMSNorm", "olmo2"),
+    ("flex_olmo", "FlexOlmoRMSNorm", "olmo2"), ("afmoe", "AfmoeRMSNorm", "olmo2"),
+    ("deepseek_v4", "DeepseekV4RMSNorm", "olmo2"),
+    ("helium", "HeliumRMSNorm", "helium"), ("nemotron_h", "NemotronHRMSNorm", "helium"),
+    ("moshi", "MoshiRMSNorm", "moshi"), ("gemma3n", "Gemma3nRMSNorm", "gemma3n"), ("gemma4", "Gemma4RMSNorm", "gemma3n"),
+    ("t5", "T5LayerNorm", "t5"), ("idefics", "IdeficsRMSNorm", "t5"),
+    ("falcon_mamba", "FalconMambaWeightlessRMSNorm", "unweighted"), ("llama4", "Llama4TextL2Norm", "unweighted"),
+    ("inkling2", "Inkling2UnweightedRMSNorm", "unweighted_square"),
+    ("deepseek_v4", "DeepseekV4UnweightedRMSNorm", "rstd_cast"),
+    ("qwen3_next", "Qwen3NextRMSNormGated", "gated"), ("qwen3_5", "Qwen3_5RMSNormGated", "gated"),
+    ("kimi_linear", "KimiLinearRMSNormGated", "gated_weight_first"),
+    ("bailing_hybrid", "BailingHybridRMSNormGated", "gated_weight_first"),
+    ("mamba2", "MambaRMSNormGated", "gate_first"), ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", "gate_first"),
+    ("nemotron_h", "NemotronHRMSNormGated", "gate_first"),
+]
+# RMSNorm-like classes whose math is none of the forms: left eager
+NOT_RECOGNISED = [
+    ("dory", "DoryL2Norm"),  # a sum, not a mean
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm"),  # optional group statistics in its _norm
+    ("falcon_h1", "FalconH1RMSNormGated"),  # groups, and the gate's place set by a flag
+    ("gradium_phonon_tts", "GradiumPhononTTSTimestepNorm"),  # statistics in the input's dtype
+    ("muse_spark", "MuseSparkTextInputScaledRMSNorm"),  # the weight before the statistics
+    ("hy_v4", "HYV4UnweightedRMSNorm"),  # returns rstd only
+    ("cohere", "CohereLayerNorm"),  # subtracts the mean
+]
+
+
+def _import(model, name):
+    import importlib
+
+    return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
+
+
+# imported once at collection, so that forked tests do not import them again each
+_CLASSES = {(m, n): _import(m, n) for m, n, *_ in RECOGNISED + NOT_RECOGNISED}
+
+
+def _cls(model, name):
+    return _CLASSES[(model, name)]
+
+
+@pytest.mark.parametrize("model,name,template", RECOGNISED)
+def test_transformers_classes_are_recognised(model, name, template):
+    spec = F.recognise(_cls(model, name))
+    assert spec is not None and spec.template == template, spec
+
+
+@pytest.mark.parametrize("model,name", NOT_RECOGNISED)
+def test_other_math_is_not_recognised(model, name):
+    assert F.recognise(_cls(model, name)) is None
+
+
+def _instance(model, name, n, **kw):
+    cls = _cls(model, name)
+    if name == "CpmAntLayerNorm":
+        from transformers import CpmAntConfig
+
+        return cls(CpmAntConfig(hidden_size=n, eps=1e-6))
+    if name in ("Llama4TextL2Norm", "Inkling2UnweightedRMSNorm", "DeepseekV4UnweightedRMSNorm"):
+        return cls(1e-6)
+    if "group_size" in str(__import__("inspect").signature(cls.__init__)):
+        return cls(n, group_size=kw.pop("group_size", n))
+    return cls(n, **kw)
+
+
+def _randomize(m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            base = 0.0 if float(p.detach().float().abs().max()) == 0 else 1.0  # zero-centred (Gemma) weights
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _module_step(m, x, gate, dy):
+    x = x.detach().clone().requires_grad_()
+    gate = None if gate is None else gate.detach().clone().requires_grad_()
+    y = m(x) if gate is None else m(x, gate)
+    y.backward(dy)
+    grads = [x.grad] + ([gate.grad] if gate is not None else []) + [p.grad for p in m.parameters()]
+    return y.detach(), grads
+
+
+def _close(a, b, dtype):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        rel = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)
+        assert rel < 2e-3, f"relative error {rel.item():.3g}"
+
+
+_GATED = {"gated", "gated_weight_first", "gate_first"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("model,name,template", [r for r in RECOGNISED if r[2] != "llama"])
+def test_installed_class_matches_its_own_eager_forward(interpret, model, name, template, dtype):
+    n = 24
+    m = _randomize(_instance(model, name, n)).to(interpret, dtype)
+    ref = copy.deepcopy(m)
+    rep = F.RmsNormFeature().apply(torch.nn.ModuleList([m]), None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {name: 1}, rep
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, n, generator=g).to(interpret, dtype)
+    gate = torch.randn(5, 3, n, generator=g).to(interpret, dtype) if template in _GATED else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback: the kernels ran
+        y_r = ref(x) if gate is None else ref(x, gate)
+        dy = torch.randn(y_r.shape, generator=g).to(interpret, y_r.dtype)
+        y, grads = _module_step(m, x, gate, dy)
+    y_r, grads_r = _module_step(ref, x, gate, dy)
+    _close(y, y_r, dtype)
+    assert len(grads) == len(grads_r)
+    for a, b in zip(grads, grads_r):
+        _close(a, b, dtype)
+
+
+def test_torch_rmsnorm_modules(interpret, monkeypatch):
+    calls = []
+    real = F.try_fused_rms_norm_form
+    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
+    mods = torch.nn.ModuleList([torch.nn.RMSNorm(16), torch.nn.RMSNorm(16, eps=1e-5, elementwise_affine=False),
+                                torch.nn.RMSNorm(16, eps=None), torch.nn.RMSNorm((4, 16))]).to(interpret)
+    _randomize(mods)
+    ref = copy.deepcopy(mods)
+    rep = F.RmsNormFeature().apply(mods, None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {"RMSNorm": 3}
+    assert rep.details["skipped"] == {"normalized over more than the last dimension": {"RMSNorm": 1}}
+    x = torch.randn(3, 4, 16, device=interpret)
+    for m, r in zip(mods[:3], ref[:3]):
+        dy = torch.randn_like(x)
+        y, grads = _module_step(m, x, None, dy)
+        y_r, grads_r = _module_step(r, x, None, dy)
+        _close(y, y_r, torch.float32)
+        for a, b in zip(grads, grads_r):
+            _close(a, b, torch.float32)
+    assert calls == [R.FORMS["weight_first_fp32"], R.FORMS["unweighted"], R.FORMS["weight_first_fp32"]]
+
+
+def test_per_instance_conditions_run_eager_with_a_reason(interpret, monkeypatch):
+    reset_fallback_warnings()
+    grouped = _instance("mamba2", "MambaRMSNormGated", 32, group_size=16).to(interpret)
+    one = _instance("mamba2", "MambaRMSNormGated", 32).to(interpret)
+    gated = _instance("qwen3_next", "Qwen3NextRMSNormGated", 32).to(interpret)
+    gelu = _instance("qwen3_next", "Qwen3NextRMSNormGated", 32).to(interpret)
+    gelu.activation = "gelu"
+    mods = torch.nn.ModuleList([grouped, one, gated, gelu])
+    ref = copy.deepcopy(mods)
+    rep = F.RmsNormFeature().apply(mods, None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {"MambaRMSNormGated": 1, "Qwen3NextRMSNormGated": 1}
+    assert rep.details["skipped"] == {
+        "statistics over groups (group_size smaller than the width)": {"MambaRMSNormGated": 1},
+        "gate activation 'gelu' (the op takes silu and sigmoid)": {"Qwen3NextRMSNormGated": 1}}
+    calls = []
+    real = F.try_fused_rms_norm_form
+    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
+    x, gt = torch.randn(2, 32, device=interpret), torch.randn(2, 32, device=interpret)
+    # one group: with a gate (positional or keyword) and without (no gating)
+    for args, kw in (((gt,), {}), ((), {"gate": gt}), ((), {})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            y = one(x, *args, **kw)
+        torch.testing.assert_close(y, ref[1](x, *args, **kw), rtol=1e-5, atol=1e-6)
+    assert calls == [R.FORMS["gate_first"]] * 3
+    torch.testing.assert_close(grouped(x, gt), ref[0](x, gt), rtol=0, atol=0)  # not replaced: eager
+    gated.activation = "relu"  # changed after installation: eager, with a warning
+    with pytest.warns(RuntimeWarning, match="gate activation 'relu'"):
+        gated(x, gt)
+    assert len(calls) == 3
+
+
+def test_match_forms_off_and_deprecated_key():
+    from deepspeed_fused import parse_config
+
+    cfg = parse_config({"rms_norm": {"enabled": True, "match_llama_form": False}})
+    assert cfg.rms_norm.match_forms is False
+    mods = torch.nn.ModuleList([_instance("gemma3", "Gemma3RMSNorm", 8), _instance("llama", "LlamaRMSNorm", 8)])
+    rep = F.RmsNormFeature().apply(mods, None, cfg.rms_norm)
+    assert rep.details["replaced"] == {"LlamaRMSNorm": 1}
+    assert rep.details["skipped"] == {"not a supported class (match_forms is off)": {"Gemma3RMSNorm": 1}}
