@@ -473,3 +473,66 @@ def test_match_forms_off_and_deprecated_key():
     rep = F.RmsNormFeature().apply(mods, None, cfg.rms_norm)
     assert rep.details["replaced"] == {"LlamaRMSNorm": 1}
     assert rep.details["skipped"] == {"not a supported class (match_forms is off)": {"Gemma3RMSNorm": 1}}
+
+
+# ---- whole models of the forms' families: a training step patched vs eager ----------------------
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=257, max_position_embeddings=256, tie_word_embeddings=False)
+FORM_MODELS = {
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8), {"Gemma3RMSNorm": 13}),
+    "olmo2": ("Olmo2Config", {}, {"Olmo2RMSNorm": 9}),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+                {"GptOssRMSNorm": 5}),
+    "qwen3_next": ("Qwen3NextConfig", dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                                           linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32,
+                                           layer_types=["linear_attention", "full_attention"]),
+                   {"Qwen3NextRMSNormGated": 1, "Qwen3NextRMSNorm": 7}),
+    "helium": ("HeliumConfig", dict(head_dim=16), {"HeliumRMSNorm": 5}),
+    "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=2, intermediate_size_mlp=128),
+               {"Llama4TextL2Norm": 2, "Llama4TextRMSNorm": 5}),
+    "deepseek_v4": ("DeepseekV4Config", {}, {"DeepseekV4RMSNorm": 11, "DeepseekV4UnweightedRMSNorm": 7}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FORM_MODELS))
+def test_form_family_training_step_matches_eager(interpret, monkeypatch, family):
+    import transformers
+
+    cls_name, kw, expected = FORM_MODELS[family]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = getattr(transformers, cls_name)(**{**_TINY, **kw})
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(interpret)
+    _randomize(torch.nn.ModuleList([m for m in model.modules() if F.recognise(type(m)) is not None]))
+    ref = copy.deepcopy(model)
+    rep = F.RmsNormFeature().apply(model, None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == expected and not rep.details["skipped"], rep
+    calls = []
+    for name in ("try_fused_rms_norm", "try_fused_rms_norm_form"):
+        real = getattr(F, name)
+        monkeypatch.setattr(F, name, lambda *a, _real=real: calls.append(1) or _real(*a))
+    ids = torch.randint(0, 257, (2, 6), generator=torch.Generator().manual_seed(1)).to(interpret)
+
+    def step(m):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    module_calls = []
+    for m in model.modules():
+        if F.is_replaced(m):
+            m.register_forward_hook(lambda *_: module_calls.append(1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="deepspeed_fused", category=RuntimeWarning)  # no fallback
+        loss, grads = step(model)
+    n_fused = len(calls)
+    assert n_fused == len(module_calls) > 0  # every call of a replaced module ran the op
+    loss_r, grads_r = step(ref)
+    assert len(calls) == n_fused
+    torch.testing.assert_close(loss, loss_r, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads_r.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], grads_r[k], rtol=1e-4, atol=1e-6, msg=k)
