@@ -1693,6 +1693,8 @@ def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=N
                     fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, ints[1])
                 if fast_key is not None and fast_key not in _form_bwd_fast:
                     _form_bwd_fast[fast_key] = _make_form_bwd_fast(plan, fn)
+                    if NATIVE and _native.enabled():
+                        _offer_native_form(fast_key, plan, fn)
                 return dx, dw, (dg if g is not None else None)
     else:
         part, cnt = _workspace(device, None, 0, ws_numel, n_cnt)
@@ -1745,6 +1747,61 @@ def _make_form_bwd_fast(plan, fn):
         return dx, dw, dg, None, None, None, None
 
     return run
+
+
+def _offer_native_form(fast_key, bplan, bfn) -> None:
+    """:func:`_offer_native` for the other forms: x, the weight and the gate contiguous and aligned,
+    the incoming gradient the planned one."""
+    fkey, dstride, ddtype, dalign = fast_key
+    fplan = _form_fwd_plans.get(fkey)
+    if fkey in _native_plans or dalign or fkey[5] or fplan is None or len(fplan) == 1:
+        return
+    wk, gk = fkey[6], fkey[7]
+    if (wk is not None and wk[4]) or (gk is not None and (gk[4] or gk[1] != _contiguous_strides(gk[0]))):
+        return
+    if ddtype != fplan[3] or dstride != _contiguous_strides(fkey[1]):
+        return
+    _native_pending[fkey] = (fast_key, bplan, bfn)
+    _register_native_form(fkey)
+
+
+def _register_native_form(fkey):
+    """:func:`_register_native` for the other forms (the extension's ``rms_norm_form`` node)."""
+    pending = _native_pending.pop(fkey, None)
+    if pending is None:
+        return _native_plans.get(fkey)
+    mod = _native.get()
+    if mod is None:
+        if _native.enabled():
+            _native_pending.setdefault(fkey, pending)
+        return None
+    fast_key, bplan, bfn = pending
+    fplan = _form_fwd_plans.get(fkey)
+    ffn = _launches.get(fplan[11]) if fplan is not None else None
+    if ffn is None or _form_fwd_fast.get(fkey) is None or _form_bwd_fast.get(fast_key) is None:
+        return None
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, gcopy, gated = fplan
+    has_w = fkey[6] is not None
+    P = _native.PTR
+    fdesc = _native.describe(ffn, [(P, 0), (P, 1) if has_w else None, (P, 2), (P, 3), (P, 4) if gated else None]
+                             + list(ints) + [_native.EPS])
+    bints, ws_numel, n_cnt = bplan[8], bplan[12], bplan[13]
+    bdesc = _native.describe(bfn, [(P, 0), (P, 1), (P, 2) if has_w else None, (P, 3), (P, 4), (P, 5), (P, 6),
+                                   (P, 7) if has_w else None, (P, 8) if gated else None, (P, 9) if gated else None]
+                             + list(bints))
+    if fdesc is None or bdesc is None:
+        _native_plans[fkey] = None
+        return None
+    xd = fkey[3]
+    dtypes = (xd, fkey[6][2] if has_w else xd, out_dtype, fkey[7][2] if gated else xd)
+    ident = ("form", fdesc, bdesc, dtypes, bool(like), int(ws_numel), int(n_cnt), has_w, gated)
+    plan_id = _native_ids.get(ident)
+    if plan_id is None:
+        e = [torch.empty(0, dtype=d) for d in dtypes]
+        plan_id = _native_ids[ident] = mod.register_rms_form_plan(
+            *fdesc, *bdesc, e[0], e[1], e[2], bool(like), int(ws_numel), int(n_cnt), has_w, gated, e[3])
+    nat = _native_plans[fkey] = (mod.rms_norm_form, plan_id, dev)
+    return nat
 
 
 # ---- autograd and custom ops ----------------------------------------------------------------------
@@ -1897,6 +1954,10 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
         run = _form_fwd_fast.get(key)
         if run is not None:
             if grad:
+                nat = (_native_plans.get(key) or (_register_native_form(key) if key in _native_pending else None)
+                       if NATIVE else None)
+                if nat is not None and _current_device() == nat[2] and not _launch_hooks():
+                    return nat[0](hidden, weight, gate, eps, nat[1])
                 return _FusedRMSNormFormFn.apply(hidden, weight, gate, eps, form, key, run)
             out = run(hidden, weight, gate, eps)
             if out is not None:
