@@ -536,3 +536,16 @@ def test_form_family_training_step_matches_eager(interpret, monkeypatch, family)
     assert grads.keys() == grads_r.keys()
     for k in grads:
         torch.testing.assert_close(grads[k], grads_r[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_bench_forms_smoke(interpret):
+    """The suite's forms part runs on CPU (the kernels under the interpreter) and summarises."""
+    from deepspeed_fused.bench import rms_norm as B
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        recs = B.run_forms("cpu", torch.float32, rep=2, native=False, quick=True)
+    assert len(recs) == 12 and all(r.fwd_bwd_ms for r in recs), [(r.impl, r.note) for r in recs]
+    assert {r.extra["form"] for r in recs} == {"offset", "gated", "weight_first"}
+    text = B._forms_summary(recs)
+    assert text.count("\n| ") == 4  # the header's separator and one row per shape
