@@ -1,4 +1,4 @@
-"""Feature "rms_norm": run Llama-form RMSNorm modules through the fused op.
+"""Feature "rms_norm": run RMSNorm modules through the fused op, each in its own form.
 
 Installation is class-level plus a per-instance opt-in. The first time a class is replaced, its
 ``forward`` is wrapped (once) by a dispatcher; the dispatcher runs the fused op only for
@@ -10,11 +10,14 @@ eager until it is replaced again. Parameters, buffers, state_dict keys and modul
 touched.
 
 Which modules qualify: the exact classes of :data:`SUPPORTED_CLASSES` (by qualified name) while
-their class still runs its own forward, plus (``match_llama_form``) any other class whose
-forward compiles to the same bytecode as the Llama form (only the epsilon attribute name,
-``variance_epsilon`` or ``eps``, may differ). Norms with other math (Gemma's ``1 + w``, GptOss
-and Olmo2 multiplying by the weight before the cast, ``torch.nn.RMSNorm``) do not match. Modules
-already replaced by DeepSpeed's own ``replace_rms_norm`` are left to it and reported.
+their class still runs its own forward, plus (``match_forms``) any other class whose forward (and
+the ``_norm`` helper it calls) compiles to the same bytecode as one of the known forms'
+templates (only the epsilon attribute name, ``variance_epsilon`` or ``eps``, may differ; see
+:func:`recognise`), and ``torch.nn.RMSNorm`` modules. Llama-form classes get the Llama
+dispatcher (the op's hot path); the other forms (Gemma's ``1 + w``, the weight before the cast,
+T5's, unweighted, gated) get a form dispatcher that resolves the module's form per call. Norms
+with other math do not match. Modules already replaced by DeepSpeed's own ``replace_rms_norm``
+are left to it and reported.
 """
 from __future__ import annotations
 

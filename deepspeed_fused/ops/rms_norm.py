@@ -27,6 +27,11 @@ gradient) directly, its calls that need a backward go through a C++ autograd nod
 the backward (strided rows keep the Python node). Rows may be
 strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
 slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
+
+The other forms of transformers' RMSNorms (:class:`RMSForm`, :data:`FORMS`: Gemma's ``1 + w``, the
+weight multiplied before the cast, T5's, unweighted, gated by ``act(gate)`` after the weight or
+before the statistics) run :func:`fused_rms_norm_form`: one more kernel family with the form's
+rounding points as constexprs, the same tiling, plans, fast closures and C++ node.
 """
 from __future__ import annotations
 
