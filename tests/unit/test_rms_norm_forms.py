@@ -549,3 +549,22 @@ def test_bench_forms_smoke(interpret):
     assert {r.extra["form"] for r in recs} == {"offset", "gated", "weight_first"}
     text = B._forms_summary(recs)
     assert text.count("\n| ") == 4  # the header's separator and one row per shape
+
+
+def test_form_dispatcher_counts_fused_and_eager_calls(interpret):
+    from deepspeed_fused import patch_model
+
+    mods = torch.nn.ModuleList([_instance("gemma3", "Gemma3RMSNorm", 16), _instance("qwen3_next",
+                                                                                    "Qwen3NextRMSNormGated", 16)])
+    calls = patch_model(mods, {"rms_norm": {"enabled": True}})["rms_norm"].calls
+    x = torch.randn(2, 16, device=interpret)
+    mods.to(interpret)
+    mods[0](x)
+    mods[1](x, x)
+    assert (calls.fused, calls.eager) == (2, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mods[0](x.double())  # float64: the module's eager forward
+        mods[1].activation = "gelu"
+        mods[1](x, x)
+    assert (calls.fused, calls.eager) == (2, 2)
