@@ -169,6 +169,8 @@ def _normalized_ops(fn, eps_attr: str = "variance_epsilon", argcount: int = 2) -
         op = "LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname
         if op == "KW_NAMES":  # the keyword names of the next call (dis shows no argval for them)
             arg = code.co_consts[ins.arg]
+        elif op == "LOAD_CONST":  # by type and value: 1 == 1.0 == True in Python
+            arg = (type(ins.argval), ins.argval)
         elif op in _NAME_OPS:
             arg = ins.argval
             if op == "LOAD_ATTR" and arg == eps_attr:

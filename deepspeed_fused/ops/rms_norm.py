@@ -1953,7 +1953,8 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
                         gate is not None and form.gate != "none") is None:
             return _rms_norm_fwd(hidden, weight, float(eps))[0]
         return _rms_norm_form_fwd(hidden, weight, gate, float(eps), _form_code(form))[0]
-    if type(eps) is float and isinstance(hidden, torch.Tensor):
+    if type(eps) is float and isinstance(hidden, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor)) \
+            and (gate is None or isinstance(gate, torch.Tensor)):
         grad = _needs_grad(hidden, weight, gate)
         key = _form_key(hidden, weight, gate, form, grad)
         run = _form_fwd_fast.get(key)
@@ -1983,11 +1984,8 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
 
 
 def _run_form(hidden, weight, gate, eps, form, key, plan):
-    if plan is not None and len(plan) == 1:  # the Llama form at these dtypes (and no gate)
-        y = try_fused_rms_norm(hidden, weight, eps)
-        if y is not None and gate is not None and gate.requires_grad and torch.is_grad_enabled():
-            y = y + 0 * gate.sum()  # pragma: no cover - an unused gate keeps a (zero) gradient path
-        return y
+    if plan is not None and len(plan) == 1:  # the Llama form at these dtypes (there is no gate then)
+        return try_fused_rms_norm(hidden, weight, eps)
     if key[-1]:
         return _FusedRMSNormFormFn.apply(hidden, weight, gate, eps, form, key)
     return _form_forward_impl(hidden, weight, gate, eps, form, write_rstd=False, key=key)[0]

@@ -568,3 +568,13 @@ def test_form_dispatcher_counts_fused_and_eager_calls(interpret):
         mods[1].activation = "gelu"
         mods[1](x, x)
     assert (calls.fused, calls.eager) == (2, 2)
+
+
+def test_form_non_tensor_arguments_raise(interpret):
+    x = torch.randn(4, 8, device=interpret)
+    with pytest.raises(TypeError, match="weight must be a tensor"):
+        R.fused_rms_norm_form(x, [1.0] * 8, EPS, "offset")
+    with pytest.raises(TypeError, match="gate must be a floating-point tensor"):
+        R.fused_rms_norm_form(x, torch.ones(8, device=interpret), EPS, "gated", [1.0])
+    with pytest.raises(TypeError, match="hidden must be a tensor"):
+        R.fused_rms_norm_form([1.0], None, EPS, "unweighted")
