@@ -254,8 +254,10 @@ def run_forms(dev: str, dtype, rep: int, native: bool, quick: bool) -> list:
                 try:
                     fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
                     rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4),
-                                     fwd_graph_tbps=round(bf / fms / 1e9, 3), fwd_bwd_graph_tbps=round(bfb / gms / 1e9, 3))
-                    rec.note = "; ".join(p for p in [rec.note, f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"] if p)
+                                     fwd_graph_tbps=round(bf / fms / 1e9, 3),
+                                     fwd_bwd_graph_tbps=round(bfb / gms / 1e9, 3))
+                    graph_note = f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"
+                    rec.note = "; ".join(p for p in [rec.note, graph_note] if p)
                 except Exception as ex:  # reported, not fatal
                     torch.cuda.synchronize()
                     rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)

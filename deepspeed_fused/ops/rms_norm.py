@@ -1953,8 +1953,8 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
                         gate is not None and form.gate != "none") is None:
             return _rms_norm_fwd(hidden, weight, float(eps))[0]
         return _rms_norm_form_fwd(hidden, weight, gate, float(eps), _form_code(form))[0]
-    if type(eps) is float and isinstance(hidden, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor)) \
-            and (gate is None or isinstance(gate, torch.Tensor)):
+    if (type(eps) is float and isinstance(hidden, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor))
+            and (gate is None or isinstance(gate, torch.Tensor))):
         grad = _needs_grad(hidden, weight, gate)
         key = _form_key(hidden, weight, gate, form, grad)
         run = _form_fwd_fast.get(key)

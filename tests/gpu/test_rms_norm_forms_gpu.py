@@ -12,8 +12,8 @@ import torch
 from deepspeed_fused.features import rms_norm as F
 from deepspeed_fused.ops import _native
 from deepspeed_fused.ops import rms_norm as R
-from unit.test_rms_norm_forms import (EPS, FORM_MODELS, FORM_NAMES, _TINY, _close, _module_step, _randomize,
-                                      check_form, form_inputs)
+from unit.test_rms_norm_forms import (EPS, FORM_MODELS, FORM_NAMES, _TINY, _module_step, _randomize, check_form,
+                                      form_inputs)
 
 pytestmark = pytest.mark.gpu
 
