@@ -854,14 +854,11 @@ def _record_norm_calls(model):
 # ---- counting what ran fused ----------------------------------------------------------------------
 
 
-class CallCounter:
-    """Counts calls into the ops the features call at run time, for one forward/backward.
-
-    Instrumentation of this harness only (the suite's child process is thrown away after one
-    family): the features look these functions up as module attributes at call time, so a
-    counting wrapper there sees every call. ``rms_norm``: calls of ``try_fused_rms_norm`` that
-    returned the fused result; ``row_gather``: calls of the gathers the experts implementation and
-    the AutoEP path use."""
+class GatherCounter:
+    """Counts calls of the row gathers (``deepspeed_fused.ops.row_gather``) during one forward and
+    backward: evidence that the gathers themselves ran, next to the experts-forward count the
+    feature reports. Instrumentation of this harness (a worker process): the feature looks the
+    gathers up as module attributes at call time, so a counting wrapper there sees every call."""
 
     GATHERS = ("gather_dispatch", "gather_combine", "permute_rows", "unpermute_rows", "route_dispatch",
                "route_combine")
@@ -871,25 +868,15 @@ class CallCounter:
         self._undo = []
 
     def __enter__(self):
-        from ..features import rms_norm as rms_feature
         from ..ops import row_gather
 
-        orig = rms_feature.try_fused_rms_norm
-
-        def counted_rms(*a, **k):
-            y = orig(*a, **k)
-            self.counts["rms_norm_fused" if y is not None else "rms_norm_declined"] += 1
-            return y
-
-        rms_feature.try_fused_rms_norm = counted_rms
-        self._undo.append((rms_feature, "try_fused_rms_norm", orig))
         for name in self.GATHERS:
             fn = getattr(row_gather, name, None)
             if fn is None:
                 continue
 
             def counted(*a, _fn=fn, _name=name, **k):
-                self.counts["gather:" + _name] += 1
+                self.counts[_name] += 1
                 return _fn(*a, **k)
 
             setattr(row_gather, name, counted)
@@ -901,6 +888,12 @@ class CallCounter:
             setattr(mod, name, fn)
         self._undo.clear()
         return False
+
+
+def _calls(report) -> dict:
+    """The feature's own count of its patched code's calls (fused / eager) since it was applied."""
+    calls = getattr(report, "calls", None)
+    return calls.as_dict() if calls is not None else {"fused": 0, "eager": 0}
 
 
 # ---- one family -----------------------------------------------------------------------------------
@@ -991,15 +984,16 @@ def _lce_info(model, feature_report) -> dict:
     from ..features import linear_cross_entropy as lce
 
     states = [(type(m).__name__, lce.fused_state(m)) for m in model.modules() if lce.is_patched(m)]
-    calls = sum(st.fused_calls for _, st in states)
-    info = dict(patched=sorted({c for c, _ in states}), fused_calls=calls, fused=calls > 0, reason="")
+    calls = _calls(feature_report)
+    info = dict(patched=sorted({c for c, _ in states}), fused_calls=calls["fused"], eager_calls=calls["eager"],
+                fused=calls["fused"] > 0, reason="")
     skipped = (feature_report.details or {}).get("skipped") or {}
     if not states:
         info["reason"] = feature_report.reason or "not applied"
         # the kind of reason, for the summary: the first skipped class's, without its specifics
-        info["why"] = next(iter(skipped.values())) if skipped else "no *ForCausalLM module in the model"
+        info["why"] = next(iter(skipped.values())) if skipped else "no language-model head module in the model"
         info["kind"] = info["why"].split(":")[0].split(" (")[0]
-    elif not calls:
+    elif not calls["fused"]:
         why = "; ".join(sorted({st.unfused_reason for _, st in states if st.unfused_reason}))
         info["reason"] = info["why"] = why or "patched, but the forward did not take the fused path"
         info["kind"] = "patched, not fused in the forward"
@@ -1010,34 +1004,39 @@ def _moe_info(model, feature_report, counts) -> dict:
     from ..features import moe_reorder
 
     experts = moe_reorder._experts_modules(model)
-    gathers = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("gather:")}
+    calls = _calls(feature_report)
     info = dict(experts_modules=len(experts), experts_classes=sorted({type(m).__name__ for m in experts}),
-                applied=bool(feature_report.applied), where=feature_report.where, gather_calls=gathers,
-                gathers=bool(gathers), reason="")
+                applied=bool(feature_report.applied), where=feature_report.where, calls=calls,
+                gather_calls=dict(counts), gathers=bool(calls["fused"]) and bool(counts), reason="")
     if not feature_report.applied:
         info["reason"] = feature_report.reason
-    elif not gathers:
-        info["reason"] = "applied, but no gather ran in the forward/backward"
+    elif not info["gathers"]:
+        info["reason"] = "applied, but the experts did not run the gathers in the forward/backward"
     return info
 
 
-def _norm_info(base_inv: dict, patched, counts) -> dict:
+def _norm_info(base_inv: dict, patched, feature_report) -> dict:
     from ..features import rms_norm as rms_feature
 
-    replaced_names = {n for n, m in patched.named_modules() if rms_feature.is_replaced(m)}
-    present, replaced, left = [], collections.Counter(), []
+    replaced = {n: m for n, m in patched.named_modules() if rms_feature.is_replaced(m)}
+    present, by_form, left = [], collections.Counter(), []
     for (cls, form), e in sorted(base_inv.items()):
-        n_rep = sum(n in replaced_names for n in e["names"])
-        row = dict(cls=cls, form=form, count=e["count"], ran=e["ran"], replaced=n_rep)
+        hit = [n for n in e["names"] if n in replaced]
+        # the feature's own reading of the class (its template), next to the form read here
+        spec = rms_feature.recognise(type(replaced[hit[0]])) if hit and hasattr(rms_feature, "recognise") else None
+        row = dict(cls=cls, form=form, count=e["count"], ran=e["ran"], replaced=len(hit),
+                   feature_form=getattr(spec, "template", "") if spec is not None else "")
         present.append(row)
-        if n_rep:
-            replaced[form] += n_rep
-        if form in RMS_FORMS and n_rep < e["count"]:
+        if hit:
+            by_form[form] += len(hit)
+        if form in RMS_FORMS and len(hit) < e["count"]:
             left.append(row)
-    return dict(present=present, replaced_by_form=dict(replaced), replaced=len(replaced_names),
+    calls = _calls(feature_report)
+    skipped = (feature_report.details or {}).get("skipped") or {}
+    return dict(present=present, replaced_by_form=dict(by_form), replaced=len(replaced),
                 rms_present=sum(r["count"] for r in present if r["form"] in RMS_FORMS),
-                left_eager=left, fused_calls=counts.get("rms_norm_fused", 0),
-                declined_calls=counts.get("rms_norm_declined", 0))
+                left_eager=left, fused_calls=calls["fused"], eager_calls=calls["eager"],
+                skipped={reason: dict(c) for reason, c in skipped.items()})
 
 
 def run_family(fam: Family, mode: str = "fp32") -> dict:
@@ -1090,13 +1089,13 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
             report = patch_model(patched, FEATURES)
             reports = {f.name: f for f in report.features}
             rec["stage"] = "patched run"
-            with CallCounter() as counter:
+            with GatherCounter() as counter:
                 loss_p, grads_p = _loss_and_grads(patched, batch)
         rec["warnings"] = sorted({str(w.message).splitlines()[0][:200] for w in caught
                                   if "deepspeed_fused" in str(w.message)})
-        rec["reports"] = {n: dict(applied=r.applied, where=r.where, reason=r.reason, fallback=r.fallback)
-                          for n, r in reports.items()}
-        rec["norms"] = _norm_info(inv, patched, counter.counts)
+        rec["reports"] = {n: dict(applied=r.applied, where=r.where, reason=r.reason, fallback=r.fallback,
+                                  calls=_calls(r)) for n, r in reports.items()}
+        rec["norms"] = _norm_info(inv, patched, reports["rms_norm"])
         rec["loss_fused"] = _lce_info(patched, reports["linear_cross_entropy"])
         rec["moe"] = _moe_info(patched, reports["moe_reorder"], counter.counts)
         rec["stage"] = "compare"
