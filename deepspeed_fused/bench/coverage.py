@@ -1022,10 +1022,9 @@ def _norm_info(base_inv: dict, patched, feature_report) -> dict:
     present, by_form, left = [], collections.Counter(), []
     for (cls, form), e in sorted(base_inv.items()):
         hit = [n for n in e["names"] if n in replaced]
-        # the feature's own reading of the class (its template), next to the form read here
-        spec = rms_feature.recognise(type(replaced[hit[0]])) if hit and hasattr(rms_feature, "recognise") else None
+        # the feature's own reading of the class (the template it matched), next to the form read here
         row = dict(cls=cls, form=form, count=e["count"], ran=e["ran"], replaced=len(hit),
-                   feature_form=getattr(spec, "template", "") if spec is not None else "")
+                   feature_form=(rms_feature.replaced_form(replaced[hit[0]]) or "") if hit else "")
         present.append(row)
         if hit:
             by_form[form] += len(hit)
