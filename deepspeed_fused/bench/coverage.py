@@ -80,8 +80,8 @@ FORM_TEXT = {
     "llama": "Llama: w * (x / rms(x)) cast to the input dtype first",
     "weight_before_cast": "weight before the cast: (w * x / rms(x)) cast after (GPT-OSS, OLMo2)",
     "offset": "offset: (1 + w) * x / rms(x) (Gemma 1-3)",
-    "gated": "gated: w * x / rms(x) * silu(gate) (Qwen3-Next, Qwen3.5)",
-    "gated_pre": "gated before the norm: w * rms-normalised (x * silu(gate)) (Mamba2-style)",
+    "gated": "gated: w * x / rms(x) * act(gate), act silu or sigmoid (Qwen3-Next, Qwen3.5, Kimi-Linear)",
+    "gated_pre": "gated before the norm: w * rms-normalised (x * act(gate)) (Mamba2-style)",
     "unweighted": "no weight: x / rms(x)",
     "torch": "torch.nn.RMSNorm",
     "layernorm": "LayerNorm (mean subtracted; not an RMSNorm)",
@@ -738,10 +738,10 @@ def norm_form(module, width: int, n_tensor_args: int) -> str:
     w = getattr(m, "weight", None)
     b = getattr(m, "bias", None)
     with torch.no_grad():
-        if isinstance(w, torch.Tensor) and w.ndim == 1 and w.is_floating_point():
+        if isinstance(w, torch.nn.Parameter) and w.ndim == 1 and w.is_floating_point():
             width = w.shape[0]
             w.copy_(0.5 + torch.rand(w.shape, generator=g))
-        else:
+        else:  # no weight, or a buffer standing in for one (a weightless norm)
             w = None
         if isinstance(b, torch.Tensor) and b.is_floating_point():
             b.copy_(torch.rand(b.shape, generator=g) - 0.5)
@@ -770,10 +770,11 @@ def norm_form(module, width: int, n_tensor_args: int) -> str:
 
     scale = wd if wd is not None else torch.ones(1, dtype=torch.float64, device=dev)
     if gated:
-        if close(scale * rms(xd) * F.silu(gd)):
-            return "gated"
-        if close(scale * rms(xd * F.silu(gd))):
-            return "gated_pre"
+        for act in (F.silu, torch.sigmoid):
+            if close(scale * rms(xd) * act(gd)):
+                return "gated"
+            if close(scale * rms(xd * act(gd))):
+                return "gated_pre"
         return "other"
     if wd is None:
         if close(rms(xd)):
@@ -914,7 +915,7 @@ def _loss_and_grads(model, batch, seed: int = 2):
     return float(loss.detach().float()), grads
 
 
-def _grad_errors(grads: dict, ref: dict, exact: Optional[dict] = None) -> tuple:
+def _grad_errors(grads: dict, ref: dict, exact: Optional[dict] = None, noise_floor: bool = False) -> tuple:
     """(max relative error, its parameter, parameters whose gradient exists in one run only,
     parameters past the tolerance only by fp32 noise).
 
@@ -923,9 +924,10 @@ def _grad_errors(grads: dict, ref: dict, exact: Optional[dict] = None) -> tuple:
     ``NOISE_FACTOR`` x the eager fp32 one is, plus ``FP32_GRAD_RTOL`` of the fp64 norm (a
     gradient that is zero in exact arithmetic, e.g. a key bias under softmax, is all noise)."""
     worst, worst_name, mismatched, noise = 0.0, "", [], []
-    # the rounding of the gradient's own scale: fp32 epsilon x the norm of the whole fp64 gradient
-    floor = 0.0 if exact is None else \
-        FP32_EPS * math.sqrt(sum(float(e.double().norm()) ** 2 for e in exact.values() if e is not None))
+    # the rounding of the gradient's own scale: fp32 epsilon x the norm of the whole gradient (fp64
+    # when there is an fp64 run, else the eager one)
+    scale_src = exact if exact is not None else (ref if noise_floor else {})
+    floor = FP32_EPS * math.sqrt(sum(float(e.double().norm()) ** 2 for e in scale_src.values() if e is not None))
     scale = max((float(g.norm()) for g in ref.values() if g is not None), default=0.0) or 1.0
     for n, r in ref.items():
         g = grads.get(n)
@@ -946,6 +948,10 @@ def _grad_errors(grads: dict, ref: dict, exact: Optional[dict] = None) -> tuple:
                 noise.append(dict(param=n, rel=err, norm=denom, patched_vs_fp64=to_exact,
                                   eager_vs_fp64=eager_to_exact))
                 continue
+        elif err > FP32_GRAD_RTOL and floor and float((g - r).norm()) <= floor:
+            # no fp64 run: a difference below the fp32 resolution of the whole gradient
+            noise.append(dict(param=n, rel=err, norm=denom, diff=float((g - r).norm()), floor=floor))
+            continue
         if err > worst:
             worst, worst_name = err, n
     return worst, worst_name, mismatched, noise
@@ -1114,7 +1120,7 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
             exact, why_not = None, ""
             if raw[0] > FP32_GRAD_RTOL:  # past the tolerance: is it fp32 noise? (an fp64 run tells)
                 exact, why_not = _fp64_grads(base, batch)
-            gp, gname, mism, noise = _grad_errors(grads_p, grads_e, exact)
+            gp, gname, mism, noise = _grad_errors(grads_p, grads_e, exact, noise_floor=exact is None)
             rec["diff"] = dict(loss_rel=_rel(loss_p, loss_e), grad_rel=gp, grad_worst=gname,
                                grad_rel_raw=raw[0], grad_worst_raw=raw[1], fp32_noise=noise[:8],
                                fp32_noise_params=len(noise), fp64_unavailable=why_not,
@@ -1421,7 +1427,9 @@ def render_markdown(doc: dict) -> str:
              "past that is checked against an fp64 run of the unpatched model: it is fp32 noise (and passes) "
              f"when the patched gradient is no further from the fp64 one than {NOISE_FACTOR:g} x the eager fp32 "
              "gradient is, plus fp32 epsilon x the norm of the whole gradient (a gradient that is zero in exact "
-             "arithmetic, such as a key bias under softmax, is all noise); the JSON lists those parameters.",
+             "arithmetic, such as a key bias under softmax, is all noise); where the model does not run in fp64, "
+             "a difference below fp32 epsilon x the norm of the whole gradient is noise. The JSON lists those "
+             "parameters.",
              "",
              "RMSNorm forms are read from what each norm-named module computes on random inputs (fp32: mean "
              "removed or not, weight or 1 + weight, a gate after or before the normalisation; bf16: whether the "

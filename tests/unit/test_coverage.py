@@ -62,6 +62,20 @@ class GatedBeforeRMSNorm(_Norm):
         return self.weight * self._normed(x).to(x.dtype)
 
 
+class SigmoidGatedRMSNorm(_Norm):
+    def forward(self, x, gate):
+        return (self.weight.float() * self._normed(x) * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class WeightlessWithBufferRMSNorm(_Norm):  # a "weight" buffer of ones that the forward never reads
+    def __init__(self, width=32):
+        super().__init__(width, weight=False)
+        self.register_buffer("weight", torch.ones(width), persistent=False)
+
+    def forward(self, x):
+        return self._normed(x).to(x.dtype)
+
+
 class UnweightedRMSNorm(_Norm):
     def __init__(self, width=32):
         super().__init__(width, weight=False)
@@ -83,6 +97,8 @@ class MeanSubtractedNorm(_Norm):  # a LayerNorm without a bias, named like an RM
     (GatedRMSNorm(), 2, "gated"),
     (GatedBeforeRMSNorm(), 2, "gated_pre"),
     (UnweightedRMSNorm(), 1, "unweighted"),
+    (WeightlessWithBufferRMSNorm(), 1, "unweighted"),
+    (SigmoidGatedRMSNorm(), 2, "gated"),
     (torch.nn.RMSNorm(32), 1, "torch"),
     (torch.nn.LayerNorm(32), 1, "layernorm"),
     (MeanSubtractedNorm(), 1, "layernorm"),
@@ -136,11 +152,15 @@ def test_grad_errors_treat_noise_of_an_exactly_zero_gradient_as_noise():
     assert raw[0] > 0.5 and raw[1] == "kb"  # past the tolerance relative to its own norm
     worst, _, _, noise = coverage._grad_errors(patched, ref, exact)
     assert worst < 1e-6 and [n["param"] for n in noise] == ["kb"]
+    # without an fp64 run: a difference below fp32 epsilon x the whole gradient's norm is noise
+    worst, _, _, noise = coverage._grad_errors(patched, ref, None, noise_floor=True)
+    assert worst < 1e-6 and [n["param"] for n in noise] == ["kb"]
     # a small gradient 10 % off where the eager one is exact is not noise
     ref["kb"] = torch.randn(50, generator=g) * 1e-3
     exact["kb"] = ref["kb"].double()
-    worst, name, _, noise = coverage._grad_errors(dict(ref, kb=ref["kb"] * 1.1), ref, exact)
-    assert name == "kb" and math.isclose(worst, 0.1, rel_tol=1e-3) and not noise
+    for ex, floor in ((exact, False), (None, True)):
+        worst, name, _, noise = coverage._grad_errors(dict(ref, kb=ref["kb"] * 1.1), ref, ex, noise_floor=floor)
+        assert name == "kb" and math.isclose(worst, 0.1, rel_tol=1e-3) and not noise
 
 
 def test_a_patch_that_is_slightly_wrong_is_reported(monkeypatch):
