@@ -998,12 +998,20 @@ def _lce_info(model, feature_report) -> dict:
         info["reason"] = feature_report.reason or "not applied"
         # the kind of reason, for the summary: the first skipped class's, without its specifics
         info["why"] = next(iter(skipped.values())) if skipped else "no language-model head module in the model"
-        info["kind"] = info["why"].split(":")[0].split(" (")[0]
+        info["kind"] = _reason_kind(info["why"])
     elif not calls["fused"]:
         why = "; ".join(sorted({st.unfused_reason for _, st in states if st.unfused_reason}))
         info["reason"] = info["why"] = why or "patched, but the forward did not take the fused path"
         info["kind"] = "patched, not fused in the forward"
     return info
+
+
+def _reason_kind(why: str) -> str:
+    """A reason without its specifics (the class, the code quoted), to group families by."""
+    import re
+
+    kind = why.split(":")[0].split(" (")[0]
+    return re.sub(r"^self\.[\w.]+ is \w+, ", "the head is ", kind)
 
 
 def _moe_info(model, feature_report, counts) -> dict:
@@ -1345,12 +1353,9 @@ def summarize(records: list) -> dict:
         ran = [r for r in rs if r["status"] in ("ok", "differs")]
         with_rms = [r for r in ran if r["norms"]["rms_present"]]
         forms_present, forms_replaced = collections.Counter(), collections.Counter()
-        for r in ran:
-            for row in r["norms"]["present"]:
-                if row["form"] in RMS_FORMS:
-                    forms_present[row["form"]] += 1 if row["count"] else 0
-            for form, n in r["norms"]["replaced_by_form"].items():
-                forms_replaced[form] += 1 if n else 0
+        for r in ran:  # families per form (a family with two classes of one form counts once)
+            forms_present.update({row["form"] for row in r["norms"]["present"] if row["form"] in RMS_FORMS})
+            forms_replaced.update({form for form, n in r["norms"]["replaced_by_form"].items() if n})
         moe = [r for r in ran if r["moe"]["experts_modules"]]
         out[run] = dict(
             families=len(rs), ran=len(ran), build_failed=sum(r["status"] == "build_failed" for r in rs),
@@ -1367,8 +1372,8 @@ def summarize(records: list) -> dict:
                                     if any(row["form"] == form for r in with_rms for row in r["norms"]["left_eager"])},
             loss_fused=sum(r["loss_fused"]["fused"] for r in ran),
             loss_eager=sorted(r["id"] for r in ran if not r["loss_fused"]["fused"]),
-            loss_eager_kinds=dict(collections.Counter(r["loss_fused"].get("kind", "?") for r in ran
-                                                      if not r["loss_fused"]["fused"]).most_common()),
+            loss_eager_kinds=dict(collections.Counter(_reason_kind(r["loss_fused"].get("why") or r["loss_fused"]["reason"])
+                                                      for r in ran if not r["loss_fused"]["fused"]).most_common()),
             vlm_ran=sum(r["kind"] == "image-text-to-text" for r in ran),
             vlm_loss_fused=sum(r["kind"] == "image-text-to-text" and r["loss_fused"]["fused"] for r in ran),
             with_experts=len(moe), experts_gathers=sum(r["moe"]["gathers"] for r in moe),
