@@ -44,9 +44,7 @@ import torch
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 from typing_extensions import Annotated
 
-from ..config import FeatureConfig
-from .base import Feature, FeatureReport
-from .registry import register
+from .base import Feature, FeatureConfig, FeatureReport
 
 _STATE = "_deepspeed_fused_lce"  # instance __dict__ key: the per-instance opt-in
 _ORIG = "_deepspeed_fused_lce_original"  # on the dispatcher: the class's original forward
@@ -539,7 +537,6 @@ def is_patched(module) -> bool:
     return fused_state(module) is not None
 
 
-@register
 class LinearCrossEntropyFeature(Feature):
     name = "linear_cross_entropy"
     config_model = LinearCrossEntropyConfig

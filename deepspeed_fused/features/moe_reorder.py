@@ -24,10 +24,8 @@ from typing import Any
 import torch
 from pydantic import StrictBool
 
-from ..config import FeatureConfig
 from ..ops import row_gather
-from .base import Environment, Feature, FeatureReport
-from .registry import register
+from .base import Environment, Feature, FeatureConfig, FeatureReport
 
 IMPL_NAME = "deepspeed_fused"
 _STATE_ATTR = "_deepspeed_fused_moe_reorder"
@@ -427,7 +425,6 @@ def _get_impl(model) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-@register
 class MoeReorderFeature(Feature):
     name = "moe_reorder"
     config_model = MoeReorderConfig

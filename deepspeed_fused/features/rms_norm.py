@@ -26,11 +26,9 @@ from typing import Any, Optional
 import torch
 from pydantic import StrictBool
 
-from ..config import FeatureConfig
 from ..ops._common import warn_fallback
 from ..ops.rms_norm import rms_norm_kernel_ok, try_fused_rms_norm
-from .base import Environment, Feature, FeatureReport
-from .registry import register
+from .base import Environment, Feature, FeatureConfig, FeatureReport
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -276,7 +274,6 @@ class RmsNormConfig(FeatureConfig):
     bytecode of the Llama form (only the epsilon attribute name may differ)."""
 
 
-@register
 class RmsNormFeature(Feature):
     name = "rms_norm"
     config_model = RmsNormConfig
