@@ -69,7 +69,8 @@ class LinearCrossEntropyConfig(FeatureConfig):
     """Label smoothing of the cross-entropy, as in ``torch.nn.functional.cross_entropy``."""
     validate_targets: StrictBool = True
     """Check that every label is in [0, vocab) or ``ignore_index`` (a device reduction, read once
-    per call after the op's kernels are queued; turn off for CUDA-graph capture)."""
+    per call after the op's kernels are queued; turn off for CUDA-graph capture). Unchecked, a label
+    outside [0, vocab) has no target logit: its loss is the logsumexp (it still counts as a token)."""
 
 
 # --------------------------------------------------------------------------------------------
