@@ -27,11 +27,17 @@ gradient) directly, its calls that need a backward go through a C++ autograd nod
 the backward (strided rows keep the Python node). Rows may be
 strided (last dim contiguous, leading dims collapsing to at most three strided groups, e.g. a
 slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy is made for them.
+
+The other forms of transformers' RMSNorms (:class:`RMSForm`, :data:`FORMS`: Gemma's ``1 + w``, the
+weight multiplied before the cast, T5's, unweighted, gated by ``act(gate)`` after the weight or
+before the statistics) run :func:`fused_rms_norm_form`: one more kernel family with the form's
+rounding points as constexprs, the same tiling, plans, fast closures and C++ node.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -41,7 +47,9 @@ from ._common import sm_count as _sm_count
 from ._common import (HAS_TRITON, CachedLaunches, _current_device, _launch_hooks, _raw_stream, _stream_capturing,
                       kernel_device_ok, tl, triton, warn_fallback)
 
-__all__ = ["fused_rms_norm", "try_fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype"]
+__all__ = ["fused_rms_norm", "try_fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype",
+           "RMSForm", "FORMS", "fused_rms_norm_form", "try_fused_rms_norm_form", "rms_norm_form_reference",
+           "form_output_dtype"]
 
 _OP = "rms_norm"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -332,6 +340,315 @@ if HAS_TRITON:
             acc += tl.load(PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
         tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cmask)
 
+    # ---- the other forms (see RMSForm): one kernel family, the form's rounding points as constexprs.
+    # Codes of a rounding (NRND: the normalized value; PRND: the weight product; QRND: the value the
+    # output is cast from): 0 stays FP32, 1 the input's dtype, 2 the weight's dtype. WMODE: 0 no
+    # weight, 1 the weight, 2 1 + w in FP32, 3 1 + w rounded to the weight's dtype. GATE: 0 none, 1
+    # times act(gate) after the weight, 2 times act(gate) before the statistics. ACT: 0 SiLU, 1 sigmoid.
+    # RSTD_RND: rstd rounded to the input dtype and multiplied in it (no weight, DeepSeek-V4's
+    # unweighted norm).
+    @triton.jit
+    def _rnd(v, CODE: tl.constexpr, X, W):
+        if CODE == 1:
+            v = v.to(X.dtype.element_ty).to(tl.float32)
+        elif CODE == 2:
+            v = v.to(W.dtype.element_ty).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _act(g, ACT: tl.constexpr):
+        # eager's FP32 activation: silu(g) = g / (1 + exp(-g)), sigmoid(g) = 1 / (1 + exp(-g))
+        e = 1.0 + tl.exp(-g)
+        if ACT == 0:
+            s = tl.div_rn(g, e)
+        else:
+            s = tl.div_rn(tl.zeros_like(g) + 1.0, e)
+        return s
+
+    @triton.jit
+    def _act_bwd(ds, g, ACT: tl.constexpr):
+        # eager's activation backward: silu: ds * sig * (1 + g * (1 - sig)); sigmoid: ds * (1 - sig) * sig
+        sig = tl.div_rn(tl.zeros_like(g) + 1.0, 1.0 + tl.exp(-g))
+        if ACT == 0:
+            d = ds * sig * (1.0 + g * (1.0 - sig))
+        else:
+            d = ds * (1.0 - sig) * sig
+        return d
+
+    @triton.jit
+    def _wfac(w, WMODE: tl.constexpr, X, W):
+        # the factor the normalized value is multiplied by (w already FP32)
+        if WMODE == 2:
+            w = 1.0 + w
+        elif WMODE == 3:
+            w = _rnd(1.0 + w, 2, X, W)
+        return w
+
+    @triton.jit
+    def _form_out(h, g, rstd, a, X, W, NRND: tl.constexpr, WMODE: tl.constexpr, PRND: tl.constexpr,
+                  GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr):
+        # the forward's value before its final cast to the output dtype (h: the FP32 input, gated
+        # for GATE 2; rstd, a: broadcast to h's shape or scalars)
+        if RSTD_RND:
+            n = h * rstd.to(X.dtype.element_ty).to(tl.float32)
+        else:
+            n = _rnd(h * rstd, NRND, X, W)
+        if WMODE != 0:
+            n = _rnd(a * n, PRND, X, W)
+        if GATE == 1:
+            n = n * _act(g, ACT)
+        return n
+
+    @triton.jit
+    def _form_grads(x, g, dy, rstd, a, X, W, NRND: tl.constexpr, WMODE: tl.constexpr, PRND: tl.constexpr,
+                    QRND: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr):
+        # eager autograd's chain down to the normalized value: (h, gradient of the FP32 normalized
+        # value, the weight-gradient term, the gate's gradient (GATE 1) or act(gate) (GATE 2))
+        if GATE == 2:
+            s = _act(g, ACT)
+            h = x * s
+        else:
+            s = x
+            h = x
+        nr = _rnd(h * rstd, NRND, X, W)
+        dp = _rnd(dy, QRND, X, W)
+        if GATE == 1:
+            if WMODE != 0:
+                p = _rnd(a * nr, PRND, X, W)
+            else:
+                p = nr
+            s = _act_bwd(dp * p, g, ACT)
+            dp = _rnd(dp * _act(g, ACT), PRND, X, W)
+        if WMODE != 0:
+            gn = _rnd(_rnd(dp * a, PRND, X, W), NRND, X, W)
+            term = _rnd(dp * nr, PRND, X, W)
+        else:
+            gn = dp
+            term = dp
+        return h, gn, term, s
+
+    @triton.jit
+    def _form_dx(x, g, h, gn, s, rstd, dvar, N, GATE: tl.constexpr, ACT: tl.constexpr):
+        # (dx in FP32, the gate's gradient for GATE 2) from the gradient of the normalized value
+        dh = gn * rstd + (dvar / N) * (2.0 * h)
+        if GATE == 2:
+            dg = _act_bwd(dh * x, g, ACT)
+            dh = dh * s
+        else:
+            dg = dh
+        return dh, dg
+
+    @triton.jit
+    def _rms_fwd_form_kernel(X, W, Y, RSTD, G, n_rows, N, D1, D2, S0, S1, S2, eps,
+                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+                             STATS64: tl.constexpr, WRITE_RSTD: tl.constexpr, NRND: tl.constexpr,
+                             WMODE: tl.constexpr, PRND: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
+                             RSTD_RND: tl.constexpr):
+        # _rms_fwd_kernel for the other forms; the gate (if any) is contiguous like Y
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        xrow = _row_offsets(rows, D1, D2, S0, S1, S2)[:, None]
+        yrow = rows.to(tl.int64)[:, None] * N
+        cols = tl.arange(0, BLOCK_N)
+        out_ty = Y.dtype.element_ty
+        if SINGLE:
+            cmask = cols < N
+            m = rmask[:, None] & cmask[None, :]
+            h = tl.load(X + xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            g = h
+            if GATE != 0:
+                g = tl.load(G + yrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if GATE == 2:
+                h = h * _act(g, ACT)
+            if STATS64:
+                h64 = h.to(tl.float64)
+                ss = tl.sum(h64 * h64, axis=1)
+            else:
+                ss = tl.sum(h * h, axis=1)
+            rstd = _rstd(ss, N, eps)
+            a = rstd
+            if WMODE != 0:
+                a = _wfac(tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
+            y = _form_out(h, g, rstd[:, None], a, X, W, NRND, WMODE, PRND, GATE, ACT, RSTD_RND)
+            tl.store(Y + yrow + cols[None, :], y.to(out_ty), mask=m)
+        else:
+            acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float64 if STATS64 else tl.float32)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                m = rmask[:, None] & (c < N)[None, :]
+                h = tl.load(X + xrow + c[None, :], mask=m, other=0.0).to(tl.float32)
+                if GATE == 2:
+                    h = h * _act(tl.load(G + yrow + c[None, :], mask=m, other=0.0).to(tl.float32), ACT)
+                h = h.to(acc.dtype)
+                acc += h * h
+            rstd = _rstd(tl.sum(acc, axis=1), N, eps)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                cm = c < N
+                m = rmask[:, None] & cm[None, :]
+                h = tl.load(X + xrow + c[None, :], mask=m, other=0.0).to(tl.float32)
+                g = h
+                if GATE != 0:
+                    g = tl.load(G + yrow + c[None, :], mask=m, other=0.0).to(tl.float32)
+                if GATE == 2:
+                    h = h * _act(g, ACT)
+                a = rstd
+                if WMODE != 0:
+                    a = _wfac(tl.load(W + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
+                y = _form_out(h, g, rstd[:, None], a, X, W, NRND, WMODE, PRND, GATE, ACT, RSTD_RND)
+                tl.store(Y + yrow + c[None, :], y.to(out_ty), mask=m)
+        if WRITE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=rmask)
+
+    @triton.jit
+    def _bwd_form_load_tile(DY, X, G, RSTD, tile, n_rows, N, cols, cmask,
+                            XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
+                            BLOCK_R: tl.constexpr, GATE: tl.constexpr):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        m = rmask[:, None] & cmask[None, :]
+        x, dy, rstd = _bwd_load_tile(DY, X, RSTD, tile, n_rows, cols, cmask,
+                                     XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R)
+        g = x
+        if GATE != 0:
+            g = tl.load(G + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
+        return x, dy, g, rstd
+
+    @triton.jit
+    def _rms_bwd_form_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, G, DG, n_rows, N, n_tiles,
+                             XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
+                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+                             GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr, FINISH: tl.constexpr,
+                             NRND: tl.constexpr, WMODE: tl.constexpr, PRND: tl.constexpr, QRND: tl.constexpr,
+                             GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr):
+        # _rms_bwd_kernel for the other forms (persistent; rows fit one block); DG like DX
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        in_ty = X.dtype.element_ty
+        cols = tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        a = cols.to(tl.float32)[None, :]
+        if WMODE != 0:
+            a = _wfac(tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        if PREFETCH:
+            x_nx, dy_nx, g_nx, rstd_nx = _bwd_form_load_tile(DY, X, G, RSTD, pid, n_rows, N, cols, cmask, XD1, XD2,
+                                                              XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R, GATE)
+        for tile in range(pid, n_tiles, nprog):
+            if PREFETCH:
+                x = x_nx.to(tl.float32)
+                dy = dy_nx.to(tl.float32)
+                g = g_nx.to(tl.float32)
+                rstd = rstd_nx
+                x_nx, dy_nx, g_nx, rstd_nx = _bwd_form_load_tile(DY, X, G, RSTD, tile + nprog, n_rows, N, cols, cmask,
+                                                                  XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
+                                                                  BLOCK_R, GATE)
+            else:
+                x, dy, g, rstd = _bwd_form_load_tile(DY, X, G, RSTD, tile, n_rows, N, cols, cmask, XD1, XD2,
+                                                     XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R, GATE)
+                x = x.to(tl.float32)
+                dy = dy.to(tl.float32)
+                g = g.to(tl.float32)
+            rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+            m = (rows < n_rows)[:, None] & cmask[None, :]
+            orow = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            r2 = rstd[:, None]
+            if RSTD_RND:
+                # y = x * rstd.to(in): both products in the input dtype, the row sum too
+                rr = rstd.to(in_ty).to(tl.float32)
+                drr = tl.sum(_rnd(dy * x, 1, X, W), axis=1).to(in_ty).to(tl.float32)
+                dvar = (-0.5 * drr) * (rstd * rstd * rstd)
+                dx = _rnd(dy * rr[:, None], 1, X, W) + _rnd((dvar / N)[:, None] * (2.0 * x), 1, X, W)
+            else:
+                h, gn, term, s = _form_grads(x, g, dy, r2, a, X, W, NRND, WMODE, PRND, QRND, GATE, ACT)
+                dot = tl.sum(gn * h, axis=1)
+                dvar = (-0.5 * dot) * (rstd * rstd * rstd)
+                dx, dg = _form_dx(x, g, h, gn, s, r2, dvar[:, None], N, GATE, ACT)
+                if GATE == 1:
+                    dg = s
+                if GATE != 0:
+                    tl.store(DG + orow, dg.to(DG.dtype.element_ty), mask=m)
+                if WMODE != 0:
+                    acc += term
+            tl.store(DX + orow, dx.to(in_ty), mask=m)
+        if WMODE != 0:
+            tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+            if FINISH == 1:
+                _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+            if FINISH == 2:
+                _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
+
+    @triton.jit
+    def _rms_bwd_loop_form_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, G, DG, n_rows, N,
+                                  XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
+                                  BLOCK_N: tl.constexpr, GROUP: tl.constexpr, RB_P: tl.constexpr,
+                                  RB_N: tl.constexpr, FINISH: tl.constexpr, NRND: tl.constexpr,
+                                  WMODE: tl.constexpr, PRND: tl.constexpr, QRND: tl.constexpr,
+                                  GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr):
+        # _rms_bwd_loop_kernel for the other forms: one row at a time, two passes over column blocks
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        in_ty = X.dtype.element_ty
+        cols = tl.arange(0, BLOCK_N)
+        prow = PART + pid.to(tl.int64) * N
+        for row in range(pid, n_rows, nprog):
+            xb = X + _row_offsets(row, XD1, XD2, XS0, XS1, XS2)
+            gb = DY + _row_offsets(row, GD1, GD2, GS0, GS1, GS2)
+            ob = tl.cast(row, tl.int64) * N
+            rstd = tl.load(RSTD + row)
+            dacc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                cm = c < N
+                x = tl.load(xb + c, mask=cm, other=0.0).to(tl.float32)
+                dy = tl.load(gb + c, mask=cm, other=0.0).to(tl.float32)
+                if RSTD_RND:
+                    dacc += _rnd(dy * x, 1, X, W)
+                else:
+                    g = x
+                    if GATE != 0:
+                        g = tl.load(G + ob + c, mask=cm, other=0.0).to(tl.float32)
+                    a = x
+                    if WMODE != 0:
+                        a = _wfac(tl.load(W + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)
+                    h, gn, term, s = _form_grads(x, g, dy, rstd, a, X, W, NRND, WMODE, PRND, QRND, GATE, ACT)
+                    dacc += gn * h
+            if RSTD_RND:
+                dvar = (-0.5 * tl.sum(dacc, axis=0).to(in_ty).to(tl.float32)) * (rstd * rstd * rstd)
+            else:
+                dvar = (-0.5 * tl.sum(dacc, axis=0)) * (rstd * rstd * rstd)
+            for c0 in range(0, N, BLOCK_N):
+                c = c0 + cols
+                cm = c < N
+                x = tl.load(xb + c, mask=cm, other=0.0).to(tl.float32)
+                dy = tl.load(gb + c, mask=cm, other=0.0).to(tl.float32)
+                if RSTD_RND:
+                    rr = rstd.to(in_ty).to(tl.float32)
+                    dx = _rnd(dy * rr, 1, X, W) + _rnd((dvar / N) * (2.0 * x), 1, X, W)
+                else:
+                    g = x
+                    if GATE != 0:
+                        g = tl.load(G + ob + c, mask=cm, other=0.0).to(tl.float32)
+                    a = x
+                    if WMODE != 0:
+                        a = _wfac(tl.load(W + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)
+                    h, gn, term, s = _form_grads(x, g, dy, rstd, a, X, W, NRND, WMODE, PRND, QRND, GATE, ACT)
+                    dx, dg = _form_dx(x, g, h, gn, s, rstd, dvar, N, GATE, ACT)
+                    if GATE == 1:
+                        dg = s
+                    if GATE != 0:
+                        tl.store(DG + ob + c, dg.to(DG.dtype.element_ty), mask=cm)
+                    if WMODE != 0:
+                        p = tl.where(row > pid, tl.load(prow + c, mask=cm, other=0.0), 0.0)
+                        tl.store(prow + c, p + term, mask=cm)
+                tl.store(DX + ob + c, dx.to(in_ty), mask=cm)
+        if WMODE != 0:
+            if FINISH == 1:
+                _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+            if FINISH == 2:
+                _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,7 +691,8 @@ def _occupancy(kernel, args: tuple, meta: dict, t: torch.Tensor) -> int:
     """Programs of ``kernel`` (compiled for these args) resident on one SM at once, from its
     register and shared-memory use; computed once per configuration (compiles it if needed)."""
     num_warps = meta["num_warps"]
-    key = (id(kernel), _device_index(t), args[0].dtype, args[1].dtype, args[2].dtype, tuple(meta.items()))
+    key = (id(kernel), _device_index(t), args[0].dtype, args[1].dtype, getattr(args[2], "dtype", None),
+           tuple(meta.items()))
     occ = _occupancy_cache.get(key)
     if occ is None:
         occ = max(1, 32 // num_warps)  # a guess, used if the compiled kernel cannot be inspected
@@ -538,6 +856,10 @@ def clear_plans() -> None:
     _bwd_plans.clear()
     _fwd_fast.clear()
     _bwd_fast.clear()
+    _form_fwd_plans.clear()
+    _form_bwd_plans.clear()
+    _form_fwd_fast.clear()
+    _form_bwd_fast.clear()
     _native_plans.clear()
     _native_pending.clear()
     _launches.clear()
@@ -548,6 +870,8 @@ def _remember(plans: dict, key, plan):
         plans.clear()
         _fwd_fast.clear()
         _bwd_fast.clear()
+        _form_fwd_fast.clear()
+        _form_bwd_fast.clear()
         _native_plans.clear()
         _native_pending.clear()
     plans[key] = plan
@@ -684,7 +1008,9 @@ def _fwd_key(x: torch.Tensor, w: torch.Tensor, write_rstd: bool) -> tuple:
             w.data_ptr() & 15, write_rstd)
 
 
-def _fwd_plan(x: torch.Tensor, w: torch.Tensor, write_rstd: bool, key) -> tuple:
+def _fwd_plan(x: torch.Tensor, w: Optional[torch.Tensor], write_rstd: bool, key, form=None) -> tuple:
+    """The forward's launch plan; ``form``: None (the Llama form) or ``(constexprs, output dtype)``
+    of another form (its kernel, ``_rms_fwd_form_kernel``, takes the gate pointer after RSTD)."""
     N = x.shape[-1]
     n_rows = x.numel() // N if N else 0
     lay = _row_layout(x)
@@ -696,9 +1022,13 @@ def _fwd_plan(x: torch.Tensor, w: torch.Tensor, write_rstd: bool, key) -> tuple:
     grid = (triton.cdiv(n_rows, block_r),)
     const = dict(BLOCK_R=block_r, BLOCK_N=block_n, SINGLE=single, STATS64=x.dtype == torch.float32,
                  WRITE_RSTD=write_rstd)
-    out_dtype = torch.promote_types(x.dtype, w.dtype)
+    if form is None:
+        out_dtype = torch.promote_types(x.dtype, w.dtype)
+    else:
+        const.update(form[0])
+        out_dtype = form[1]
     like = out_dtype == x.dtype and (copy or x.is_contiguous())
-    wcopy = N > 1 and w.stride(0) != 1
+    wcopy = w is not None and N > 1 and w.stride(0) != 1
     return (copy, wcopy, like, out_dtype, x.shape[:-1], x.device, (n_rows, N) + lay, grid, const, num_warps,
             _cuda_index(x), ("fwd",) + key)
 
@@ -763,40 +1093,50 @@ def _bwd_key(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Ten
             dy.data_ptr() & 15, w.stride(), w.dtype, w.data_ptr() & 15, rstd.data_ptr() & 15)
 
 
-def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, key) -> tuple:
+def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd: torch.Tensor, key,
+              form=None) -> tuple:
+    """The backward's launch plan; ``form``: None (the Llama form) or ``(constexprs, output
+    dtype, gate)`` of another form (its kernels take the gate and its gradient after DW; without a
+    weight there is no weight-gradient sum)."""
     N = x.shape[-1]
     n_rows = x.numel() // N
-    out_dtype = torch.promote_types(x.dtype, w.dtype)
+    out_dtype = torch.promote_types(x.dtype, w.dtype) if form is None else form[1]
     convert = dy.dtype != out_dtype
     xl, gl = _row_layout(x), (None if convert else _row_layout(dy))
     xcopy, gcopy = xl is None, gl is None
     xl = (1, 1, N, 0, 0) if xcopy else xl
     gl = (1, 1, N, 0, 0) if gcopy else gl
-    wcopy = N > 1 and w.stride(0) != 1
+    wcopy = w is not None and N > 1 and w.stride(0) != 1
     block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
     # the call's own arguments (and stand-in outputs) probe the compiled kernel's occupancy,
     # which sizes the grid; the reduction knobs do not change the register use much, so the
     # probe uses those of the largest grid
     gs, xs = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
-    ws = w.contiguous()
+    ws = w.contiguous() if w is not None else None
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     probe = _reduce_meta(2048, N)
     probe_ws = (torch.empty(1, dtype=_F32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
     red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2], FINISH=1)
     pargs = (gs, xs, ws, rstd, dx) + probe_ws + (ws,)
+    kernels, fconst = (_rms_bwd_kernel, _rms_bwd_loop_kernel), {}
+    if form is not None:
+        gate = form[2].contiguous() if form[2] is not None else None
+        pargs += (gate, None if gate is None else torch.empty_like(gate))
+        kernels, fconst = (_rms_bwd_form_kernel, _rms_bwd_loop_form_kernel), form[0]
     if single:
         n_tiles = triton.cdiv(n_rows, block_r)
-        kernel = _rms_bwd_kernel
+        kernel = kernels[0]
         ints = (n_rows, N, n_tiles) + xl + gl
         const = dict(BLOCK_R=block_r, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH)
-        progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, num_warps=num_warps), x, n_tiles)
+        progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, **fconst, num_warps=num_warps), x, n_tiles)
     else:
-        kernel = _rms_bwd_loop_kernel
+        kernel = kernels[1]
         ints = (n_rows, N) + xl + gl
         const = dict(BLOCK_N=block_n)
         # each program read-modify-writes its own partial row: keep their number (and the
         # partial buffer, which stays in L2) small
-        progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, num_warps=num_warps), x, n_rows, per_sm=2)
+        progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, **fconst, num_warps=num_warps), x, n_rows,
+                                 per_sm=2)
     group, rb_p, rb_n, ws_rows, n_cnt, finish = _reduce_meta(progs, N, n_rows)
     dx_like = xcopy or x.is_contiguous()
     red = None
@@ -810,6 +1150,10 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
         const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=0)
         rn = min(triton.next_power_of_2(N), 32)
         red = ((triton.cdiv(N, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
+    if form is not None:
+        const.update(fconst)  # after the reduction's: the kernels' parameter order
+        if w is None:  # no weight gradient: no second launch
+            red = None
     return (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
             ws_rows * N, n_cnt, red, _cuda_index(x), ("bwd",) + key)
 
@@ -1040,4 +1384,620 @@ def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     if y is None:
         warn_fallback(_OP, rms_norm_kernel_ok(hidden, weight)[1])
         return rms_norm_reference(hidden, weight, eps)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# The other forms: RMSNorm spellings whose rounding points differ from the Llama form's
+# ----------------------------------------------------------------------------------------------
+_HALF = (torch.float16, torch.bfloat16)
+_NORM_CASTS = ("input", "weight_half", "none")
+_WEIGHTS = ("plain", "fp32", "offset", "offset_w", "none")
+_GATES = ("none", "after", "before")
+_ACTS = ("silu", "sigmoid")
+
+
+class RMSForm(NamedTuple):
+    """The math of one RMSNorm spelling, with the rounding points of its eager forward. Every form
+    takes FP32 statistics of ``h = x.float()`` (``rstd = rsqrt(mean(h**2) + eps)``, ``n = h * rstd``).
+
+    * ``norm_cast``: where ``n`` is rounded before the weight multiplies it: ``"input"`` (to the
+      input's dtype, the Llama form), ``"weight_half"`` (to the weight's dtype when that is fp16
+      or bf16, else not: T5), ``"none"`` (stays FP32);
+    * ``weight``: ``"plain"`` (``w * n`` in the promoted dtype), ``"fp32"`` (``w.float() * n``),
+      ``"offset"`` (``n * (1 + w.float())``: Gemma), ``"offset_w"`` (``n * (1 + w).float()``, the
+      sum rounded to the weight's dtype), ``"none"`` (no weight);
+    * ``gate``: ``"after"`` (the weighted value times ``act(gate.float())``: Qwen3-Next's gated
+      norm), ``"before"`` (``h = x.float() * act(gate.float())`` before the statistics: Mamba2's,
+      without groups; a missing gate means no gating), ``"none"``; ``act``: ``"silu"`` or ``"sigmoid"``;
+    * ``out_cast``: the result cast to the input's dtype (else it keeps the dtype of its last op);
+    * ``rstd_cast``: ``x * rstd.to(x.dtype)``, both in the input's dtype (no weight: DeepSeek-V4's
+      unweighted norm).
+    """
+
+    norm_cast: str = "input"
+    weight: str = "plain"
+    gate: str = "none"
+    act: str = "silu"
+    out_cast: bool = False
+    rstd_cast: bool = False
+
+
+LLAMA = RMSForm()
+#: every form by name (the features layer's recognition maps a class's forward to one of these)
+FORMS = {
+    "llama": LLAMA,
+    "offset": RMSForm(norm_cast="none", weight="offset", out_cast=True),  # Gemma 1-3, Qwen3.5/Next
+    "offset_w": RMSForm(norm_cast="none", weight="offset_w", out_cast=True),
+    "weight_first": RMSForm(norm_cast="none", weight="plain", out_cast=True),  # OLMo 2/3, GPT-OSS
+    "weight_first_fp32": RMSForm(norm_cast="none", weight="fp32", out_cast=True),  # Helium, Gemma3n, torch
+    "t5": RMSForm(norm_cast="weight_half", weight="plain"),
+    "unweighted": RMSForm(norm_cast="none", weight="none", out_cast=True),
+    "unweighted_rstd_cast": RMSForm(norm_cast="none", weight="none", out_cast=True, rstd_cast=True),
+    "gated": RMSForm(gate="after", out_cast=True),  # Qwen3-Next / Qwen3.5 RMSNormGated (act per module)
+    "gated_weight_first": RMSForm(norm_cast="none", weight="fp32", gate="after", out_cast=True),  # Kimi-Linear
+    "gate_first": RMSForm(gate="before"),  # Mamba2-style RMSNormGated with one group
+}
+
+
+def _check_form(form) -> RMSForm:
+    if isinstance(form, str):
+        if form not in FORMS:
+            raise ValueError(f"fused_rms_norm: unknown form {form!r}; known: {', '.join(sorted(FORMS))}")
+        return FORMS[form]
+    if not isinstance(form, RMSForm):
+        raise TypeError(f"fused_rms_norm: form must be an RMSForm or one of {sorted(FORMS)}, got {type(form).__name__}")
+    for name, value, allowed in (("norm_cast", form.norm_cast, _NORM_CASTS), ("weight", form.weight, _WEIGHTS),
+                                 ("gate", form.gate, _GATES), ("act", form.act, _ACTS)):
+        if value not in allowed:
+            raise ValueError(f"fused_rms_norm: form.{name} must be one of {allowed}, got {value!r}")
+    if form.rstd_cast and (form.weight != "none" or form.gate != "none"):
+        raise ValueError("fused_rms_norm: form.rstd_cast takes no weight and no gate")
+    return form
+
+
+def form_output_dtype(form: RMSForm, x_dtype: torch.dtype, w_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype of ``form``'s result for these input and weight dtypes (eager's promotion)."""
+    return _form_dtypes(form, x_dtype, w_dtype)[3]
+
+
+@functools.lru_cache(maxsize=None)
+def _form_dtypes(form: RMSForm, xd: torch.dtype, wd: Optional[torch.dtype]) -> tuple:
+    """(normalized value, weight product, value before the output cast, output) dtypes."""
+    f32 = torch.float32
+    if form.norm_cast == "input":
+        nd = xd
+    elif form.norm_cast == "weight_half" and wd in _HALF:
+        nd = wd
+    else:
+        nd = f32
+    if form.weight == "none" or form.rstd_cast:
+        dp = xd if form.rstd_cast else nd
+    else:
+        dp = torch.promote_types(nd, wd if form.weight == "plain" else f32)
+    dq = f32 if form.gate == "after" else dp
+    return nd, dp, dq, (xd if form.out_cast else dq)
+
+
+@functools.lru_cache(maxsize=None)
+def _form_consts(form: RMSForm, xd: torch.dtype, wd: Optional[torch.dtype], gated: bool):
+    """(constexprs of the form kernels, output dtype), or None where the form, at these dtypes and
+    without a gate, rounds exactly as the Llama form does (the Llama op runs it)."""
+    nd, dp, dq, out = _form_dtypes(form, xd, wd)
+
+    def code(d):
+        return 0 if d == torch.float32 else 1 if d == xd else 2
+
+    gate = _GATES.index(form.gate) if gated else 0
+    consts = dict(NRND=code(nd), WMODE=("none", "plain", "offset", "offset_w").index(
+        "plain" if form.weight == "fp32" else form.weight) if not form.rstd_cast else 0,
+        PRND=code(dp), QRND=code(dq), GATE=gate, ACT=_ACTS.index(form.act), RSTD_RND=bool(form.rstd_cast))
+    if wd is not None and not form.rstd_cast and gate == 0 and consts["WMODE"] == 1 and consts["NRND"] == 1 \
+            and out == torch.promote_types(xd, wd) and dq == out and dp == out:
+        return None  # the Llama form: w * n.to(x.dtype) in the promoted dtype
+    return tuple(consts.items()), out
+
+
+def _gate_act(g: torch.Tensor, act: str) -> torch.Tensor:
+    return torch.nn.functional.silu(g) if act == "silu" else torch.sigmoid(g)
+
+
+def rms_norm_form_reference(hidden: torch.Tensor, weight: Optional[torch.Tensor], eps: float, form,
+                            gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``form`` written as the eager modules write it (same rounding points)."""
+    return _form_eager(hidden, weight, eps, _check_form(form), gate)
+
+
+def _form_eager(hidden, weight, eps, form: RMSForm, gate=None, rstd=None):
+    """The reference; ``rstd`` (tests): this FP32 rstd ([..., 1]) instead of the input's own."""
+    input_dtype = hidden.dtype
+    h = hidden.to(torch.float32)
+    if form.gate == "before" and gate is not None:
+        h = h * _gate_act(gate.to(torch.float32), form.act)
+    if rstd is None:
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if form.rstd_cast:
+        return hidden * rstd.to(input_dtype)
+    h = h * rstd
+    if form.norm_cast == "input":
+        h = h.to(input_dtype)
+    elif form.norm_cast == "weight_half" and weight is not None and weight.dtype in _HALF:
+        h = h.to(weight.dtype)
+    if form.weight == "plain":
+        h = weight * h
+    elif form.weight == "fp32":
+        h = weight.float() * h
+    elif form.weight == "offset":
+        h = h * (1.0 + weight.float())
+    elif form.weight == "offset_w":
+        h = h * (1.0 + weight).float()
+    if form.gate == "after":
+        h = h * _gate_act(gate.to(torch.float32), form.act)
+    return h.to(input_dtype) if form.out_cast else h
+
+
+# ---- plans and launches ---------------------------------------------------------------------------
+_form_fwd_plans: dict = {}
+_form_bwd_plans: dict = {}
+_form_fwd_fast: dict = {}
+_form_bwd_fast: dict = {}
+
+
+def _tkey(t: Optional[torch.Tensor]):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def _form_key(x: torch.Tensor, w: Optional[torch.Tensor], g: Optional[torch.Tensor], form: RMSForm,
+              write_rstd: bool) -> tuple:
+    return (form, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, _tkey(w), _tkey(g), write_rstd)
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def _form_fwd_plan(x, w, g, form: RMSForm, write_rstd: bool, key) -> tuple:
+    spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none")
+    if spec is None:
+        return ("llama",)
+    consts, out_dtype = spec
+    plan = _fwd_plan(x, w, write_rstd, key, form=(dict(consts), out_dtype))
+    return plan[:-1] + (("form_fwd",) + key, g is not None and not g.is_contiguous(), dict(consts)["GATE"] != 0)
+
+
+def _form_forward_impl(x, w, g, eps: float, form: RMSForm, y=None, rstd=None, write_rstd: bool = True, key=None):
+    """The form's forward into fresh (or given, contiguous: tests poison them) ``y`` and ``rstd``."""
+    if key is None:
+        key = _form_key(x, w, g, form, write_rstd)
+    plan = _form_fwd_plans.get(key)
+    if plan is None:
+        if x.numel() == 0:
+            out = form_output_dtype(form, x.dtype, None if w is None else w.dtype)
+            y = y if y is not None else torch.empty(x.shape, dtype=out, device=x.device)
+            if write_rstd and rstd is None:
+                rstd = torch.empty(x.shape[:-1], dtype=_F32, device=x.device)
+            return y, rstd
+        plan = _remember(_form_fwd_plans, key, _form_fwd_plan(x, w, g, form, write_rstd, key))
+    if len(plan) == 1:  # rounds as the Llama form
+        return _forward_impl(x, w, eps, y=y, rstd=rstd, write_rstd=write_rstd)
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, gcopy, gated = plan
+    if copy:
+        x = x.contiguous()
+    if wcopy:
+        w = w.contiguous()
+    if not gated:
+        g = None
+    elif gcopy:
+        g = g.contiguous()
+    given = y is not None or rstd is not None
+    if y is None:
+        y = torch.empty_like(x) if like else torch.empty(x.shape, dtype=out_dtype, device=device)
+    if write_rstd and rstd is None:
+        rstd = torch.empty(rshape, dtype=_F32, device=device)
+    r = rstd if write_rstd else y
+    if dev is not None and not given and _current_device_is(dev):
+        fn = _launches.get(lkey)
+        if fn is not None:
+            fn(_raw_stream(dev), x.data_ptr(), _ptr(w), y.data_ptr(), r.data_ptr(), _ptr(g), *ints, eps)
+            if key not in _form_fwd_fast:
+                _form_fwd_fast[key] = _make_form_fwd_fast(plan, fn)
+            return y, rstd
+    args = (x, w, y, r, g) + ints + (float(eps),)
+    with _on_device(x):
+        if given:
+            _rms_fwd_form_kernel[grid](*args, **const, num_warps=num_warps)
+        else:
+            _launches.launch(_rms_fwd_form_kernel, lkey, grid, args, const, num_warps, dev)
+    return y, rstd
+
+
+def _make_form_fwd_fast(plan, fn):
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, gcopy, gated = plan
+    parts = getattr(fn, "parts", None)
+    if copy or wcopy or gcopy or dev is None or parts is None:
+        return None
+    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    write_rstd = const["WRITE_RSTD"]
+    empty, empty_like, get_device, raw_stream, hooks = torch.empty, torch.empty_like, _current_device, _raw_stream, _launch_hooks
+
+    def run(x, w, g, eps):
+        if get_device() != dev or hooks():
+            return None
+        y = empty_like(x) if like else empty(x.shape, dtype=out_dtype, device=device)
+        rstd = empty(rshape, dtype=_F32, device=device) if write_rstd else None
+        launch(g0, g1, g2, raw_stream(dev), function, coop, pdl, None, None, meta, None, None, None,
+               x.data_ptr(), None if w is None else w.data_ptr(), y.data_ptr(), (rstd if write_rstd else y).data_ptr(),
+               g.data_ptr() if gated else None, *ints, eps, *tail)
+        return y, rstd
+
+    return run
+
+
+def _form_bwd_key(dy, x, w, g, rstd, form) -> tuple:
+    return (form, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, dy.shape, dy.stride(), dy.dtype,
+            dy.device, dy.data_ptr() & 15, _tkey(w), _tkey(g), rstd.data_ptr() & 15)
+
+
+def _form_bwd_plan(dy, x, w, g, rstd, form: RMSForm, key) -> tuple:
+    spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none")
+    if spec is None:
+        return ("llama",)
+    consts, out_dtype = spec
+    gated = dict(consts)["GATE"] != 0
+    plan = _bwd_plan(dy, x, w, rstd, key, form=(dict(consts), out_dtype, g if gated else None))
+    return plan[:-1] + (("form_bwd",) + key, gated and not g.is_contiguous(), gated)
+
+
+def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=None, fast_key=None):
+    """The form's backward: (dx, dw or None, dgate or None), into fresh or given (contiguous) tensors."""
+    key = _form_bwd_key(dy, x, w, g, rstd, form)
+    plan = _form_bwd_plans.get(key)
+    if plan is None:
+        if rstd.numel() == 0:
+            dx = dx if dx is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            if w is not None:
+                dw = (dw if dw is not None else torch.empty(w.shape, dtype=w.dtype, device=w.device)).zero_()
+            if g is not None:
+                dg = dg if dg is not None else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+            return dx, dw, dg
+        plan = _remember(_form_bwd_plans, key, _form_bwd_plan(dy, x, w, g, rstd, form, key))
+    if len(plan) == 1:
+        dx, dw = _backward_impl(dy, x, w, rstd, dx=dx, dw=dw)
+        return dx, dw, (None if g is None else torch.zeros_like(g) if dg is None else dg.zero_())
+    (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
+     n_cnt, red, dev, lkey, g_copy, gated) = plan
+    if convert or xcopy or gcopy:
+        dy, x = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
+    if wcopy:
+        w = w.contiguous()
+    gk = None
+    if gated:
+        gk = g.contiguous() if g_copy else g
+    given = dx is not None or dw is not None or dg is not None
+    if dx is None:
+        dx = torch.empty_like(x) if dx_like else torch.empty(x.shape, dtype=x.dtype, device=device)
+    if w is not None and dw is None:
+        dw = torch.empty_like(w)
+    if gated and dg is None:
+        dg = torch.empty(g.shape, dtype=g.dtype, device=device)
+    dgk = dg if gated else None
+    if dev is not None:
+        stream = _raw_stream(dev)
+        part, cnt = _workspace(device, dev, stream, ws_numel, n_cnt)
+        if not given and _current_device_is(dev):
+            fn = _launches.get(lkey)
+            fn_red = _launches.get(("red",) + lkey) if red is not None else True
+            if fn is not None and fn_red is not None:
+                fn(stream, dy.data_ptr(), x.data_ptr(), _ptr(w), rstd.data_ptr(), dx.data_ptr(), part.data_ptr(),
+                   cnt.data_ptr(), _ptr(dw), _ptr(gk), _ptr(dgk), *ints)
+                if red is not None:
+                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, ints[1])
+                if fast_key is not None and fast_key not in _form_bwd_fast:
+                    _form_bwd_fast[fast_key] = _make_form_bwd_fast(plan, fn)
+                    if NATIVE and _native.enabled():
+                        _offer_native_form(fast_key, plan, fn)
+                return dx, dw, (dg if g is not None else None)
+    else:
+        part, cnt = _workspace(device, None, 0, ws_numel, n_cnt)
+    args = (dy, x, w, rstd, dx, part, cnt, dw, gk, dgk) + ints
+    with _on_device(x):
+        if given:
+            kernel[(progs,)](*args, **const, num_warps=num_warps)
+            if red is not None:
+                _dw_reduce_kernel[red[0]](part, dw, progs, ints[1], **red[1], num_warps=4)
+        else:
+            _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
+            if red is not None:
+                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red[0], (part, dw, progs, ints[1]), red[1], 4, dev)
+    if g is not None and not gated:  # a gate the form did not use ("before" forms never get here without one)
+        dg = torch.zeros_like(g) if dg is None else dg.zero_()
+    return dx, dw, dg
+
+
+def _make_form_bwd_fast(plan, fn):
+    (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
+     n_cnt, red, dev, lkey, g_copy, gated) = plan
+    parts = getattr(fn, "parts", None)
+    if convert or xcopy or gcopy or wcopy or g_copy or not dx_like or dev is None or red is not None or parts is None:
+        return None
+    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    rest = tuple(ints) + tuple(tail)
+    empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _current_device, _raw_stream, _stream_capturing, _launch_hooks
+    workspaces = _workspaces
+    fkey = lkey[1:]
+    x_dtype, x_align, wk, gk = fkey[3], fkey[5], fkey[11], fkey[12]
+
+    def run(dy, x, w, g, rstd):
+        if capturing() or get_device() != dev or hooks():
+            return None
+        # saved-tensor hooks may hand back other dtypes or layouts than the key's: the plan path then
+        if (x.dtype != x_dtype or (x.data_ptr() & 15) != x_align or not x.is_contiguous() or rstd.data_ptr() & 15
+                or _tkey(w) != wk or _tkey(g) != gk):
+            return None
+        stream = raw_stream(dev)
+        ws = workspaces.get((dev, stream))
+        if ws is None or ws[0].numel() < ws_numel or ws[1].numel() < n_cnt:
+            ws = _workspace(device, dev, stream, ws_numel, n_cnt)
+        dx = empty_like(x)
+        dw = None if w is None else empty_like(w)
+        dg = empty_like(g) if gated else None
+        launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None,
+               dy.data_ptr(), x.data_ptr(), None if w is None else w.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
+               ws[0].data_ptr(), ws[1].data_ptr(), None if dw is None else dw.data_ptr(),
+               g.data_ptr() if gated else None, dg.data_ptr() if gated else None, *rest)
+        return dx, dw, dg, None, None, None, None
+
+    return run
+
+
+def _offer_native_form(fast_key, bplan, bfn) -> None:
+    """:func:`_offer_native` for the other forms: x, the weight and the gate contiguous and aligned,
+    the incoming gradient the planned one."""
+    fkey, dstride, ddtype, dalign = fast_key
+    fplan = _form_fwd_plans.get(fkey)
+    if fkey in _native_plans or dalign or fkey[5] or fplan is None or len(fplan) == 1:
+        return
+    wk, gk = fkey[6], fkey[7]
+    if (wk is not None and wk[4]) or (gk is not None and (gk[4] or gk[1] != _contiguous_strides(gk[0]))):
+        return
+    if ddtype != fplan[3] or dstride != _contiguous_strides(fkey[1]):
+        return
+    _native_pending[fkey] = (fast_key, bplan, bfn)
+    _register_native_form(fkey)
+
+
+def _register_native_form(fkey):
+    """:func:`_register_native` for the other forms (the extension's ``rms_norm_form`` node)."""
+    pending = _native_pending.pop(fkey, None)
+    if pending is None:
+        return _native_plans.get(fkey)
+    mod = _native.get()
+    if mod is None:
+        if _native.enabled():
+            _native_pending.setdefault(fkey, pending)
+        return None
+    fast_key, bplan, bfn = pending
+    fplan = _form_fwd_plans.get(fkey)
+    ffn = _launches.get(fplan[11]) if fplan is not None else None
+    if ffn is None or _form_fwd_fast.get(fkey) is None or _form_bwd_fast.get(fast_key) is None:
+        return None
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, gcopy, gated = fplan
+    has_w = fkey[6] is not None
+    P = _native.PTR
+    fdesc = _native.describe(ffn, [(P, 0), (P, 1) if has_w else None, (P, 2), (P, 3), (P, 4) if gated else None]
+                             + list(ints) + [_native.EPS])
+    bints, ws_numel, n_cnt = bplan[8], bplan[12], bplan[13]
+    bdesc = _native.describe(bfn, [(P, 0), (P, 1), (P, 2) if has_w else None, (P, 3), (P, 4), (P, 5), (P, 6),
+                                   (P, 7) if has_w else None, (P, 8) if gated else None, (P, 9) if gated else None]
+                             + list(bints))
+    if fdesc is None or bdesc is None:
+        _native_plans[fkey] = None
+        return None
+    xd = fkey[3]
+    dtypes = (xd, fkey[6][2] if has_w else xd, out_dtype, fkey[7][2] if gated else xd)
+    ident = ("form", fdesc, bdesc, dtypes, bool(like), int(ws_numel), int(n_cnt), has_w, gated)
+    plan_id = _native_ids.get(ident)
+    if plan_id is None:
+        e = [torch.empty(0, dtype=d) for d in dtypes]
+        plan_id = _native_ids[ident] = mod.register_rms_form_plan(
+            *fdesc, *bdesc, e[0], e[1], e[2], bool(like), int(ws_numel), int(n_cnt), has_w, gated, e[3])
+    nat = _native_plans[fkey] = (mod.rms_norm_form, plan_id, dev)
+    return nat
+
+
+# ---- autograd and custom ops ----------------------------------------------------------------------
+def _form_code(form: RMSForm) -> list:
+    return [_NORM_CASTS.index(form.norm_cast), _WEIGHTS.index(form.weight), _GATES.index(form.gate),
+            _ACTS.index(form.act), int(form.out_cast), int(form.rstd_cast)]
+
+
+def _form_of(code) -> RMSForm:
+    return RMSForm(_NORM_CASTS[code[0]], _WEIGHTS[code[1]], _GATES[code[2]], _ACTS[code[3]], bool(code[4]),
+                   bool(code[5]))
+
+
+@torch.library.custom_op("deepspeed_fused::rms_norm_form_fwd", mutates_args=())
+def _rms_norm_form_fwd(x: torch.Tensor, w: Optional[torch.Tensor], g: Optional[torch.Tensor], eps: float,
+                       form: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = _form_forward_impl(x, w, g, eps, _form_of(form))
+    return y, rstd
+
+
+@_rms_norm_form_fwd.register_fake
+def _(x, w, g, eps, form):
+    out = form_output_dtype(_form_of(form), x.dtype, None if w is None else w.dtype)
+    return x.new_empty(x.shape, dtype=out), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("deepspeed_fused::rms_norm_form_bwd", mutates_args=())
+def _rms_norm_form_bwd(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], g: Optional[torch.Tensor],
+                       rstd: torch.Tensor, form: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, dg = _form_backward_impl(dy, x, w, g, rstd, _form_of(form))
+    return dx, (x.new_empty(0) if dw is None else dw), (x.new_empty(0) if dg is None else dg)
+
+
+@_rms_norm_form_bwd.register_fake
+def _(dy, x, w, g, rstd, form):
+    return (x.new_empty(x.shape), x.new_empty(0) if w is None else w.new_empty(w.shape),
+            x.new_empty(0) if g is None else g.new_empty(g.shape))
+
+
+def _form_setup_context(ctx, inputs, output):
+    x, w, g, _, form = inputs
+    ctx.save_for_backward(x, w, g, output[1])
+    ctx.form = form
+    ctx.mark_non_differentiable(output[1])
+
+
+def _form_backward(ctx, dy, _drstd):
+    x, w, g, rstd = ctx.saved_tensors
+    dx, dw, dg = _rms_norm_form_bwd(dy, x, w, g, rstd, ctx.form)
+    return dx, (None if w is None else dw), (None if g is None else dg), None, None
+
+
+_rms_norm_form_fwd.register_autograd(_form_backward, setup_context=_form_setup_context)
+
+
+class _FusedRMSNormFormFn(torch.autograd.Function):
+    """:class:`_FusedRMSNormFn` for the other forms (inputs x, weight or None, gate or None)."""
+
+    @staticmethod
+    def forward(ctx, x, w, g, eps, form, key, run=None):
+        out = run(x, w, g, eps) if run is not None else None
+        y, rstd = out if out is not None else _form_forward_impl(x, w, g, eps, form, key=key)
+        ctx.save_for_backward(x, w, g, rstd)
+        ctx.form, ctx.key = form, key
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():
+            return _form_backward_once(ctx, dy)
+        x, w, g, rstd = ctx.saved_tensors
+        fast_key = (ctx.key, dy.stride(), dy.dtype, dy.data_ptr() & 15)
+        run = _form_bwd_fast.get(fast_key)
+        if run is not None:
+            out = run(dy, x, w, g, rstd)
+            if out is not None:
+                return out
+        dx, dw, dg = _form_backward_impl(dy, x, w, g, rstd, ctx.form, fast_key=fast_key)
+        return dx, dw, dg, None, None, None, None
+
+
+def _form_backward_body(ctx, dy):
+    x, w, g, rstd = ctx.saved_tensors
+    dx, dw, dg = _form_backward_impl(dy, x, w, g, rstd, ctx.form)
+    return dx, dw, dg, None, None, None, None
+
+
+_form_backward_once = once_differentiable(_form_backward_body)
+
+
+# ---- public entry points ----------------------------------------------------------------------------
+def _validate_form(hidden, weight, eps, form: RMSForm, gate) -> None:
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"fused_rms_norm: hidden must be a tensor, got {type(hidden).__name__}")
+    if form.weight == "none":
+        if weight is not None:
+            raise ValueError("fused_rms_norm: this form takes no weight (weight must be None)")
+        _validate(hidden, hidden.new_empty(hidden.shape[-1:]) if hidden.dim() else hidden, eps)
+    else:
+        if weight is None:
+            raise ValueError("fused_rms_norm: this form needs a weight")
+        _validate(hidden, weight, eps)
+    if form.gate == "after" and gate is None:
+        raise ValueError("fused_rms_norm: this gated form needs a gate tensor")
+    if gate is not None:
+        if form.gate == "none":
+            raise ValueError("fused_rms_norm: this form takes no gate (gate must be None)")
+        if not isinstance(gate, torch.Tensor) or not gate.is_floating_point():
+            raise TypeError("fused_rms_norm: gate must be a floating-point tensor")
+        if gate.shape != hidden.shape:
+            raise ValueError(f"fused_rms_norm: gate must have hidden's shape {tuple(hidden.shape)}, "
+                             f"got {tuple(gate.shape)}")
+        if gate.device != hidden.device:
+            raise ValueError(f"fused_rms_norm: gate must be on hidden's device {hidden.device}, got {gate.device}")
+
+
+def rms_norm_form_kernel_ok(hidden, weight, gate=None) -> tuple[bool, str]:
+    """Whether the kernels take these (valid) inputs of a form; otherwise the reason."""
+    ok, reason = rms_norm_kernel_ok(hidden, hidden if weight is None else weight)
+    if ok and gate is not None and gate.dtype not in _KERNEL_DTYPES:
+        return False, f"gate dtype {gate.dtype} (kernels take float16, bfloat16, float32)"
+    return ok, reason
+
+
+def _needs_grad(hidden, weight, gate) -> bool:
+    return torch.is_grad_enabled() and (hidden.requires_grad or (weight is not None and weight.requires_grad)
+                                        or (gate is not None and gate.requires_grad))
+
+
+def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor], eps: float, form,
+                            gate: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """:func:`fused_rms_norm_form`, or None (no warning) when the kernels cannot take these valid
+    inputs; wrong inputs raise. Inputs whose launch plan exists go straight to the kernels."""
+    if type(form) is not RMSForm:
+        form = _check_form(form)
+    if torch.compiler.is_compiling():
+        _check_form(form)
+        _validate_form(hidden, weight, eps, form, gate)
+        if not rms_norm_form_kernel_ok(hidden, weight, gate)[0]:
+            return None
+        if gate is not None and form.gate == "none":
+            gate = None
+        if _form_consts(form, hidden.dtype, None if weight is None else weight.dtype,
+                        gate is not None and form.gate != "none") is None:
+            return _rms_norm_fwd(hidden, weight, float(eps))[0]
+        return _rms_norm_form_fwd(hidden, weight, gate, float(eps), _form_code(form))[0]
+    if (type(eps) is float and isinstance(hidden, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor))
+            and (gate is None or isinstance(gate, torch.Tensor))):
+        grad = _needs_grad(hidden, weight, gate)
+        key = _form_key(hidden, weight, gate, form, grad)
+        run = _form_fwd_fast.get(key)
+        if run is not None:
+            if grad:
+                nat = (_native_plans.get(key) or (_register_native_form(key) if key in _native_pending else None)
+                       if NATIVE else None)
+                if nat is not None and _current_device() == nat[2] and not _launch_hooks():
+                    return nat[0](hidden, weight, gate, eps, nat[1])
+                return _FusedRMSNormFormFn.apply(hidden, weight, gate, eps, form, key, run)
+            out = run(hidden, weight, gate, eps)
+            if out is not None:
+                return out[0]
+        plan = _form_fwd_plans.get(key)
+        if plan is not None:
+            return _run_form(hidden, weight, gate, eps, form, key, plan)
+    _check_form(form)
+    _validate_form(hidden, weight, eps, form, gate)
+    if not rms_norm_form_kernel_ok(hidden, weight, gate)[0]:
+        return None
+    eps = float(eps)
+    key = _form_key(hidden, weight, gate, form, _needs_grad(hidden, weight, gate))
+    plan = _form_fwd_plans.get(key)
+    if plan is None and hidden.numel():
+        plan = _remember(_form_fwd_plans, key, _form_fwd_plan(hidden, weight, gate, form, key[-1], key))
+    return _run_form(hidden, weight, gate, eps, form, key, plan)
+
+
+def _run_form(hidden, weight, gate, eps, form, key, plan):
+    if plan is not None and len(plan) == 1:  # the Llama form at these dtypes (there is no gate then)
+        return try_fused_rms_norm(hidden, weight, eps)
+    if key[-1]:
+        return _FusedRMSNormFormFn.apply(hidden, weight, gate, eps, form, key)
+    return _form_forward_impl(hidden, weight, gate, eps, form, write_rstd=False, key=key)[0]
+
+
+def fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor], eps: float, form,
+                        gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of ``hidden`` ([..., N]) in ``form`` (an :class:`RMSForm` or a name in
+    :data:`FORMS`), with ``weight`` ([N], or None for forms without one) and, for gated forms,
+    ``gate`` (hidden's shape). The result is what the form's eager forward returns, rounding
+    included (dtype :func:`form_output_dtype`). Differentiable in ``hidden``, ``weight`` and
+    ``gate`` (first order). Forms that round as the Llama form does at these dtypes run
+    :func:`fused_rms_norm`. Inputs the kernels cannot take run :func:`rms_norm_form_reference`
+    with a one-time warning per reason; wrong inputs raise."""
+    y = try_fused_rms_norm_form(hidden, weight, eps, form, gate)
+    if y is None:
+        warn_fallback(_OP, rms_norm_form_kernel_ok(hidden, weight, gate)[1])
+        return rms_norm_form_reference(hidden, weight, eps, form, gate)
     return y

@@ -178,3 +178,47 @@ def test_native_only_for_planned_layouts(rms_plans, case):
     key, fast_key, bplan, bfn = add_key(x, w, **kw)
     R._offer_native(fast_key, bplan, bfn)
     assert key not in R._native_pending and key not in R._native_plans and not ext.registered
+
+
+@pytest.mark.parametrize("case", ["unweighted", "gated", "strided_gate"])
+def test_native_registration_of_other_forms(rms_plans, case):
+    """The other forms hand the same launches to the extension's ``rms_norm_form`` node: an absent
+    weight or gate is a constexpr None (no parameter), the gate's slot follows the outputs."""
+    R, ext, state, _ = rms_plans
+    ext.register_rms_form_plan = lambda *a: ext.registered.append(a) or len(ext.registered) - 1
+    ext.rms_norm_form = object()
+    state["built"] = True
+    x = torch.randn(6, 8)
+    w = None if case == "unweighted" else torch.randn(8)
+    g = None if case == "unweighted" else (torch.randn(8, 6).t() if case == "strided_gate" else torch.randn(6, 8))
+    form = R.FORMS["unweighted"] if case == "unweighted" else R.FORMS["gated"]
+    key = R._form_key(x, w, g, form, True)
+    lkey = ("form_fwd",) + key
+    R._form_fwd_plans[key] = (False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey,
+                              False, g is not None)
+    R._form_fwd_fast[key] = object()
+    fsig = {"X": "*fp32", "W": "constexpr" if w is None else "*fp32", "Y": "*fp32", "RSTD": "*fp32",
+            "G": "constexpr" if g is None else "*fp32", "n": "i32", "N": "i32", "eps": "fp32"}
+    R._launches._compiled[lkey] = _fn(fsig)
+    fast_key = (key, x.stride(), x.dtype, 0)
+    R._form_bwd_fast[fast_key] = object()
+    bsig = {"DY": "*fp32", "X": "*fp32", "W": "constexpr" if w is None else "*fp32", "RSTD": "*fp32",
+            "DX": "*fp32", "PART": "*fp32", "CNT": "*i32", "DW": "constexpr" if w is None else "*fp32",
+            "G": "constexpr" if g is None else "*fp32", "DG": "constexpr" if g is None else "*fp32",
+            "n": "i32", "N": "i32"}
+    bplan = (False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0, None,
+             False, g is not None)
+    R._offer_native_form(fast_key, bplan, _fn(bsig))
+    if case == "strided_gate":  # the node takes contiguous gates only: the Python node keeps the key
+        assert key not in R._native_plans and not ext.registered
+        return
+    nat = R._native_plans[key]
+    assert nat[0] is ext.rms_norm_form and nat[1] == 0 and key not in R._native_pending
+    args = ext.registered[0]
+    n_ptr_f, n_ptr_b = (3, 6) if case == "unweighted" else (5, 10)
+    assert args[4] == (_native.PTR,) * n_ptr_f + (_native.I32, _native.I32, _native.EPS_F32)
+    slots_f = (0, 2, 3) if case == "unweighted" else (0, 1, 2, 3, 4)
+    assert args[5][:n_ptr_f] == slots_f
+    slots_b = (0, 1, 3, 4, 5, 6) if case == "unweighted" else tuple(range(10))
+    assert args[10] == (_native.PTR,) * n_ptr_b + (_native.I32, _native.I32) and args[11][:n_ptr_b] == slots_b
+    assert args[15:20] == (True, 1000, 2, case != "unweighted", case != "unweighted")
