@@ -1,4 +1,5 @@
-"""Helpers shared by the ops: where kernels may run, and warn-once fallbacks.
+"""Helpers shared by the ops: where kernels may run, warn-once fallbacks, the SM count, and
+launches through Triton's C launcher.
 
 The ops never import DeepSpeed. A kernel runs on CUDA tensors when Triton imports, and on
 CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set before the kernels
@@ -6,6 +7,7 @@ are defined), which is how the CPU test-suite exercises the kernels themselves.
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Optional
@@ -50,6 +52,12 @@ def kernel_device_ok(t: torch.Tensor) -> tuple[bool, str]:
     if t.device.type == "cpu" and interpreter_active():
         return True, ""
     return False, f"tensors on {t.device.type} (kernels need CUDA)"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """The streaming multiprocessors of CUDA device ``device_index`` (read once per device)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 _warned: set[tuple[str, str]] = set()

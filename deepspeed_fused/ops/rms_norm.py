@@ -43,6 +43,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _native
+from ._common import sm_count as _sm_count
 from ._common import (HAS_TRITON, CachedLaunches, _current_device, _launch_hooks, _raw_stream, _stream_capturing,
                       kernel_device_ok, tl, triton, warn_fallback)
 
@@ -677,11 +678,6 @@ def _row_layout(t: torch.Tensor) -> Optional[tuple]:
         return (1, d2, s0, 0, s2)
     (d2, s2), (d1, s1), (_, s0) = groups
     return (d1, d2, s0, s1, s2)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _device_index(t: torch.Tensor) -> int:
