@@ -774,27 +774,236 @@ class _on_device:
 # alignment (configs, grids, persistent-program counts, workspace sizes, the compiled kernels),
 # computed once per such key. A repeated call then builds its key, allocates its outputs and
 # launches one kernel through the compiled kernel's C launcher (``CachedLaunches``).
-_MAX_PLANS = 4096
-_fwd_plans: dict = {}
-_bwd_plans: dict = {}
-_launches = CachedLaunches()
+#
+# Keys are plain tuples (built on every call: a record's constructor would cost a Python call
+# there); the records below name their fields for the code that reads them (``FwdKey._make(k)``).
+# Plans are records (tuples: the per-call paths unpack them into locals at once).
+class TensorKey(NamedTuple):
+    """What a plan depends on of one tensor (``_tkey``)."""
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    align: int  # data_ptr() & 15
+
+
+class FwdKey(NamedTuple):
+    """The Llama form's forward key (``_fwd_key``)."""
+    x_shape: tuple
+    x_stride: tuple
+    x_dtype: torch.dtype
+    x_device: torch.device
+    x_align: int
+    w_shape: tuple
+    w_stride: tuple
+    w_dtype: torch.dtype
+    w_device: torch.device
+    w_align: int
+    write_rstd: bool  # a backward follows
+
+
+class BwdKey(NamedTuple):
+    """The Llama form's backward key (``_bwd_key``)."""
+    x_shape: tuple
+    x_stride: tuple
+    x_dtype: torch.dtype
+    x_device: torch.device
+    x_align: int
+    dy_shape: tuple
+    dy_stride: tuple
+    dy_dtype: torch.dtype
+    dy_device: torch.device
+    dy_align: int
+    w_stride: tuple
+    w_dtype: torch.dtype
+    w_align: int
+    rstd_align: int
+
+
+class FormKey(NamedTuple):
+    """The other forms' forward key (``_form_key``)."""
+    form: "RMSForm"
+    x_shape: tuple
+    x_stride: tuple
+    x_dtype: torch.dtype
+    x_device: torch.device
+    x_align: int
+    w: Optional[tuple]  # TensorKey fields, or None
+    g: Optional[tuple]
+    write_rstd: bool
+
+
+class FormBwdKey(NamedTuple):
+    """The other forms' backward key (``_form_bwd_key``)."""
+    form: "RMSForm"
+    x_shape: tuple
+    x_stride: tuple
+    x_dtype: torch.dtype
+    x_device: torch.device
+    x_align: int
+    dy_shape: tuple
+    dy_stride: tuple
+    dy_dtype: torch.dtype
+    dy_device: torch.device
+    dy_align: int
+    w: Optional[tuple]
+    g: Optional[tuple]
+    rstd_align: int
+
+
+class FastKey(NamedTuple):
+    """A backward fast path's key: the forward's key and the incoming gradient's layout (its shape
+    and device are the output's, checked by autograd)."""
+    key: tuple
+    dy_stride: tuple
+    dy_dtype: torch.dtype
+    dy_align: int
+
+
+class FormSpec(NamedTuple):
+    """What another form changes in a plan: its kernels' constexprs and output dtype (and, for the
+    backward, the gate when the kernels read one)."""
+    consts: dict
+    out_dtype: torch.dtype
+    gate: Optional[torch.Tensor] = None
+
+
+class FwdPlan(NamedTuple):
+    """The forward's launch plan (``_fwd_plan``; the other forms' too)."""
+    copy: bool  # x's rows cannot be addressed in place: x is copied contiguous first
+    wcopy: bool  # the weight is strided: copied
+    like: bool  # y is empty_like(x)
+    out_dtype: torch.dtype
+    rshape: tuple  # rstd's shape
+    device: torch.device
+    ints: tuple  # the kernel's integer arguments (n_rows, N, D1, D2, S0, S1, S2)
+    grid: tuple
+    const: dict  # the kernel's constexprs, in its parameter order
+    num_warps: int
+    dev: Optional[int]  # the CUDA device's index (None: CPU, the interpreter)
+    lkey: tuple  # the launch's key in ``_launches``: (kind,) + the plan's key
+    gate_copy: bool = False  # other forms: the gate is copied contiguous
+    gated: bool = False  # other forms: the kernel reads a gate
+
+
+class ReducePlan(NamedTuple):
+    """The weight-gradient sum's own launch (``_dw_reduce_kernel``)."""
+    grid: tuple
+    const: dict
+
+
+class BwdPlan(NamedTuple):
+    """The backward's launch plan (``_bwd_plan``; the other forms' too)."""
+    convert: bool  # dy is converted to the output dtype
+    out_dtype: torch.dtype
+    xcopy: bool  # x's rows cannot be addressed in place: copied
+    gcopy: bool  # dy's rows cannot be addressed in place: copied
+    wcopy: bool
+    dx_like: bool  # dx is empty_like(x)
+    device: torch.device
+    kernel: object  # the persistent or the looping kernel
+    ints: tuple  # (n_rows, N[, n_tiles]) + x's and dy's row layouts
+    progs: int  # persistent programs
+    const: dict
+    num_warps: int
+    ws_numel: int  # workspace floats (weight-gradient partials)
+    n_cnt: int  # workspace counters
+    red: Optional[ReducePlan]  # the weight-gradient sum's own launch, or None (summed in the launch)
+    dev: Optional[int]
+    lkey: tuple
+    gate_copy: bool = False  # other forms: the gate is copied contiguous
+    gated: bool = False  # other forms: the kernels read a gate (and write its gradient)
+
+
+# A form whose rounding at these dtypes is the Llama form's: its plan entry (the Llama op runs it)
+AS_LLAMA = "as llama"
+
+
+class NativeEntry(NamedTuple):
+    """A forward key's C++ node: the extension's function, the plan id it was registered under,
+    the CUDA device index."""
+    apply: object
+    plan_id: int
+    dev: int
+
+
+class NativePending(NamedTuple):
+    """A forward key's launches noted for the C++ node until the extension is built."""
+    fast_key: tuple
+    bplan: BwdPlan
+    bfn: object  # the backward's direct launcher
+
+
+def _key_of(lkey: tuple) -> tuple:
+    """The plan key inside a launch key ``(kind,) + key``."""
+    return lkey[1:]
+
+
+class PlanCache:
+    """Every cache of the RMSNorm's launch plans, with one clearing path. The dicts are made once
+    and only ever cleared in place, so the per-call paths hold them as module globals (one lookup
+    fewer than through this object)."""
+
+    MAX_PLANS = 4096
+
+    def __init__(self):
+        self.fwd_plans: dict = {}  # FwdKey -> FwdPlan
+        self.bwd_plans: dict = {}  # BwdKey -> BwdPlan
+        self.form_fwd_plans: dict = {}  # FormKey -> FwdPlan or AS_LLAMA
+        self.form_bwd_plans: dict = {}  # FormBwdKey -> BwdPlan or AS_LLAMA
+        # fast paths: per key, once its kernel has a direct launcher, a closure that allocates
+        # the outputs and makes the one launch (no plan unpacking, no launcher lookup): the
+        # backward's runs on autograd's device thread, where every Python step costs more than on
+        # the calling thread. The backward's are keyed by FastKey.
+        self.fwd_fast: dict = {}
+        self.bwd_fast: dict = {}
+        self.form_fwd_fast: dict = {}
+        self.form_bwd_fast: dict = {}
+        # C++ autograd node entries: forward key -> NativeEntry (None: not describable)
+        self.native_plans: dict = {}
+        self.native_pending: dict = {}  # forward key -> NativePending until the build is done
+        # launch descriptions -> the extension's plan id (kept by clear(): the extension keeps them)
+        self.native_ids: dict = {}
+        self.launches = CachedLaunches()
+
+    def _derived(self):
+        return (self.fwd_fast, self.bwd_fast, self.form_fwd_fast, self.form_bwd_fast, self.native_plans,
+                self.native_pending)
+
+    def clear(self) -> None:
+        """Forget every plan, fast path, C++ node entry and compiled launch."""
+        for d in (self.fwd_plans, self.bwd_plans, self.form_fwd_plans, self.form_bwd_plans) + self._derived():
+            d.clear()
+        self.launches.clear()
+
+    def remember(self, plans: dict, key, plan):
+        """``plans[key] = plan``; a full dict starts over (shapes that never repeat), with what
+        was derived from plans (fast paths, C++ node entries)."""
+        if len(plans) >= self.MAX_PLANS:
+            plans.clear()
+            for d in self._derived():
+                d.clear()
+        plans[key] = plan
+        return plan
+
+
+PLANS = PlanCache()
+_fwd_plans = PLANS.fwd_plans
+_bwd_plans = PLANS.bwd_plans
+_form_fwd_plans = PLANS.form_fwd_plans
+_form_bwd_plans = PLANS.form_bwd_plans
+_fwd_fast = PLANS.fwd_fast
+_bwd_fast = PLANS.bwd_fast
+_form_fwd_fast = PLANS.form_fwd_fast
+_form_bwd_fast = PLANS.form_bwd_fast
+_native_plans = PLANS.native_plans
+_native_pending = PLANS.native_pending
+_native_ids = PLANS.native_ids
+_launches = PLANS.launches
 _F32 = torch.float32
 
-
-# Fast paths: per key, once its kernel has a direct launcher, a closure that allocates the outputs
-# and makes the one launch (no plan unpacking, no launcher lookup): the backward's runs on
-# autograd's device thread, where every Python step costs more than on the calling thread. The
-# backward's key is the forward's key plus the incoming gradient's strides, dtype and alignment
-# (its shape and device are the output's, checked by autograd).
-_fwd_fast: dict = {}
-_bwd_fast: dict = {}
-
-# C++ autograd node plans: forward key -> (the extension's apply, plan id, device index).
-# ``NATIVE``: whether calls may use them (the benchmark times both paths).
+# ``NATIVE``: whether calls may use the C++ node (the benchmark times both paths).
 NATIVE = True
-_native_plans: dict = {}
-_native_pending: dict = {}  # forward key -> (backward fast key, backward plan, launcher) until the build is done
-_native_ids: dict = {}  # launch descriptions -> the extension's plan id (kept across clear_plans: the extension keeps them)
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -811,11 +1020,12 @@ def _offer_native(fast_key, bplan, bfn) -> None:
     them if the extension is ready (else the forward's hot path registers them once it is)."""
     fkey, dstride, ddtype, dalign = fast_key
     fplan = _fwd_plans.get(fkey)
-    if fkey in _native_plans or dalign or fkey[4] or fkey[9] or fplan is None:
+    k = FwdKey._make(fkey)
+    if fkey in _native_plans or dalign or k.x_align or k.w_align or fplan is None:
         return
-    if ddtype != fplan[3] or dstride != _contiguous_strides(fkey[0]):
+    if ddtype != fplan.out_dtype or dstride != _contiguous_strides(k.x_shape):
         return
-    _native_pending[fkey] = (fast_key, bplan, bfn)
+    _native_pending[fkey] = NativePending(fast_key, bplan, bfn)
     _register_native(fkey)
 
 
@@ -833,57 +1043,38 @@ def _register_native(fkey):
         return None
     fast_key, bplan, bfn = pending
     fplan = _fwd_plans.get(fkey)
-    ffn = _launches.get(fplan[-1]) if fplan is not None else None
+    ffn = _launches.get(fplan.lkey) if fplan is not None else None
     if ffn is None or _fwd_fast.get(fkey) is None or _bwd_fast.get(fast_key) is None:
         return None
-    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey = fplan
     P = _native.PTR
-    fdesc = _native.describe(ffn, [(P, 0), (P, 1), (P, 2), (P, 3)] + list(ints) + [_native.EPS])
-    bints, ws_numel, n_cnt = bplan[8], bplan[12], bplan[13]
-    bdesc = _native.describe(bfn, [(P, i) for i in range(8)] + list(bints))
+    fdesc = _native.describe(ffn, [(P, 0), (P, 1), (P, 2), (P, 3)] + list(fplan.ints) + [_native.EPS])
+    ws_numel, n_cnt = bplan.ws_numel, bplan.n_cnt
+    bdesc = _native.describe(bfn, [(P, i) for i in range(8)] + list(bplan.ints))
     if fdesc is None or bdesc is None:
         _native_plans[fkey] = None  # not describable: this key keeps the Python node
         return None
-    dtypes = (fkey[2], fkey[7], out_dtype)
+    k = FwdKey._make(fkey)
+    like = fplan.like
+    dtypes = (k.x_dtype, k.w_dtype, fplan.out_dtype)
     ident = (fdesc, bdesc, dtypes, bool(like), int(ws_numel), int(n_cnt))
     plan_id = _native_ids.get(ident)
     if plan_id is None:  # the extension keeps every plan: one per distinct description
         plan_id = _native_ids[ident] = mod.register_rms_plan(
             *fdesc, *bdesc, *(torch.empty(0, dtype=d) for d in dtypes), bool(like), int(ws_numel), int(n_cnt))
-    nat = _native_plans[fkey] = (mod.rms_norm, plan_id, dev)
+    nat = _native_plans[fkey] = NativeEntry(mod.rms_norm, plan_id, fplan.dev)
     return nat
 
 
 def clear_plans() -> None:
     """Forget the launch plans (tests that change the tuning knobs call this)."""
-    _fwd_plans.clear()
-    _bwd_plans.clear()
-    _fwd_fast.clear()
-    _bwd_fast.clear()
-    _form_fwd_plans.clear()
-    _form_bwd_plans.clear()
-    _form_fwd_fast.clear()
-    _form_bwd_fast.clear()
-    _native_plans.clear()
-    _native_pending.clear()
-    _launches.clear()
+    PLANS.clear()
 
 
-def _remember(plans: dict, key, plan):
-    if len(plans) >= _MAX_PLANS:  # shapes that never repeat: start over rather than grow
-        plans.clear()
-        _fwd_fast.clear()
-        _bwd_fast.clear()
-        _form_fwd_fast.clear()
-        _form_bwd_fast.clear()
-        _native_plans.clear()
-        _native_pending.clear()
-    plans[key] = plan
-    return plan
+_remember = PLANS.remember
 
 
 def _make_fwd_fast(plan, fn):
-    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey = plan
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, _, _ = plan
     parts = getattr(fn, "parts", None)
     if copy or wcopy or dev is None or parts is None:
         return None
@@ -905,7 +1096,7 @@ def _make_fwd_fast(plan, fn):
 
 def _make_bwd_fast(plan, fn):
     (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
-     n_cnt, red, dev, lkey) = plan
+     n_cnt, red, dev, lkey, _, _) = plan
     parts = getattr(fn, "parts", None)
     if convert or xcopy or gcopy or wcopy or not dx_like or dev is None or red is not None or parts is None:
         return None
@@ -913,7 +1104,8 @@ def _make_bwd_fast(plan, fn):
     rest = tuple(ints) + tuple(tail)
     empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _current_device, _raw_stream, _stream_capturing, _launch_hooks
     workspaces = _workspaces
-    x_dtype, x_align, w_dtype, w_align = lkey[3], lkey[5], lkey[12], lkey[13]
+    k = BwdKey._make(_key_of(lkey))
+    x_dtype, x_align, w_dtype, w_align = k.x_dtype, k.x_align, k.w_dtype, k.w_align
 
     def run(dy, x, w, rstd):
         if capturing() or get_device() != dev or hooks():
@@ -1012,9 +1204,10 @@ def _fwd_key(x: torch.Tensor, w: torch.Tensor, write_rstd: bool) -> tuple:
             w.data_ptr() & 15, write_rstd)
 
 
-def _fwd_plan(x: torch.Tensor, w: Optional[torch.Tensor], write_rstd: bool, key, form=None) -> tuple:
-    """The forward's launch plan; ``form``: None (the Llama form) or ``(constexprs, output dtype)``
-    of another form (its kernel, ``_rms_fwd_form_kernel``, takes the gate pointer after RSTD)."""
+def _fwd_plan(x: torch.Tensor, w: Optional[torch.Tensor], write_rstd: bool, key,
+              form: Optional[FormSpec] = None) -> FwdPlan:
+    """The forward's launch plan; ``form``: None (the Llama form) or another form's
+    :class:`FormSpec` (its kernel, ``_rms_fwd_form_kernel``, takes the gate pointer after RSTD)."""
     N = x.shape[-1]
     n_rows = x.numel() // N if N else 0
     lay = _row_layout(x)
@@ -1029,12 +1222,12 @@ def _fwd_plan(x: torch.Tensor, w: Optional[torch.Tensor], write_rstd: bool, key,
     if form is None:
         out_dtype = torch.promote_types(x.dtype, w.dtype)
     else:
-        const.update(form[0])
-        out_dtype = form[1]
+        const.update(form.consts)
+        out_dtype = form.out_dtype
     like = out_dtype == x.dtype and (copy or x.is_contiguous())
     wcopy = w is not None and N > 1 and w.stride(0) != 1
-    return (copy, wcopy, like, out_dtype, x.shape[:-1], x.device, (n_rows, N) + lay, grid, const, num_warps,
-            _cuda_index(x), ("fwd",) + key)
+    return FwdPlan(copy, wcopy, like, out_dtype, x.shape[:-1], x.device, (n_rows, N) + lay, grid, const, num_warps,
+                   _cuda_index(x), ("fwd",) + key)
 
 
 def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float, y: Optional[torch.Tensor] = None,
@@ -1051,7 +1244,7 @@ def _forward_impl(x: torch.Tensor, w: torch.Tensor, eps: float, y: Optional[torc
                 rstd = torch.empty(x.shape[:-1], dtype=_F32, device=x.device)
             return y, rstd
         plan = _remember(_fwd_plans, key, _fwd_plan(x, w, write_rstd, key))
-    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey = plan
+    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, _, _ = plan
     if copy:
         x = x.contiguous()
     if wcopy:
@@ -1098,13 +1291,13 @@ def _bwd_key(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Ten
 
 
 def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd: torch.Tensor, key,
-              form=None) -> tuple:
-    """The backward's launch plan; ``form``: None (the Llama form) or ``(constexprs, output
-    dtype, gate)`` of another form (its kernels take the gate and its gradient after DW; without a
-    weight there is no weight-gradient sum)."""
+              form: Optional[FormSpec] = None) -> BwdPlan:
+    """The backward's launch plan; ``form``: None (the Llama form) or another form's
+    :class:`FormSpec` (its kernels take the gate and its gradient after DW; without a weight
+    there is no weight-gradient sum)."""
     N = x.shape[-1]
     n_rows = x.numel() // N
-    out_dtype = torch.promote_types(x.dtype, w.dtype) if form is None else form[1]
+    out_dtype = torch.promote_types(x.dtype, w.dtype) if form is None else form.out_dtype
     convert = dy.dtype != out_dtype
     xl, gl = _row_layout(x), (None if convert else _row_layout(dy))
     xcopy, gcopy = xl is None, gl is None
@@ -1124,9 +1317,9 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     pargs = (gs, xs, ws, rstd, dx) + probe_ws + (ws,)
     kernels, fconst = (_rms_bwd_kernel, _rms_bwd_loop_kernel), {}
     if form is not None:
-        gate = form[2].contiguous() if form[2] is not None else None
+        gate = form.gate.contiguous() if form.gate is not None else None
         pargs += (gate, None if gate is None else torch.empty_like(gate))
-        kernels, fconst = (_rms_bwd_form_kernel, _rms_bwd_loop_form_kernel), form[0]
+        kernels, fconst = (_rms_bwd_form_kernel, _rms_bwd_loop_form_kernel), form.consts
     if single:
         n_tiles = triton.cdiv(n_rows, block_r)
         kernel = kernels[0]
@@ -1153,13 +1346,13 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     else:  # a second launch; narrow column strips so the partial buffer is read by many programs at once
         const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=0)
         rn = min(triton.next_power_of_2(N), 32)
-        red = ((triton.cdiv(N, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
+        red = ReducePlan((triton.cdiv(N, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
     if form is not None:
         const.update(fconst)  # after the reduction's: the kernels' parameter order
         if w is None:  # no weight gradient: no second launch
             red = None
-    return (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
-            ws_rows * N, n_cnt, red, _cuda_index(x), ("bwd",) + key)
+    return BwdPlan(convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
+                   ws_rows * N, n_cnt, red, _cuda_index(x), ("bwd",) + key)
 
 
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
@@ -1176,7 +1369,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
             return dx, dw.zero_()
         plan = _remember(_bwd_plans, key, _bwd_plan(dy, x, w, rstd, key))
     (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
-     n_cnt, red, dev, lkey) = plan
+     n_cnt, red, dev, lkey, _, _) = plan
     if convert or xcopy or gcopy:
         dy, x = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
     if wcopy:
@@ -1196,7 +1389,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
                 fn(stream, dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), part.data_ptr(),
                    cnt.data_ptr(), dw.data_ptr(), *ints)
                 if red is not None:
-                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, ints[1])
+                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, x.shape[-1])
                 if fast_key is not None and fast_key not in _bwd_fast:
                     _bwd_fast[fast_key] = _make_bwd_fast(plan, fn)
                     if NATIVE and _native.enabled():
@@ -1209,11 +1402,12 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
         if given:
             kernel[(progs,)](*args, **const, num_warps=num_warps)
             if red is not None:
-                _dw_reduce_kernel[red[0]](part, dw, progs, ints[1], **red[1], num_warps=4)
+                _dw_reduce_kernel[red.grid](part, dw, progs, x.shape[-1], **red.const, num_warps=4)
         else:
             _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
             if red is not None:
-                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red[0], (part, dw, progs, ints[1]), red[1], 4, dev)
+                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, x.shape[-1]), red.const, 4,
+                                 dev)
     return dx, dw
 
 
@@ -1334,8 +1528,8 @@ def rms_norm_kernel_ok(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[bool
     return True, ""
 
 
-def _run(hidden: torch.Tensor, weight: torch.Tensor, eps: float, key) -> torch.Tensor:
-    if key[-1]:
+def _run(hidden: torch.Tensor, weight: torch.Tensor, eps: float, key, grad: bool) -> torch.Tensor:
+    if grad:
         return _FusedRMSNormFn.apply(hidden, weight, eps, key)
     return _forward_impl(hidden, weight, eps, write_rstd=False, key=key)[0]
 
@@ -1358,20 +1552,22 @@ def try_fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -
             if grad:
                 nat = (_native_plans.get(key) or (_register_native(key) if key in _native_pending else None)
                        if NATIVE else None)
-                if nat is not None and _current_device() == nat[2] and not _launch_hooks():
-                    return nat[0](hidden, weight, eps, nat[1])
+                if nat is not None:
+                    apply, plan_id, ndev = nat
+                    if _current_device() == ndev and not _launch_hooks():
+                        return apply(hidden, weight, eps, plan_id)
                 return _FusedRMSNormFn.apply(hidden, weight, eps, key, run)
             out = run(hidden, weight, eps)
             if out is not None:
                 return out[0]
         if key in _fwd_plans:
-            return _run(hidden, weight, eps, key)
+            return _run(hidden, weight, eps, key, grad)
     _validate(hidden, weight, eps)
     if not rms_norm_kernel_ok(hidden, weight)[0]:
         return None
     eps = float(eps)
-    return _run(hidden, weight, eps,
-                _fwd_key(hidden, weight, torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _run(hidden, weight, eps, _fwd_key(hidden, weight, grad), grad)
 
 
 def fused_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -1540,13 +1736,7 @@ def _form_eager(hidden, weight, eps, form: RMSForm, gate=None, rstd=None):
     return h.to(input_dtype) if form.out_cast else h
 
 
-# ---- plans and launches ---------------------------------------------------------------------------
-_form_fwd_plans: dict = {}
-_form_bwd_plans: dict = {}
-_form_fwd_fast: dict = {}
-_form_bwd_fast: dict = {}
-
-
+# ---- plans and launches (the plan caches are PLANS') ------------------------------------------------
 def _tkey(t: Optional[torch.Tensor]):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
@@ -1560,13 +1750,15 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else t.data_ptr()
 
 
-def _form_fwd_plan(x, w, g, form: RMSForm, write_rstd: bool, key) -> tuple:
+def _form_fwd_plan(x, w, g, form: RMSForm, write_rstd: bool, key):
+    """The form's forward plan (an :class:`FwdPlan`), or :data:`AS_LLAMA`."""
     spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none")
     if spec is None:
-        return ("llama",)
+        return AS_LLAMA
     consts, out_dtype = spec
-    plan = _fwd_plan(x, w, write_rstd, key, form=(dict(consts), out_dtype))
-    return plan[:-1] + (("form_fwd",) + key, g is not None and not g.is_contiguous(), dict(consts)["GATE"] != 0)
+    plan = _fwd_plan(x, w, write_rstd, key, form=FormSpec(dict(consts), out_dtype))
+    return plan._replace(lkey=("form_fwd",) + key, gate_copy=g is not None and not g.is_contiguous(),
+                         gated=dict(consts)["GATE"] != 0)
 
 
 def _form_forward_impl(x, w, g, eps: float, form: RMSForm, y=None, rstd=None, write_rstd: bool = True, key=None):
@@ -1582,7 +1774,7 @@ def _form_forward_impl(x, w, g, eps: float, form: RMSForm, y=None, rstd=None, wr
                 rstd = torch.empty(x.shape[:-1], dtype=_F32, device=x.device)
             return y, rstd
         plan = _remember(_form_fwd_plans, key, _form_fwd_plan(x, w, g, form, write_rstd, key))
-    if len(plan) == 1:  # rounds as the Llama form
+    if plan is AS_LLAMA:  # rounds as the Llama form
         return _forward_impl(x, w, eps, y=y, rstd=rstd, write_rstd=write_rstd)
     copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, gcopy, gated = plan
     if copy:
@@ -1645,11 +1837,11 @@ def _form_bwd_key(dy, x, w, g, rstd, form) -> tuple:
 def _form_bwd_plan(dy, x, w, g, rstd, form: RMSForm, key) -> tuple:
     spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none")
     if spec is None:
-        return ("llama",)
+        return AS_LLAMA
     consts, out_dtype = spec
     gated = dict(consts)["GATE"] != 0
-    plan = _bwd_plan(dy, x, w, rstd, key, form=(dict(consts), out_dtype, g if gated else None))
-    return plan[:-1] + (("form_bwd",) + key, gated and not g.is_contiguous(), gated)
+    plan = _bwd_plan(dy, x, w, rstd, key, form=FormSpec(dict(consts), out_dtype, g if gated else None))
+    return plan._replace(lkey=("form_bwd",) + key, gate_copy=gated and not g.is_contiguous(), gated=gated)
 
 
 def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=None, fast_key=None):
@@ -1665,7 +1857,7 @@ def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=N
                 dg = dg if dg is not None else torch.empty(g.shape, dtype=g.dtype, device=g.device)
             return dx, dw, dg
         plan = _remember(_form_bwd_plans, key, _form_bwd_plan(dy, x, w, g, rstd, form, key))
-    if len(plan) == 1:
+    if plan is AS_LLAMA:
         dx, dw = _backward_impl(dy, x, w, rstd, dx=dx, dw=dw)
         return dx, dw, (None if g is None else torch.zeros_like(g) if dg is None else dg.zero_())
     (convert, out_dtype, xcopy, gcopy, wcopy, dx_like, device, kernel, ints, progs, const, num_warps, ws_numel,
@@ -1695,7 +1887,7 @@ def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=N
                 fn(stream, dy.data_ptr(), x.data_ptr(), _ptr(w), rstd.data_ptr(), dx.data_ptr(), part.data_ptr(),
                    cnt.data_ptr(), _ptr(dw), _ptr(gk), _ptr(dgk), *ints)
                 if red is not None:
-                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, ints[1])
+                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, x.shape[-1])
                 if fast_key is not None and fast_key not in _form_bwd_fast:
                     _form_bwd_fast[fast_key] = _make_form_bwd_fast(plan, fn)
                     if NATIVE and _native.enabled():
@@ -1708,11 +1900,12 @@ def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=N
         if given:
             kernel[(progs,)](*args, **const, num_warps=num_warps)
             if red is not None:
-                _dw_reduce_kernel[red[0]](part, dw, progs, ints[1], **red[1], num_warps=4)
+                _dw_reduce_kernel[red.grid](part, dw, progs, x.shape[-1], **red.const, num_warps=4)
         else:
             _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
             if red is not None:
-                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red[0], (part, dw, progs, ints[1]), red[1], 4, dev)
+                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, x.shape[-1]), red.const, 4,
+                                 dev)
     if g is not None and not gated:  # a gate the form did not use ("before" forms never get here without one)
         dg = torch.zeros_like(g) if dg is None else dg.zero_()
     return dx, dw, dg
@@ -1728,8 +1921,8 @@ def _make_form_bwd_fast(plan, fn):
     rest = tuple(ints) + tuple(tail)
     empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _current_device, _raw_stream, _stream_capturing, _launch_hooks
     workspaces = _workspaces
-    fkey = lkey[1:]
-    x_dtype, x_align, wk, gk = fkey[3], fkey[5], fkey[11], fkey[12]
+    k = FormBwdKey._make(_key_of(lkey))
+    x_dtype, x_align, wk, gk = k.x_dtype, k.x_align, k.w, k.g
 
     def run(dy, x, w, g, rstd):
         if capturing() or get_device() != dev or hooks():
@@ -1759,14 +1952,16 @@ def _offer_native_form(fast_key, bplan, bfn) -> None:
     the incoming gradient the planned one."""
     fkey, dstride, ddtype, dalign = fast_key
     fplan = _form_fwd_plans.get(fkey)
-    if fkey in _native_plans or dalign or fkey[5] or fplan is None or len(fplan) == 1:
+    k = FormKey._make(fkey)
+    if fkey in _native_plans or dalign or k.x_align or fplan is None or fplan is AS_LLAMA:
         return
-    wk, gk = fkey[6], fkey[7]
-    if (wk is not None and wk[4]) or (gk is not None and (gk[4] or gk[1] != _contiguous_strides(gk[0]))):
+    wk = None if k.w is None else TensorKey._make(k.w)
+    gk = None if k.g is None else TensorKey._make(k.g)
+    if (wk is not None and wk.align) or (gk is not None and (gk.align or gk.stride != _contiguous_strides(gk.shape))):
         return
-    if ddtype != fplan[3] or dstride != _contiguous_strides(fkey[1]):
+    if ddtype != fplan.out_dtype or dstride != _contiguous_strides(k.x_shape):
         return
-    _native_pending[fkey] = (fast_key, bplan, bfn)
+    _native_pending[fkey] = NativePending(fast_key, bplan, bfn)
     _register_native_form(fkey)
 
 
@@ -1782,30 +1977,31 @@ def _register_native_form(fkey):
         return None
     fast_key, bplan, bfn = pending
     fplan = _form_fwd_plans.get(fkey)
-    ffn = _launches.get(fplan[11]) if fplan is not None else None
+    ffn = _launches.get(fplan.lkey) if fplan is not None else None
     if ffn is None or _form_fwd_fast.get(fkey) is None or _form_bwd_fast.get(fast_key) is None:
         return None
-    copy, wcopy, like, out_dtype, rshape, device, ints, grid, const, num_warps, dev, lkey, gcopy, gated = fplan
-    has_w = fkey[6] is not None
+    k = FormKey._make(fkey)
+    like, gated, out_dtype = fplan.like, fplan.gated, fplan.out_dtype
+    has_w = k.w is not None
     P = _native.PTR
     fdesc = _native.describe(ffn, [(P, 0), (P, 1) if has_w else None, (P, 2), (P, 3), (P, 4) if gated else None]
-                             + list(ints) + [_native.EPS])
-    bints, ws_numel, n_cnt = bplan[8], bplan[12], bplan[13]
+                             + list(fplan.ints) + [_native.EPS])
+    ws_numel, n_cnt = bplan.ws_numel, bplan.n_cnt
     bdesc = _native.describe(bfn, [(P, 0), (P, 1), (P, 2) if has_w else None, (P, 3), (P, 4), (P, 5), (P, 6),
                                    (P, 7) if has_w else None, (P, 8) if gated else None, (P, 9) if gated else None]
-                             + list(bints))
+                             + list(bplan.ints))
     if fdesc is None or bdesc is None:
         _native_plans[fkey] = None
         return None
-    xd = fkey[3]
-    dtypes = (xd, fkey[6][2] if has_w else xd, out_dtype, fkey[7][2] if gated else xd)
+    xd = k.x_dtype
+    dtypes = (xd, TensorKey._make(k.w).dtype if has_w else xd, out_dtype, TensorKey._make(k.g).dtype if gated else xd)
     ident = ("form", fdesc, bdesc, dtypes, bool(like), int(ws_numel), int(n_cnt), has_w, gated)
     plan_id = _native_ids.get(ident)
     if plan_id is None:
         e = [torch.empty(0, dtype=d) for d in dtypes]
         plan_id = _native_ids[ident] = mod.register_rms_form_plan(
             *fdesc, *bdesc, e[0], e[1], e[2], bool(like), int(ws_numel), int(n_cnt), has_w, gated, e[3])
-    nat = _native_plans[fkey] = (mod.rms_norm_form, plan_id, dev)
+    nat = _native_plans[fkey] = NativeEntry(mod.rms_norm_form, plan_id, fplan.dev)
     return nat
 
 
@@ -1962,31 +2158,34 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
             if grad:
                 nat = (_native_plans.get(key) or (_register_native_form(key) if key in _native_pending else None)
                        if NATIVE else None)
-                if nat is not None and _current_device() == nat[2] and not _launch_hooks():
-                    return nat[0](hidden, weight, gate, eps, nat[1])
+                if nat is not None:
+                    apply, plan_id, ndev = nat
+                    if _current_device() == ndev and not _launch_hooks():
+                        return apply(hidden, weight, gate, eps, plan_id)
                 return _FusedRMSNormFormFn.apply(hidden, weight, gate, eps, form, key, run)
             out = run(hidden, weight, gate, eps)
             if out is not None:
                 return out[0]
         plan = _form_fwd_plans.get(key)
         if plan is not None:
-            return _run_form(hidden, weight, gate, eps, form, key, plan)
+            return _run_form(hidden, weight, gate, eps, form, key, plan, grad)
     _check_form(form)
     _validate_form(hidden, weight, eps, form, gate)
     if not rms_norm_form_kernel_ok(hidden, weight, gate)[0]:
         return None
     eps = float(eps)
-    key = _form_key(hidden, weight, gate, form, _needs_grad(hidden, weight, gate))
+    grad = _needs_grad(hidden, weight, gate)
+    key = _form_key(hidden, weight, gate, form, grad)
     plan = _form_fwd_plans.get(key)
     if plan is None and hidden.numel():
-        plan = _remember(_form_fwd_plans, key, _form_fwd_plan(hidden, weight, gate, form, key[-1], key))
-    return _run_form(hidden, weight, gate, eps, form, key, plan)
+        plan = _remember(_form_fwd_plans, key, _form_fwd_plan(hidden, weight, gate, form, grad, key))
+    return _run_form(hidden, weight, gate, eps, form, key, plan, grad)
 
 
-def _run_form(hidden, weight, gate, eps, form, key, plan):
-    if plan is not None and len(plan) == 1:  # the Llama form at these dtypes (there is no gate then)
+def _run_form(hidden, weight, gate, eps, form, key, plan, grad: bool):
+    if plan is AS_LLAMA:  # the Llama form at these dtypes (there is no gate then)
         return try_fused_rms_norm(hidden, weight, eps)
-    if key[-1]:
+    if grad:
         return _FusedRMSNormFormFn.apply(hidden, weight, gate, eps, form, key)
     return _form_forward_impl(hidden, weight, gate, eps, form, write_rstd=False, key=key)[0]
 

@@ -121,12 +121,13 @@ def rms_plans(monkeypatch):
     def add_key(x, w, dy_stride=None, dy_dtype=None, dy_align=0):
         key = R._fwd_key(x, w, True)
         lkey = ("fwd",) + key
-        R._fwd_plans[key] = (False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey)
+        R._fwd_plans[key] = R.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey)
         R._fwd_fast[key] = object()
         R._launches._compiled[lkey] = _fake_launcher(4)
         fast_key = (key, dy_stride or x.stride(), dy_dtype or x.dtype, dy_align)
         R._bwd_fast[fast_key] = object()
-        bplan = (False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0, None)
+        bplan = R.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0,
+                          None)
         return key, fast_key, bplan, _fake_launcher(8)
 
     yield R, ext, state, add_key
@@ -143,7 +144,7 @@ def test_native_registration_waits_for_the_build_then_reuses_descriptions(rms_pl
     assert R._register_native(key) is None and key in R._native_pending
     state["built"] = True
     nat = R._register_native(key)
-    assert nat is not None and nat[1] == 0 and nat[2] == 0 and key not in R._native_pending
+    assert nat is not None and nat.plan_id == 0 and nat.dev == 0 and key not in R._native_pending
     assert R._native_plans[key] is nat and R._register_native(key) is nat
     args = ext.registered[0]
     assert args[0] == 0xABC and args[4] == (_native.PTR,) * 4 + (_native.I32, _native.I32, _native.EPS_F32)
@@ -154,7 +155,7 @@ def test_native_registration_waits_for_the_build_then_reuses_descriptions(rms_pl
     key2, fast_key2, bplan2, bfn2 = add_key(torch.randn(3, 2, 8), w)
     assert key2 != key
     R._offer_native(fast_key2, bplan2, bfn2)
-    assert R._native_plans[key2][1] == 0 and len(ext.registered) == 1
+    assert R._native_plans[key2].plan_id == 0 and len(ext.registered) == 1
 
 
 def test_native_registration_dropped_when_the_build_fails(rms_plans):
@@ -194,8 +195,8 @@ def test_native_registration_of_other_forms(rms_plans, case):
     form = R.FORMS["unweighted"] if case == "unweighted" else R.FORMS["gated"]
     key = R._form_key(x, w, g, form, True)
     lkey = ("form_fwd",) + key
-    R._form_fwd_plans[key] = (False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey,
-                              False, g is not None)
+    R._form_fwd_plans[key] = R.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0,
+                                       lkey, False, g is not None)
     R._form_fwd_fast[key] = object()
     fsig = {"X": "*fp32", "W": "constexpr" if w is None else "*fp32", "Y": "*fp32", "RSTD": "*fp32",
             "G": "constexpr" if g is None else "*fp32", "n": "i32", "N": "i32", "eps": "fp32"}
@@ -206,14 +207,14 @@ def test_native_registration_of_other_forms(rms_plans, case):
             "DX": "*fp32", "PART": "*fp32", "CNT": "*i32", "DW": "constexpr" if w is None else "*fp32",
             "G": "constexpr" if g is None else "*fp32", "DG": "constexpr" if g is None else "*fp32",
             "n": "i32", "N": "i32"}
-    bplan = (False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0, None,
-             False, g is not None)
+    bplan = R.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0,
+                      None, False, g is not None)
     R._offer_native_form(fast_key, bplan, _fn(bsig))
     if case == "strided_gate":  # the node takes contiguous gates only: the Python node keeps the key
         assert key not in R._native_plans and not ext.registered
         return
     nat = R._native_plans[key]
-    assert nat[0] is ext.rms_norm_form and nat[1] == 0 and key not in R._native_pending
+    assert nat.apply is ext.rms_norm_form and nat.plan_id == 0 and key not in R._native_pending
     args = ext.registered[0]
     n_ptr_f, n_ptr_b = (3, 6) if case == "unweighted" else (5, 10)
     assert args[4] == (_native.PTR,) * n_ptr_f + (_native.I32, _native.I32, _native.EPS_F32)

@@ -156,7 +156,7 @@ def test_form_wide_weight_gradient_sums(interpret, tune, col):
     tune(_MAX_TAIL_BYTES=0, _SMALL_ELEMS=0, _COL_FINISH=col)
     check_form(f, x, w, g, dy)
     plan = next(iter(R._form_bwd_plans.values()))
-    assert plan[10]["FINISH"] == (2 if col else 0) and (plan[14] is None) == col
+    assert plan.const["FINISH"] == (2 if col else 0) and (plan.red is None) == col
 
 
 @pytest.mark.parametrize("loop", [False, True])
@@ -190,7 +190,7 @@ def test_form_strided_rows_without_copy(interpret):
     dy = torch.randn(B, H, S, hd, generator=gen).to(interpret).transpose(1, 2)
     check_form(f, q, w, None, dy)
     key = next(iter(R._form_fwd_plans))
-    assert not R._form_fwd_plans[key][0]  # no copy of x
+    assert not R._form_fwd_plans[key].copy  # no copy of x
 
 
 def test_forms_that_round_as_llama_run_the_llama_op(interpret, monkeypatch):
