@@ -44,7 +44,8 @@ from torch.autograd.function import once_differentiable
 
 from . import _native
 from ._common import (HAS_TRITON, CachedLaunches, _current_device, _launch_hooks, _raw_stream, _stream_capturing,
-                      kernel_device_ok, tl, triton, warn_fallback)
+                      kernel_device_ok, launch_binding, tl, triton, warn_fallback)
+from ._common import sm_count as _sm_count
 
 __all__ = ["fused_rms_norm", "try_fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype",
            "RMSForm", "FORMS", "fused_rms_norm_form", "try_fused_rms_norm_form", "rms_norm_form_reference",
@@ -679,11 +680,6 @@ def _row_layout(t: torch.Tensor) -> Optional[tuple]:
     return (d1, d2, s0, s1, s2)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
@@ -1078,7 +1074,7 @@ def _make_fwd_fast(plan, fn):
     parts = getattr(fn, "parts", None)
     if copy or wcopy or dev is None or parts is None:
         return None
-    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    launch, grid3, fixed, tail = launch_binding(parts)
     write_rstd = const["WRITE_RSTD"]
     empty, empty_like, get_device, raw_stream, hooks = torch.empty, torch.empty_like, _current_device, _raw_stream, _launch_hooks
 
@@ -1087,7 +1083,7 @@ def _make_fwd_fast(plan, fn):
             return None
         y = empty_like(x) if like else empty(x.shape, dtype=out_dtype, device=device)
         rstd = empty(rshape, dtype=_F32, device=device) if write_rstd else None
-        launch(g0, g1, g2, raw_stream(dev), function, coop, pdl, None, None, meta, None, None, None,
+        launch(*grid3, raw_stream(dev), *fixed,
                x.data_ptr(), w.data_ptr(), y.data_ptr(), (rstd if write_rstd else y).data_ptr(), *ints, eps, *tail)
         return y, rstd
 
@@ -1100,7 +1096,7 @@ def _make_bwd_fast(plan, fn):
     parts = getattr(fn, "parts", None)
     if convert or xcopy or gcopy or wcopy or not dx_like or dev is None or red is not None or parts is None:
         return None
-    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    launch, grid3, fixed, tail = launch_binding(parts)
     rest = tuple(ints) + tuple(tail)
     empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _current_device, _raw_stream, _stream_capturing, _launch_hooks
     workspaces = _workspaces
@@ -1120,7 +1116,7 @@ def _make_bwd_fast(plan, fn):
             ws = _workspace(device, dev, stream, ws_numel, n_cnt)
         dx = empty_like(x)
         dw = empty_like(w)
-        launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None,
+        launch(*grid3, stream, *fixed,
                dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), ws[0].data_ptr(),
                ws[1].data_ptr(), dw.data_ptr(), *rest)
         return dx, dw, None, None, None
@@ -1812,7 +1808,7 @@ def _make_form_fwd_fast(plan, fn):
     parts = getattr(fn, "parts", None)
     if copy or wcopy or gcopy or dev is None or parts is None:
         return None
-    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    launch, grid3, fixed, tail = launch_binding(parts)
     write_rstd = const["WRITE_RSTD"]
     empty, empty_like, get_device, raw_stream, hooks = torch.empty, torch.empty_like, _current_device, _raw_stream, _launch_hooks
 
@@ -1821,7 +1817,7 @@ def _make_form_fwd_fast(plan, fn):
             return None
         y = empty_like(x) if like else empty(x.shape, dtype=out_dtype, device=device)
         rstd = empty(rshape, dtype=_F32, device=device) if write_rstd else None
-        launch(g0, g1, g2, raw_stream(dev), function, coop, pdl, None, None, meta, None, None, None,
+        launch(*grid3, raw_stream(dev), *fixed,
                x.data_ptr(), None if w is None else w.data_ptr(), y.data_ptr(), (rstd if write_rstd else y).data_ptr(),
                g.data_ptr() if gated else None, *ints, eps, *tail)
         return y, rstd
@@ -1917,7 +1913,7 @@ def _make_form_bwd_fast(plan, fn):
     parts = getattr(fn, "parts", None)
     if convert or xcopy or gcopy or wcopy or g_copy or not dx_like or dev is None or red is not None or parts is None:
         return None
-    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    launch, grid3, fixed, tail = launch_binding(parts)
     rest = tuple(ints) + tuple(tail)
     empty_like, get_device, raw_stream, capturing, hooks = torch.empty_like, _current_device, _raw_stream, _stream_capturing, _launch_hooks
     workspaces = _workspaces
@@ -1938,7 +1934,7 @@ def _make_form_bwd_fast(plan, fn):
         dx = empty_like(x)
         dw = None if w is None else empty_like(w)
         dg = empty_like(g) if gated else None
-        launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None,
+        launch(*grid3, stream, *fixed,
                dy.data_ptr(), x.data_ptr(), None if w is None else w.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
                ws[0].data_ptr(), ws[1].data_ptr(), None if dw is None else dw.data_ptr(),
                g.data_ptr() if gated else None, dg.data_ptr() if gated else None, *rest)
