@@ -121,13 +121,14 @@ def rms_plans(monkeypatch):
     def add_key(x, w, dy_stride=None, dy_dtype=None, dy_align=0):
         key = R.plans._fwd_key(x, w, True)
         lkey = ("fwd",) + key
-        R.plans._fwd_plans[key] = R.plans.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey)
+        R.plans._fwd_plans[key] = R.plans.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {},
+                                                  4, 0, lkey)
         R.plans._fwd_fast[key] = object()
         R.plans._launches._compiled[lkey] = _fake_launcher(4)
         fast_key = (key, dy_stride or x.stride(), dy_dtype or x.dtype, dy_align)
         R.plans._bwd_fast[fast_key] = object()
-        bplan = R.plans.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0,
-                          None)
+        bplan = R.plans.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2,
+                                None, 0, None)
         return key, fast_key, bplan, _fake_launcher(8)
 
     yield R, ext, state, add_key
@@ -164,7 +165,8 @@ def test_native_registration_dropped_when_the_build_fails(rms_plans):
     R.native._offer_native(fast_key, bplan, bfn)
     assert key in R.plans._native_pending
     state["enabled"] = False  # a failed build switches the nodes off
-    assert R.native._register_native(key) is None and key not in R.plans._native_pending and key not in R.plans._native_plans
+    assert R.native._register_native(key) is None
+    assert key not in R.plans._native_pending and key not in R.plans._native_plans
 
 
 @pytest.mark.parametrize("case", ["dy_strided", "dy_dtype", "dy_unaligned", "x_unaligned"])
@@ -195,8 +197,8 @@ def test_native_registration_of_other_forms(rms_plans, case):
     form = R.FORMS["unweighted"] if case == "unweighted" else R.FORMS["gated"]
     key = R.plans._form_key(x, w, g, form, True)
     lkey = ("form_fwd",) + key
-    R.plans._form_fwd_plans[key] = R.plans.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0,
-                                       lkey, False, g is not None)
+    R.plans._form_fwd_plans[key] = R.plans.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,),
+                                                   {}, 4, 0, lkey, False, g is not None)
     R.plans._form_fwd_fast[key] = object()
     fsig = {"X": "*fp32", "W": "constexpr" if w is None else "*fp32", "Y": "*fp32", "RSTD": "*fp32",
             "G": "constexpr" if g is None else "*fp32", "n": "i32", "N": "i32", "eps": "fp32"}
@@ -207,8 +209,8 @@ def test_native_registration_of_other_forms(rms_plans, case):
             "DX": "*fp32", "PART": "*fp32", "CNT": "*i32", "DW": "constexpr" if w is None else "*fp32",
             "G": "constexpr" if g is None else "*fp32", "DG": "constexpr" if g is None else "*fp32",
             "n": "i32", "N": "i32"}
-    bplan = R.plans.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0,
-                      None, False, g is not None)
+    bplan = R.plans.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2,
+                            None, 0, None, False, g is not None)
     R.native._offer_native_form(fast_key, bplan, _fn(bsig))
     if case == "strided_gate":  # the node takes contiguous gates only: the Python node keeps the key
         assert key not in R.plans._native_plans and not ext.registered

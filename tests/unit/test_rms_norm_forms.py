@@ -83,7 +83,8 @@ def check_form(form, x, w, g, dy, eps=EPS):
         # dw against eager's own formula given our rstd (the same rounded terms; only the FP32
         # summation order differs): within 1 ULP + 4 eps32 * sum |terms|
         _, rstd = R.launch._form_forward_impl(x, w, g, eps, form)
-        _, _, dw_inj, _ = _grads(lambda a, b, c: R.reference._form_eager(a, b, eps, form, c, rstd[..., None]), x, w, g, dy)
+        eager = R.reference._form_eager
+        _, _, dw_inj, _ = _grads(lambda a, b, c: eager(a, b, eps, form, c, rstd[..., None]), x, w, g, dy)
         h = x.double() * (_ACT[form.act](g.double()) if form.gate == "before" and g is not None else 1)
         s = _ACT[form.act](g.double()).abs() if form.gate == "after" else 1
         terms = (dy.double().abs() * s * (h * rstd[..., None].double()).abs()).reshape(-1, x.shape[-1]).sum(0)

@@ -50,7 +50,8 @@ from . import api, kernels, launch, native, plans, reference  # noqa: F401  (the
 from .api import (fused_rms_norm, fused_rms_norm_form, rms_norm_form_kernel_ok, rms_norm_kernel_ok,
                   try_fused_rms_norm, try_fused_rms_norm_form)
 from .plans import PLANS, clear_plans
-from .reference import FORMS, LLAMA, RMSForm, form_output_dtype, output_dtype, rms_norm_form_reference, rms_norm_reference
+from .reference import (FORMS, LLAMA, RMSForm, form_output_dtype, output_dtype, rms_norm_form_reference,
+                        rms_norm_reference)
 
 __all__ = ["fused_rms_norm", "try_fused_rms_norm", "rms_norm_reference", "rms_norm_kernel_ok", "output_dtype",
            "RMSForm", "FORMS", "fused_rms_norm_form", "try_fused_rms_norm_form", "rms_norm_form_reference",

@@ -169,8 +169,8 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: tor
         else:
             _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
             if red is not None:
-                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, x.shape[-1]), red.const, 4,
-                                 dev)
+                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, x.shape[-1]),
+                                 red.const, 4, dev)
     return dx, dw
 
 
@@ -303,8 +303,8 @@ def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=N
         else:
             _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
             if red is not None:
-                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, x.shape[-1]), red.const, 4,
-                                 dev)
+                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, x.shape[-1]),
+                                 red.const, 4, dev)
     if g is not None and not gated:  # a gate the form did not use ("before" forms never get here without one)
         dg = torch.zeros_like(g) if dg is None else dg.zero_()
     return dx, dw, dg
