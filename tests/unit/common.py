@@ -384,7 +384,7 @@ def _finish_background_builds():
     """Wait for the background build (or cached load) of deepspeed_fused's C++ node if the test
     started one: torch's extension build holds a lock file while it runs, and a rank that exited
     in the middle would leave it behind for every later build or load to wait on forever."""
-    native = sys.modules.get("deepspeed_fused.ops._native")
+    native = sys.modules.get("deepspeed_fused.ops.rms_norm.native")
     if native is not None and native.building():
         native._state["thread"].join()
 
