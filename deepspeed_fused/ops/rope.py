@@ -187,6 +187,8 @@ def _reference_one(x, cos, sin, ud, spec: RopeSpec):
             return src()[..., 1::2]
 
     if spec.angles == "position":
+        if width == 1:  # broadcast over the head dim, as eager's multiply broadcasts it
+            c, s = c.expand(*c.shape[:-1], rdim), s.expand(*s.shape[:-1], rdim)
         if spec.pairing == "half":
             cf, cs, sf, ss = c[..., :h], c[..., h:rdim], s[..., :h], s[..., h:rdim]
         else:
@@ -418,8 +420,8 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec):
             if pairs == 1 or 2 * pairs == d + 1:
                 return f"cos/sin giving {pairs} pair angles for head dim {d} (broadcast)"
             raise _Invalid(f"rope: cos/sin give {pairs} pair angles, the head dim {d} needs {d // 2}")
-    if rdim % 2 or rdim == 0:
-        return f"rotary dim {rdim} (the kernels need an even, nonzero one)"
+    if rdim % 2 or rdim == 0:  # the spec's pairs do not exist
+        raise _Invalid(f"rope: the rotary dim must be even and nonzero, got {rdim}")
     if cos.requires_grad or sin.requires_grad:
         return "cos/sin require grad (the fused op treats them as constants)"
     geos = []
@@ -610,14 +612,15 @@ def _launch(plan: _Plan, lkey, x0, y0, x1, y1, cos, sin, np0: int, total: int, a
             _direct[lkey] = fn
 
 
-def _forward(plan: _Plan, q, k, cos, sin):
+def _forward(plan: _Plan, q, k, cos, sin, outs=None):
+    """The outputs, fresh (or ``outs``, in the plan's layout: tests poison them)."""
     g0 = plan.geos[0]
-    yq = torch.empty_strided(q.shape, g0.y_strides, dtype=g0.out_dtype, device=q.device)
+    yq = torch.empty_strided(q.shape, g0.y_strides, dtype=g0.out_dtype, device=q.device) if outs is None else outs[0]
     if k is None:
         _launch(plan, plan.key, q, yq, q, yq, cos, sin, plan.progs[0], plan.progs[0], plan.fwd_args, plan.fwd_const)
         return yq, None
     g1 = plan.geos[1]
-    yk = torch.empty_strided(k.shape, g1.y_strides, dtype=g1.out_dtype, device=k.device)
+    yk = torch.empty_strided(k.shape, g1.y_strides, dtype=g1.out_dtype, device=k.device) if outs is None else outs[1]
     _launch(plan, plan.key, q, yq, k, yk, cos, sin, plan.progs[0], plan.progs[0] + plan.progs[1], plan.fwd_args,
             plan.fwd_const)
     return yq, yk
@@ -627,9 +630,9 @@ def _unit_last(g: torch.Tensor) -> torch.Tensor:
     return g if g.stride(-1) == 1 or g.shape[-1] <= 1 else g.contiguous()
 
 
-def _backward(plan: _Plan, grads: tuple, cos, sin) -> list:
+def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None) -> list:
     """Input gradients of the outputs whose gradients ``grads`` holds (None: no gradient), in the
-    forward outputs' layout and the inputs' dtype; one launch for both."""
+    forward outputs' layout and the inputs' dtype (or into ``outs``); one launch for both."""
     present = tuple(i for i, g in enumerate(grads) if g is not None)
     out = [None] * len(grads)
     if not present:
@@ -637,7 +640,7 @@ def _backward(plan: _Plan, grads: tuple, cos, sin) -> list:
     gs = tuple(_unit_last(grads[i]) for i in present)
     args, np0, total, const, lkey = plan.backward_entry(present, gs)
     dxs = [torch.empty_strided(g.shape, plan.geos[i].y_strides, dtype=plan.x_dtype, device=g.device)
-           for i, g in zip(present, gs)]
+           if outs is None else outs[i] for i, g in zip(present, gs)]
     x1, y1 = (gs[1], dxs[1]) if len(gs) == 2 else (gs[0], dxs[0])
     _launch(plan, lkey, gs[0], dxs[0], x1, y1, cos, sin, np0, total, args, const)
     for i, dx in zip(present, dxs):
