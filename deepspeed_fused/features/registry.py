@@ -21,7 +21,7 @@ def unregister(name: str) -> None:
     _FEATURES.pop(name, None)
 
 
-_BUILTIN = ("rms_norm", "linear_cross_entropy", "moe_reorder")
+_BUILTIN = ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope")
 
 
 def all_features() -> list[Feature]:
@@ -44,4 +44,4 @@ def _load_builtin() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        from . import rms_norm, linear_cross_entropy, moe_reorder  # noqa: F401  (each registers itself)
+        from . import rms_norm, linear_cross_entropy, moe_reorder, rope  # noqa: F401  (each registers itself)

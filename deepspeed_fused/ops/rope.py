@@ -30,7 +30,9 @@ as eager does too. Outputs equal eager's element for element (as ``torch.equal``
 q and k may be strided views (Hugging Face passes ``[B, S, H, D]`` projections transposed to
 ``[B, H, S, D]``): rows are addressed through up to three strided leading dims with no copy, and
 cos/sin are broadcast over the heads through zero strides. The outputs take the inputs' layout
-(``empty_like``), as eager's elementwise results do. cos and sin are constants: inputs where they
+(``empty_like``), as eager's elementwise results do, and the input gradients are contiguous, as
+eager autograd's are (the slices' backward builds them so): the layers before see the gradient
+eager would give them, down to its strides, so their own reductions round as in eager. cos and sin are constants: inputs where they
 require grad, and inputs the kernels cannot take, run the plain torch reference
 (:func:`rope_reference`) with one warning per reason. Under ``torch.compile`` the op is the custom
 op ``deepspeed_fused::rope_fwd`` with ``rope_bwd`` as its backward; in eager mode the same kernels
@@ -341,16 +343,29 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Geometry:
-    """One tensor's rows: its leading shape in the output's memory order (padded to three dims)
-    and the strides the kernel reads the angles with (cos/sin expanded over the leading shape)."""
+    """One tensor's rows: its leading shape (padded to three dims), the strides the kernel reads
+    the angles with (cos/sin expanded over the leading shape), and its output's layout."""
 
     out_dtype: torch.dtype
-    y_strides: tuple  # the output's strides (as empty_like lays it out), all dims
-    lead: tuple  # leading sizes, memory order, padded to 3
-    perm: tuple  # the original leading dim of each (-1: padding)
-    angle_strides: tuple  # cos, permuted
+    y_strides: tuple  # the forward output's strides (as empty_like lays it out), all dims
+    dx_strides: tuple  # the input gradient's (contiguous, as eager autograd's), all dims
+    sizes: tuple  # leading sizes, padded to 3
+    pad: int
+    angle_strides: tuple  # cos, padded to 3
     sin_strides: tuple
     n_rows: int
+
+    def ints(self, x_strides: tuple, y_strides: tuple) -> tuple:
+        """The kernel's 15 ints of this tensor read with ``x_strides`` and written with
+        ``y_strides``: rows in the written tensor's memory order (sizes of the two inner leading
+        dims), then x / y / cos / sin strides in that order."""
+        pad = (0,) * self.pad
+        xs, ys = pad + tuple(x_strides[:-1]), pad + tuple(y_strides[:-1])
+        order = tuple(sorted(range(3), key=lambda i: (-ys[i], i)))
+        pick = lambda t: tuple(t[o] for o in order)  # noqa: E731
+        sizes = pick(self.sizes)
+        return ((self.n_rows, sizes[1], sizes[2]) + pick(xs) + pick(ys) + pick(self.angle_strides)
+                + pick(self.sin_strides))
 
 
 class RopeInputError(Exception):
@@ -441,31 +456,15 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec):
             return f"cos/sin broadcast {name} {tuple(x.shape)} to a larger shape"
         od = output_dtype(spec, x.dtype, cos.dtype)
         y_strides = tuple(torch.empty_like(x, dtype=od, device="meta").stride())
-        cst = _expanded_lead_strides(cos_b, lead)
-        sst = _expanded_lead_strides(sin.unsqueeze(ud), lead)
+        dx_strides = tuple(torch.empty(x.shape, device="meta").stride())
         pad = 3 - len(lead)
-        sizes = (1,) * pad + lead
-        ys = (0,) * pad + y_strides[:-1]
-        order = tuple(sorted(range(3), key=lambda i: (-ys[i], i)))  # rows in the output's memory order
-        cst = (0,) * pad + tuple(cst)
-        sst = (0,) * pad + tuple(sst)
+        cst = (0,) * pad + tuple(_expanded_lead_strides(cos_b, lead))
+        sst = (0,) * pad + tuple(_expanded_lead_strides(sin.unsqueeze(ud), lead))
         n_rows = 1
         for v in lead:
             n_rows *= v
-        geos.append(_Geometry(od, y_strides, tuple(sizes[o] for o in order),
-                              tuple(o - pad if o >= pad else -1 for o in order), tuple(cst[o] for o in order),
-                              tuple(sst[o] for o in order), n_rows))
+        geos.append(_Geometry(od, y_strides, dx_strides, (1,) * pad + lead, pad, cst, sst, n_rows))
     return rdim, rdim // 2, geos
-
-
-def _perm(strides: tuple, perm: tuple) -> tuple:
-    return tuple(strides[p] if p >= 0 else 0 for p in perm)
-
-
-def _rows_ints(geo: _Geometry, x_strides: tuple, y_strides: tuple) -> tuple:
-    """The kernel's 15 ints of one tensor: rows, two leading sizes, x / y / cos / sin strides."""
-    return ((geo.n_rows, geo.lead[1], geo.lead[2]) + _perm(x_strides, geo.perm) + _perm(y_strides, geo.perm)
-            + geo.angle_strides + geo.sin_strides)
 
 
 class _Plan:
@@ -500,7 +499,7 @@ class _Plan:
         self.fwd_args = self.fwd_const = None
 
     def set_forward(self, q: torch.Tensor, k: Optional[torch.Tensor]) -> None:
-        ints = tuple(_rows_ints(g, x.stride(), g.y_strides) for g, x in zip(self.geos, (q, k)))
+        ints = tuple(g.ints(x.stride(), g.y_strides) for g, x in zip(self.geos, (q, k)))
         if len(ints) == 1:
             ints = ints * 2
         self.fwd_args = ints[0] + ints[1] + self.tail
@@ -513,7 +512,7 @@ class _Plan:
         bkey = tuple((i, g.stride(), g.dtype, g.data_ptr() & 15) for i, g in zip(present, grads))
         entry = self.bwd.get(bkey)
         if entry is None:
-            ints = tuple(_rows_ints(self.geos[i], g.stride(), self.geos[i].y_strides) for i, g in zip(present, grads))
+            ints = tuple(self.geos[i].ints(g.stride(), self.geos[i].dx_strides) for i, g in zip(present, grads))
             if len(ints) == 1:
                 ints = ints * 2
             np0 = self.progs[present[0]]
@@ -632,14 +631,14 @@ def _unit_last(g: torch.Tensor) -> torch.Tensor:
 
 def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None) -> list:
     """Input gradients of the outputs whose gradients ``grads`` holds (None: no gradient), in the
-    forward outputs' layout and the inputs' dtype (or into ``outs``); one launch for both."""
+    inputs' dtype, contiguous as eager autograd leaves them (or into ``outs``); one launch for both."""
     present = tuple(i for i, g in enumerate(grads) if g is not None)
     out = [None] * len(grads)
     if not present:
         return out
     gs = tuple(_unit_last(grads[i]) for i in present)
     args, np0, total, const, lkey = plan.backward_entry(present, gs)
-    dxs = [torch.empty_strided(g.shape, plan.geos[i].y_strides, dtype=plan.x_dtype, device=g.device)
+    dxs = [torch.empty_strided(g.shape, plan.geos[i].dx_strides, dtype=plan.x_dtype, device=g.device)
            if outs is None else outs[i] for i, g in zip(present, gs)]
     x1, y1 = (gs[1], dxs[1]) if len(gs) == 2 else (gs[0], dxs[0])
     _launch(plan, lkey, gs[0], dxs[0], x1, y1, cos, sin, np0, total, args, const)
@@ -722,7 +721,8 @@ def _rope_bwd_op(gq: Optional[torch.Tensor], gk: Optional[torch.Tensor], cos: to
 
 @_rope_bwd_op.register_fake
 def _(gq, gk, cos, sin, unsqueeze_dim, spec, x_dtype):
-    return [torch.empty_like(g, dtype=x_dtype) if g is not None else torch.empty(0, dtype=x_dtype, device=cos.device)
+    return [torch.empty(g.shape, dtype=x_dtype, device=g.device) if g is not None
+            else torch.empty(0, dtype=x_dtype, device=cos.device)
             for g in (gq, gk)]
 
 
