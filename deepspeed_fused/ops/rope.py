@@ -615,6 +615,8 @@ def _forward(plan: _Plan, q, k, cos, sin, outs=None):
     """The outputs, fresh (or ``outs``, in the plan's layout: tests poison them)."""
     g0 = plan.geos[0]
     yq = torch.empty_strided(q.shape, g0.y_strides, dtype=g0.out_dtype, device=q.device) if outs is None else outs[0]
+    if outs is not None and any(o.stride() != g.y_strides for o, g in zip(outs, plan.geos)):
+        raise ValueError("rope: outs must have the plan's output strides")
     if k is None:
         _launch(plan, plan.key, q, yq, q, yq, cos, sin, plan.progs[0], plan.progs[0], plan.fwd_args, plan.fwd_const)
         return yq, None
@@ -640,6 +642,8 @@ def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None) -> list:
     args, np0, total, const, lkey = plan.backward_entry(present, gs)
     dxs = [torch.empty_strided(g.shape, plan.geos[i].dx_strides, dtype=plan.x_dtype, device=g.device)
            if outs is None else outs[i] for i, g in zip(present, gs)]
+    if outs is not None and any(dx.stride() != plan.geos[i].dx_strides for i, dx in zip(present, dxs)):
+        raise ValueError("rope: outs must have the plan's gradient strides")
     x1, y1 = (gs[1], dxs[1]) if len(gs) == 2 else (gs[0], dxs[0])
     _launch(plan, lkey, gs[0], dxs[0], x1, y1, cos, sin, np0, total, args, const)
     for i, dx in zip(present, dxs):

@@ -130,7 +130,8 @@ def test_poisoned_outputs(interpret):
     ref = R.rope_reference(q.detach(), k.detach(), cos, sin, 1, spec)
     assert all(torch.equal(o, r) for o, r in zip(outs, ref))
     gq, gk = torch.randn(q.shape, generator=gen).half(), torch.randn(k.shape, generator=gen).half()
-    dx = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))]
+    dx = [torch.full(q.shape, float("nan"), dtype=q.dtype), torch.full(k.shape, float("nan"), dtype=k.dtype)]
+    assert dx[0].stride() == plan.geos[0].dx_strides
     R._backward(plan, (gq, gk), cos, sin, outs=dx)
     qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
     want = torch.autograd.grad(R.rope_reference(qq, kk, cos, sin, 1, spec), (qq, kk), (gq, gk))
