@@ -335,6 +335,7 @@ class Form:
     unsqueeze_dim: Optional[int] = None  # fixed (no parameter), else read from the call
     params: tuple = ()  # the function's parameter names
     roles: tuple = ()  # the role of each: q, k, x, cos, sin, ud, pid
+    helpers: tuple = ()  # (global name, function) of the helpers it calls (rotate_half), as recognised
 
     def describe(self) -> str:
         s = self.spec
@@ -399,7 +400,7 @@ def _normalized(fn, roles: dict, helpers) -> Optional[tuple]:
     """The instructions of ``fn``: parameters by role (``roles``: name -> role), other locals by
     order of first use, constants and attribute names by value, globals as ``torch`` or a
     helper's family (``helpers(value)`` -> family or None; template placeholders by name) or
-    their name. Returns (ops, helper values in order of use)."""
+    their name. Returns (ops, (name, helper) in order of use)."""
     code = fn.__code__
     local_ids: dict = {}
     used_helpers = []
@@ -433,7 +434,7 @@ def _normalized(fn, roles: dict, helpers) -> Optional[tuple]:
                     arg = ("torch",)
                 elif fam is not None:
                     arg = ("helper", fam)
-                    used_helpers.append(v)
+                    used_helpers.append((name, v))
                 else:
                     arg = ("global", name)
             arg = (arg, ins.arg & 1) if _NULL_BIT_GLOBAL else arg
@@ -448,6 +449,50 @@ def _normalized(fn, roles: dict, helpers) -> Optional[tuple]:
             arg = ins.arg
         ops.append((op, arg))
     return tuple(ops), tuple(used_helpers)
+
+
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code) -> tuple:
+    return tuple(dict.fromkeys(ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"))
+
+
+class _GlobalsCache:
+    """Results that depend on a function's code and on the current values of the globals it
+    reads (module globals are mutable: another library may replace ``rotate_half`` or
+    ``apply_rotary_pos_emb``): an entry is reused only while the code, the defaults and every one
+    of those values are the same objects as when it was computed. ``target(fn)`` names the
+    function whose globals count (default ``fn``)."""
+
+    def __init__(self, compute, target=None):
+        self.compute, self.target, self.entries = compute, target, {}
+        functools.update_wrapper(self, compute)
+
+    def snapshot(self, fn) -> tuple:
+        t = self.target(fn) if self.target is not None else fn
+        if not isinstance(t, types.FunctionType):
+            return (t,)
+        g = t.__globals__
+        return (t, t.__code__, t.__defaults__) + tuple(g.get(n, _MISSING) for n in _global_names(t.__code__))
+
+    def __call__(self, fn):
+        try:
+            snap = self.snapshot(fn)
+            entry = self.entries.get(fn)
+        except TypeError:  # unhashable
+            return self.compute(fn)
+        if entry is not None and len(entry[0]) == len(snap) and all(a is b for a, b in zip(entry[0], snap)):
+            return entry[1]
+        result = self.compute(fn)
+        if len(self.entries) > 4096:
+            self.entries.clear()
+        self.entries[fn] = (snap, result)
+        return result
+
+    def cache_clear(self) -> None:
+        self.entries.clear()
 
 
 def _plain_function(fn) -> bool:
@@ -469,7 +514,7 @@ def _helper_templates():
     return rot, pair
 
 
-@functools.lru_cache(maxsize=1024)
+@_GlobalsCache
 def rotation_kind(fn) -> Optional[tuple]:
     """(pairing, negate) when ``fn`` compiles to a known rotate-half helper, else None."""
     if not _plain_function(fn) or fn.__code__.co_argcount != 1 or fn.__defaults__ \
@@ -484,7 +529,7 @@ def rotation_kind(fn) -> Optional[tuple]:
     return None
 
 
-@functools.lru_cache(maxsize=1024)
+@_GlobalsCache
 def pair_rotation_kind(fn) -> Optional[str]:
     """The pairing ("half" or "adjacent") when ``fn(x, cos, sin)`` compiles to a known half-width
     rotation helper, else None."""
@@ -531,7 +576,7 @@ def _role_maps(fn, roles: tuple, defaults: tuple):
         yield params, roles[:-1] + ("pid", "ud")
 
 
-@functools.lru_cache(maxsize=1024)
+@_GlobalsCache
 def recognise(fn):
     """The :class:`Form` of ``fn`` when its bytecode is one of the known forms (with known
     helpers), else a str saying why not."""
@@ -554,7 +599,7 @@ def recognise(fn):
             used = norm[1]
             spec_fields = dict(fields)
             if helper == "rotate":
-                kinds = {rotation_kind(v) for v in used}
+                kinds = {rotation_kind(v) for _, v in used}
                 if len(kinds) != 1:
                     return "calls two different rotate-half helpers"
                 pairing, negate = kinds.pop()
@@ -562,13 +607,13 @@ def recognise(fn):
                     return f"{name} form with a {pairing} rotate_half (angles and rotation do not pair up)"
                 spec_fields.update(pairing=pairing, negate=negate)
             elif helper == "pair_rotate":
-                kinds = {pair_rotation_kind(v) for v in used}
+                kinds = {pair_rotation_kind(v) for _, v in used}
                 if len(kinds) != 1:
                     return "calls two different rotation helpers"
                 spec_fields.update(pairing=kinds.pop())
             ud = -2 if "ud" not in rmap else None
             return Form(name=name, spec=RopeSpec(**spec_fields), single="x" in rmap, unsqueeze_dim=ud,
-                        params=tuple(params), roles=tuple(rmap))
+                        params=tuple(params), roles=tuple(rmap), helpers=tuple(dict(used).items()))
     why = "its bytecode matches no known RoPE form"
     rot = [n for n in code.co_names if "rotate" in n]
     for n in rot:
@@ -590,8 +635,10 @@ def _make_call(g: dict, name: str, original, form: Form):
     the inputs and ``g[name]`` is still ``original``; the module's current function otherwise."""
     spec, single, fixed_ud = form.spec, form.single, form.unsqueeze_dim
     n_fast = 3 if single else 4
-    default_ud = fixed_ud if fixed_ud is not None else 1
+    default_ud = fixed_ud if fixed_ud is not None else 1  # the forms' default (checked when recognised)
+    ud_name = form.params[form.roles.index("ud")] if "ud" in form.roles else None
     roles = form.roles
+    helpers = form.helpers
     sig = inspect.signature(original)
     where = f"{g.get('__name__', '?')}.{name}"
     get = g.get
@@ -600,13 +647,17 @@ def _make_call(g: dict, name: str, original, form: Form):
         current = get(name)
         if current is not original:  # the module's function was replaced since: call what the forward would
             return current(*args, **kwargs)
-        if not kwargs and len(args) == n_fast:
+        for hname, helper in helpers:
+            if get(hname) is not helper:  # its rotate_half was replaced: the form's math is not known any more
+                warn_fallback("rope", f"{where}: {hname} was replaced; it runs eager")
+                return original(*args, **kwargs)
+        if len(args) == n_fast and (not kwargs or (len(kwargs) == 1 and ud_name in kwargs)):
             if single:
                 q, cos, sin = args
                 k = None
             else:
                 q, k, cos, sin = args
-            ud = default_ud
+            ud = kwargs[ud_name] if kwargs else default_ud
         else:
             try:
                 bound = sig.bind(*args, **kwargs)
@@ -676,6 +727,19 @@ def _nested_uses(code, names) -> bool:
         if isinstance(c, types.CodeType) and (set(c.co_names) & names or _nested_uses(c, names)):
             return True
     return False
+
+
+def _nested_forms(code, g) -> str:
+    """A recognised function the nested code objects of ``code`` call, or ""."""
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            for n in c.co_names:
+                if isinstance(g.get(n), types.FunctionType) and isinstance(recognise(g[n]), Form):
+                    return n
+            n = _nested_forms(c, g)
+            if n:
+                return n
+    return ""
 
 
 def _copy_function(fn, code=None, closure=None):
@@ -769,12 +833,18 @@ def _live_forms(disp) -> dict:
     _, _, forms, g = disp.__ds_rope__
     live = {}
     for name, (original, form) in forms.items():
-        if g.get(name) is original and getattr(g.get(PREFIX + name), "__ds_rope_original__", None) is original:
+        if g.get(name) is original and getattr(g.get(PREFIX + name), "__ds_rope_original__", None) is original \
+                and all(g.get(h) is v for h, v in form.helpers):
             live[name] = form
     return live
 
 
-@functools.lru_cache(maxsize=1024)
+def _inner_or_self(fwd):
+    got = _innermost(fwd)
+    return got[0] if isinstance(got, tuple) else fwd
+
+
+@functools.partial(_GlobalsCache, target=_inner_or_self)
 def _analyse_forward(fwd):
     """('ignore', None) | ('skip', reason) | ('ok', (forms: name -> (fn, Form), refused: name -> reason))."""
     got = _innermost(fwd)
@@ -786,6 +856,9 @@ def _analyse_forward(fwd):
     inner, _ = got
     found = _rope_globals(inner)
     if not found:
+        nested = _nested_forms(inner.__code__, inner.__globals__)
+        if nested:
+            return "skip", f"forward calls {nested} from a nested function"
         return "ignore", None
     forms = {n: (inner.__globals__[n], f) for n, f in found.items() if isinstance(f, Form)}
     refused = {n: r for n, r in found.items() if not isinstance(r, Form)}

@@ -207,3 +207,287 @@ def test_recognition_is_exact_about_the_math():
     ns = dict(g)
     exec(ok.replace("unsqueeze(unsqueeze_dim)\n    s", "unsqueeze(position_ids)\n    s"), ns)
     assert isinstance(F.recognise(ns["f"]), str)
+
+
+# ---- the feature on models ---------------------------------------------------------------------
+from deepspeed_fused import patch_model, unpatch_model  # noqa: E402
+from tiny_models import build_model  # noqa: E402
+from unit.test_rope import make_inputs  # noqa: E402
+
+ON = {"rope": {"enabled": True}}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return _Launches(monkeypatch)
+
+
+def _ids(seed=0):
+    return torch.randint(0, 257, (2, 6), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name, dtype, where, forms", [
+    ("llama-tiny", torch.float32, "2 x LlamaAttention", ["LlamaAttention.apply_rotary_pos_emb: llama (split-half)"]),
+    ("llama-tiny", torch.float16, "2 x LlamaAttention", None),
+    ("qwen3-tiny", torch.float32, "2 x Qwen3Attention", ["Qwen3Attention.apply_rotary_pos_emb: llama (split-half)"]),
+    ("deepseek-v3-tiny", torch.float32, "2 x DeepseekV3Attention",
+     ["DeepseekV3Attention.apply_rotary_pos_emb: llama (split-half)",
+      "DeepseekV3Attention.apply_rotary_pos_emb_interleave: deinterleave (interleaved, pair angles, de-interleaving)"]),
+])
+def test_model_equals_unpatched(interpret, launches, name, dtype, where, forms):
+    """Loss and every parameter gradient bitwise equal to the unpatched model (the fused rotation
+    runs: one forward and one backward launch per attention layer)."""
+    model = build_model(name, dtype=dtype).train()
+    ref = copy.deepcopy(model)
+    rep = patch_model(model, ON)["rope"]
+    assert rep.applied and rep.where == where, rep
+    if forms:
+        assert rep.details["forms"] == forms
+    ids = _ids()
+    before = launches.n
+    loss, grads = _loss_and_grads(model, ids)
+    assert launches.n - before == 4  # 2 layers x (forward + backward)
+    rloss, rgrads = _loss_and_grads(ref, ids)
+    assert torch.equal(loss, rloss)
+    for p, (a, b) in zip(model.parameters(), zip(grads, rgrads)):
+        assert torch.equal(a, b)
+    assert unpatch_model(model) == {"rope": 2}
+    before = launches.n
+    assert torch.equal(_loss_and_grads(model, ids)[0], rloss) and launches.n == before
+
+
+def test_gradient_checkpointing(interpret, launches):
+    """The recomputed forward runs the fused rotation too (its saved tensors match), and the
+    gradients equal the unpatched model's with checkpointing."""
+    model = build_model("qwen3-tiny").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(model)
+    patch_model(model, ON)
+    ids = _ids(1)
+    before = launches.n
+    loss, grads = _loss_and_grads(model, ids)
+    assert launches.n - before == 6  # forward, recomputed forward and backward, per layer
+    rloss, rgrads = _loss_and_grads(ref, ids)
+    assert torch.equal(loss, rloss) and all(torch.equal(a, b) for a, b in zip(grads, rgrads))
+    unpatch_model(model)
+
+
+def test_opt_in_is_per_instance(interpret, launches):
+    """Module globals are process-wide, the opt-in is not: a second model of the same classes,
+    never patched, runs eager."""
+    a = build_model("llama-tiny")
+    b = build_model("llama-tiny", seed=1)
+    patch_model(a, ON)
+    ids = _ids()
+    before = launches.n
+    with torch.no_grad():
+        b(input_ids=ids)
+    assert launches.n == before
+    with torch.no_grad():
+        a(input_ids=ids)
+    assert launches.n == before + 2
+    assert F.is_replaced(a.model.layers[0].self_attn) and not F.is_replaced(b.model.layers[0].self_attn)
+    unpatch_model(a)
+
+
+def test_copies_pickles_and_repatch(interpret, launches):
+    """A deepcopy keeps running fused when the original is unpatched; a pickled model loads
+    eager (and reported so) until patched again."""
+    model = build_model("llama-tiny")
+    patch_model(model, ON)
+    clone = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    assert unpatch_model(model) == {"rope": 2}
+    ids = _ids()
+    before = launches.n
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert launches.n == before
+    with torch.no_grad():
+        clone(input_ids=ids)
+    assert launches.n == before + 2 and F.RopeFeature().is_applied(clone)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert not F.RopeFeature().is_applied(loaded)
+    with torch.no_grad():
+        loaded(input_ids=ids)
+    assert launches.n == before + 2
+    rep = patch_model(loaded, ON)["rope"]
+    assert rep.applied and rep.where == "2 x LlamaAttention"
+    with torch.no_grad():
+        loaded(input_ids=ids)
+    assert launches.n == before + 4
+    rep = F.RopeFeature().apply(loaded, None, F.RopeConfig(enabled=True))  # applying again changes nothing
+    assert rep.applied and rep.where == "2 x LlamaAttention" and rep.details["replaced"] == {}
+    assert "already replaced: 2 x LlamaAttention" in rep.reason
+    assert unpatch_model(loaded) == {"rope": 2} and unpatch_model(clone) == {"rope": 2}
+
+
+def test_module_global_replaced_after_patching(interpret, launches):
+    """Another library replacing the module's apply_rotary_pos_emb later is honoured (the
+    forward calls what the original forward would) and the feature no longer reports itself."""
+    from transformers.models.llama import modeling_llama as ml
+
+    model = build_model("llama-tiny")
+    patch_model(model, ON)
+    original = ml.apply_rotary_pos_emb
+    calls = []
+
+    def other(*a, **kw):
+        calls.append(1)
+        return original(*a, **kw)
+
+    ml.apply_rotary_pos_emb = other
+    try:
+        before = launches.n
+        with torch.no_grad():
+            model(input_ids=_ids())
+        assert calls == [1, 1] and launches.n == before
+        assert not F.RopeFeature().is_applied(model)
+        rep = patch_model(build_model("llama-tiny"), ON)["rope"]
+        assert not rep.applied and "not a known form" not in rep.reason and "replaced" in rep.reason
+    finally:
+        ml.apply_rotary_pos_emb = original
+    assert F.RopeFeature().is_applied(model)
+    unpatch_model(model)
+
+
+def test_deepspeed_replace_rotary_pos_emb_is_left_to_it(interpret):
+    from deepspeed.ops.triton_ops import fused_rotary_pos_emb as ds
+
+    model = build_model("qwen3-tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        n = ds.replace_rotary_pos_emb(model)
+    try:
+        assert n == 1
+        rep = patch_model(model, ON)["rope"]
+        assert not rep.applied and "DeepSpeed's replace_rotary_pos_emb" in rep.reason, rep.reason
+    finally:
+        ds.restore_rotary_pos_emb()
+    rep = patch_model(model, ON)["rope"]
+    assert rep.applied
+    unpatch_model(model)
+
+
+def test_fallback_inside_a_model_warns_and_runs_eager(interpret, launches):
+    """Inputs the kernels do not take (float64 here) run the family's own function, warning once
+    with the reason and the function."""
+    model = build_model("llama-tiny", dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    patch_model(model, ON)
+    reset_fallback_warnings()
+    ids = _ids()
+    before = launches.n
+    with pytest.warns(RuntimeWarning, match=r"float64.*modeling_llama\.apply_rotary_pos_emb runs eager"):
+        with torch.no_grad():
+            out = model(input_ids=ids).logits
+    assert launches.n == before
+    with torch.no_grad():
+        assert torch.equal(out, ref(input_ids=ids).logits)
+    unpatch_model(model)
+
+
+# ---- forwards the copy cannot be made of -------------------------------------------------------
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+def apply_rotary_pos_emb_scaled(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin) * 2
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+
+
+_REGISTRY = {}
+
+
+def opaque(fn):
+    """A decorator that keeps the function outside its closure."""
+    name = fn.__qualname__
+    _REGISTRY[name] = fn
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        return _REGISTRY[name](*a, **kw)
+
+    return wrapper
+
+
+def keeps(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        return fn(*a, **kw)
+
+    return wrapper
+
+
+class Rotating(torch.nn.Module):
+    @keeps
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+class Opaque(torch.nn.Module):
+    @opaque
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_pos_emb_scaled(q, k, cos, sin)
+
+
+class Nested(torch.nn.Module):
+    def forward(self, q, k, cos, sin):
+        return (lambda: apply_rotary_pos_emb(q, k, cos, sin))()
+
+
+class Both(torch.nn.Module):
+    def forward(self, q, k, cos, sin):
+        a = apply_rotary_pos_emb(q, k, cos, sin)
+        b = apply_rotary_pos_emb_scaled(q, k, cos, sin)
+        return a[0] + b[0], a[1] + b[1]
+
+
+def test_own_modules_and_refusals(interpret, launches):
+    """Any module class whose forward calls a recognised function by its global name, decorated
+    or not; forwards that cannot be copied exactly, and unknown forms, are reported."""
+    model = torch.nn.ModuleDict(dict(rot=Rotating(), opaque=Opaque(), scaled=Scaled(), nested=Nested(), both=Both()))
+    rep = patch_model(model, ON)["rope"]
+    assert rep.applied and rep.where == "1 x Both, 1 x Rotating", rep
+    assert "1 x Opaque: forward is wrapped by a decorator that does not hold it in its closure" in rep.reason
+    assert "apply_rotary_pos_emb_scaled: its bytecode matches no known RoPE form" in rep.reason
+    assert "1 x Nested: forward calls apply_rotary_pos_emb from a nested function" in rep.reason
+    assert "Both also calls apply_rotary_pos_emb_scaled, left eager" in rep.reason
+    gen = torch.Generator().manual_seed(0)
+    _, _, q, k, cos, sin = make_inputs(R.LLAMA, torch.float32, interpret, gen=gen)
+    before = launches.n
+    for name in ("rot", "both"):
+        got = model[name](q, k, cos, sin)
+        F.restore_rope(model[name])
+        want = model[name](q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert launches.n == before + 2
+    unpatch_model(model)
