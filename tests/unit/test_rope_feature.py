@@ -45,24 +45,24 @@ def _width(spec, d):
     return d
 
 
-def form_inputs(form: F.Form, dtype, gen, d=8, b=2, s=3, hq=2, hk=1):
+def form_inputs(form: F.Form, dtype, gen, d=8, b=2, s=3, hq=2, hk=1, device="cpu"):
     """Inputs in the shapes the family's attention passes: [B, H, S, D] views of [B, S, H, D]
     leaves (vision towers: [S, H, D] with cos [S, width]), cos/sin [B, S, width]."""
     w = _width(form.spec, d)
     if form.unsqueeze_dim == -2:
-        leaves = [torch.randn(s, h, d, generator=gen).to(dtype).requires_grad_() for h in (hq, hk)]
+        leaves = [torch.randn(s, h, d, generator=gen).to(device, dtype).requires_grad_() for h in (hq, hk)]
         views = leaves
         theta = torch.randn(s, w, generator=gen, dtype=torch.float64) * 3
     else:
-        leaves = [torch.randn(b, s, h, d, generator=gen).to(dtype).requires_grad_() for h in (hq, hk)]
+        leaves = [torch.randn(b, s, h, d, generator=gen).to(device, dtype).requires_grad_() for h in (hq, hk)]
         views = [x.transpose(1, 2) for x in leaves]
         theta = torch.randn(b, s, w, generator=gen, dtype=torch.float64) * 3
     if form.single:
         leaves, views = leaves[:1], views[:1]
-    return leaves, views, theta.cos().to(dtype), theta.sin().to(dtype)
+    return leaves, views, theta.cos().to(device, dtype), theta.sin().to(device, dtype)
 
 
-class _Launches:
+class Launches:
     """Counts the op's kernel launches (a fallback would compare eager with eager)."""
 
     def __init__(self, monkeypatch):
@@ -90,9 +90,11 @@ def _grads_with_layout(outs, leaves, views, gs):
     return [(g, strides.get(i, g.stride())) for i, g in enumerate(grads)]
 
 
-def _check_family(fn, form, dtype, launches, seed=0):
+def check_family(fn, form, dtype, launches, seed=0, device="cpu", **shape):
+    """The fused call a patched forward makes equals ``fn`` (the family's own function): outputs,
+    gradients and the gradients' layout, bitwise; the kernel ran (one launch each way)."""
     gen = torch.Generator().manual_seed(seed)
-    leaves, views, cos, sin = form_inputs(form, dtype, gen)
+    leaves, views, cos, sin = form_inputs(form, dtype, gen, device=device, **shape)
     g = vars(__import__(fn.__module__, fromlist=["_"]))
     call = F._make_call(g, fn.__name__, fn, form)
     before = launches.n
@@ -108,7 +110,7 @@ def _check_family(fn, form, dtype, launches, seed=0):
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
         assert torch.equal(a, b), (a - b).abs().max()
-    gs = tuple(torch.randn(w.shape, generator=gen).to(w.dtype) for w in want)
+    gs = tuple(torch.randn(w.shape, generator=gen).to(device, w.dtype) for w in want)
     ga = _grads_with_layout(got, leaves, views, gs)
     gb = _grads_with_layout(want, leaves, views, gs)
     for (a, sa), (b, sb) in zip(ga, gb):
@@ -135,16 +137,16 @@ def test_every_family(interpret, monkeypatch):
         assert (f"modeling_{fam}", "apply_rotary_pos_emb") in names, fam
     assert ("modeling_deepseek_v3", "apply_rotary_pos_emb_interleave") in names
     seen_specs = set()
-    launches = _Launches(monkeypatch)
+    launches = Launches(monkeypatch)
     import importlib
 
     for i, (m, n, _) in enumerate(recognised):
         fn = getattr(importlib.import_module(m), n)
         form = F.recognise(fn)
-        _check_family(fn, form, torch.float16, launches, seed=i)
+        check_family(fn, form, torch.float16, launches, seed=i)
         if (form.name, form.spec) not in seen_specs:  # fp32 once per distinct computation (interpreter time)
             seen_specs.add((form.name, form.spec))
-            _check_family(fn, form, torch.float32, launches, seed=i)
+            check_family(fn, form, torch.float32, launches, seed=i)
     assert launches.n >= 2 * len(recognised)
 
 
@@ -219,7 +221,7 @@ ON = {"rope": {"enabled": True}}
 
 @pytest.fixture
 def launches(monkeypatch):
-    return _Launches(monkeypatch)
+    return Launches(monkeypatch)
 
 
 def _ids(seed=0):
