@@ -328,10 +328,15 @@ if HAS_TRITON:
                      PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr, TWO: tl.constexpr):
         # programs [0, NP0) take tensor 0 (q), the rest tensor 1 (k): one launch for both
         pid = tl.program_id(0)
-        if TWO and pid >= NP0:
-            _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, yb0, yb1, yb2, cb0, cb1, cb2,
-                       sb0, sb1, sb2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG, BACKWARD,
-                       PROD, ACC, PASS)
+        if TWO:
+            if pid >= NP0:
+                _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, yb0, yb1, yb2, cb0, cb1, cb2,
+                           sb0, sb1, sb2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
+                           BACKWARD, PROD, ACC, PASS)
+            else:
+                _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, ya0, ya1, ya2, ca0, ca1, ca2,
+                           sa0, sa1, sa2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
+                           BACKWARD, PROD, ACC, PASS)
         else:
             _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, ya0, ya1, ya2, ca0, ca1, ca2,
                        sa0, sa1, sa2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG, BACKWARD,
