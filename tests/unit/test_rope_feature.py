@@ -150,6 +150,41 @@ def test_every_family(interpret, monkeypatch):
     assert launches.n >= 2 * len(recognised)
 
 
+def test_every_attention_class_can_be_patched():
+    """Every module class of every transformers family whose forward calls a recognised function
+    can have its forward copied (plain or deprecate_kwarg-decorated); the others are refused with
+    the function and the reason. The copy's code differs from the forward's only in the renamed
+    global."""
+    import importlib
+
+    ok, refused = 0, []
+    for m in modeling_modules():
+        try:
+            mod = importlib.import_module(m)
+        except Exception:
+            continue
+        for cname, cls in vars(mod).items():
+            if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls.__module__ == m):
+                continue
+            kind, info = F._analyse_forward(cls.forward)
+            if kind == "ignore":
+                continue
+            if kind == "skip":
+                assert ": " in info, info
+                refused.append((cname, info))
+                continue
+            forms, _ = info
+            renames = {n: F.PREFIX + n for n in forms}
+            copy_ = F._copy_forward(cls.forward, renames)
+            assert not isinstance(copy_, str), (cname, copy_)
+            inner, _ = F._innermost(cls.forward)
+            body, _ = F._innermost(copy_)
+            assert body.__code__.co_code == inner.__code__.co_code
+            assert body.__code__.co_names == tuple(renames.get(n, n) for n in inner.__code__.co_names)
+            ok += 1
+    assert ok > 200 and len(refused) < 40, (ok, len(refused))
+
+
 @pytest.mark.parametrize("mod, name, reason", [
     ("llama4", "apply_rotary_emb", "complex multiply"),
     ("deepseek_v2", "apply_rotary_emb", "complex multiply"),
