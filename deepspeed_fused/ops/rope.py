@@ -389,9 +389,10 @@ def _expanded_lead_strides(t: torch.Tensor, lead: tuple) -> tuple:
     return t.expand(*lead, t.shape[-1]).stride()[:-1]
 
 
-def _check(q, k, cos, sin, ud, spec: RopeSpec):
+def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True):
     """(rdim, pairs, geometries) for inputs the kernels take; a str (why not) for valid inputs they
-    do not; raises _Invalid for inputs eager rejects."""
+    do not; raises _Invalid for inputs eager rejects. ``geometry=False`` (under torch.compile, on
+    fake tensors): the checks only, no tensor made (geometries None)."""
     _check_types(q, k, cos, sin, ud)
     for name, t in (("q", q), ("cos", cos), ("sin", sin)) + ((("k", k),) if k is not None else ()):
         if not t.is_floating_point():
@@ -445,7 +446,8 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec):
     if cos.requires_grad or sin.requires_grad:
         return "cos/sin require grad (the fused op treats them as constants)"
     geos = []
-    cos_b = cos.unsqueeze(ud)
+    cos_shape = list(cos.shape)
+    cos_shape.insert(ud if ud >= 0 else len(cos_shape) + 1 + ud, 1)  # cos.unsqueeze(ud).shape
     for name, x in (("q", q),) + ((("k", k),) if k is not None else ()):
         if x.dim() > 4:
             return f"{name} of {x.dim()} dims (the kernels take up to 4)"
@@ -453,12 +455,15 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec):
             return f"{name} with a strided last dim"
         lead = tuple(x.shape[:-1])
         try:
-            full = torch.broadcast_shapes(lead, cos_b.shape[:-1])
+            full = torch.broadcast_shapes(lead, tuple(cos_shape[:-1]))
         except RuntimeError as e:
-            raise _Invalid(f"rope: cos/sin (unsqueezed at {ud}: {tuple(cos_b.shape)}) do not broadcast against "
+            raise _Invalid(f"rope: cos/sin (unsqueezed at {ud}: {tuple(cos_shape)}) do not broadcast against "
                            f"{name} {tuple(x.shape)}") from e
         if tuple(full) != lead:
             return f"cos/sin broadcast {name} {tuple(x.shape)} to a larger shape"
+        if not geometry:
+            continue
+        cos_b = cos.unsqueeze(ud)
         od = output_dtype(spec, x.dtype, cos.dtype)
         y_strides = tuple(torch.empty_like(x, dtype=od, device="meta").stride())
         dx_strides = tuple(torch.empty(x.shape, device="meta").stride())
@@ -469,7 +474,7 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec):
         for v in lead:
             n_rows *= v
         geos.append(_Geometry(od, y_strides, dx_strides, (1,) * pad + lead, pad, cst, sst, n_rows))
-    return rdim, rdim // 2, geos
+    return rdim, rdim // 2, (geos if geometry else None)
 
 
 class _Plan:
@@ -779,8 +784,9 @@ def try_fused_rope(q, k, cos, sin, unsqueeze_dim: int = 1, spec: RopeSpec = LLAM
     eager rejects raise :class:`RopeInputError`. The hot path: inputs whose plan exists (same
     metadata as an earlier call, hence checked) go straight to the launch."""
     if torch.compiler.is_compiling():
-        plan = _get_plan(q, k, cos, sin, unsqueeze_dim, spec)
-        if isinstance(plan, str):
+        if not isinstance(spec, RopeSpec):
+            raise _InvalidType(f"rope: spec must be a RopeSpec, got {type(spec).__name__}")
+        if isinstance(_check(q, k, cos, sin, unsqueeze_dim, spec, geometry=False), str):
             return None
         out = _rope_fwd_op(q, k, cos, sin, unsqueeze_dim, spec.code)
         return out[0] if k is None else (out[0], out[1])

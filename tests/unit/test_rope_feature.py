@@ -528,3 +528,24 @@ def test_own_modules_and_refusals(interpret, launches):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert launches.n == before + 2
     unpatch_model(model)
+
+
+def test_torch_compile_traces_the_patched_call(interpret):
+    """The call a patched forward makes traces under torch.compile with no graph break (the
+    custom ops; aot_eager, so no C++ compiler is needed) and equals the family's eager function,
+    forward and backward."""
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+
+    fn = mq.apply_rotary_pos_emb
+    call = F._make_call(vars(mq), "apply_rotary_pos_emb", fn, F.recognise(fn))
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    qb, kb, q, k, cos, sin = make_inputs(R.LLAMA, torch.float16, interpret, gen=gen)
+    got = compiled(q, k, cos, sin)
+    want = fn(q, k, cos, sin)
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(got, want))
+    gs = tuple(torch.randn(w.shape, generator=gen).half() for w in want)
+    ga = torch.autograd.grad(got, (qb, kb), gs)
+    gb = torch.autograd.grad(want, (qb, kb), gs)
+    assert all(torch.equal(a, b) for a, b in zip(ga, gb))
