@@ -304,9 +304,15 @@ def main(argv=None) -> dict:
                 json.dump(breakdown, f, indent=1)
     summary = dict(common, steps=args.steps, warmup=args.warmup, tokens_per_step=tokens_per_step,
                    **summarize(history, args.warmup), history=history, breakdown=breakdown)
+    if report is not None:
+        summary["report"] = report.to_dict()  # with the call counts of the run
     if rank == 0:
         print(f"[train] done: median step {summary['median_step_s'] * 1e3:.1f} ms, "
               f"{summary['median_tokens_per_s']:.0f} tok/s, final loss {history[-1]['loss']:.4f}")
+        counted = [f"{f.name} {f.calls}" for f in (report.features if report is not None else [])
+                   if f.applied and f.calls is not None]
+        if counted:  # the fused paths really ran (eager: the model's own code ran instead)
+            print(f"[train] deepspeed_fused calls: {'; '.join(counted)}")
         if args.metrics_out:
             with open(args.metrics_out, "w") as f:
                 json.dump(summary, f, indent=1, default=str)

@@ -17,7 +17,12 @@ One generic mechanism serves every ``*ForCausalLM`` whose forward follows the us
   module keeps DeepSpeed ZeRO-3's hooks in charge: the partitioned weight is gathered for the op's
   forward and backward and its gradient reaches the partitioned parameter like an ``nn.Linear``'s.
   The model's code therefore still does the slicing, router aux loss, output class and
-  ``return_dict`` handling; the output is rebuilt with ``logits=None``.
+  ``return_dict`` handling; the output is rebuilt with ``logits=None`` (training mode with labels
+  returns no logits: code that reads ``out.logits`` there must compute them itself or run eval).
+* A patched model called in training mode without labels runs its eager head (the logits are
+  materialized): it warns once, naming the cause when it is the HF Trainer's
+  ``label_smoothing_factor`` or ``compute_loss_func`` (which take the labels out before the
+  forward). The report counts fused and eager forwards since the feature was applied.
 * Which forwards qualify is read from their source (AST): between ``self.lm_head`` and the loss
   the logits may only be upcast (``.float()``), divided by a config scalar (-> the op's
   ``temperature``) or soft-capped with ``config.<x>`` (-> the op's ``softcap``). Anything else is
@@ -45,7 +50,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt
 from typing_extensions import Annotated
 
 from ..config import FeatureConfig
-from .base import Feature, FeatureReport
+from .base import CallCounts, Feature, FeatureReport
 from .registry import register
 
 _STATE = "_deepspeed_fused_lce"  # instance __dict__ key: the per-instance opt-in
@@ -71,7 +76,8 @@ class LinearCrossEntropyConfig(FeatureConfig):
     """Label smoothing of the cross-entropy, as in ``torch.nn.functional.cross_entropy``."""
     validate_targets: StrictBool = True
     """Check that every label is in [0, vocab) or ``ignore_index`` (a device reduction, read once
-    per call after the op's kernels are queued; turn off for CUDA-graph capture)."""
+    per call after the op's kernels are queued; turn off for CUDA-graph capture). Unchecked, a label
+    outside [0, vocab) has no target logit: its loss is the logsumexp (it still counts as a token)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,9 +254,14 @@ class _State:
     unfused_reason: str = ""
     owner: Optional[type] = dataclasses.field(default=None, repr=False)  # the patched class
     revoked: bool = False
+    # fused and eager forwards since applied, shared by the instances patched in one apply (the report's)
+    calls: CallCounts = dataclasses.field(default_factory=CallCounts, repr=False)
+    warned_no_labels: bool = False
 
     def __deepcopy__(self, memo):
-        new = dataclasses.replace(self)
+        import copy
+
+        new = dataclasses.replace(self, calls=copy.deepcopy(self.calls, memo))  # the copy's report's counter
         entry = _PATCHED_CLASSES.get(self.owner)
         if not self.revoked and entry is not None:
             entry[2].add(new)
@@ -417,7 +428,10 @@ def _unfused_reason(model) -> str:
     lm_head = model._modules.get("lm_head")
     shard = _vocab_shard(lm_head)
     if shard is None and not isinstance(lm_head, torch.nn.Linear):
-        return (f"lm_head is {type(lm_head).__name__}, not nn.Linear or a DeepSpeed AutoTP head split by "
+        kind = _head_kind(lm_head)
+        if kind.startswith("peft's"):
+            return f"lm_head is {kind}"
+        return (f"lm_head is {kind}, not nn.Linear or a DeepSpeed AutoTP head split by "
                 "vocabulary (VocabParallelLinear, LinearLayer with gather_output)")
     if "forward" in lm_head.__dict__:
         return "lm_head.forward is overridden on the instance"
@@ -428,6 +442,80 @@ def _unfused_reason(model) -> str:
     if model.loss_function is not _causal_lm_loss():
         return "the model's loss_function is not transformers' ForCausalLMLoss (a user's own loss is kept)"
     return ""
+
+
+def _head_kind(lm_head) -> str:
+    """What a head that is not an ``nn.Linear`` is, for the reason: peft's tuner layers (a LoRA
+    ``Linear`` has the name of the class it wraps) are named with their package and base layer, and
+    with what to do."""
+    cls = type(lm_head)
+    if cls.__module__.split(".")[0] != "peft":
+        return cls.__name__
+    base = getattr(lm_head, "base_layer", None)
+    if base is None:
+        base = getattr(lm_head, "original_module", None)  # peft's modules_to_save wrapper
+    what = "peft's LoRA layer" if hasattr(lm_head, "lora_A") else "peft's wrapper"
+    inner = ""
+    if base is not None:
+        inner = " around " + ("nn.Linear" if type(base) is torch.nn.Linear else type(base).__name__)
+    return (f"{what} {cls.__module__}.{cls.__qualname__}{inner} (the fused loss takes the plain head: leave lm_head "
+            "out of the adapter's target_modules and modules_to_save)")
+
+
+def _trainer_cause():
+    """The HF Trainer's setting that took the labels out before this forward, read from the
+    calling ``Trainer.compute_loss`` frame: ("label_smoothing", epsilon) | ("compute_loss_func", fn)
+    | None (not called from a Trainer that does so)."""
+    trainer_mod = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(trainer_mod, "Trainer", None)
+    if trainer_cls is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "compute_loss":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, trainer_cls):
+                if getattr(owner, "compute_loss_func", None) is not None:
+                    return ("compute_loss_func", owner.compute_loss_func)
+                smoother = getattr(owner, "label_smoother", None)
+                if smoother is not None:
+                    return ("label_smoothing", getattr(smoother, "epsilon", None))
+                return None
+        frame = frame.f_back
+    return None
+
+
+def _mib(t) -> str:
+    return f"{t.numel() * t.element_size() / 2**20:.3g} MiB"
+
+
+def _warn_no_labels(model, out) -> None:
+    """Once per patched model: a training-mode forward without labels ran the eager head."""
+    name = type(model).__name__
+    logits = out.get("logits") if isinstance(out, dict) else (out[0] if isinstance(out, tuple) and out else None)
+    size = (f" ({'x'.join(map(str, logits.shape))} {str(logits.dtype).replace('torch.', '')}, {_mib(logits)} "
+            "per forward, and as much again for their gradient)") if torch.is_tensor(logits) else ""
+    head = (f"deepspeed_fused.linear_cross_entropy: {name} ran in training mode without labels, so the fused loss "
+            f"did not run and the [tokens, vocab] logits were materialized{size}")
+    cause = _trainer_cause()
+    if cause is not None and cause[0] == "label_smoothing":
+        eps = cause[1]
+        msg = (f"{head}: the HF Trainer's label_smoothing_factor={eps} takes the labels out before the forward and "
+               "smooths the loss from the logits. Set TrainingArguments(label_smoothing_factor=0) and "
+               f"\"label_smoothing\": {eps} in the ds_config's deepspeed_fused.linear_cross_entropy section: the "
+               "fused loss smooths as torch's cross_entropy(label_smoothing=...) does, without the logits.")
+    elif cause is not None:
+        fn = getattr(cause[1], "__qualname__", type(cause[1]).__name__)
+        msg = (f"{head}: the HF Trainer's compute_loss_func ({fn}) takes the labels out before the forward and "
+               "computes the loss from outputs.logits, which the fused path does not form. Its cost is those logits "
+               "and their gradient on every step; without compute_loss_func the model's own loss runs fused (the "
+               "section's z_loss and label_smoothing options cover those two variants).")
+    else:
+        msg = (f"{head}. Pass labels= (or the Trainer's \"labels\" column) to use the fused loss; in training mode "
+               "with labels the output's logits are None. For per-token losses or entropy without logits, call "
+               "deepspeed_fused.ops.linear_cross_entropy.linear_cross_entropy on the hidden states "
+               "(reduction=\"none\", return_entropy=True).")
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def _fused_forward(model, st: _State, orig, args, kwargs):
@@ -461,6 +549,7 @@ def _fused_forward(model, st: _State, orig, args, kwargs):
     fields = [f.name for f in dataclasses.fields(out)]
     out = type(out)(**{n: getattr(out, n) for n in fields if n != "logits"})
     st.fused_calls += 1
+    st.calls.fused += 1
     if return_dict:
         return out
     # Eager's tuple holds the fields that are set, in order: keep the logits' slot (None, as the
@@ -475,10 +564,18 @@ def _make_dispatcher(orig):
     @functools.wraps(orig)
     def forward(self, *args, **kwargs):
         st = fused_state(self)
-        if st is None or not self.training or _labels_of(names, args, kwargs) is None:
+        if st is None:
             return orig(self, *args, **kwargs)
+        if not self.training or _labels_of(names, args, kwargs) is None:
+            st.calls.eager += 1
+            out = orig(self, *args, **kwargs)
+            if self.training and not st.warned_no_labels:
+                st.warned_no_labels = True
+                _warn_no_labels(self, out)
+            return out
         why = _unfused_reason(self)
         if why:
+            st.calls.eager += 1
             if why != st.unfused_reason:
                 st.unfused_reason = why
                 warnings.warn(f"deepspeed_fused.linear_cross_entropy: {type(self).__name__}: not fused: {why}",
@@ -570,15 +667,18 @@ class LinearCrossEntropyFeature(Feature):
         already = [m for _, m in model.named_modules() if is_patched(m)]
         # Mutate only after every check passed (nothing below can fail half-way).
         counts: dict = {}
+        calls = CallCounts()
         for name, m, spec in plans:
             _patch_class(type(m))
             st = _state_from_cfg(spec, cfg)
             st.owner = type(m)
+            st.calls = calls
             _PATCHED_CLASSES[type(m)][2].add(st)
             m.__dict__[_STATE] = st
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
         for m in already:
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+            fused_state(m).calls = calls  # counted from this apply on
         # AutoTP heads split by vocabulary (the op runs over their TP group): by module name.
         vocab_parallel, modes = {}, {}
         for name, m in model.named_modules():
@@ -588,6 +688,7 @@ class LinearCrossEntropyFeature(Feature):
                                                     "head": shard.kind}
                 modes.setdefault(type(m).__name__, set()).add(_shard_text(shard))
         report.applied = bool(counts)
+        report.calls = calls if counts else None
         report.where = ", ".join(f"{n} x {c}" + (f": {'; '.join(sorted(modes[c]))}" if c in modes else "")
                                  for c, n in counts.items())
         report.details = {"patched": counts, "skipped": skipped,
@@ -600,6 +701,9 @@ class LinearCrossEntropyFeature(Feature):
                 "; " + "; ".join(f"{c}: {w}" for c, w in skipped.items()) if skipped else "")
         elif skipped:
             report.reason = "skipped " + "; ".join(f"{c}: {w}" for c, w in skipped.items())
+        if counts:
+            note = "training forwards with labels return logits=None"
+            report.reason = f"{report.reason}; {note}" if report.reason else note
         return report
 
     def revert(self, model):

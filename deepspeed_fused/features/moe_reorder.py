@@ -26,11 +26,16 @@ from pydantic import StrictBool
 
 from ..config import FeatureConfig
 from ..ops import row_gather
-from .base import Environment, Feature, FeatureReport
+from .base import CallCounts, Environment, Feature, FeatureReport, SharedCallCounts
 from .registry import register
 
 IMPL_NAME = "deepspeed_fused"
 _STATE_ATTR = "_deepspeed_fused_moe_reorder"
+_CALLS_ATTR = "_deepspeed_fused_moe_calls"  # on transformers experts modules: their apply's CallCounts
+# AutoEP layer forwards whose token reorder ran as our gathers (the fused local token path, or
+# DeepSpeed's forward calling our permute_by_local_expert): one per layer call, process-wide as the
+# patch is. ``eager`` stays 0: while the patch is in, no AutoEP reorder runs DeepSpeed's own code.
+_AUTOEP_CALLS = SharedCallCounts()
 # Models whose apply installed the process-wide AutoEP patches (a copy of one shares the patch
 # while it lasts, but never owns it: reverting a copy leaves the original's patch in place).
 _AUTOEP_OWNERS: "weakref.WeakSet" = weakref.WeakSet()
@@ -144,6 +149,7 @@ def check_counts(local_counts: torch.Tensor, n_rows: int) -> None:
 
 def _make_autoep_functions(original_permute, original_unpermute, direct: bool):
     def permute_by_local_expert(tokens, local_counts):
+        _AUTOEP_CALLS.fused += 1  # one per layer forward (the fused local path calls it only for ep_size > 1)
         check_counts(local_counts, tokens.shape[0])
         if direct:
             permuted_indices, aligned_counts, n_tokens = _direct_indices(tokens, local_counts)
@@ -240,7 +246,7 @@ def _fused_local_forward(self, hidden_states):
     if ((handles is not None and handles.spec.tp_size > 1)
             or (self.ep_size > 1 and self.comm_backend == layer.DEEPEP_BACKEND)
             or not row_gather._route_kernels(hidden_states)):
-        return original(self, hidden_states)
+        return original(self, hidden_states)  # its reorder runs our permute_by_local_expert (counted there)
     x = hidden_states.reshape(-1, hdim)
     # DeepSpeed's own early checks (fail every rank before any collective)
     if self.combine_impl == "fused_weighted_sum" and not self._fused_combine_checked:
@@ -261,6 +267,7 @@ def _fused_local_forward(self, hidden_states):
     post = ro.top_scores if self.score_apply == "post" else None
     validate = _AUTOEP["validate"] > 0
     if self.ep_size == 1:
+        _AUTOEP_CALLS.fused += 1  # (ep_size > 1: counted in permute_by_local_expert below)
         n_routed = sorted_assignments.numel()
         stand_in = x.new_empty((n_routed, 0))
         if _AUTOEP["direct"]:
@@ -354,6 +361,9 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     expert parallelism) get zero rows, no GEMM rows and no contribution or gradient."""
     from transformers.integrations.moe import _grouped_linear
 
+    calls = self.__dict__.get(_CALLS_ATTR)
+    if calls is not None:
+        calls.fused += 1
     device = hidden_states.device
     num_top_k = top_k_index.size(-1)
     num_tokens = hidden_states.size(0)
@@ -459,6 +469,7 @@ class MoeReorderFeature(Feature):
             rep.where = f"{n_autoep} x AutoEPMoELayer (DeepSpeed AutoEP permute/unpermute_by_local_expert)"
             rep.reason = f"replaces {replaces}" + ("; validate=on (host sync per layer)" if cfg.validate else "")
             rep.details = {"path": "autoep", "layers": n_autoep}
+            rep.calls = _AUTOEP_CALLS.since_now()  # AutoEP layer forwards in this process from now on
             if not _AUTOEP["direct"]:
                 rep.reason += "; indices built by DeepSpeed's own function (probe)"
             if local_path_patched():
@@ -487,6 +498,9 @@ class MoeReorderFeature(Feature):
             model.set_experts_implementation(previous)
             raise
         model.__dict__[_STATE_ATTR] = _State(path="transformers", layers=len(selected), previous=previous)
+        rep.calls = CallCounts()  # experts forwards through the implementation (it has no eager branch)
+        for m in selected:
+            m.__dict__[_CALLS_ATTR] = rep.calls
         kinds = sorted({type(m).__name__ for m in selected})
         rep.applied = True
         rep.where = f"{len(selected)} x {', '.join(kinds)} (transformers experts implementation {IMPL_NAME!r})"
@@ -527,4 +541,6 @@ class MoeReorderFeature(Feature):
             _uninstall_autoep(state["validate"])
         else:
             model.set_experts_implementation(state["previous"])
+            for m in model.modules():
+                m.__dict__.pop(_CALLS_ATTR, None)
         return state["layers"]

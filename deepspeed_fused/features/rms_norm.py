@@ -29,7 +29,7 @@ from pydantic import StrictBool
 from ..config import FeatureConfig
 from ..ops._common import warn_fallback
 from ..ops.rms_norm import rms_norm_kernel_ok, try_fused_rms_norm
-from .base import Environment, Feature, FeatureReport
+from .base import CallCounts, Environment, Feature, FeatureReport
 from .registry import register
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
@@ -39,6 +39,7 @@ SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m,
     ("deepseek_v3", "DeepseekV3RMSNorm"),
 ])
 MARKER = "_ds_fused_rms"  # instance attribute holding OPT_IN on replaced modules
+CALLS = "_ds_fused_rms_calls"  # instance attribute: the CallCounts of the apply that replaced the module
 _EPS_ATTRS = ("variance_epsilon", "eps")
 
 
@@ -69,13 +70,19 @@ _DISPATCHERS: dict = {}
 
 def _make_dispatcher(original, eps_attr: str):
     def forward(self, hidden_states, *args, **kwargs):
-        if getattr(self, MARKER, None) is OPT_IN and not args and not kwargs:
-            weight = self.weight
-            y = try_fused_rms_norm(hidden_states, weight, getattr(self, eps_attr))
-            if y is not None:
-                return y
-            warn_fallback("rms_norm", f"{rms_norm_kernel_ok(hidden_states, weight)[1]}; the module runs its eager "
-                                      "forward")
+        if getattr(self, MARKER, None) is OPT_IN:
+            calls = self.__dict__.get(CALLS)
+            if not args and not kwargs:
+                weight = self.weight
+                y = try_fused_rms_norm(hidden_states, weight, getattr(self, eps_attr))
+                if y is not None:
+                    if calls is not None:
+                        calls.fused += 1
+                    return y
+                warn_fallback("rms_norm", f"{rms_norm_kernel_ok(hidden_states, weight)[1]}; the module runs its "
+                                          "eager forward")
+            if calls is not None:
+                calls.eager += 1
         return original(self, hidden_states, *args, **kwargs)
 
     forward.__qualname__ = f"deepspeed_fused_rms_norm_dispatcher[{getattr(original, '__qualname__', '?')}]"
@@ -252,6 +259,7 @@ def restore_rms_norm(model: torch.nn.Module) -> int:
     """Opt the modules of ``model`` out again (they run their eager forward). Returns the count."""
     n = 0
     for module in model.modules():
+        module.__dict__.pop(CALLS, None)
         if module.__dict__.get(MARKER) is OPT_IN:
             del module.__dict__[MARKER]
             n += 1
@@ -297,6 +305,11 @@ class RmsNormFeature(Feature):
             notes.insert(0, f"already replaced: {_fmt(already)}")
         rep = FeatureReport(name=self.name, enabled=True, applied=bool(total), where=_fmt(total),
                             details=dict(replaced=dict(replaced), already=dict(already), skipped=skipped))
+        if total:  # fused and eager calls of this model's replaced modules, counted from now on
+            rep.calls = CallCounts()
+            for module in model.modules():
+                if is_replaced(module):
+                    module.__dict__[CALLS] = rep.calls
         rep.reason = "; ".join(notes) if total else \
             "; ".join(["no supported RMSNorm modules found"] + notes)
         return rep

@@ -65,9 +65,11 @@ def _check(M, H, V, dtype, seed=0, bias=False, data_kw=None, eager_floor=False, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("H,V", [(2048, 151936), (4096, 128256), (7168, 202048), (2880, 151936), (5120, 128256)])
+@pytest.mark.parametrize("H,V", [(2048, 151936), (4096, 128256), pytest.param(7168, 202048, marks=pytest.mark.gpu_heavy),
+                                 (2880, 151936), (5120, 128256)])
 @pytest.mark.parametrize("mode", ["mean", "none+entropy+lse"])
 def test_full_vocab(dtype, H, V, mode):
+    """7168 x 202048: the weight, its copy and gradient, their float64 copies: 32-42 GiB."""
     kw = dict(reduction="none", return_entropy=True, return_lse=True) if mode != "mean" else {}
     _check(384, H, V, dtype, chunk_tokens=128, **kw)  # 3 token chunks: cross-chunk dW accumulation
 
@@ -170,7 +172,7 @@ def test_options_small(dtype, reduction, extra, opts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["all_ignored", "one_token", "small_V", "odd_H"])
+@pytest.mark.parametrize("case", ["all_ignored", "one_token", "small_V", "odd_H", "unchecked_targets"])
 def test_edge_cases(dtype, case):
     if case == "all_ignored":
         h, w, t, b = _data(50, 64, 1000, dtype, bias=True)
@@ -179,6 +181,35 @@ def test_edge_cases(dtype, case):
             out, grads = _run(linear_cross_entropy, h, w, t, b, **kw)
             assert (out[0] == 0).all()
             assert all(torch.isfinite(g).all() and (g == 0).all() for g in grads)
+            # divided by num_items_in_batch = 0 (HF's summed loss of a step with no labelled token):
+            # NaN, every gradient exactly 0 (scalar path: the in-place scaling; per-token: the fused
+            # gradient GEMM on Hopper in bf16)
+            leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+            loss = linear_cross_entropy(leaves[0], leaves[1], t, bias=leaves[2], z_loss=1e-3, label_smoothing=0.1,
+                                        **kw).sum() / torch.tensor(0, device=DEV)
+            loss.backward()
+            assert torch.isnan(loss) and all(torch.equal(x.grad, torch.zeros_like(x)) for x in leaves)
+        # labelled tokens with an infinite upstream gradient: dhidden's ignored rows stay 0 (as eager)
+        h, w, t, b = _data(50, 64, 1000, dtype, bias=True, ignore_every=3)
+        hh = h.clone().requires_grad_()
+        (linear_cross_entropy(hh, w, t, reduction="sum") / torch.tensor(0, device=DEV)).backward()
+        ign = t == -100
+        assert torch.equal(hh.grad[ign], torch.zeros_like(hh.grad[ign])) and not hh.grad[~ign].isfinite().any()
+    elif case == "unchecked_targets":
+        # validate_targets=False: a target outside [0, V) has no target logit on every path (the
+        # scalar path's row kernel, the per-token fused GEMMs), as in the reference
+        h, w, t, b = _data(77, 64, 3001, dtype, bias=True)
+        t[[1, 2, 3]] = torch.tensor([3001, -5, 10 ** 6], device=DEV)
+        for kw in (dict(), dict(reduction="sum", z_loss=1e-3), dict(reduction="none", return_lse=True,
+                                                                     label_smoothing=0.1)):
+            out, grads = _run(linear_cross_entropy, h, w, t, b, validate_targets=False, **kw)
+            rout, rgrads = _run(linear_cross_entropy_reference, h, w, t, b, dtype=torch.float64,
+                                validate_targets=False, **kw)
+            tl_, tg = TOL[dtype]
+            for o, r in zip(out, rout, strict=True):
+                assert torch.isfinite(o).all() and _rel(o, r) <= tl_, (kw, o, r)
+            for g, r in zip(grads, rgrads, strict=True):
+                assert torch.isfinite(g).all() and _rel(g, r) <= tg, (kw, _rel(g, r))
     elif case == "one_token":
         _check(1, 64, 5003, dtype, data_kw=dict(ignore_every=0))
         _check(1, 64, 5003, dtype, data_kw=dict(ignore_every=0), reduction="none", return_entropy=True)
@@ -339,12 +370,21 @@ def test_lse_at_least_as_accurate_as_eager(dtype, bias, softcap):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("g", [1.0, 1 / 3, 2.0])
+@pytest.mark.parametrize("g", [1.0, 1 / 3, 2.0, float("inf")])
 def test_upstream_gradient_scaling(dtype, g):
     """The eager scalar loss's in-place scaling by the upstream gradient: the product in fp32, one
-    rounding; nothing changes when g == 1."""
+    rounding; nothing changes when g == 1. Rows of ignored targets (dhidden's) are left as they
+    are, and so is a tensor whose gate is False (dweight with no labelled token)."""
     from deepspeed_fused.ops.linear_cross_entropy import kernels
 
     x = torch.randn(1000, 777, device=DEV).to(dtype)
     gt = torch.tensor(g, dtype=torch.float32, device=DEV)
-    assert torch.equal(kernels._scale_unless_one_(x.clone(), gt), (x.float() * gt).to(dtype))
+    scaled = (x.float() * gt).to(dtype)
+    assert torch.equal(kernels._scale_unless_one_(x.clone(), gt), scaled)
+    t = torch.randint(0, 50, (1000,), device=DEV)
+    t[::3] = -100
+    rows = kernels._scale_unless_one_(x.clone(), gt, target=t, ignore_index=-100)
+    assert torch.equal(rows, torch.where((t != -100)[:, None], scaled, x))
+    for on in (True, False):
+        gated = kernels._scale_unless_one_(x.clone(), gt, gate=torch.tensor(on, device=DEV))
+        assert torch.equal(gated, scaled if on else x)

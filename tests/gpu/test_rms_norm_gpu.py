@@ -11,7 +11,7 @@ import torch
 from deepspeed_fused.features import rms_norm as F
 from deepspeed_fused.ops import rms_norm as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
-from unit.common import NCCL_ENV
+from unit.common import NCCL_ENV, cuda_device_count
 from unit.test_rms_norm import (EPS, _norms, _randomize_norms, _step, assert_dw_close, check_against_eager,
                                 dw_flip_allowance, eager_normalized,
                                 fused_grads, make_inputs, on_streams_bitwise, oracle_forward)
@@ -188,7 +188,7 @@ def test_installer_bf16_training_step(name):
         assert rel < 5e-2, (k, rel.item())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(cuda_device_count() < 2, reason="needs 2 GPUs")
 def test_data_parallel_replicas_use_own_device(monkeypatch):
     """nn.DataParallel on 2 GPUs: each replica keeps the opt-in and runs the fused op with its own
     weights on its own device; outputs and gradients equal the single-GPU fused model's."""

@@ -38,9 +38,12 @@ def test_cli_report_config_and_model():
     for name in ("rms_norm", "linear_cross_entropy", "moe_reorder"):
         line = next(line for line in out.splitlines() if line.startswith(name))
         assert "yes" in line  # enabled; applied or the reason it is not
+    line = next(line for line in out.splitlines() if line.startswith("linear_cross_entropy"))
     if not torch.cuda.is_available():  # the loss is patched in, but the op runs its torch reference here
-        line = next(line for line in out.splitlines() if line.startswith("linear_cross_entropy"))
         assert "applied (torch reference: no GPU)" in line
+    header = next(line for line in out.splitlines() if line.startswith("feature "))
+    assert header.split() == ["feature", "enabled", "status", "calls", "where", "/", "why"]
+    assert "0 fused, 0 eager" in line and "calls: how often each applied feature's fused path" in out
 
 
 def test_cli_rejects_a_bare_section_with_an_unknown_key(tmp_path):
@@ -95,6 +98,9 @@ def test_example_job_runs_under_launcher(tmp_path):
     names = [f["name"] for f in summary["report"]["features"]]
     assert names[:3] == ["rms_norm", "linear_cross_entropy", "moe_reorder"]
     assert all(f["enabled"] for f in summary["report"]["features"][:3])
+    lce = summary["report"]["features"][1]  # the counts at the end of the run: every training step fused
+    assert lce["applied"] and lce["calls"]["fused"] >= 3 and lce["calls"]["eager"] == 0, lce
+    assert f"[train] deepspeed_fused calls: linear_cross_entropy {lce['calls']['fused']} fused, 0 eager" in out
     # one more step profiled (on CPU the leaf CPU ops stand for kernels): every category of the
     # e2e breakdown is filled where this job has that work, and they add up to the total
     b = json.loads(profile.read_text())

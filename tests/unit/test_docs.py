@@ -21,3 +21,10 @@ def test_ci_runs_the_readme_test_command():
     with open(os.path.join(docs.ROOT, ".ci", "run")) as f:
         ci = f.read()
     assert "python -m pytest tests -q --forked" in ci
+
+
+def test_readme_architecture_and_makefile_give_the_gpu_test_command():
+    command = "-m pytest tests/gpu -q -n 4 --forked"
+    for name in ("README.md", os.path.join("docs", "architecture.md"), "Makefile"):
+        with open(os.path.join(docs.ROOT, name)) as f:
+            assert command in f.read(), name

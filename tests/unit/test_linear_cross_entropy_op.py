@@ -707,14 +707,28 @@ def test_auto_chunk_bounds_workspace():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("g", [1.0, 1 / 3, 2.0, 0.99999994, float("inf")])
+@pytest.mark.parametrize("g", [1.0, 1 / 3, 2.0, 0.99999994, float("inf"), float("nan")])
 def test_upstream_gradient_scaling_matches_mul(interpret, dtype, g):
     """The eager scalar loss scales its forward-formed gradients with a kernel that skips the work
-    when the upstream gradient is 1 (read on the device): the product in fp32, one rounding."""
+    when the upstream gradient is 1 (read on the device): the product in fp32, one rounding. Rows
+    whose target is ignored (dhidden's) are left as they are, and so is all of a tensor whose gate
+    is False (dweight with no labelled token); the torch form (create_graph, torch.compile) agrees."""
     x = torch.randn(37, 29, generator=torch.Generator().manual_seed(1)).to(dtype).to(interpret)
     gt = torch.tensor(g, dtype=torch.float32, device=interpret)
+    scaled = (x.float() * gt).to(dtype)
     ours = lce_kernels._scale_unless_one_(x.clone(), gt)
-    assert torch.equal(ours, (x.float() * gt).to(dtype))
+    assert torch.equal(ours, scaled) or (g != g and ours.isnan().all())
+    t = torch.randint(0, 5, (37,), generator=torch.Generator().manual_seed(2)).to(interpret)
+    t[::3] = -100
+    want = torch.where((t != -100)[:, None], scaled, x)
+    for fn in (lce_kernels._scale_unless_one_, lce_kernels._scale_masked_torch_):
+        rows = fn(x.clone(), gt, target=t, ignore_index=-100)
+        assert torch.equal(rows[::3], x[::3])  # ignored rows untouched, bitwise
+        assert torch.equal(rows.nan_to_num(), want.nan_to_num()) and torch.equal(rows.isnan(), want.isnan())
+        for on in (True, False):
+            gated = fn(x.clone(), gt, gate=torch.tensor(on, device=interpret))
+            expect = scaled if on else x
+            assert torch.equal(gated.nan_to_num(), expect.nan_to_num()) and torch.equal(gated.isnan(), expect.isnan())
 
 
 def test_scalar_loss_gradient_scaled_by_upstream(interpret):
@@ -731,3 +745,173 @@ def test_scalar_loss_gradient_scaled_by_upstream(interpret):
         grads.append((hh.grad, ww.grad))
     assert torch.equal(grads[1][0], 4 * grads[0][0]) and torch.equal(grads[1][1], 4 * grads[0][1])
     torch.testing.assert_close(grads[2][0], 3 * grads[0][0], rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 26: a fully masked accumulated batch (HF's summed loss / num_items_in_batch = 0), and
+# out-of-range targets without the target check.
+
+_MASK_OPTS = {"plain": {}, "all": dict(temperature="tensor", softcap=2.0, z_loss=0.05, label_smoothing=0.1)}
+
+
+def _masked_call(fn, h, w, t, b, reduction, opts, extra=()):
+    leaves = [x.detach().clone().requires_grad_() for x in (h, w, b)]
+    kw = dict(opts)
+    if kw.get("temperature") == "tensor":
+        kw["temperature"] = (torch.rand(t.shape[0], generator=torch.Generator().manual_seed(3)) + 0.5).to(h.device)
+    out = fn(leaves[0], leaves[1], t, bias=leaves[2], reduction=reduction, return_entropy="entropy" in extra,
+             return_lse="lse" in extra, **kw)
+    return leaves, (out if isinstance(out, tuple) else (out,))
+
+
+def test_fully_masked_batch_like_eager(interpret):
+    """What eager PyTorch does, the contract below: cross_entropy(reduction="sum") over no labelled
+    token is 0; divided by 0 items, NaN; its backward (an infinite upstream gradient) gives every
+    gradient exactly 0 (the ignored rows' gradient is written as 0, not multiplied)."""
+    h, w, t, b = _inputs(9, 16, 37, torch.float32, interpret, bias=True)
+    t = torch.full_like(t, -100)
+    for red, ls in (("sum", 0.0), ("sum", 0.2), ("none", 0.0)):
+        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+        loss = F.cross_entropy(leaves[0] @ leaves[1].t() + leaves[2], t, reduction=red, label_smoothing=ls)
+        loss = loss.sum() / torch.tensor(0)
+        loss.backward()
+        assert torch.isnan(loss) and all(torch.equal(x.grad, torch.zeros_like(x)) for x in leaves)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", list(_MASK_OPTS))
+def test_fully_masked_batch_divided_by_zero_items(interpret, impl, reduction, opts):
+    """The op's loss over no labelled token divided by num_items_in_batch = 0 (an infinite upstream
+    gradient), or times NaN: a NaN loss and every gradient exactly 0, on the scalar path (mean/sum:
+    forward-formed gradients scaled in backward), the per-token path (none), and the reference,
+    with temperature, soft cap, z-loss and label smoothing too."""
+    fn = linear_cross_entropy if impl == "kernel" else linear_cross_entropy_reference
+    h, w, t, b = _inputs(9, 16, 37, torch.float32, interpret, bias=True)
+    t = torch.full_like(t, -100)
+    for upstream in ("zero_items", "nan"):
+        leaves, (loss,) = _masked_call(fn, h, w, t, b, reduction, _MASK_OPTS[opts])
+        loss = loss.sum()
+        assert loss == 0
+        loss = loss / torch.tensor(0) if upstream == "zero_items" else loss * float("nan")
+        assert torch.isnan(loss)
+        loss.backward()
+        for x in leaves:
+            assert torch.equal(x.grad, torch.zeros_like(x)), (upstream, x.grad)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_masked_rows_zero_whatever_the_upstream_gradient(interpret, impl):
+    """Only ignored rows are exactly zero: with some labelled tokens an infinite scalar upstream
+    gradient gives non-finite gradients, as in eager, except dhidden's ignored rows (0, as eager);
+    the per-token path takes a NaN upstream gradient on ignored rows as 0 (bitwise the gradients of
+    a 0 there); the loss contributes nothing next to entropy / lse outputs on an all-ignored batch."""
+    fn = linear_cross_entropy if impl == "kernel" else linear_cross_entropy_reference
+    h, w, t, b = _inputs(9, 16, 37, torch.float32, interpret, bias=True, ignore_every=3)
+    ign = t == -100
+    for reduction in ("sum", "mean"):
+        leaves, (loss,) = _masked_call(fn, h, w, t, b, reduction, {})
+        (loss / torch.tensor(0)).backward()
+        e = [x.clone().requires_grad_() for x in (h, w, b)]
+        lg = F.cross_entropy(e[0] @ e[1].t() + e[2], t, reduction=reduction)
+        (lg / torch.tensor(0)).backward()
+        for ours, eager in ((leaves[0].grad, e[0].grad), (leaves[1].grad, e[1].grad), (leaves[2].grad, e[2].grad)):
+            assert torch.equal(torch.isfinite(ours), torch.isfinite(eager)), (reduction, ours, eager)
+        assert torch.equal(leaves[0].grad[ign], torch.zeros_like(leaves[0].grad[ign]))
+        assert not torch.isfinite(leaves[0].grad[~ign]).any() and not torch.isfinite(leaves[1].grad).any()
+    for opts in _MASK_OPTS.values():
+        grads = []
+        for g_ign in (float("nan"), float("inf"), 0.0):
+            leaves, (loss, lse) = _masked_call(fn, h, w, t, b, "none", opts, extra=("lse",))
+            g = torch.linspace(0.5, 1.5, 9, device=interpret)
+            g[ign] = g_ign
+            torch.autograd.backward([loss, lse], [g, torch.linspace(-1, 1, 9, device=interpret)])
+            grads.append([x.grad for x in leaves])
+        for a, c in zip(grads[0] + grads[1], grads[2] * 2, strict=True):
+            assert torch.isfinite(a).all() and torch.equal(a, c)
+    tm = torch.full_like(t, -100)
+    for reduction in ("sum", "mean", "none"):
+        for extra in (("entropy",), ("lse",), ("entropy", "lse")):
+            leaves, outs = _masked_call(fn, h, w, tm, b, reduction, _MASK_OPTS["all"], extra)
+            (outs[0].sum() / torch.tensor(0) + sum(o.sum() for o in outs[1:])).backward()
+            with_loss = [x.grad for x in leaves]
+            leaves, outs = _masked_call(fn, h, w, tm, b, reduction, _MASK_OPTS["all"], extra)
+            sum(o.sum() for o in outs[1:]).backward()
+            for a, c in zip(with_loss, [x.grad for x in leaves], strict=True):
+                assert torch.isfinite(a).all() and torch.equal(a, c) and a.abs().sum() > 0
+
+
+def test_fully_masked_scalar_loss_under_compile_and_create_graph(interpret):
+    """The scalar path's torch-op scaling (what torch.compile traces, and create_graph): zero
+    gradients for a masked batch divided by zero items, and gradients differentiable in g."""
+    h, w, t, _ = _inputs(7, 16, 37, torch.float32, interpret)
+    t = torch.full_like(t, -100)
+
+    def f(h, w):
+        return linear_cross_entropy(h, w, t, reduction="sum", validate_targets=False) / torch.tensor(0)
+
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(hh, ww)
+        loss.backward()
+        assert torch.isnan(loss) and not hh.grad.any() and not ww.grad.any()
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    g = torch.tensor(float("inf"), requires_grad=True)
+    gh, gw = torch.autograd.grad(linear_cross_entropy(hh, ww, t, reduction="sum"), (hh, ww), g, create_graph=True)
+    assert not gh.any() and not gw.any()
+
+
+_OUT_OF_RANGE = {"past_vocab": (37, 40, 1000), "negative": (-1, -5, -101)}
+
+
+@pytest.mark.parametrize("kind", list(_OUT_OF_RANGE))
+@pytest.mark.parametrize("path", ["scalar", "per_token_fused", "per_token_rows", "vocab_chunks"])
+def test_out_of_range_targets_unchecked_score_lse(interpret, monkeypatch, kind, path):
+    """validate_targets=False, a target outside [0, V) other than ignore_index: no target logit on
+    every path (the kernels' row pass, the fused GEMMs, vocabulary chunks, the reference): the
+    token's loss is lse (with the smoothing and z-loss terms), its gradient that loss's, and it
+    counts in the mean; the same as the float64 reference and the formula on materialized logits."""
+    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api, single as lce_single
+
+    seen, real = [], lce_single._vocab_chunks
+
+    def spy(*a):
+        for c in real(*a):
+            seen.append(c[0])
+            yield c
+
+    monkeypatch.setattr(lce_single, "_vocab_chunks", spy)
+    M, V = 13, 37
+    h, w, t, b = _inputs(M, 16, V, torch.float32, interpret, bias=True)
+    t[[1, 6, 11]] = torch.tensor(_OUT_OF_RANGE[kind], device=interpret)
+    fused = path == "per_token_fused"
+    monkeypatch.setattr(lce_kernels, "_GEMM_STATS_OK", [fused])
+    monkeypatch.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused])
+    if path == "vocab_chunks":  # three vocabulary slices (see test_vocab_chunks)
+        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * 16 * 4)
+    opts = dict(temperature=0.8, softcap=3.0, z_loss=0.05, label_smoothing=0.1, validate_targets=False)
+    reductions = ("mean", "sum") if path == "scalar" else ("none",)
+    for reduction in reductions:
+        extra = {} if path == "scalar" else dict(return_lse=True)
+        out, grads = weighted_backward(linear_cross_entropy, h, w, t, b, reduction=reduction, **extra, **opts)
+        rout, rgrads = weighted_backward(linear_cross_entropy_reference, h, w, t, b, dtype=torch.float64,
+                                         reduction=reduction, **extra, **opts)
+        for o, r in zip(out + grads, rout + rgrads, strict=True):
+            assert torch.isfinite(o).all() and rel(o, r) <= 1e-4, (reduction, o, r)
+    # the path taken: vocabulary slices through cuBLAS and the row kernel (several, or the one
+    # slice of the one-chunk backward), or none at all (the fused GEMMs, the scalar path)
+    assert {"scalar": [], "per_token_fused": [], "per_token_rows": [0]}.get(path, seen) == seen
+    assert path != "vocab_chunks" or len(seen) > 2
+    # the formula, on the reference's per-token losses
+    z = (h.double() @ w.double().t() + b.double()) / 0.8
+    z = 3.0 * torch.tanh(z / 3.0)
+    lse = torch.logsumexp(z, -1)
+    valid = t != -100
+    inside = valid & (t >= 0) & (t < V)
+    zt = torch.where(inside, z.gather(1, t.clamp(0, V - 1)[:, None]).squeeze(1), torch.zeros_like(lse))
+    want = torch.where(valid, lse - 0.9 * zt - 0.1 * z.mean(-1) + 0.05 * lse ** 2, torch.zeros_like(lse))
+    assert (valid & ~inside).sum() == 3
+    got = linear_cross_entropy_reference(h.double(), w.double(), t, bias=b.double(), reduction="none", **opts)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    mean = linear_cross_entropy_reference(h.double(), w.double(), t, bias=b.double(), **opts)
+    torch.testing.assert_close(mean, want.sum() / valid.sum(), rtol=1e-12, atol=0)

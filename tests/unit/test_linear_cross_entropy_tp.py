@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from unit.common import DistributedTest
+from unit.common import DistributedTest, cuda_device_count
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
@@ -20,7 +20,7 @@ from deepspeed_fused.ops.linear_cross_entropy import parallel as lce_parallel
 from deepspeed_fused.ops.linear_cross_entropy import single as lce_single
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL ranks on GPUs (skipped without enough of them)
+DEV = "cuda" if cuda_device_count() else "cpu"  # NCCL ranks on GPUs (skipped without enough of them)
 OUT_TOL, GRAD_TOL = 1e-5, 1e-5  # fp32 against float64 (relative, relative-norm)
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_reduce", "reduce_scatter_tensor", "reduce_scatter",
                 "broadcast", "all_to_all_single", "all_to_all", "reduce", "gather", "scatter", "barrier",
@@ -171,6 +171,48 @@ class TestVocabParallel(DistributedTest):
         assert (out[0] == 0).all() and all((g == 0).all() for g in grads)
         out, grads = _check_tp(h, w, t, None, start, v_local, reduction="none", return_entropy=True)
         assert (out[1] > 0).all() and grads[0].abs().sum() > 0
+
+    @pytest.mark.world_size(2)
+    def test_masked_batch_and_unchecked_targets(self):
+        """Issue 26 over the group: a loss over no labelled token divided by 0 items (an infinite
+        upstream gradient) is NaN with every gradient exactly 0, on the scalar path (also
+        sequence parallel), the per-token path and the TP reference; with labelled tokens only
+        dhidden's ignored rows stay 0. With validate_targets=False a target outside the global
+        vocabulary (or negative) has no target logit on any shard: the full-vocabulary reference's
+        loss = lse (and smoothing, z-loss terms)."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        M, H, V = 10, 8, 32
+        sl = slice(rank * 16, (rank + 1) * 16)
+        h, w, t, b = _data(M, H, V, seed=30, bias=True, ignore_every=3)
+        masked = torch.full_like(t, -100)
+        opts = dict(softcap=2.0, z_loss=0.01, label_smoothing=0.1)
+        for path in ("kernel", "reference"):
+            if path == "reference":  # plain CPU tensors (float64 on GPUs): the TP-aware torch reference
+                os.environ["TRITON_INTERPRET"] = "0"
+            dt = torch.float64 if path == "reference" and DEV == "cuda" else torch.float32
+            for reduction, sp, chunk in (("mean", False, None), ("sum", False, 4), ("none", False, None),
+                                         ("sum", True, None)):
+                rows = slice(rank * M // size, (rank + 1) * M // size) if sp else slice(None)
+                for tt in (masked, t):
+                    leaves = [x.to(dt).clone().requires_grad_() for x in (h[rows], w[sl], b[sl])]
+                    loss = linear_cross_entropy(leaves[0], leaves[1], tt[rows], bias=leaves[2], reduction=reduction,
+                                                tp_group=dist.group.WORLD, sequence_parallel=sp, chunk_tokens=chunk,
+                                                **opts)
+                    (loss.sum() / torch.tensor(0)).backward()
+                    if tt is masked:
+                        assert torch.isnan(loss.sum() / 0)
+                        for x in leaves:
+                            assert torch.equal(x.grad, torch.zeros_like(x)), (path, reduction, sp, x.grad)
+                    else:
+                        ign = tt[rows] == -100
+                        assert torch.equal(leaves[0].grad[ign], torch.zeros_like(leaves[0].grad[ign]))
+                        assert not torch.isfinite(leaves[0].grad[~ign]).any()
+                        assert not torch.isfinite(leaves[1].grad).any()
+            bad = t.clone()
+            bad[[1, 4, 7]] = torch.tensor([V, V + 100, -7], device=DEV)
+            for kw in (dict(), dict(reduction="none", return_lse=True), dict(reduction="sum", chunk_tokens=3)):
+                _check_tp(h, w, bad, b, rank * 16, 16, dtype=dt, validate_targets=False, **opts, **kw)
+            os.environ["TRITON_INTERPRET"] = "1" if DEV == "cpu" else "0"
 
     @pytest.mark.world_size(4)
     def test_subgroups(self):

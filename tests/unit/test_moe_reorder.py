@@ -533,7 +533,8 @@ def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
     # the expert side still permutes (our gathers)
     assert calls["dispatch"] == (2 * steps if feature else 0)
     assert calls["n"] == (2 * steps if feature and ep_size > 1 else 0)
-    if feature:
+    if feature:  # the report's live count: one per layer forward whose reorder ran as our gathers
+        assert (rep.calls.fused, rep.calls.eager) == (2 * steps, 0), rep.calls
         assert unpatch_model(engine.module) == {"moe_reorder": 2}
         assert not moe_reorder.autoep_patched() and not moe_reorder.local_path_patched()
     return losses, grads

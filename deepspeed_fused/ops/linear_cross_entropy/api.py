@@ -30,7 +30,11 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         hidden: [..., H] float16/bfloat16/float32 (float64 runs the reference).
         weight: [V, H], same dtype and device as ``hidden``. bias: optional [V].
         target: integer tensor of shape hidden.shape[:-1]; ``ignore_index`` rows give loss 0
-            and no loss gradient.
+            and exactly zero loss gradient whatever the upstream gradient is (as eager's
+            ``cross_entropy``, which writes zeros there): a "sum" over no labelled token divided by
+            ``num_items_in_batch = 0`` (an infinite upstream gradient) gives a NaN loss and zero
+            gradients, and a NaN or inf per-token upstream gradient on an ignored row counts as 0.
+            Labelled rows take the upstream gradient as it is (inf/NaN propagate there).
         reduction: "mean" (over non-ignored tokens, on device; all ignored gives 0),
             "sum", or "none" (per-token fp32 losses shaped like ``target``).
         temperature: float > 0, or a tensor shaped like ``target`` (per token; treated as a
@@ -50,7 +54,12 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             the kernels and read after they are queued (one host wait, for the work queued
             before the call; a bad value raises ValueError then). False makes the call free of
             host synchronization (CUDA-graph capturable). With a ``tp_group`` the check runs
-            with the layout exchange, before any other collective.
+            with the layout exchange, before any other collective. Unchecked, a target outside
+            ``[0, V)`` (V: the global vocabulary under a ``tp_group``) other than ``ignore_index``
+            has no target logit, on every path alike (kernels, fused GEMMs, TP shards, the
+            reference): its loss is ``lse`` (plus the ``z_loss`` and label-smoothing terms), its
+            gradient that loss's, and it counts in the "mean"; no memory outside the vocabulary
+            is read.
         tp_group: a torch.distributed process group over which the vocabulary is split
             (Megatron-style vocab-parallel head): ``weight``/``bias`` hold this rank's rows
             ``[vocab_start, vocab_start + V_local)`` and ``target`` holds global ids, the same

@@ -35,7 +35,7 @@ import torch
 
 from .kernels import _launch_rows
 from .single import (_backward_vocab_chunks, _ChunkBuffers, _fused_stats, _ParamGrads, _dhidden_into, _kw,
-                     _logit_chunks, _logits_into)
+                     _logit_chunks, _logits_into, _scale_formed_grads)
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -344,23 +344,22 @@ class _TPScalarLoss(torch.autograd.Function):
                                          False)
         ctx.group, ctx.fp32, ctx.sp = c.tp.group, c.accum_fp32, c.sp
         ctx.needs = (need_dh, need_dw, need_db)
+        ctx.ignore_index = c.ignore_index
+        ctx.save_for_backward(t)
         ctx.grads = [dh, dw if need_dw else None, db if need_db else None]  # released in backward (no copy)
         return loss_tok.sum() * w
 
     @staticmethod
     def backward(ctx, g):
-        # in place, as the single-GPU op; usable once
+        # in place, as the single-GPU op (ignored rows stay exact zeros whatever g is); usable once
         if ctx.grads is None:
             raise RuntimeError("deepspeed_fused.linear_cross_entropy: the scalar-loss path can be backpropagated once")
-        dh, dw, db = ctx.grads
+        grads = ctx.grads
         ctx.grads = None
-        need_dh, need_dw, need_db = ctx.needs
-        if need_dh:
-            dh.mul_(g)
+        (t,) = ctx.saved_tensors
+        dh, dw, db = _scale_formed_grads(g, t, ctx.ignore_index, grads, ctx.needs, kernel=not torch.is_grad_enabled())
         # sequence parallel: dhidden [tokens of the group, H] is reduce-scattered by _SeqGather
-        handle = _dh_reduce_start(dh, ctx.group, ctx.fp32) if need_dh and not ctx.sp else None
-        dw = dw.mul_(g) if need_dw else None
-        db = db.mul_(g) if need_db else None
+        handle = _dh_reduce_start(dh, ctx.group, ctx.fp32) if dh is not None and not ctx.sp else None
         return (_dh_reduce_finish(handle) if handle is not None else dh), dw, db, None, None, None
 
 

@@ -56,7 +56,10 @@ def _ref_chunk(h, weight, bias, t, temp, temperature, ignore_index, z_loss, smoo
     z = _ref_logits(h, weight, bias, temp, temperature, softcap)
     lse = torch.logsumexp(z, dim=-1)
     valid = t != ignore_index
-    zt = z.gather(1, torch.where(valid, t, torch.zeros_like(t)).long()[:, None]).squeeze(1)
+    # a target outside [0, V) (unchecked with validate_targets=False) has no target logit: 0, as in the kernels
+    has_zt = valid & (t >= 0) & (t < z.shape[1])
+    zt = z.gather(1, torch.where(has_zt, t, torch.zeros_like(t)).long()[:, None]).squeeze(1)
+    zt = torch.where(has_zt, zt, torch.zeros_like(zt))
     loss = lse - (1.0 - smoothing) * zt
     if smoothing:
         loss = loss - smoothing * z.mean(-1)

@@ -10,8 +10,8 @@ Two gradient strategies:
   needed: the same kernel makes a second pass over the row and overwrites the logits with
   ``dL/dlogits`` (or writes them to a second buffer when the logits are fp32, see
   :func:`fp32_logits`; already weighted by ``1/n_valid`` for "mean"); two more chunk GEMMs give
-  ``dhidden`` and accumulate ``dweight``. Backward only multiplies these by ``grad_output``:
-  3 GEMMs in all.
+  ``dhidden`` and accumulate ``dweight``. Backward only multiplies these by ``grad_output``
+  (:func:`_scale_formed_grads`: ignored rows stay exact zeros, whatever it is): 3 GEMMs in all.
 * **Per-token upstream gradients** (reduction "none", entropy or lse returned): forward keeps
   per-token ``lse`` and entropy (fp32); backward recomputes the chunk logits and the kernel
   turns them in place (or into the second buffer) into ``dlogits`` from the per-token upstream
@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from .kernels import (_launch_rows, _scale_unless_one_, gemm_grad, gemm_grad_supported, gemm_stats,
-                      gemm_stats_supported)
+from .kernels import (_launch_rows, _scale_masked_torch_, _scale_unless_one_, gemm_grad, gemm_grad_supported,
+                      gemm_stats, gemm_stats_supported)
 from .stats import _NSTAT, _finalize_stats, merge_partial_stats
 
 
@@ -406,26 +406,51 @@ def _(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean, z_loss, 
 def _fused_setup(ctx, inputs, output):
     _, dh, dw, db = output
     ctx.needs = inputs[13:16]
+    ctx.ignore_index = inputs[6]
+    ctx.save_for_backward(inputs[2])  # the targets: which rows and sums the upstream gradient scales
     # Held as plain attributes, not saved tensors: backward drops them, so the gradient it
     # returns has no other owner and autograd accumulates dweight without a second copy.
     ctx.grads = [dh, dw, db]
 
 
-def _fused_backward(ctx, g, _gdh, _gdw, _gdb, scale=None):
+def _scale_formed_grads(g, target, ignore_index, grads, needs, kernel):
+    """The scalar loss's forward-formed gradients ``(dh, dw, db)`` times the upstream gradient ``g``,
+    in place, with ignored tokens' rows exactly zero whatever ``g`` is (eager's cross_entropy
+    backward writes zeros there, so a loss divided by ``num_items_in_batch = 0`` gives an infinite
+    ``g`` and zero gradients, never 0 * inf): dhidden's rows of ignored targets are left as formed
+    (zeros), and so are dweight and dbias when no target is labelled (sums of nothing); a
+    labelled row takes ``g`` as it is (inf / NaN there propagate as in eager). ``kernel``: the
+    eager scaling kernel (nothing read or written when ``g == 1``), else torch ops (an autograd op
+    on ``g`` under ``create_graph``, and what torch.compile traces). None for what is not needed."""
+    scale = _scale_unless_one_ if kernel else _scale_masked_torch_
+    dh, dw, db = grads
+    need_dh, need_dw, need_db = needs
+    out = [None, None, None]
+    if need_dh:
+        out[0] = scale(dh, g, target=target, ignore_index=ignore_index)
+    if need_dw or need_db:
+        gate = (target != ignore_index).any()
+        if need_dw:
+            out[1] = scale(dw, g, gate=gate)
+        if need_db:
+            out[2] = scale(db, g, gate=gate)
+    return out
+
+
+def _fused_backward(ctx, g, _gdh, _gdw, _gdb, kernel=False):
     # The gradients were formed in the forward; scale them in place (no second copy of
     # dweight). They can be used once: a second backward through the same graph
-    # (retain_graph=True) raises instead of reusing scaled values. ``scale`` (eager): an in-place
-    # scaling that skips the work on the device when g == 1; the custom op's (traced) uses mul_.
+    # (retain_graph=True) raises instead of reusing scaled values. ``kernel`` (eager): an in-place
+    # scaling that skips the work on the device when g == 1; the custom op's (traced) uses torch ops.
     if ctx.grads is None:
         raise RuntimeError("deepspeed_fused.linear_cross_entropy: the scalar-loss path forms its gradients in the "
                            "forward and can be backpropagated once; ask for reduction='none' (per-token path) "
                            "to backward twice")
-    dh, dw, db = ctx.grads
+    grads = ctx.grads
     ctx.grads = None
-    need_dh, need_dw, need_db = ctx.needs
-    mul = scale or torch.Tensor.mul_
-    return (mul(dh, g) if need_dh else None, mul(dw, g) if need_dw else None, None,
-            mul(db, g) if need_db else None) + (None,) * 12
+    (target,) = ctx.saved_tensors
+    dh, dw, db = _scale_formed_grads(g, target, ctx.ignore_index, grads, ctx.needs, kernel)
+    return (dh, dw, None, db) + (None,) * 12
 
 
 _lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -441,14 +466,15 @@ class _FusedScalarLoss(torch.autograd.Function):
     def forward(ctx, *args):
         loss, dh, dw, db = _fused_impl(*args)
         ctx.needs = args[13:16]
+        ctx.ignore_index = args[6]
+        ctx.save_for_backward(args[2])
         ctx.grads = [dh, dw, db]
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        # under create_graph the scaling must be an autograd op on g (mul_)
-        return _fused_backward(ctx, g, None, None, None,
-                               scale=None if torch.is_grad_enabled() else _scale_unless_one_)
+        # under create_graph the scaling must be an autograd op on g (torch ops)
+        return _fused_backward(ctx, g, None, None, None, kernel=not torch.is_grad_enabled())
 
 
 @torch.library.custom_op("deepspeed_fused::lce_forward", mutates_args=())
