@@ -34,6 +34,7 @@ import dis
 import functools
 import inspect
 import sys
+import threading
 import types
 from typing import Any, Optional
 
@@ -42,10 +43,11 @@ import torch
 from ..config import FeatureConfig
 from ..ops._common import warn_fallback
 from ..ops.rope import RopeInputError, RopeSpec, rope_kernel_ok, try_fused_rope
-from .base import Environment, Feature, FeatureReport
+from .base import CallCounts, Environment, Feature, FeatureReport
 from .registry import register
 
 MARKER = "_ds_fused_rope"  # instance attribute holding OPT_IN on opted-in modules
+CALLS = "_ds_fused_rope_calls"  # instance attribute: the CallCounts of the apply that opted the module in
 PREFIX = "__deepspeed_fused_rope__"  # the private global the forward's copy calls
 
 
@@ -627,9 +629,6 @@ def recognise(fn):
 # ----------------------------------------------------------------------------------------------
 # The fused call and the forward's copy
 # ----------------------------------------------------------------------------------------------
-_CALLS: dict = {}  # (id(module globals), name) -> (original, call)
-
-
 def _make_call(g: dict, name: str, original, form: Form):
     """The function the forward's copy calls instead of ``g[name]``: the fused op when it takes
     the inputs and ``g[name]`` is still ``original``; the module's current function otherwise."""
@@ -643,14 +642,18 @@ def _make_call(g: dict, name: str, original, form: Form):
     where = f"{g.get('__name__', '?')}.{name}"
     get = g.get
 
+    def eager(fn, args, kwargs):
+        _count("eager")
+        return fn(*args, **kwargs)
+
     def fused_call(*args, **kwargs):
         current = get(name)
         if current is not original:  # the module's function was replaced since: call what the forward would
-            return current(*args, **kwargs)
+            return eager(current, args, kwargs)
         for hname, helper in helpers:
             if get(hname) is not helper:  # its rotate_half was replaced: the form's math is not known any more
                 warn_fallback("rope", f"{where}: {hname} was replaced; it runs eager")
-                return original(*args, **kwargs)
+                return eager(original, args, kwargs)
         if len(args) == n_fast and (not kwargs or (len(kwargs) == 1 and ud_name in kwargs)):
             if single:
                 q, cos, sin = args
@@ -662,7 +665,7 @@ def _make_call(g: dict, name: str, original, form: Form):
             try:
                 bound = sig.bind(*args, **kwargs)
             except TypeError:
-                return original(*args, **kwargs)
+                return eager(original, args, kwargs)
             bound.apply_defaults()
             vals = dict(zip(roles, bound.arguments.values()))
             q = vals.get("x", vals.get("q"))
@@ -673,10 +676,11 @@ def _make_call(g: dict, name: str, original, form: Form):
             out = try_fused_rope(q, k, cos, sin, ud, spec)
         except RopeInputError as e:  # not a form's input (eager raises its own error, or computes it)
             warn_fallback("rope", f"{e}; {where} runs eager")
-            return original(*args, **kwargs)
+            return eager(original, args, kwargs)
         if out is None:
             warn_fallback("rope", f"{rope_kernel_ok(q, k, cos, sin, ud, spec)[1]}; {where} runs eager")
-            return original(*args, **kwargs)
+            return eager(original, args, kwargs)
+        _count("fused")
         return out
 
     fused_call.__qualname__ = f"deepspeed_fused_rope[{where}]"
@@ -810,10 +814,34 @@ def _rope_globals(inner) -> dict:
 _DISPATCHERS: dict = {}  # class -> the dispatcher installed on it (kept for the life of the process)
 
 
+# The counts of the opted-in module whose forward is running, innermost last (per thread: each
+# nn.DataParallel replica runs in its own): the fused call adds to them.
+_ACTIVE = threading.local()
+
+
+def _count(kind: str) -> None:
+    stack = getattr(_ACTIVE, "stack", None)
+    calls = stack[-1] if stack else None
+    if calls is not None and not torch.compiler.is_compiling():
+        setattr(calls, kind, getattr(calls, kind) + 1)
+
+
 def _make_dispatcher(original, fused, forms: dict, g: dict):
     def forward(self, *args, **kwargs):
         if getattr(self, MARKER, None) is OPT_IN:
-            return fused(self, *args, **kwargs)
+            calls = self.__dict__.get(CALLS)
+            if torch.compiler.is_compiling():  # traced: one fused count per forward, no thread-local state
+                if calls is not None:
+                    calls.fused += 1
+                return fused(self, *args, **kwargs)
+            stack = getattr(_ACTIVE, "stack", None)
+            if stack is None:
+                stack = _ACTIVE.stack = []
+            stack.append(calls)
+            try:
+                return fused(self, *args, **kwargs)
+            finally:
+                stack.pop()
         return original(self, *args, **kwargs)
 
     forward.__qualname__ = f"deepspeed_fused_rope_dispatcher[{getattr(original, '__qualname__', '?')}]"
@@ -956,6 +984,7 @@ def restore_rope(model: torch.nn.Module) -> int:
     """Opt the modules of ``model`` out again (they run their eager forward). Returns the count."""
     n = 0
     for module in model.modules():
+        module.__dict__.pop(CALLS, None)
         if module.__dict__.get(MARKER) is OPT_IN:
             del module.__dict__[MARKER]
             n += 1
@@ -1032,6 +1061,11 @@ class RopeFeature(Feature):
         rep = FeatureReport(name=self.name, enabled=True, applied=bool(total), where=_fmt(total),
                             details=dict(replaced=dict(replaced), already=dict(already), skipped=skipped,
                                          forms=forms))
+        if total:  # fused and eager rotary calls of this model's patched modules, counted from now on
+            rep.calls = CallCounts()
+            for module in model.modules():
+                if is_replaced(module):
+                    module.__dict__[CALLS] = rep.calls
         rep.reason = "; ".join(notes) if total else \
             "; ".join(["no attention module calls a recognised rotary embedding"] + notes)
         return rep

@@ -1,7 +1,8 @@
 """Fused RoPE on the GPU: every spec in bf16/fp16/fp32 against the reference bitwise (forward
 and backward, realistic head counts and dims), every recognised transformers family in bf16
 against its own eager code, models in bf16 equal to unpatched, CUDA graphs, torch.compile, no
-host syncs, direct launches, 64-bit offsets, another device."""
+host syncs, direct launches, 64-bit offsets, another device. Each body runs in a clean worker
+(tests/conftest.py): tensors are built inside the bodies."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +15,7 @@ from deepspeed_fused import patch_model, unpatch_model
 from deepspeed_fused.features import rope as F
 from deepspeed_fused.ops import rope as R
 from tiny_models import build_model
+from unit.common import cuda_device_count
 from unit.test_rope import SPECS, make_inputs
 from unit.test_rope_feature import Launches, check_family, modeling_modules
 
@@ -60,14 +62,14 @@ def test_float32_angles(name, dtype):
     _check(SPECS[name], dtype, SHAPES[0], angle_dtype=torch.float32, seed=3)
 
 
-def test_every_family_bf16(monkeypatch):
-    launches = Launches(monkeypatch)
+def test_every_family_bf16():
     rows = [r for r in F.coverage(modeling_modules()) if r[2]]
-    for i, (m, n, _, _) in enumerate(rows):
-        fn = getattr(importlib.import_module(m), n)
-        form = F.recognise(fn)
-        check_family(fn, form, torch.bfloat16, launches, seed=i, device="cuda", d=128, b=2, s=64, hq=8, hk=2)
-        check_family(fn, form, torch.float16, launches, seed=i, device="cuda", d=64, b=1, s=33, hq=4, hk=1)
+    with Launches() as launches:
+        for i, (m, n, _, _) in enumerate(rows):
+            fn = getattr(importlib.import_module(m), n)
+            form = F.recognise(fn)
+            check_family(fn, form, torch.bfloat16, launches, seed=i, device="cuda", d=128, b=2, s=64, hq=8, hk=2)
+            check_family(fn, form, torch.float16, launches, seed=i, device="cuda", d=64, b=1, s=33, hq=4, hk=1)
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny", "deepseek-v3-tiny"])
@@ -166,6 +168,7 @@ def test_torch_compile_of_a_patched_model():
     unpatch_model(model)
 
 
+@pytest.mark.gpu_heavy
 def test_64bit_offsets():
     """More than 2**31 elements in q: row offsets in 64 bits (checked on the last positions)."""
     b, s, h, d = 1, 131073, 128, 128
@@ -181,7 +184,7 @@ def test_64bit_offsets():
     del q, k, yq, yk
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
 def test_tensors_on_another_device():
     spec = SPECS["glm"]
     gen = torch.Generator().manual_seed(6)

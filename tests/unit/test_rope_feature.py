@@ -19,6 +19,12 @@ from deepspeed_fused.ops import rope as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
 
 
+@pytest.fixture
+def launches():
+    with Launches() as counter:
+        yield counter
+
+
 @functools.lru_cache(maxsize=None)
 def modeling_modules() -> tuple:
     """Every transformers modeling module whose source mentions a rotary embedding."""
@@ -63,17 +69,24 @@ def form_inputs(form: F.Form, dtype, gen, d=8, b=2, s=3, hq=2, hk=1, device="cpu
 
 
 class Launches:
-    """Counts the op's kernel launches (a fallback would compare eager with eager)."""
+    """Counts the op's kernel launches while entered (a fallback would compare eager with eager)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self):
         self.n = 0
-        real = R._launch
+        self._real = None
+
+    def __enter__(self):
+        self._real = real = R._launch
 
         def counted(*a, **kw):
             self.n += 1
             return real(*a, **kw)
 
-        monkeypatch.setattr(R, "_launch", counted)
+        R._launch = counted
+        return self
+
+    def __exit__(self, *exc):
+        R._launch = self._real
 
 
 def _grads_with_layout(outs, leaves, views, gs):
@@ -119,7 +132,7 @@ def check_family(fn, form, dtype, launches, seed=0, device="cpu", **shape):
     assert launches.n == before + 2  # the backward: one launch for q and k
 
 
-def test_every_family(interpret, monkeypatch):
+def test_every_family(interpret, launches):
     """Every transformers function that looks like a rotary embedding is either recognised, and
     then equal to its own eager code bitwise (fp16 and fp32, forward and backward, through the call
     the patched forward makes), or refused with a reason. At least the major families are
@@ -137,7 +150,6 @@ def test_every_family(interpret, monkeypatch):
         assert (f"modeling_{fam}", "apply_rotary_pos_emb") in names, fam
     assert ("modeling_deepseek_v3", "apply_rotary_pos_emb_interleave") in names
     seen_specs = set()
-    launches = Launches(monkeypatch)
     import importlib
 
     for i, (m, n, _) in enumerate(recognised):
@@ -254,9 +266,6 @@ from unit.test_rope import make_inputs  # noqa: E402
 ON = {"rope": {"enabled": True}}
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    return Launches(monkeypatch)
 
 
 def _ids(seed=0):
@@ -291,6 +300,7 @@ def test_model_equals_unpatched(interpret, launches, name, dtype, where, forms):
     before = launches.n
     loss, grads = _loss_and_grads(model, ids)
     assert launches.n - before == 4  # 2 layers x (forward + backward)
+    assert (rep.calls.fused, rep.calls.eager) == (2, 0)
     rloss, rgrads = _loss_and_grads(ref, ids)
     assert torch.equal(loss, rloss)
     for p, (a, b) in zip(model.parameters(), zip(grads, rgrads)):
@@ -374,7 +384,7 @@ def test_module_global_replaced_after_patching(interpret, launches):
     from transformers.models.llama import modeling_llama as ml
 
     model = build_model("llama-tiny")
-    patch_model(model, ON)
+    rep = patch_model(model, ON)["rope"]
     original = ml.apply_rotary_pos_emb
     calls = []
 
@@ -387,7 +397,7 @@ def test_module_global_replaced_after_patching(interpret, launches):
         before = launches.n
         with torch.no_grad():
             model(input_ids=_ids())
-        assert calls == [1, 1] and launches.n == before
+        assert calls == [1, 1] and launches.n == before and (rep.calls.fused, rep.calls.eager) == (0, 2)
         assert not F.RopeFeature().is_applied(model)
         rep = patch_model(build_model("llama-tiny"), ON)["rope"]
         assert not rep.applied and "not a known form" not in rep.reason and "replaced" in rep.reason
@@ -420,14 +430,14 @@ def test_fallback_inside_a_model_warns_and_runs_eager(interpret, launches):
     with the reason and the function."""
     model = build_model("llama-tiny", dtype=torch.float64)
     ref = copy.deepcopy(model)
-    patch_model(model, ON)
+    rep = patch_model(model, ON)["rope"]
     reset_fallback_warnings()
     ids = _ids()
     before = launches.n
     with pytest.warns(RuntimeWarning, match=r"float64.*modeling_llama\.apply_rotary_pos_emb runs eager"):
         with torch.no_grad():
             out = model(input_ids=ids).logits
-    assert launches.n == before
+    assert launches.n == before and (rep.calls.fused, rep.calls.eager) == (0, 2)
     with torch.no_grad():
         assert torch.equal(out, ref(input_ids=ids).logits)
     unpatch_model(model)
