@@ -694,7 +694,7 @@ def _install_call(g: dict, name: str, original, form: Form) -> str:
     """Bind the private global for ``g[name]`` (once per recognised function) and return its name."""
     private = PREFIX + name
     cur = g.get(private)
-    if getattr(cur, "__ds_rope_original__", None) is not original:
+    if getattr(cur, "__ds_rope_original__", None) is not original or getattr(cur, "__ds_rope_form__", None) != form:
         g[private] = _make_call(g, name, original, form)
     return private
 
@@ -820,9 +820,11 @@ _ACTIVE = threading.local()
 
 
 def _count(kind: str) -> None:
+    if torch.compiler.is_compiling():  # the dispatcher counts traced forwards
+        return
     stack = getattr(_ACTIVE, "stack", None)
     calls = stack[-1] if stack else None
-    if calls is not None and not torch.compiler.is_compiling():
+    if calls is not None:
         setattr(calls, kind, getattr(calls, kind) + 1)
 
 
