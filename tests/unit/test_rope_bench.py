@@ -3,6 +3,8 @@ runs here gives a record with both timings, and the files are written."""
 import argparse
 import json
 
+import pytest
+
 from deepspeed_fused.bench import rope as suite
 from deepspeed_fused.bench.common import write_results
 
@@ -20,3 +22,17 @@ def test_rope_suite_records(interpret, tmp_path):
     paths = write_results(suite.SUITE, recs, str(tmp_path), title=suite.TITLE, notes=suite.NOTES)
     assert len(json.load(open(paths["json"]))) == len(recs)
     assert "deepspeed_fused" in open(paths["md"]).read()
+
+
+def test_breakdown_counts_the_rope_kernel_as_attention():
+    """The e2e breakdown attributes our rotary kernel to attention by its name, wherever it is
+    launched (the backward's launch has no enclosing range)."""
+    from deepspeed_fused.bench.breakdown import attribute
+    from unit.test_e2e_breakdown import Trace
+
+    t = Trace()
+    t.kernel("_rope_kernel", 100, 40)
+    t.range("e2e::attention", 1000, 500)
+    t.kernel("_rope_kernel", 1010, 60)
+    b = attribute(t.events)
+    assert b["categories"]["attention"] == pytest.approx(0.1)
