@@ -194,3 +194,26 @@ def test_tensors_on_another_device():
         out = R.fused_rope(q, k, cos, sin, 1, spec)
         ref = R.rope_reference(q, k, cos, sin, 1, spec)
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+@pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
+def test_data_parallel_replicas_run_fused():
+    """nn.DataParallel replicas keep the opt-in (they copy the module's __dict__); each replica's
+    thread counts its own calls into the model's counter; results equal the unpatched model's."""
+    model = build_model("llama-tiny", attn_implementation="eager").cuda().train()
+    ref = copy.deepcopy(model)
+    rep = patch_model(model, {"rope": {"enabled": True}})["rope"]
+    ids = torch.randint(0, 257, (4, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = []
+    with Launches() as launches:
+        for m in (model, ref):
+            dp = torch.nn.DataParallel(m, device_ids=[0, 1])
+            m.zero_grad(set_to_none=True)
+            loss = dp(input_ids=ids, labels=ids).loss.mean()
+            loss.backward()
+            results.append((loss.detach(), [p.grad for p in m.parameters()]))
+    assert launches.n == 8  # 2 replicas x 2 layers x (forward + backward)
+    assert (rep.calls.fused, rep.calls.eager) == (4, 0)
+    (la, ga), (lb, gb) = results
+    assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb))
+    unpatch_model(model)
