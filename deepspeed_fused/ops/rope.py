@@ -545,9 +545,11 @@ def clear_plans() -> None:
 
 
 def _key(q, k, cos, sin, ud, spec, tag=None):
+    """Everything the checks and the plan read: shapes, strides, dtypes, devices, 16-byte alignment."""
     return (spec, ud, q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
-            None if k is None else (k.shape, k.stride(), k.dtype, k.data_ptr() & 15),
-            cos.shape, cos.stride(), cos.dtype, cos.data_ptr() & 15, sin.stride(), sin.dtype, sin.data_ptr() & 15, tag)
+            None if k is None else (k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15),
+            cos.shape, cos.stride(), cos.dtype, cos.device, cos.data_ptr() & 15,
+            sin.shape, sin.stride(), sin.dtype, sin.device, sin.data_ptr() & 15, tag)
 
 
 def _get_plan(q, k, cos, sin, ud, spec, key=None, x_dtype=None):

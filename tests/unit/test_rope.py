@@ -348,6 +348,18 @@ def test_custom_op_matches_and_opcheck(interpret):
         torch.library.opcheck(R._rope_fwd_op, (q1.detach().requires_grad_(), None, c1, s1, 1, R.LLAMA.code))
 
 
+def test_a_cached_plan_never_skips_a_check(interpret):
+    """Inputs that differ from a planned call only where the key must tell them apart (sin's
+    shape with equal strides) are checked afresh."""
+    q = torch.randn(2, 3, 4, 8)
+    cos, sin = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    R.fused_rope(q, q, cos, sin)
+    short = torch.randn(1, 4, 8)  # the same strides as sin's
+    assert short.stride() == sin.stride()
+    ok, why = R.rope_kernel_ok(q, q, cos, short)
+    assert not ok and "different shapes" in why
+
+
 def test_plans_are_reused(interpret):
     spec = SPECS["llama"]
     R.clear_plans()
