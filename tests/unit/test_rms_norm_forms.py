@@ -591,3 +591,30 @@ def test_form_non_tensor_arguments_raise(interpret):
         R.fused_rms_norm_form(x, torch.ones(8, device=interpret), EPS, "gated", [1.0])
     with pytest.raises(TypeError, match="hidden must be a tensor"):
         R.fused_rms_norm_form([1.0], None, EPS, "unweighted")
+
+
+@pytest.mark.parametrize("form", FORM_NAMES)
+def test_planned_constexprs_are_the_kernels_parameters(interpret, form):
+    """Every keyword a plan hands a kernel is one of that kernel's parameters: Triton's interpreter
+    ignores an unknown keyword, the GPU's launcher raises (the forward once got the backward's QRND)."""
+    from deepspeed_fused.ops.rms_norm import kernels as K
+
+    f = R.FORMS[form]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 32, generator=gen).to(interpret).requires_grad_()
+    w = None if f.weight == "none" else (0.1 * torch.randn(32, generator=gen)).to(interpret).requires_grad_()
+    g = torch.randn(4, 32, generator=gen).to(interpret).requires_grad_() if f.gate != "none" else None
+    R.clear_plans()
+    y = R.fused_rms_norm_form(x, w, EPS, f, gate=g)
+    y.backward(torch.randn(y.shape, generator=gen).to(interpret))
+    fwd = list(R.plans._form_fwd_plans.values())
+    bwd = list(R.plans._form_bwd_plans.values())
+    if all(p is R.plans.AS_LLAMA for p in fwd + bwd):
+        pytest.skip(f"{form} rounds as the Llama form at fp32: the Llama op ran")
+    names = lambda k: set(getattr(k, "arg_names", None) or getattr(k.fn, "arg_names"))  # noqa: E731
+    for p in fwd:
+        if p is not R.plans.AS_LLAMA:
+            assert set(p.const) <= names(K._rms_fwd_form_kernel), set(p.const) - names(K._rms_fwd_form_kernel)
+    for p in bwd:
+        if p is not R.plans.AS_LLAMA:
+            assert set(p.const) <= names(p.kernel), set(p.const) - names(p.kernel)

@@ -485,8 +485,8 @@ def _fwd_plan(x: torch.Tensor, w: Optional[torch.Tensor], write_rstd: bool, key,
                  WRITE_RSTD=write_rstd)
     if form is None:
         out_dtype = torch.promote_types(x.dtype, w.dtype)
-    else:
-        const.update(form.consts)
+    else:  # the forward kernel's constexprs of the form (QRND is the backward's alone)
+        const.update((k, form.consts[k]) for k in _FWD_FORM_CONSTS)
         out_dtype = form.out_dtype
     like = out_dtype == x.dtype and (copy or x.is_contiguous())
     wcopy = w is not None and N > 1 and w.stride(0) != 1
@@ -575,6 +575,11 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
             red = None
     return BwdPlan(convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
                    ws_rows * N, n_cnt, red, _cuda_index(x), ("bwd",) + key)
+
+
+# the form constexprs _rms_fwd_form_kernel takes (Triton on the GPU refuses an unknown keyword; its
+# interpreter ignores one)
+_FWD_FORM_CONSTS = ("NRND", "WMODE", "PRND", "GATE", "ACT", "RSTD_RND")
 
 
 @functools.lru_cache(maxsize=None)
