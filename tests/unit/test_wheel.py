@@ -71,9 +71,14 @@ def installed(tmp_path_factory):
 def test_the_wheel_is_what_runs(installed):
     py, pkg, env, work = installed
     assert pkg.startswith(str(work.parent / "venv")) and not pkg.startswith(ROOT)
-    for part in ("bench/__init__.py", "bench/e2e.py", "train.py", "docs.py", "configs/fused_all.json",
-                 "configs/autoep2_fused.json", "ops/csrc/native_autograd.cpp", "ops/moe_reorder/route.py"):
+    # every file of the package's tree is in the wheel (sources, the C++ node's source, the configs)
+    tree = os.path.join(ROOT, "deepspeed_fused")
+    parts = sorted(os.path.relpath(os.path.join(d, f), tree) for d, _, fs in os.walk(tree, followlinks=True)
+                   for f in fs if "__pycache__" not in d and not f.endswith(".pyc"))
+    for part in ["bench/__init__.py", "bench/e2e.py", "train.py", "docs.py", "configs/fused_all.json",
+                 "ops/moe_reorder/route.py"] + parts:
         assert os.path.isfile(os.path.join(pkg, part)), part
+    assert any(p.startswith("ops/csrc/") and p.endswith(".cpp") for p in parts)
     assert not os.path.islink(os.path.join(pkg, "configs"))
 
 
