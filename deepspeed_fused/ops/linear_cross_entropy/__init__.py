@@ -22,7 +22,8 @@ This module re-exports the public API: :func:`linear_cross_entropy`,
 :func:`auto_chunk_tokens` with its default budget ``DEFAULT_WORKSPACE_BYTES``.
 """
 from .api import linear_cross_entropy
-from .reference import DEFAULT_WORKSPACE_BYTES, auto_chunk_tokens, linear_cross_entropy_reference
+from .reference import linear_cross_entropy_reference
+from .sizing import DEFAULT_WORKSPACE_BYTES, auto_chunk_tokens
 from .stats import merge_partial_stats
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "merge_partial_stats"]

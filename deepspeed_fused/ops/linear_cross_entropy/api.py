@@ -9,11 +9,12 @@ import torch
 
 from .._common import kernel_device_ok, warn_fallback
 from .checks import _prepare
-from .kernels import _KERNEL_DTYPES
-from .parallel import (_TPConfig, _TPPerToken, _TPScalarLoss, _sp_gather, _sp_local, _tp_apply, _tp_layout,
-                       _tp_meta_rows)
-from .reference import DEFAULT_WORKSPACE_BYTES, auto_chunk_tokens, linear_cross_entropy_reference
-from .single import _FusedScalarLoss, _lce_forward_op, _lce_fused_op, chunk_bytes_per_logit
+from .row_kernel import _KERNEL_DTYPES
+from .group import _sp_gather, _sp_local, _tp_apply, _tp_layout, _tp_meta_rows
+from .parallel import _TPConfig, _TPPerToken, _TPScalarLoss
+from .reference import linear_cross_entropy_reference
+from .single import _FusedScalarLoss, _lce_forward_op, _lce_fused_op
+from .sizing import _chunk, _vocab_chunk
 from .stats import _pack
 
 
@@ -159,37 +160,3 @@ def _finish(check, out=None):
     if check is not None:
         check.finish()
     return out
-
-
-def _vocab_chunk(chunk_tokens, chunk, V, dtype, M, cap, grads):
-    """Vocabulary rows per chunk for the per-token path (0: token chunks of ``chunk``). With the
-    automatic size, more than one chunk needed and fewer tokens than vocabulary rows, the work
-    is split over the vocabulary instead: each chunk then re-reads ``hidden`` ([M, H]) rather
-    than the whole ``weight`` ([V, H]), and each dweight row is written once by one GEMM over
-    all tokens instead of being summed over token chunks. Same workspace budget as ``_chunk``."""
-    if isinstance(chunk_tokens, int) or chunk >= M or M >= V:
-        return 0
-    # auto_chunk_tokens balances a split of V rows of M elements as it does one of M rows of V
-    return auto_chunk_tokens(M, dtype, V, _budget(dtype, cap, grads))
-
-
-def _budget(dtype, cap, grads):
-    """The default workspace budget in ``auto_chunk_tokens``'s units (elements of ``dtype``'s size):
-    fewer logits when each takes more bytes (fp32 logits, see ``single.chunk_bytes_per_logit``)."""
-    return DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
-
-
-def _chunk(chunk_tokens, V, dtype, M, double, cap, grads):
-    """Tokens per chunk: ``chunk_tokens`` as given, else sized so the ``chunk x V`` workspace stays
-    within the default budget, counted in bytes per logit (more when the logits are fp32: a soft
-    cap on half inputs, with gradients also a dlogits buffer, see ``single._ChunkBuffers``). Under
-    a tp_group ``V`` is the largest shard's, so every rank gets the same chunk, and the TP
-    scalar-loss path (``double``) alternates two workspaces once there is more than one chunk:
-    the automatic size then keeps the two within the one-workspace budget."""
-    if isinstance(chunk_tokens, int):
-        return min(chunk_tokens, M)
-    budget = _budget(dtype, cap, grads)
-    chunk = auto_chunk_tokens(V, dtype, M, budget)
-    if double and chunk < M:
-        chunk = auto_chunk_tokens(V, dtype, M, budget // 2)
-    return min(chunk, M)

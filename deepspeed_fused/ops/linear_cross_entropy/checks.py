@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .parallel import _tp_setup
+from .group import _tp_setup
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

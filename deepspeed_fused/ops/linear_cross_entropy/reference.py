@@ -10,34 +10,9 @@ fused op (:mod:`.api`) falls back to it where the kernels cannot run.
 import torch
 
 from .checks import _prepare
-from .parallel import _CopyToGroup, _sp_gather, _sp_local, _stats_gather, _tp_layout, _tp_meta_rows
+from .group import _CopyToGroup, _sp_gather, _sp_local, _stats_gather, _tp_layout, _tp_meta_rows
+from .sizing import _reference_chunk
 from .stats import _finalize_stats, _pack, merge_partial_stats
-
-
-# Logits chunk budget: with the per-token statistics and cuBLAS workspace the total extra
-# memory stays under 512 MiB.
-DEFAULT_WORKSPACE_BYTES = 480 * 1024 * 1024
-
-
-def auto_chunk_tokens(V: int, dtype: torch.dtype, tokens: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
-    """Tokens per chunk so the ``chunk x V`` logits workspace fits ``workspace_bytes``.
-
-    Balanced: the fewest chunks, of near-equal size (no small ragged last chunk for the GEMMs),
-    each a multiple of 128 tokens where that still fits, else of 16. Every chunk re-reads the
-    whole weight, so one chunk fewer matters more than a round size (at H=2048 and V=151936, 8192
-    tokens in 5 chunks of 1648 rather than 6 of 1408).
-    """
-    cmax = max(1, workspace_bytes // max(1, V * dtype.itemsize))
-    tokens = max(tokens, 1)
-    if tokens <= cmax:
-        return int(tokens)
-    n = -(-tokens // cmax)
-    c = -(-tokens // n)
-    for step in (128, 16):
-        up = -(-c // step) * step
-        if up <= cmax:
-            return int(up)
-    return int(c)
 
 
 def _ref_logits(h, weight, bias, temp, temperature, softcap):
@@ -163,16 +138,14 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
         V_total, _ = _tp_layout(tp, meta, bool(validate_targets), t, temp, ignore_index, h.device)
         if sequence_parallel:
             h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
-        chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
-                                                                                     h.shape[0])
+        chunk = _reference_chunk(chunk_tokens, weight.shape[0], h.shape[0])
         loss, lse, ent = _reference_tp(h, weight, t, bias, temp, temperature_f, ignore_index, float(z_loss),
                                        float(label_smoothing), softcap, chunk, bool(return_entropy), tp, V_total,
                                        accum_fp32, sequence_parallel)
         if sequence_parallel:
             loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
         return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
-    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
-                                                                                 h.shape[0])
+    chunk = _reference_chunk(chunk_tokens, weight.shape[0], h.shape[0])
     loss, lse, ent = _reference_impl(h, weight, t, bias, None if temp is None else temp.detach(), temperature_f,
                                      ignore_index, float(z_loss), float(label_smoothing), softcap, chunk,
                                      return_entropy)
