@@ -11,6 +11,7 @@ Hopper, fp16/bf16) the statistics or dlogits come from the GEMM's epilogue inste
 gradients (:func:`_scale_formed_grads`) complete the set.
 """
 import warnings
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -168,7 +169,7 @@ def _vocab_chunks(hidden, weight, bias, vchunk, softcap, grad):
     token against those vocabulary rows, ``[M, v1 - v0]``, in one reused workspace (as
     :func:`_logit_chunks`). Each chunk reads all of ``hidden`` and its own rows of ``weight``, so
     the weight is read once in all (token chunks read all of it per chunk): the better split
-    when there are fewer tokens than vocabulary rows (see ``api._vocab_chunk``)."""
+    when there are fewer tokens than vocabulary rows (see ``sizing._vocab_chunk``)."""
     M, V = hidden.shape[0], weight.shape[0]
     buf = _ChunkBuffers(hidden, M, min(vchunk, V), softcap, grad)
     for v0 in range(0, V, vchunk):
@@ -178,70 +179,85 @@ def _vocab_chunks(hidden, weight, bias, vchunk, softcap, grad):
         yield v0, v1, x, g
 
 
-def _kw(temp_c, inv_temp, ignore_index, z_loss, smoothing, softcap):
-    return dict(temp=temp_c, inv_temp=inv_temp, ignore_index=ignore_index, z_loss=z_loss,
-                smoothing=smoothing, softcap=softcap)
+class _Upstream(NamedTuple):
+    """What the per-token backward forms dlogits from, fp32 per token: the forward's ``lse``, its
+    entropy ``ent`` (None unless the entropy has an upstream gradient), and the upstream
+    gradients of the loss, the entropy and the lse (``g_ent`` / ``g_lse`` None: none). Its fields
+    are the keyword arguments of the row kernel's and the fused GEMM's gradient passes."""
+
+    lse: torch.Tensor
+    ent: Optional[torch.Tensor]
+    g_loss: torch.Tensor
+    g_ent: Optional[torch.Tensor]
+    g_lse: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, lse, ent, g_loss, g_ent, g_lse):
+        return cls(lse, ent if g_ent is not None else None, g_loss, g_ent, g_lse)
+
+    def rows(self, s, e):
+        """The same for the token rows ``[s, e)``."""
+        return _Upstream(self.lse[s:e], None if self.ent is None else self.ent[s:e], self.g_loss[s:e],
+                         None if self.g_ent is None else self.g_ent[s:e],
+                         None if self.g_lse is None else self.g_lse[s:e])
 
 
-def _fused_stats(hidden, weight, bias, target, temp, inv_temp, ignore_index, smoothing, softcap, need_ent,
-                 vocab_start=0):
+def _fused_stats(hidden, weight, bias, target, temp, loss, need_ent, vocab_start=0):
     """The row statistics [M, 5] of ``weight``'s vocabulary rows (a TP shard from ``vocab_start``)
-    from one fused GEMM, no logits in memory (:func:`.kernels.gemm_stats`: Hopper, fp16/bf16), the
-    logits taken as the backward's cuBLAS GEMM forms them; None where it cannot run or failed
-    (the caller then runs cuBLAS and the row kernel)."""
+    from one fused GEMM, no logits in memory (:func:`.gemm_kernels.gemm_stats`: Hopper, fp16/bf16),
+    the logits taken as the backward's cuBLAS GEMM forms them; None where it cannot run or failed
+    (the caller then runs cuBLAS and the row kernel). ``loss``: the :class:`.options.LossOptions`."""
     if not gemm_stats_supported(hidden, weight):
         return None
-    return gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
-                      ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0,
-                      fp32_logits=_fp32_logits_probed(hidden, weight, softcap), vocab_start=vocab_start)
+    return gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=loss.inv_temp, softcap=loss.softcap,
+                      ignore_index=loss.ignore_index, need_ent=need_ent, need_sumz=loss.smoothing != 0.0,
+                      fp32_logits=_fp32_logits_probed(hidden, weight, loss.softcap), vocab_start=vocab_start)
 
 
-def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw, base=0, total=None):
+def _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, base=0, total=None):
     """Yield ``(v0, v1, dlogits)`` per vocabulary chunk for the per-token backward (``weight``: the
-    vocabulary from column ``base`` of ``total``, a TP shard, or all of it): from the fused
-    GEMM with the gradient in its epilogue where it runs (one input-dtype workspace, no logits in
-    memory), else from cuBLAS's logits and the row kernel (:func:`_vocab_chunks`). If the fused GEMM
-    fails (compile, launch; one warning), every chunk is yielded again from the first by the
-    second way: the consumer's first chunk starts its sums, so nothing is counted twice."""
+    vocabulary from column ``base`` of ``total``, a TP shard, or all of it; ``up``: the
+    :class:`_Upstream` of all tokens): from the fused GEMM with the gradient in its epilogue where
+    it runs (one input-dtype workspace, no logits in memory), else from cuBLAS's logits and the row
+    kernel (:func:`_vocab_chunks`). If the fused GEMM fails (compile, launch; one warning), every
+    chunk is yielded again from the first by the second way: the consumer's first chunk starts its
+    sums, so nothing is counted twice."""
     M, V = hidden.shape[0], weight.shape[0]
     total = total or V
+    kw = dict(loss.kernel_kw(temp), **up._asdict())
     if gemm_grad_supported(hidden, weight):
-        f32 = _fp32_logits_probed(hidden, weight, softcap)
+        f32 = _fp32_logits_probed(hidden, weight, loss.softcap)
         ld = -(-min(vchunk, V) // 8) * 8  # rows padded to 16 bytes: vector stores, aligned GEMM operands
         buf = hidden.new_empty(M * ld)
         for v0 in range(0, V, vchunk):
             v1 = min(V, v0 + vchunk)
             g = buf.view(M, ld)[:, :v1 - v0]
             if not gemm_grad(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], target, g,
-                             vocab_start=base + v0, vocab_total=total, fp32_logits=f32, temp=kw["temp"],
-                             inv_temp=kw["inv_temp"], softcap=kw["softcap"], z_loss=kw["z_loss"],
-                             smoothing=kw["smoothing"], ignore_index=kw["ignore_index"], **grads):
+                             vocab_start=base + v0, vocab_total=total, fp32_logits=f32, **kw):
                 break  # the loop below yields every chunk again, from the first (whose dhidden GEMM starts the sum)
             yield v0, v1, g
         else:
             return
         del buf, g  # the consumer drops its reference too: the fallback's workspace replaces this one
-    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
-        _launch_rows(x, target, out=g, vocab_start=base + v0, vocab_total=total, per_token=True, **grads, **kw)
+    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, loss.softcap, True):
+        _launch_rows(x, target, out=g, vocab_start=base + v0, vocab_total=total, per_token=True, **kw)
         yield v0, v1, g
 
 
-def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
-                           ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh, need_dw, need_db,
-                           base=0, total=None):
+def _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, needs, base=0, total=None):
     """The per-token backward over vocabulary chunks: each chunk's dweight (and dbias) rows are
     final after one GEMM over all tokens (no accumulation); dhidden sums over the chunks, in
-    the hidden dtype (fp32 with ``accum_fp32``) with the sum of each chunk formed by cuBLAS in
+    the hidden dtype (fp32 with ``loss.accum_fp32``) with the sum of each chunk formed by cuBLAS in
     fp32. ``base``/``total``: ``weight`` is the vocabulary shard from column ``base`` of
-    ``total`` (tensor parallel; dhidden is then this shard's partial sum)."""
+    ``total`` (tensor parallel; dhidden is then this shard's partial sum). ``needs``: whether
+    (dhidden, dweight, dbias) are wanted; returns them (empty where not)."""
+    need_dh, need_dw, need_db = needs
     V = weight.shape[0]
     dh = None
-    dh32 = accum_fp32 and hidden.dtype != torch.float32 and vchunk < V  # an fp32 sum only where there is a sum
+    dh32 = loss.accum_fp32 and hidden.dtype != torch.float32 and vchunk < V  # an fp32 sum only where there is a sum
     dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
     db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
-    kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
-    grads = dict(lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent, g_lse=g_lse)
-    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw, base, total):
+    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, base, total):
         if need_dh:  # the first chunk starts the sum (also when a fallback yields the chunks again)
             dh = _mm_sum(None if v0 == 0 else dh, g, weight[v0:v1], dh32)
         if need_dw:

@@ -65,14 +65,15 @@ def _tp_setup(tp_group, vocab_start, V_local):
     return _TPInfo(tp_group, rank, size, rank * V_local if vocab_start is None else vocab_start)
 
 
-def _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, smoothing, softcap,
-                  return_entropy, return_lse, bias, accum_fp32, chunk_tokens):
-    """This rank's metadata rows [4, 5] (exact in float64), checked by the layout exchange."""
-    return [[weight.shape[0], tp.start, _DTYPE_CODE[weight.dtype], weight.shape[1], h.shape[0]],
-            [float(z_loss), float(smoothing), float(softcap or 0.0), -1.0 if temp is not None else float(temperature),
-             ignore_index],
-            [bool(return_entropy), _REDUCTION_CODE[reduction], bias is not None, bool(accum_fp32), bool(return_lse)],
-            [chunk_tokens if isinstance(chunk_tokens, int) else 0, 0, 0, 0, 0]]
+def _tp_meta_rows(weight, h, bias, temp, opts):
+    """This rank's metadata rows [4, 5] (exact in float64), checked by the layout exchange: its
+    shard and shapes, and the options of ``opts`` (an :class:`.options.LCEOptions`)."""
+    loss = opts.loss
+    return [[weight.shape[0], opts.tp.start, _DTYPE_CODE[weight.dtype], weight.shape[1], h.shape[0]],
+            [loss.z_loss, loss.smoothing, loss.softcap, -1.0 if temp is not None else opts.temperature,
+             loss.ignore_index],
+            [opts.return_entropy, _REDUCTION_CODE[opts.reduction], bias is not None, loss.accum_fp32, opts.return_lse],
+            [opts.chunk_tokens or 0, 0, 0, 0, 0]]
 
 
 def _tp_check_layout(meta):
@@ -133,16 +134,17 @@ def _value_flags(target, temp, ignore_index, device):
     return torch.stack([neg, tmax, bad_temp, z, z]).reshape(1, _NSTAT)
 
 
-def _tp_layout(tp, meta_rows, validate, target, temp, ignore_index, device):
-    """(global V, largest V_local) of the group's shard layout.
+def _tp_layout(opts, meta_rows, target, temp, device):
+    """(global V, largest V_local) of the group's shard layout (``opts.tp``'s).
 
-    With ``validate``, or the first time this rank sees its layout, all-gathers every rank's
+    With ``opts.validate_targets``, or the first time this rank sees its layout, all-gathers every rank's
     metadata rows (and, with ``validate``, the checks of its targets and temperatures) and
     checks them on the host (one device-to-host read): every rank raises the same error.
     Otherwise the cached layout, with no collective.
     """
     import torch.distributed as dist
 
+    tp, validate, ignore_index = opts.tp, opts.validate_targets, opts.loss.ignore_index
     key = (id(tp.group), tp.rank, tp.size) + tuple(meta_rows[0][:4])
     known = _TP_LAYOUTS.get(key)
     if known is not None and not validate:
@@ -274,9 +276,11 @@ class _SeqLocal(torch.autograd.Function):
         return (None, None, None) + tuple(out.unbind(1))
 
 
-def _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse):
+def _sp_local(opts, loss, lse, ent):
     """Per-token outputs for this rank's token shard; a scalar loss stays over the group's tokens."""
-    keys = [k for k, on in (("loss", reduction == "none"), ("ent", return_entropy), ("lse", return_lse)) if on]
+    tp = opts.tp
+    keys = [k for k, on in (("loss", opts.reduction == "none"), ("ent", opts.return_entropy),
+                            ("lse", opts.return_lse)) if on]
     if not keys:
         return loss, lse, ent
     vals = dict(loss=loss, lse=lse, ent=ent)

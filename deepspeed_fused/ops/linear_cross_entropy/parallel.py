@@ -33,59 +33,68 @@ checks (:mod:`.checks`).
 """
 import torch
 
-from .chunks import (_backward_vocab_chunks, _ChunkBuffers, _dhidden_into, _fused_stats, _kw, _logit_chunks,
-                     _logits_into, _ParamGrads, _scale_formed_grads)
-from .group import _dh_reduce_finish, _dh_reduce_start, _stats_gather
+from .chunks import (_backward_vocab_chunks, _ChunkBuffers, _dhidden_into, _fused_stats, _logit_chunks,
+                     _logits_into, _ParamGrads, _scale_formed_grads, _Upstream)
+from .group import (_dh_reduce_finish, _dh_reduce_start, _sp_gather, _sp_local, _stats_gather, _tp_apply, _tp_layout,
+                    _tp_meta_rows)
 from .row_kernel import _launch_rows
-from .stats import _NSTAT, _finalize_stats, merge_partial_stats
+from .sizing import _chunk
+from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
 
 
-class _TPConfig:
-    __slots__ = ("tp", "V_total", "inv_temp", "ignore_index", "z_loss", "smoothing", "cap", "accum_fp32", "chunk",
-                 "mean", "need_ent", "sp")
-
-    def __init__(self, *args):
-        for k, v in zip(self.__slots__, args, strict=True):
-            setattr(self, k, v)
+def run_tp(h, weight, bias, t, temp, opts, shape):
+    """One call of the vocabulary-parallel op on checked rows (from :func:`.api.linear_cross_entropy`,
+    ``opts.tp`` set; the rows as for :func:`.single.run_single`, this rank's token shard under
+    sequence parallelism): the layout exchange and checks first (a bad call raises on every rank
+    before any other collective), then the scalar loss with gradients formed in the forward
+    (:class:`_TPScalarLoss`) or the per-token outputs (:class:`_TPPerToken`)."""
+    tp, loss = opts.tp, opts.loss
+    grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad
+                                         or (bias is not None and bias.requires_grad))
+    V_total, V_max = _tp_layout(opts, _tp_meta_rows(weight, h, bias, temp, opts), t, temp, h.device)
+    if opts.sequence_parallel:
+        h, t, temp = _sp_gather(h, t, temp, tp, loss.accum_fp32)
+    fused = grads and opts.scalar_loss
+    chunk = _chunk(opts.chunk_tokens, V_max, h.dtype, h.shape[0], fused, loss.softcap, grads)
+    if fused:
+        return _tp_apply(_TPScalarLoss, h, weight, bias, t, temp, opts, V_total, chunk)
+    loss_tok, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, opts, V_total, chunk)
+    if opts.sequence_parallel:
+        loss_tok, lse, ent = _sp_local(opts, loss_tok, lse, ent)
+    return _pack(loss_tok, lse, ent, t != loss.ignore_index, shape, opts)
 
 
 def _bounds(M, chunk):
     return [(s, min(M, s + chunk)) for s in range(0, M, chunk)]
 
 
-def _stats_kw(c, temp, s, e):
-    """Row-kernel options of the statistics pass (z_loss plays no part in the statistics)."""
-    return dict(vocab_start=c.tp.start, **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, 0.0,
-                                              c.smoothing, c.cap))
+def _rows_temp(temp, s, e):
+    return None if temp is None else temp[s:e]
 
 
-def _grad_kw(c, temp, s, e):
-    return dict(vocab_start=c.tp.start, vocab_total=c.V_total,
-                **_kw(None if temp is None else temp[s:e], c.inv_temp, c.ignore_index, c.z_loss, c.smoothing, c.cap))
-
-
-def _tp_stats_pass(h, weight, bias, t, temp, c):
+def _tp_stats_pass(h, weight, bias, t, temp, opts, chunk):
     """Statistics of every shard [size, M, 5]: per chunk the local logits GEMM, the shard's
     statistics and their asynchronous all-gather, which the next chunk's GEMM overlaps. Where the
-    fused GEMM runs (:func:`.kernels.gemm_stats`, Hopper) it forms the shard's statistics of all
+    fused GEMM runs (:func:`.gemm_kernels.gemm_stats`, Hopper) it forms the shard's statistics of all
     tokens at once, without logits in memory; they are gathered in the same chunks, so every rank
     issues the same collectives whichever way its statistics were formed."""
-    stats = _fused_stats(h, weight, bias, t, temp, c.inv_temp, c.ignore_index, c.smoothing, c.cap, c.need_ent,
-                         vocab_start=c.tp.start)
+    tp, loss = opts.tp, opts.loss
+    stats = _fused_stats(h, weight, bias, t, temp, loss, opts.return_entropy, vocab_start=tp.start)
     if stats is not None:
-        parts = [_stats_gather(stats[s:e], c.tp, async_op=True) for s, e in _bounds(h.shape[0], c.chunk)]
+        parts = [_stats_gather(stats[s:e], tp, async_op=True) for s, e in _bounds(h.shape[0], chunk)]
     else:
         stats = torch.empty((h.shape[0], _NSTAT), dtype=torch.float32, device=h.device)
         parts = []
-        for s, e, x, _, _ in _logit_chunks(h, weight, bias, c.chunk, c.cap, False):  # workspace freed after
-            _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=c.need_ent, **_stats_kw(c, temp, s, e))
-            parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
+        for s, e, x, _, _ in _logit_chunks(h, weight, bias, chunk, loss.softcap, False):  # workspace freed after
+            _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=opts.return_entropy, vocab_start=tp.start,
+                         **loss.kernel_kw(_rows_temp(temp, s, e)))
+            parts.append(_stats_gather(stats[s:e], tp, async_op=True))
     for _, work in parts:
         work.wait()
     return torch.cat([g for g, _ in parts], 1)
 
 
-def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
+def _tp_fused_pass(h, weight, bias, t, temp, opts, V_total, chunk, w1, needs):
     """The scalar loss's gradient formed in the forward, three GEMMs per chunk: the local logits
     GEMM, the shard's statistics and their asynchronous all-gather; then, once the chunk's
     gather is done, the row kernel merges its lse and overwrites the logits still in memory with
@@ -94,20 +103,22 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
     there is one chunk): chunk j + 1's GEMM and statistics are issued before chunk j waits for
     its gather. Returns (statistics of every shard [size, M, 5], dh partial or
     None, dw, db)."""
+    tp, loss = opts.tp, opts.loss
+    need_dh, need_dw, need_db = needs
     M, V = h.shape[0], weight.shape[0]
-    bounds = _bounds(M, c.chunk)
-    bufs = [_ChunkBuffers(h, min(c.chunk, M), V, c.cap, True) for _ in range(min(2, len(bounds)))]
+    bounds = _bounds(M, chunk)
+    bufs = [_ChunkBuffers(h, min(chunk, M), V, loss.softcap, True) for _ in range(min(2, len(bounds)))]
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if need_dh else None
-    pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
+    pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
     parts = []
 
     def issue(j):
         s, e = bounds[j]
         x, _ = bufs[j % len(bufs)].views(e - s, V)
         _logits_into(h[s:e], weight, bias, x)
-        _launch_rows(x, t[s:e], stats=stats[s:e], **_stats_kw(c, temp, s, e))
-        parts.append(_stats_gather(stats[s:e], c.tp, async_op=True))
+        _launch_rows(x, t[s:e], stats=stats[s:e], vocab_start=tp.start, **loss.kernel_kw(_rows_temp(temp, s, e)))
+        parts.append(_stats_gather(stats[s:e], tp, async_op=True))
 
     issue(0)
     for j, (s, e) in enumerate(bounds):
@@ -116,7 +127,8 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
         gathered, work = parts[j]
         work.wait()
         x, g = bufs[j % len(bufs)].views(e - s, V)
-        _launch_rows(x, t[s:e], merged=gathered, g_loss=w1, per_token=False, out=g, **_grad_kw(c, temp, s, e))
+        _launch_rows(x, t[s:e], merged=gathered, g_loss=w1, per_token=False, out=g, vocab_start=tp.start,
+                     vocab_total=V_total, **loss.kernel_kw(_rows_temp(temp, s, e)))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
         pg.add(g, h[s:e])
@@ -125,33 +137,31 @@ def _tp_fused_pass(h, weight, bias, t, temp, c, w1, need_dh, need_dw, need_db):
     return torch.cat([g for g, _ in parts], 1), dh, dw, db
 
 
-def _tp_grad_pass(h, weight, bias, t, temp, c, need_dh, need_dw, need_db, *, lse, g_loss, ent=None, g_ent=None,
-                  g_lse=None, reduce_dh=True):
+def _tp_grad_pass(h, weight, bias, t, temp, up, opts, V_total, chunk, needs, reduce_dh):
     """Per-token backward: the chunk logits recomputed and turned into dlogits from the per-token
-    upstream gradients, local dweight/dbias and the dhidden partials (3 GEMMs per chunk). With
-    ``reduce_dh`` the dhidden all-reduce starts before the last dweight GEMM, which it overlaps.
-    One chunk of all tokens: the shard as one vocabulary slice (``single._backward_vocab_chunks``:
-    the fused GEMM writing dlogits where it runs, else cuBLAS and the row kernel), the dhidden
-    all-reduce after it. Returns (dh, reduce handle or None, dw, db)."""
+    upstream gradients (``up``, a :class:`.chunks._Upstream`), local dweight/dbias and the dhidden
+    partials (3 GEMMs per chunk). With ``reduce_dh`` the dhidden all-reduce starts before the last
+    dweight GEMM, which it overlaps. One chunk of all tokens: the shard as one vocabulary slice
+    (``chunks._backward_vocab_chunks``: the fused GEMM writing dlogits where it runs, else cuBLAS
+    and the row kernel), the dhidden all-reduce after it. Returns (dh, reduce handle or None, dw, db)."""
+    tp, loss = opts.tp, opts.loss
+    need_dh, need_dw, need_db = needs
     M = h.shape[0]
-    if c.chunk >= M:
-        dh, dw, db = _backward_vocab_chunks(h, weight, t, bias, temp, lse, ent, g_loss, g_ent, g_lse, c.inv_temp,
-                                            c.ignore_index, c.z_loss, c.smoothing, c.cap, c.accum_fp32,
-                                            weight.shape[0], need_dh, need_dw, need_db, base=c.tp.start,
-                                            total=c.V_total)
-        handle = _dh_reduce_start(dh, c.tp.group, c.accum_fp32) if need_dh and reduce_dh else None
+    if chunk >= M:
+        dh, dw, db = _backward_vocab_chunks(h, weight, bias, t, temp, up, loss, weight.shape[0], needs,
+                                            base=tp.start, total=V_total)
+        handle = _dh_reduce_start(dh, tp.group, loss.accum_fp32) if need_dh and reduce_dh else None
         return (dh if need_dh else None), handle, dw, db
     dh = torch.empty_like(h) if need_dh else None
-    pg = _ParamGrads(weight, bias, c.accum_fp32, need_dw, need_db)
+    pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
     handle = None
-    for s, e, x, g, hc in _logit_chunks(h, weight, bias, c.chunk, c.cap, True):
-        _launch_rows(x, t[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e], g_loss=g_loss[s:e],
-                     g_ent=None if g_ent is None else g_ent[s:e], g_lse=None if g_lse is None else g_lse[s:e],
-                     per_token=True, out=g, **_grad_kw(c, temp, s, e))
+    for s, e, x, g, hc in _logit_chunks(h, weight, bias, chunk, loss.softcap, True):
+        _launch_rows(x, t[s:e], per_token=True, out=g, vocab_start=tp.start, vocab_total=V_total,
+                     **up.rows(s, e)._asdict(), **loss.kernel_kw(_rows_temp(temp, s, e)))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
             if reduce_dh and e == M:  # the last chunk
-                handle = _dh_reduce_start(dh, c.tp.group, c.accum_fp32)
+                handle = _dh_reduce_start(dh, tp.group, loss.accum_fp32)
         pg.add(g, hc)
     dw, db = pg.result(h)
     return dh, handle, dw, db
@@ -163,21 +173,22 @@ class _TPScalarLoss(torch.autograd.Function):
     scales them by grad_output and all-reduces dhidden."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, t, temp, c):
-        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-        valid = t != c.ignore_index
-        if c.mean:
+    def forward(ctx, h, weight, bias, t, temp, opts, V_total, chunk):
+        loss = opts.loss
+        needs = tuple(ctx.needs_input_grad[:3])
+        valid = t != loss.ignore_index
+        if opts.mean:
             w = 1.0 / valid.sum().clamp(min=1).to(torch.float32)
         else:
             w = torch.ones((), dtype=torch.float32, device=h.device)
-        gathered, dh, dw, db = _tp_fused_pass(h, weight, bias, t, temp, c, w.reshape(1), need_dh, need_dw, need_db)
-        loss_tok, _, _ = _finalize_stats(merge_partial_stats(gathered), valid, c.V_total, c.z_loss, c.smoothing,
+        gathered, dh, dw, db = _tp_fused_pass(h, weight, bias, t, temp, opts, V_total, chunk, w.reshape(1), needs)
+        loss_tok, _, _ = _finalize_stats(merge_partial_stats(gathered), valid, V_total, loss.z_loss, loss.smoothing,
                                          False)
-        ctx.group, ctx.fp32, ctx.sp = c.tp.group, c.accum_fp32, c.sp
-        ctx.needs = (need_dh, need_dw, need_db)
-        ctx.ignore_index = c.ignore_index
+        ctx.group, ctx.fp32, ctx.sp = opts.tp.group, loss.accum_fp32, opts.sequence_parallel
+        ctx.needs = needs
+        ctx.ignore_index = loss.ignore_index
         ctx.save_for_backward(t)
-        ctx.grads = [dh, dw if need_dw else None, db if need_db else None]  # released in backward (no copy)
+        ctx.grads = [dh, dw if needs[1] else None, db if needs[2] else None]  # released in backward (no copy)
         return loss_tok.sum() * w
 
     @staticmethod
@@ -191,7 +202,7 @@ class _TPScalarLoss(torch.autograd.Function):
         dh, dw, db = _scale_formed_grads(g, t, ctx.ignore_index, grads, ctx.needs, kernel=not torch.is_grad_enabled())
         # sequence parallel: dhidden [tokens of the group, H] is reduce-scattered by _SeqGather
         handle = _dh_reduce_start(dh, ctx.group, ctx.fp32) if dh is not None and not ctx.sp else None
-        return (_dh_reduce_finish(handle) if handle is not None else dh), dw, db, None, None, None
+        return (_dh_reduce_finish(handle) if handle is not None else dh), dw, db, None, None, None, None, None
 
 
 class _TPPerToken(torch.autograd.Function):
@@ -200,32 +211,34 @@ class _TPPerToken(torch.autograd.Function):
     gradients."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, t, temp, c):
-        gathered = _tp_stats_pass(h, weight, bias, t, temp, c)
-        loss, lse, ent = _finalize_stats(merge_partial_stats(gathered), t != c.ignore_index, c.V_total, c.z_loss,
-                                         c.smoothing, c.need_ent)
+    def forward(ctx, h, weight, bias, t, temp, opts, V_total, chunk):
+        loss = opts.loss
+        need_ent = opts.return_entropy
+        gathered = _tp_stats_pass(h, weight, bias, t, temp, opts, chunk)
+        loss_tok, lse, ent = _finalize_stats(merge_partial_stats(gathered), t != loss.ignore_index, V_total,
+                                             loss.z_loss, loss.smoothing, need_ent)
         if ent is None:
             ent = lse.new_empty(0)
-        ctx.c = c
+        ctx.call = (opts, V_total, chunk)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(h, weight, bias, t, temp, lse, ent)
-        ctx.mark_non_differentiable(*(() if c.need_ent else (ent,)))
-        return loss, lse, ent
+        ctx.mark_non_differentiable(*(() if need_ent else (ent,)))
+        return loss_tok, lse, ent
 
     @staticmethod
     def backward(ctx, g_loss, g_lse, g_ent):
         h, weight, bias, t, temp, lse, ent = ctx.saved_tensors
-        c = ctx.c
-        need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
-        if not (need_dh or need_dw or need_db):
-            return (None,) * 6
+        opts, V_total, chunk = ctx.call
+        needs = tuple(ctx.needs_input_grad[:3])
+        if not any(needs):
+            return (None,) * 8
         M = h.shape[0]
         g_loss = torch.zeros(M, dtype=torch.float32, device=h.device) if g_loss is None else g_loss.float()
-        g_ent = None if (g_ent is None or not c.need_ent) else g_ent.float().contiguous()
+        g_ent = None if (g_ent is None or not opts.return_entropy) else g_ent.float().contiguous()
         g_lse = None if g_lse is None else g_lse.float().contiguous()
-        dh, handle, dw, db = _tp_grad_pass(h, weight, bias, t, temp, c, need_dh, need_dw, need_db, lse=lse,
-                                           g_loss=g_loss.contiguous(), ent=ent, g_ent=g_ent, g_lse=g_lse,
-                                           reduce_dh=not c.sp)
+        up = _Upstream.of(lse, ent, g_loss.contiguous(), g_ent, g_lse)
+        dh, handle, dw, db = _tp_grad_pass(h, weight, bias, t, temp, up, opts, V_total, chunk, needs,
+                                           reduce_dh=not opts.sequence_parallel)
         if handle is not None:
             dh = _dh_reduce_finish(handle)
-        return dh, (dw if need_dw else None), (db if need_db else None), None, None, None
+        return dh, (dw if needs[1] else None), (db if needs[2] else None), None, None, None, None, None
