@@ -87,7 +87,7 @@ def _check(hidden, weight, target, bias, temperature, *, ignore_index, reduction
 
 class _ValueCheck:
     """The target/temperature check, computed on the device when started and read by
-    :meth:`finish`. On CUDA (outside graph capture and torch.compile) the flags are copied to
+    :meth:`_ValueCheck.finish`. On CUDA (outside graph capture and torch.compile) the flags are copied to
     pinned host memory behind an event, so the caller can queue its kernels first and read them
     afterwards: the host then waits for the work queued before the op and the check, never with
     the device idle for lack of the op's launches. Invalid targets are memory-safe in the kernels

@@ -25,7 +25,7 @@ class _ChunkBuffers:
     """A chunk's workspace: the logits ``[rows, cols]`` (fp32 when :func:`fp32_logits`, else the
     input dtype) and where the row kernel writes dlogits for the GEMMs that follow: the logits
     themselves (in place), or, for fp32 logits, a second ``[rows, cols]`` buffer in the input dtype.
-    Flat storage: :meth:`views` gives contiguous ``[n, c]`` blocks of it (a smaller last chunk of
+    Flat storage: ``views(n, c)`` gives contiguous ``[n, c]`` blocks of it (a smaller last chunk of
     tokens or of the vocabulary), so cuBLAS writes them in place."""
 
     __slots__ = ("logits", "grad")

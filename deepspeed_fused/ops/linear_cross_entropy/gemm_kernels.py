@@ -378,7 +378,7 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     """Row statistics [M, 5] (fp32, as ``stats._finalize_stats`` reads them) of the logits
     ``hidden @ weight.T (+ bias)`` from the fused GEMM (``_lce_gemm_stats_kernel``) and a merge over
     its vocabulary tiles. The logits are taken as cuBLAS would write them: rounded to the input
-    dtype, unless ``fp32_logits`` (see ``single.fp32_logits``), so the statistics agree with a
+    dtype, unless ``fp32_logits`` (see ``sizing.fp32_logits``), so the statistics agree with a
     backward that recomputes them. ``weight`` may be a vocabulary shard starting at column
     ``vocab_start``: the target logit is then this shard's (0 for targets outside it), as the row
     kernel's partial statistics of a shard. None when the kernel failed (one warning; the caller

@@ -7,7 +7,7 @@ Its :class:`LossOptions` part holds the scalars of the per-row math that every p
 with (the row kernel, the fused GEMMs, the torch reference, each tensor-parallel rank) and the
 dtype of the gradient sums. That part alone crosses the ``torch.library`` custom-op boundary
 (:mod:`.single`), where the ops take flat scalars: :meth:`LossOptions.to_args` and
-:meth:`LossOptions.from_args` are the only flattening, :attr:`LossOptions.SCHEMA` its schema.
+:meth:`LossOptions.from_args` are the only flattening, ``LossOptions.SCHEMA`` its schema.
 Both are named tuples: immutable, and the cheapest records to build (the host cost of a call
 counts); nothing reads them by position but :meth:`LossOptions.to_args`. Plain Python; no torch.
 """
@@ -25,12 +25,12 @@ class LossOptions(NamedTuple):
     accum_fp32: bool  # partial sums across chunks (dweight, dhidden) in fp32, else the parameter's dtype
 
     def to_args(self) -> tuple:
-        """The fields in :attr:`SCHEMA` order: the custom ops' last arguments."""
+        """The fields in ``SCHEMA`` order: the custom ops' last arguments."""
         return tuple(self)
 
     @classmethod
     def from_args(cls, *args) -> "LossOptions":
-        """The record back from :meth:`to_args`'s values (inside a custom op)."""
+        """The record back from :meth:`LossOptions.to_args`'s values (inside a custom op)."""
         return cls._make(args)
 
     def kernel_kw(self, temp) -> dict:

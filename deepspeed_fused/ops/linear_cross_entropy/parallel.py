@@ -1,15 +1,16 @@
-"""Vocabulary-parallel form over a tensor-parallel group, and sequence parallelism.
+"""Vocabulary-parallel form of the fused op over a tensor-parallel group (the kernels' side).
 
-Each rank holds weight rows [vocab_start, vocab_start + V_local). The collectives:
+Each rank holds weight rows [vocab_start, vocab_start + V_local). :func:`run_tp` runs one call;
+the group's setup, layout exchange and collectives are in :mod:`.group` (shared with the torch
+reference over a group, :mod:`.reference`), the chunk loops in :mod:`.chunks`. The steps:
 
-* **Layout** (:func:`_tp_layout`): one small all-gather of every rank's metadata rows (shard
-  bounds, dtype, hidden size, token count, options, chunk size and, when validating, its
-  targets' extremes and temperature flag), read on the host and checked together, so a bad
-  call raises on every rank before any other collective. Issued when ``validate_targets`` or
-  the first time a rank sees its shard layout; then the layout is cached and later calls with
-  ``validate_targets=False`` issue none (no host sync).
+* **Layout** (:func:`.group._tp_layout`): one small all-gather of every rank's metadata rows
+  (shard bounds, dtype, hidden size, token count, options, chunk size and, when validating, its
+  targets' extremes and temperature flag), checked on the host, so a bad call raises on every
+  rank before any other collective; cached per layout (later calls with
+  ``validate_targets=False`` issue none).
 * **Statistics, per token chunk**: the chunk's local logits GEMM, the row kernel's partial
-  statistics of the shard (:mod:`.kernels`), an asynchronous all-gather of them ([rows, 5]
+  statistics of the shard (:mod:`.row_kernel`), an asynchronous all-gather of them ([rows, 5]
   fp32 per rank). Every rank merges the same gathered values in the same order
   (:func:`.stats.merge_partial_stats`), so loss / lse / entropy are bitwise the same on every
   rank.
@@ -24,12 +25,10 @@ Each rank holds weight rows [vocab_start, vocab_start + V_local). The collective
   (3 GEMMs per chunk) and all-reduces dhidden, started asynchronously before the last dweight
   GEMM, which it overlaps (on CUDA NCCL runs on its own stream).
 
-Sequence parallelism (:class:`_SeqGather`, :class:`_SeqLocal`) all-gathers the token shards
-first (after the layout check) and reduce-scatters dhidden instead of the all-reduce.
-
-The torch reference over a group (:mod:`.reference`) uses the same layout exchange and one
-all-gather of the statistics of all its tokens; :func:`_tp_setup` is called by the argument
-checks (:mod:`.checks`).
+Sequence parallelism (:class:`.group._SeqGather`, :class:`.group._SeqLocal`) all-gathers the
+token shards first (after the layout check) and reduce-scatters dhidden instead of the
+all-reduce. The call's options travel as its :class:`.options.LCEOptions`; the autograd
+functions take it with the global vocabulary size and the chunk size.
 """
 import torch
 
@@ -38,7 +37,7 @@ from .chunks import (_backward_vocab_chunks, _ChunkBuffers, _dhidden_into, _fuse
 from .group import (_dh_reduce_finish, _dh_reduce_start, _sp_gather, _sp_local, _stats_gather, _tp_apply, _tp_layout,
                     _tp_meta_rows)
 from .row_kernel import _launch_rows
-from .sizing import _chunk
+from .sizing import _token_chunk
 from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
 
 
@@ -55,7 +54,7 @@ def run_tp(h, weight, bias, t, temp, opts, shape):
     if opts.sequence_parallel:
         h, t, temp = _sp_gather(h, t, temp, tp, loss.accum_fp32)
     fused = grads and opts.scalar_loss
-    chunk = _chunk(opts.chunk_tokens, V_max, h.dtype, h.shape[0], fused, loss.softcap, grads)
+    chunk = _token_chunk(opts.chunk_tokens, V_max, h.dtype, h.shape[0], fused, loss.softcap, grads)
     if fused:
         return _tp_apply(_TPScalarLoss, h, weight, bias, t, temp, opts, V_total, chunk)
     loss_tok, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, opts, V_total, chunk)

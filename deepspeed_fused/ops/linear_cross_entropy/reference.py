@@ -20,7 +20,7 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
                                    temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
                                    label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
                                    validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False):
-    """Plain torch version of :func:`linear_cross_entropy` (same API and semantics).
+    """Plain torch version of :func:`.api.linear_cross_entropy` (same API and semantics).
 
     Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
     (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored

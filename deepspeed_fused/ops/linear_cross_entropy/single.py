@@ -31,7 +31,7 @@ from .chunks import (_backward_vocab_chunks, _dhidden_into, _fused_stats, _logit
                      _scale_formed_grads, _Upstream, _vocab_chunks)
 from .options import LossOptions
 from .row_kernel import _launch_rows
-from .sizing import _chunk, _vocab_chunk
+from .sizing import _token_chunk, _vocab_chunk
 from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
 
 
@@ -46,7 +46,7 @@ def run_single(h, weight, bias, t, temp, opts, shape, check):
     loss = opts.loss
     needs = (h.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grads = torch.is_grad_enabled() and (needs[0] or needs[1] or needs[2])
-    chunk = _chunk(opts.chunk_tokens, V, h.dtype, M, False, loss.softcap, grads)
+    chunk = _token_chunk(opts.chunk_tokens, V, h.dtype, M, False, loss.softcap, grads)
     if grads and opts.scalar_loss:
         if torch.compiler.is_compiling():
             out = _lce_fused_op(h, weight, t, bias, temp, opts.mean, chunk, *needs, *loss.to_args())[0]

@@ -54,12 +54,12 @@ def fp32_logits(dtype: torch.dtype, softcap) -> bool:
     fp32 logits (cuBLAS accumulates in fp32 anyway) our lse is never less accurate than eager's.
     Without a cap the rounded logits are eager's own (``F.linear``, the bias added in the GEMM's
     epilogue), so the input dtype keeps the workspace small. False once the fp32-output GEMM
-    has failed in this process (see :func:`_logits_fp32_into`)."""
+    has failed in this process (see ``chunks._logits_fp32_into``)."""
     return bool(softcap) and dtype in (torch.float16, torch.bfloat16) and _FP32_LOGITS_OK[0]
 
 
 def chunk_bytes_per_logit(dtype: torch.dtype, softcap, grad: bool) -> int:
-    """Workspace bytes per element of a ``chunk x V`` logits block (see :class:`_ChunkBuffers`)."""
+    """Workspace bytes per element of a ``chunk x V`` logits block (see ``chunks._ChunkBuffers``)."""
     if fp32_logits(dtype, softcap):
         return 4 + (dtype.itemsize if grad else 0)
     return dtype.itemsize
@@ -67,14 +67,14 @@ def chunk_bytes_per_logit(dtype: torch.dtype, softcap, grad: bool) -> int:
 
 def _budget(dtype, cap, grads):
     """The default workspace budget in ``auto_chunk_tokens``'s units (elements of ``dtype``'s size):
-    fewer logits when each takes more bytes (fp32 logits, see ``single.chunk_bytes_per_logit``)."""
+    fewer logits when each takes more bytes (fp32 logits, see :func:`chunk_bytes_per_logit`)."""
     return DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
 
 
-def _chunk(chunk_tokens, V, dtype, M, double, cap, grads):
+def _token_chunk(chunk_tokens, V, dtype, M, double, cap, grads):
     """Tokens per chunk: ``chunk_tokens`` as given, else sized so the ``chunk x V`` workspace stays
     within the default budget, counted in bytes per logit (more when the logits are fp32: a soft
-    cap on half inputs, with gradients also a dlogits buffer, see ``single._ChunkBuffers``). Under
+    cap on half inputs, with gradients also a dlogits buffer, see ``chunks._ChunkBuffers``). Under
     a tp_group ``V`` is the largest shard's, so every rank gets the same chunk, and the TP
     scalar-loss path (``double``) alternates two workspaces once there is more than one chunk:
     the automatic size then keeps the two within the one-workspace budget."""
@@ -92,7 +92,7 @@ def _vocab_chunk(chunk_tokens, chunk, V, dtype, M, cap, grads):
     automatic size, more than one chunk needed and fewer tokens than vocabulary rows, the work
     is split over the vocabulary instead: each chunk then re-reads ``hidden`` ([M, H]) rather
     than the whole ``weight`` ([V, H]), and each dweight row is written once by one GEMM over
-    all tokens instead of being summed over token chunks. Same workspace budget as ``_chunk``."""
+    all tokens instead of being summed over token chunks. Same workspace budget as ``_token_chunk``."""
     if isinstance(chunk_tokens, int) or chunk >= M or M >= V:
         return 0
     # auto_chunk_tokens balances a split of V rows of M elements as it does one of M rows of V
