@@ -153,11 +153,13 @@ def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperatur
     t = target.reshape(-1)
     per_token = isinstance(temperature, torch.Tensor)
     temp = temperature.reshape(-1) if per_token else None
-    loss = LossOptions(inv_temp=1.0 if per_token else 1.0 / float(temperature), ignore_index=ignore_index,
-                       z_loss=float(z_loss), smoothing=float(label_smoothing),
-                       softcap=float(softcap) if softcap else 0.0, accum_fp32=accum_fp32)
-    opts = LCEOptions(loss=loss, temperature=None if per_token else float(temperature), reduction=reduction,
-                      return_entropy=bool(return_entropy), return_lse=bool(return_lse),
-                      chunk_tokens=chunk_tokens if isinstance(chunk_tokens, int) else None,
-                      validate_targets=bool(validate_targets), tp=tp, sequence_parallel=sequence_parallel)
+    # built positionally, in the records' field order: a class called with keywords builds a dict
+    # (the host cost of a call counts)
+    loss = LossOptions(1.0 if per_token else 1.0 / float(temperature),  # inv_temp
+                       ignore_index, float(z_loss), float(label_smoothing),  # ignore_index, z_loss, smoothing
+                       float(softcap) if softcap else 0.0, accum_fp32)  # softcap, accum_fp32
+    opts = LCEOptions(loss, None if per_token else float(temperature), reduction,  # loss, temperature, reduction
+                      bool(return_entropy), bool(return_lse),  # return_entropy, return_lse
+                      chunk_tokens if isinstance(chunk_tokens, int) else None,  # chunk_tokens
+                      bool(validate_targets), tp, sequence_parallel)  # validate_targets, tp, sequence_parallel
     return opts, h, t, temp, check

@@ -195,11 +195,15 @@ class _Upstream(NamedTuple):
     def of(cls, lse, ent, g_loss, g_ent, g_lse):
         return cls(lse, ent if g_ent is not None else None, g_loss, g_ent, g_lse)
 
-    def rows(self, s, e):
-        """The same for the token rows ``[s, e)``."""
-        return _Upstream(self.lse[s:e], None if self.ent is None else self.ent[s:e], self.g_loss[s:e],
-                         None if self.g_ent is None else self.g_ent[s:e],
-                         None if self.g_lse is None else self.g_lse[s:e])
+    def kw(self) -> dict:
+        """The fields as keyword arguments (of ``_launch_rows`` and ``gemm_grad``)."""
+        return dict(lse=self.lse, ent=self.ent, g_loss=self.g_loss, g_ent=self.g_ent, g_lse=self.g_lse)
+
+    def rows_kw(self, s, e) -> dict:
+        """:meth:`kw` of the token rows ``[s, e)``."""
+        return dict(lse=self.lse[s:e], ent=None if self.ent is None else self.ent[s:e], g_loss=self.g_loss[s:e],
+                    g_ent=None if self.g_ent is None else self.g_ent[s:e],
+                    g_lse=None if self.g_lse is None else self.g_lse[s:e])
 
 
 def _fused_stats(hidden, weight, bias, target, temp, loss, need_ent, vocab_start=0):
@@ -224,7 +228,7 @@ def _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, bas
     sums, so nothing is counted twice."""
     M, V = hidden.shape[0], weight.shape[0]
     total = total or V
-    kw = dict(loss.kernel_kw(temp), **up._asdict())
+    kw = {**loss.kernel_kw(temp), **up.kw()}
     if gemm_grad_supported(hidden, weight):
         f32 = _fp32_logits_probed(hidden, weight, loss.softcap)
         ld = -(-min(vchunk, V) // 8) * 8  # rows padded to 16 bytes: vector stores, aligned GEMM operands

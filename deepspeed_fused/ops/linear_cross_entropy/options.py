@@ -30,8 +30,9 @@ class LossOptions(NamedTuple):
 
     @classmethod
     def from_args(cls, *args) -> "LossOptions":
-        """The record back from :meth:`LossOptions.to_args`'s values (inside a custom op)."""
-        return cls._make(args)
+        """The record back from :meth:`LossOptions.to_args`'s values (inside a custom op, whose schema
+        fixes their number)."""
+        return tuple.__new__(cls, args)
 
     def kernel_kw(self, temp) -> dict:
         """The keyword options of the row kernel's launch (``row_kernel._launch_rows``) and of the

@@ -156,7 +156,7 @@ def _tp_grad_pass(h, weight, bias, t, temp, up, opts, V_total, chunk, needs, red
     handle = None
     for s, e, x, g, hc in _logit_chunks(h, weight, bias, chunk, loss.softcap, True):
         _launch_rows(x, t[s:e], per_token=True, out=g, vocab_start=tp.start, vocab_total=V_total,
-                     **up.rows(s, e)._asdict(), **loss.kernel_kw(_rows_temp(temp, s, e)))
+                     **up.rows_kw(s, e), **loss.kernel_kw(_rows_temp(temp, s, e)))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
             if reduce_dh and e == M:  # the last chunk

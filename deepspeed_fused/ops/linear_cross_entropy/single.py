@@ -134,7 +134,7 @@ def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, 
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
     for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, loss.softcap, True):
-        _launch_rows(x, target[s:e], per_token=True, out=g, **up.rows(s, e)._asdict(),
+        _launch_rows(x, target[s:e], per_token=True, out=g, **up.rows_kw(s, e),
                      **loss.kernel_kw(None if temp is None else temp[s:e]))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
