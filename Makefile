@@ -9,8 +9,8 @@ test:            ## the CPU test-suite (what CI runs)
 train:           ## the example job, every feature on
 	deepspeed examples/train.py --deepspeed_config configs/fused_all.json --model qwen3-moe-tiny --steps 20
 
-gpu-test:        ## GPU-only tests plus the unit tests on the GPU
-	$(PY) -m pytest tests/gpu -q -rs
+gpu-test:        ## the GPU-only tests (README: each body in a clean worker, 4 pytest workers)
+	$(PY) -m pytest tests/gpu -q -n 4 --forked
 
 bench:           ## the kernel suites (GPU)
 	$(PY) -m deepspeed_fused.bench ceilings rms_norm moe_reorder linear_cross_entropy
@@ -19,4 +19,4 @@ e2e:             ## the end-to-end training benchmark (GPU)
 	$(PY) -m deepspeed_fused.bench e2e
 
 docs:            ## regenerate the config reference in README.md and docs/config.md
-	$(PY) -m deepspeed_fused.docs
+	$(PY) -m deepspeed_fused.docs --write README.md docs/config.md

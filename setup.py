@@ -18,13 +18,15 @@ setup(
     long_description=long_description,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_fused", "deepspeed_fused.*"]),
-    package_data={"deepspeed_fused.ops": ["csrc/*.cpp"]},  # built on first use (ops/_native.py)
+    # the C++ autograd node (built on first use, ops/_native.py) and the example job's ds_configs
+    package_data={"deepspeed_fused.ops": ["csrc/*.cpp"], "deepspeed_fused": ["configs/*.json"]},
     python_requires=">=3.10",
     install_requires=install_requires,
     # pytest-forked 1.7.5 cannot marshal pytest 9.1+ reports (every forked test "EXITED with status 3").
     # numpy<2.4: Triton's interpreter (the CPU kernel tests). accelerate: the Accelerate integration test.
+    # pytest-xdist: the GPU tests' command (pytest tests/gpu -n 4 --forked).
     extras_require={
-        "test": ["pytest>=7,<9.1", "pytest-forked", "numpy<2.4", "tqdm", "accelerate"],
+        "test": ["pytest>=7,<9.1", "pytest-forked", "pytest-xdist", "numpy<2.4", "tqdm", "accelerate"],
         "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
     },
     entry_points={"console_scripts": ["deepspeed-fused=deepspeed_fused.__main__:main"]},

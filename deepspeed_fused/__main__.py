@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     report = patch_model(model, cfg, env=env)
     print(f"model {args.model} ({type(model).__name__}):")
     print(report.table())
+    print("calls: how often each applied feature's fused path and the eager code it falls back to ran since it "
+          "was applied; a run's counts are live in engine.deepspeed_fused_report (0 here: the model is built on "
+          "the meta device and not run)")
     unpatch_model(model)
     return 0
 

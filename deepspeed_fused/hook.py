@@ -1,9 +1,13 @@
-"""The ``deepspeed.initialize`` hook and the public patch/unpatch entry points.
+"""The engine hook and the public patch/unpatch entry points.
 
-``install()`` wraps ``deepspeed.initialize`` once. After DeepSpeed builds the engine, the wrapper
-reads the ``deepspeed_fused`` section from the engine's config, applies each enabled feature to
-``engine.module``, attaches the report as ``engine.deepspeed_fused_report`` and shows it on rank 0
-(``"show_report": false`` in the section keeps it quiet).
+``install()`` wraps the ``__init__`` of ``DeepSpeedEngine`` and of each of its subclasses (those
+defined later too), so every engine is caught however it is built: through ``deepspeed.initialize``
+bound before or after ``import deepspeed_fused``, by the HF Trainer or Accelerate, or by a
+subclass's constructor. The outermost ``__init__`` of an engine checks the ``deepspeed_fused``
+section before the engine's own code runs; when the engine is built it applies each enabled feature
+to ``engine.module`` once, attaches the report as ``engine.deepspeed_fused_report`` and shows it on
+rank 0 (``"show_report": false`` in the section keeps it quiet). ``deepspeed.initialize`` is also
+wrapped, to check the section before DeepSpeed does any work.
 An enabled feature that cannot apply warns and leaves the model as it was; a malformed section
 raises before the engine is built, however the config is given (a dict or a file, through
 ``config=``, ``config_params=`` or ``args.deepspeed_config``).
@@ -170,14 +174,31 @@ def _engine_config_dict(engine) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def _config_from_call(original, args, kwargs) -> Optional[Mapping]:
-    """The ds_config given to ``deepspeed.initialize`` (``config=`` or ``config_params=``, a dict
-    or a path or base64 string, or ``args.deepspeed_config``) as a dict, read as DeepSpeed reads
-    it; None when there is none or it does not load (DeepSpeed then reports that itself)."""
+def _bound(fn, args, kwargs) -> dict:
+    """The arguments of a call of ``fn`` by name, with those caught by ``**kwargs`` merged in (a
+    subclass engine's ``__init__(self, ..., **super_kwargs)`` passes DeepSpeed's on that way)."""
     try:
-        bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+        sig = inspect.signature(fn)
+        bound = sig.bind_partial(*args, **kwargs).arguments
     except (TypeError, ValueError):
-        bound = kwargs
+        return dict(kwargs)
+    out = dict(bound)
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and isinstance(bound.get(name), Mapping):
+            out.pop(name)
+            out.update({k: v for k, v in bound[name].items() if k not in out})
+    return out
+
+
+def _config_from_call(fn, args, kwargs) -> Optional[Mapping]:
+    """The ds_config given to ``deepspeed.initialize`` or an engine's ``__init__`` (``config_class``,
+    a parsed ``DeepSpeedConfig``; ``config=`` or ``config_params=``, a dict or a path or base64
+    string; or ``args.deepspeed_config``) as a dict, read as DeepSpeed reads it; None when there is
+    none or it does not load (DeepSpeed then reports that itself)."""
+    bound = _bound(fn, args, kwargs)
+    parsed = getattr(bound.get("config_class"), "_param_dict", None)
+    if isinstance(parsed, Mapping):
+        return parsed
     config = bound.get("config")
     if config is None:
         config = bound.get("config_params")
@@ -195,6 +216,13 @@ def _config_from_call(original, args, kwargs) -> Optional[Mapping]:
     return loaded if isinstance(loaded, Mapping) else None
 
 
+def _validate_call(fn, args, kwargs) -> None:
+    """A malformed section raises here, before the call builds anything."""
+    early = _config_from_call(fn, args, kwargs)
+    if early is not None:
+        parse_config(early, ds_config=True)
+
+
 def _after_initialize(engine) -> Optional[Report]:
     model = getattr(engine, "module", None)
     if model is None:
@@ -207,23 +235,110 @@ def _after_initialize(engine) -> Optional[Report]:
     return report
 
 
+# ---- the engine hook: every DeepSpeedEngine (and subclass) however it is built ---------------------
+
+_BUILDING = "_deepspeed_fused_building"  # in the engine's __dict__ while its (nested) __init__s run
+
+
+def _engine_base():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return DeepSpeedEngine
+
+
+def _engine_classes() -> list:
+    base = _engine_base()
+    seen, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.append(cls)
+            todo.extend(cls.__subclasses__())
+    return seen
+
+
+def _wrap_engine_init(cls) -> bool:
+    """Wrap the ``__init__`` that ``cls`` defines itself (once). The outermost wrapped ``__init__``
+    of an engine checks the section before the engine's own code runs and applies the features
+    after all of it (a subclass's work after ``super().__init__`` included)."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_deepspeed_fused_hook", False):
+        return False
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        d = self.__dict__
+        outer = _BUILDING not in d
+        if outer:
+            _validate_call(init, (self,) + args, kwargs)  # a malformed section fails before the engine is built
+            d[_BUILDING] = True
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if outer:
+                d.pop(_BUILDING, None)
+        if outer:
+            _after_initialize(self)
+
+    __init__._deepspeed_fused_hook = True
+    __init__._deepspeed_fused_original = init
+    cls.__init__ = __init__
+    return True
+
+
+def _on_engine_subclass(cls, **kwargs):
+    super(_engine_base(), cls).__init_subclass__(**kwargs)
+    _wrap_engine_init(cls)
+
+
+def _install_engine_hook() -> bool:
+    base = _engine_base()
+    wrapped = [_wrap_engine_init(cls) for cls in _engine_classes()]
+    if "__init_subclass__" not in base.__dict__:  # engine classes defined later (a user's subclass)
+        hook = classmethod(_on_engine_subclass)
+        hook.__func__._deepspeed_fused_hook = True
+        base.__init_subclass__ = hook
+        wrapped.append(True)
+    return any(wrapped)
+
+
+def _uninstall_engine_hook() -> bool:
+    base = _engine_base()
+    done = False
+    for cls in _engine_classes():
+        init = cls.__dict__.get("__init__")
+        if getattr(init, "_deepspeed_fused_hook", False):
+            cls.__init__ = init._deepspeed_fused_original
+            done = True
+    hook = base.__dict__.get("__init_subclass__")
+    if getattr(getattr(hook, "__func__", None), "_deepspeed_fused_hook", False):
+        del base.__init_subclass__
+        done = True
+    return done
+
+
 def install() -> bool:
-    """Wrap ``deepspeed.initialize`` (once). Returns True if it was wrapped by this call."""
+    """Install the hook (once): every ``DeepSpeedEngine`` built from now on (by
+    ``deepspeed.initialize`` however it was imported, by the HF Trainer, Accelerate, or a subclass's
+    constructor) checks its ``deepspeed_fused`` section before it is built and applies the features
+    to ``engine.module`` once after. ``deepspeed.initialize`` is also wrapped, to check the section
+    before DeepSpeed does any work (process group, config parsing). Returns True if this call
+    installed anything."""
     import deepspeed
 
+    engine_hooked = _install_engine_hook()
     current = deepspeed.initialize
     if getattr(current, "_deepspeed_fused_hook", False):
-        return False
+        return engine_hooked
     original = current
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
-        early = _config_from_call(original, args, kwargs)
-        if early is not None:
-            parse_config(early, ds_config=True)  # a malformed section fails before the engine is built
+        _validate_call(original, args, kwargs)  # before DeepSpeed's process group and config parsing
         result = original(*args, **kwargs)
         engine = result[0] if isinstance(result, tuple) else result
-        _after_initialize(engine)
+        if engine is not None and "deepspeed_fused_report" not in getattr(engine, "__dict__", {}):
+            _after_initialize(engine)  # an engine the engine hook did not see (not a DeepSpeedEngine)
         return result
 
     initialize._deepspeed_fused_hook = True
@@ -233,14 +348,16 @@ def install() -> bool:
 
 
 def uninstall() -> bool:
-    """Put the original ``deepspeed.initialize`` back (tests use this)."""
+    """Take the hook out again: the original ``deepspeed.initialize`` and engine ``__init__``s (tests
+    use this)."""
     import deepspeed
 
+    done = _uninstall_engine_hook()
     current = deepspeed.initialize
-    if not getattr(current, "_deepspeed_fused_hook", False):
-        return False
-    deepspeed.initialize = current._deepspeed_fused_original
-    return True
+    if getattr(current, "_deepspeed_fused_hook", False):
+        deepspeed.initialize = current._deepspeed_fused_original
+        done = True
+    return done
 
 
 __all__ = ["install", "uninstall", "patch_model", "unpatch_model", "SECTION"]

@@ -22,19 +22,23 @@ class Report:
         return [f.name for f in self.features if f.applied]
 
     def to_dict(self) -> dict:
-        return dict(env=dataclasses.asdict(self.env), features=[dataclasses.asdict(f) for f in self.features])
+        return dict(env=dataclasses.asdict(self.env), features=[f.to_dict() for f in self.features])
 
     def table(self) -> str:
-        rows = [("feature", "enabled", "status", "where / why")]
+        """One row per feature; ``calls`` is read now (the fused and eager calls of the patched code
+        since it was applied)."""
+        rows = [("feature", "enabled", "status", "calls", "where / why")]
         for f in self.features:
             detail = f.where if f.applied else f.reason
             if f.applied and f.reason:
                 detail = f"{f.where} ({f.reason})"
-            rows.append((f.name, "yes" if f.enabled else "no", f.status, detail or "-"))
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+            calls = str(f.calls) if f.applied and f.calls is not None else "-"
+            rows.append((f.name, "yes" if f.enabled else "no", f.status, calls, detail or "-"))
+        n = len(rows[0]) - 1
+        widths = [max(len(r[i]) for r in rows) for i in range(n)]
         out = []
         for i, r in enumerate(rows):
-            out.append("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+            out.append("  ".join(c.ljust(w) for c, w in zip(r[:n], widths)) + "  " + r[n])
             if i == 0:
                 out.append("  ".join("-" * w for w in widths) + "  " + "-" * 11)
         return "\n".join(out)

@@ -1,6 +1,7 @@
 """Imports a DistributedTest rank would otherwise pay for again and again (seconds each on a small
-CPU machine): the worker server imports this module once on CPU, and every rank is forked from it
-(see unit/common.py). Only imports: no tensors, no threads, no CUDA."""
+CPU machine): the worker server imports this module once, and every rank is forked from it (see
+unit/common.py). Only imports: no tensors, no threads, no CUDA (the server refuses CUDA while it
+imports this; the ranks would then fail saying so)."""
 import importlib
 
 import deepspeed  # noqa: F401

@@ -1,6 +1,8 @@
 """What a feature is: a name, a config model, a support check, apply and revert.
 
-Features patch a model (``engine.module`` or a bare ``nn.Module``), can undo it and can say
+A feature's options are a :class:`FeatureConfig` subclass (in the style of DeepSpeed's
+``DeepSpeedConfigModel``: unknown keys forbidden, strict types); the config section
+(``deepspeed_fused.config``) is built from the registered features' models. Features patch a model (``engine.module`` or a bare ``nn.Module``), can undo it and can say
 whether it is in force on a model (``is_applied``). They call
 the ops' public functions and know nothing of Triton internals; the hook knows only the
 registry.
@@ -11,6 +13,15 @@ import dataclasses
 from typing import Any, ClassVar, Optional
 
 import torch
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import StrictBool
+
+
+class FeatureConfig(DeepSpeedConfigModel):
+    """Options every feature has. Subclasses add their own fields."""
+
+    enabled: StrictBool = False
+    """Turn the feature on. Off by default: an absent section changes nothing."""
 
 
 @dataclasses.dataclass
@@ -61,6 +72,57 @@ class Environment:
         )
 
 
+class CallCounts:
+    """How often a feature's patched code ran since it was applied: ``fused`` (its fused path ran)
+    and ``eager`` (the patched code ran the model's own formulation instead). The patched code adds
+    to them with plain Python increments (no device work, no sync); a report reads them when it is
+    printed, so ``print(engine.deepspeed_fused_report)`` shows the counts of the run so far."""
+
+    def __init__(self):
+        self.fused = 0
+        self.eager = 0
+
+    def since_now(self) -> "CallCounts":
+        """A live view of this counter that starts at zero now (for counters shared by a process)."""
+        return _CallCountsSince(self)
+
+    def as_dict(self) -> dict:
+        return {"fused": int(self.fused), "eager": int(self.eager)}
+
+    def __str__(self) -> str:
+        return f"{self.fused} fused, {self.eager} eager"
+
+    def __repr__(self) -> str:
+        return f"<calls: {self}>"
+
+
+class SharedCallCounts(CallCounts):
+    """A process-wide counter (for a feature that patches process-wide code): copies of a model or a
+    report refer to the one counter."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _CallCountsSince(CallCounts):
+    """A live view of ``source`` less its counts at the view's creation."""
+
+    def __init__(self, source: CallCounts):  # noqa: super().__init__ not wanted: fused/eager are properties
+        self._source = source
+        self._base = (source.fused, source.eager)
+
+    @property
+    def fused(self) -> int:
+        return self._source.fused - self._base[0]
+
+    @property
+    def eager(self) -> int:
+        return self._source.eager - self._base[1]
+
+
 @dataclasses.dataclass
 class FeatureReport:
     """What one feature did to one model."""
@@ -72,6 +134,14 @@ class FeatureReport:
     reason: str = ""  # why not applied, or notes (fallbacks, skipped modules)
     details: dict = dataclasses.field(default_factory=dict)
     fallback: str = ""  # applied, but what runs instead of the kernels here, e.g. "torch reference: no GPU"
+    # applied: live counts of the patched code's calls since it was applied (None: not counted)
+    calls: Optional[CallCounts] = dataclasses.field(default=None, compare=False)
+
+    def to_dict(self) -> dict:
+        """The report as plain data; ``calls`` as the counts at this moment."""
+        d = dataclasses.asdict(dataclasses.replace(self, calls=None))
+        d["calls"] = None if self.calls is None else self.calls.as_dict()
+        return d
 
     @property
     def status(self) -> str:
@@ -87,7 +157,7 @@ class Feature:
     ``is_supported``, ``apply`` and ``revert``."""
 
     name: ClassVar[str] = ""
-    config_model: ClassVar[type] = None  # a DeepSpeedConfigModel subclass with an `enabled` field
+    config_model: ClassVar[type] = None  # a FeatureConfig subclass
 
     def is_supported(self, env: Environment) -> tuple[bool, str]:
         return True, ""

@@ -1,14 +1,13 @@
-"""The DistributedTest harness on GPUs: ranks start clean after the test's own process initialised
-CUDA (forked ranks would die with "Cannot re-initialize CUDA in forked subprocess"), run NCCL on
-their own GPU, with NVLink multicast off."""
+"""The DistributedTest harness on GPUs: the pytest process never initialises CUDA (every gpu
+test's body runs in a worker); a worker that has initialised CUDA still starts NCCL ranks that
+can use it (forked from a fresh worker server, not from itself); ranks run NCCL on their own GPU,
+with NVLink multicast off."""
 import os
 
 import pytest
 import torch
 
-from unit.common import DistributedTest, run_distributed
-
-pytestmark = pytest.mark.gpu
+from unit.common import DistributedTest, cuda_device_count, run_distributed, start_worker_server
 
 
 def _nccl_all_reduce_on_own_gpu():
@@ -22,12 +21,22 @@ def _nccl_all_reduce_on_own_gpu():
     assert t.tolist() == [3.0] * 4
 
 
-def test_ranks_use_cuda_after_the_parent_did():
-    torch.ones(1, device="cuda").sum().item()  # this process has initialised CUDA
+@pytest.mark.skipif(cuda_device_count() == 0, reason="needs a CUDA GPU (run on the GPU machine)")
+def test_pytest_process_never_initialised_cuda():
+    """Not a gpu test: this runs in the pytest process (or its fork, under --forked, which
+    inherits the flags), after the GPU tests this process has run so far."""
+    assert not torch.cuda._initialized and not torch.cuda._is_in_bad_fork()
+
+
+@pytest.mark.gpu
+def test_ranks_use_cuda_after_their_caller_did():
+    torch.ones(1, device="cuda").sum().item()  # this worker has initialised CUDA
     assert torch.cuda.is_initialized()
+    start_worker_server()  # this worker's own server: a fresh interpreter
     run_distributed(_nccl_all_reduce_on_own_gpu, 2, backend="nccl")
 
 
+@pytest.mark.gpu
 class TestNCCLRanks(DistributedTest):
     world_size = 2
     backend = "nccl"

@@ -1,4 +1,4 @@
-"""The RMSNorm's C++ autograd node (ops/_native.py) on the GPU: it is taken from a key's second
+"""The RMSNorm's C++ autograd node (ops/rms_norm/native.py) on the GPU: it is taken from a key's second
 call on, and its outputs and gradients equal the Python node's bitwise; the edges (other
 gradient layouts and dtypes, saved-tensor hooks, create_graph, streams, CUDA graphs, launch
 hooks, poisoned memory, no host sync)."""
@@ -7,19 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspeed_fused.ops import _native
+from deepspeed_fused.ops.rms_norm import native as _native
 from deepspeed_fused.ops import rms_norm as R
 from unit.test_rms_norm import EPS, check_against_eager, make_inputs, on_streams_bitwise
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module", autouse=True)
-def built():
+def _built():
+    """Each test first builds the C++ node (or loads torch's cached build) in its worker."""
     mod = _native.get(wait=True)
     assert mod is not None, f"the C++ node did not build: {_native.error()}"
-    yield mod
-    R.NATIVE = True
 
 
 def _call(x, w, dy, eps=EPS, grad_x=True):
@@ -49,11 +47,11 @@ def _three_ways(x, w, dy):
     first, n1 = _call(x, w, dy)
     _, n2 = _call(x, w, dy)
     second, n3 = _call(x, w, dy)
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:
         third, n4 = _call(x, w, dy)
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert [_native_node(n) for n in (n1, n2, n3, n4)] == [False, False, True, False], (n1, n2, n3, n4)
     return first, second, third
 
@@ -66,6 +64,7 @@ def _equal(a, b):
 @pytest.mark.parametrize("shape", [(1025, 128), (2, 300, 32, 128), (67, 2048), (8192, 2048), (1025, 4096),
                                    (513, 8192), (300, 16384), (16, 4096), (7, 130)])
 def test_native_equals_python_node(shape, dtype):
+    _built()
     x, w, dy = make_inputs(shape, dtype, seed=sum(shape), device="cuda")
     first, second, third = _three_ways(x, w, dy)
     assert _equal(first, second) and _equal(second, third)
@@ -73,6 +72,7 @@ def test_native_equals_python_node(shape, dtype):
 
 @pytest.mark.parametrize("n", [128, 4096])
 def test_native_fp32_weight_promotes(n):
+    _built()
     x, w, dy = make_inputs((513, n), torch.bfloat16, torch.float32, seed=n, device="cuda")
     first, second, third = _three_ways(x, w, dy)
     assert second[0].dtype == torch.float32 and second[1].dtype == torch.bfloat16
@@ -80,12 +80,14 @@ def test_native_fp32_weight_promotes(n):
 
 
 def test_native_against_eager():
+    _built()
     x, w, dy = make_inputs((4099, 2048), torch.bfloat16, seed=3, device="cuda")
     _warm(x, w, dy)
     check_against_eager(x, w, dy)  # its fused call runs the C++ node
 
 
 def test_native_other_gradient_layouts_and_dtypes():
+    _built()
     x, w, dy = make_inputs((1024, 2048), torch.bfloat16, seed=4, device="cuda")
     want = _warm(x, w, dy)
     # a transposed (non-contiguous) gradient, an fp32 gradient, an unaligned one
@@ -101,6 +103,7 @@ def test_native_other_gradient_layouts_and_dtypes():
 
 
 def test_native_saved_tensor_hooks():
+    _built()
     x, w, dy = make_inputs((1024, 2048), torch.bfloat16, seed=5, device="cuda")
     want = _warm(x, w, dy)
     # offloading to the host and back, and a pack hook that hands back a strided copy
@@ -121,17 +124,18 @@ def test_native_saved_tensor_hooks():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.float(), lambda t: t):
         got, node = _call(x, w, dy)
     assert _native_node(node) and _equal(got, want)
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:  # the Python node's fast backward leaves such tensors to the plan path
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.float(), lambda t: t):
             got, node = _call(x, w, dy)
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert not _native_node(node) and got[0].dtype == torch.bfloat16
     torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_native_create_graph_is_first_order_only():
+    _built()
     x, w, dy = make_inputs((64, 2048), torch.float32, seed=6, device="cuda")
     _warm(x, w, dy)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -144,6 +148,7 @@ def test_native_create_graph_is_first_order_only():
 
 
 def test_native_only_weight_requires_grad():
+    _built()
     x, w, dy = make_inputs((300, 4096), torch.bfloat16, seed=7, device="cuda")
     want = _warm(x, w, dy, grad_x=False)
     got, node = _call(x, w, dy, grad_x=False)
@@ -151,6 +156,7 @@ def test_native_only_weight_requires_grad():
 
 
 def test_native_chain_equals_python_chain():
+    _built()
     x, _, dy = make_inputs((2048, 2048), torch.bfloat16, seed=8, device="cuda")
     ws = [make_inputs((1, 2048), torch.bfloat16, seed=80 + i, device="cuda")[1] for i in range(8)]
 
@@ -166,16 +172,17 @@ def test_native_chain_equals_python_chain():
     first, _ = chain()
     chain()
     second, name = chain()
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:
         third, name3 = chain()
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert _native_node(name) and not _native_node(name3)
     assert _equal(first, second) and _equal(second, third)
 
 
 def test_native_two_streams_and_repeats():
+    _built()
     shapes = [(8192, 2048), (16384, 1024)]
     ins = [make_inputs(s, torch.bfloat16, seed=30 + i, device="cuda") for i, s in enumerate(shapes)]
     ref = [_warm(*i) for i in ins]
@@ -189,6 +196,7 @@ def test_native_two_streams_and_repeats():
 
 
 def test_native_cuda_graph_capture():
+    _built()
     x, w, dy = make_inputs((4096, 4096), torch.bfloat16, seed=9, device="cuda")
     want = _warm(x, w, dy)
     sx, sw = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -215,6 +223,7 @@ def test_native_cuda_graph_capture():
 
 
 def test_native_outputs_fully_written():
+    _built()
     x, w, dy = make_inputs((4097, 4096), torch.bfloat16, seed=10, device="cuda")
     want = _warm(x, w, dy)
     for _ in range(3):
@@ -227,6 +236,7 @@ def test_native_outputs_fully_written():
 
 
 def test_native_no_host_sync():
+    _built()
     x, w, dy = make_inputs((8192, 2048), torch.bfloat16, seed=11, device="cuda")
     _warm(x, w, dy)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -241,6 +251,7 @@ def test_native_no_host_sync():
 
 
 def test_launch_hooks_take_the_python_path():
+    _built()
     from triton import knobs
 
     x, w, dy = make_inputs((256, 2048), torch.bfloat16, seed=12, device="cuda")
@@ -259,11 +270,12 @@ def test_launch_hooks_take_the_python_path():
 
 
 def test_switch_off_by_flag():
+    _built()
     x, w, dy = make_inputs((256, 2048), torch.bfloat16, seed=13, device="cuda")
     _warm(x, w, dy)
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:
         _, node = _call(x, w, dy)
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert not _native_node(node)

@@ -13,6 +13,15 @@ the test process), or spawned where there is no forkserver. A parent that has in
 needs comes through pickles: the test class by reference (its module is imported in the worker),
 the parameters and fixture values by value, and the parent's environment, applied before the
 test module is imported (``TRITON_INTERPRET`` decides at import whether kernels are interpreted).
+A ``pytest.skip`` in the ranks skips the test.
+
+GPU tests (marker ``gpu``, tests/gpu) run their bodies in workers too: a plain test function
+marked ``gpu`` runs in one worker (:func:`run_test_function`, called by tests/conftest.py), a
+``DistributedTest`` at its ``world_size``. The pytest process and the worker server never
+initialise CUDA (:func:`cuda_device_count` counts GPUs through NVML; :func:`guard_cuda_init`
+refuses an initialisation where it must not happen), so ``pytest --forked`` and ``pytest -n``
+work on GPUs as on CPU. NCCL ranks see the GPUs in ``CUDA_VISIBLE_DEVICES`` order rotated by the
+xdist worker's number (as DeepSpeed's harness does), rank r on the r-th of them.
 
 Speed: the forkserver imports the heavy modules once (:func:`start_worker_server`, called by
 tests/conftest.py after collection with the test modules that hold DistributedTest classes; on
@@ -23,6 +32,8 @@ forkserver that process started.
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import glob
 import importlib.abc
 import importlib.machinery
@@ -33,7 +44,7 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
-import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,9 +61,9 @@ _SERVER_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")  # as this interpr
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from deepspeed_fused.bench.common import free_port  # one helper for the suites and the tests
+
+    return free_port()
 
 
 def remove_shm_buffers(port: int) -> None:
@@ -66,7 +77,114 @@ def remove_shm_buffers(port: int) -> None:
 
 
 def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if cuda_device_count() else "gloo"
+
+
+# ---- CUDA, never initialised in the pytest process or the worker server -------------------------
+
+_DEVICE_COUNT: dict = {}  # CUDA_VISIBLE_DEVICES -> count
+
+
+def cuda_device_count() -> int:
+    """How many GPUs the tests may use, found without initialising CUDA in this process.
+
+    A fork of a process that has initialised CUDA cannot use CUDA, and even the CUDA runtime's
+    device count initialises the driver (``torch.cuda.is_available()`` without
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, ``torch.cuda.device_count()`` where NVML fails). This asks
+    NVML (as torch does) and, where NVML cannot answer, a fresh interpreter."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    key = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if key not in _DEVICE_COUNT:
+        n = 0
+        if torch.backends.cuda.is_built():
+            nvml = getattr(torch.cuda, "_device_count_nvml", None)
+            n = nvml() if nvml is not None else -1
+            if n < 0:
+                p = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                                   capture_output=True, text=True, timeout=300)
+                n = int(p.stdout.split()[-1]) if p.returncode == 0 and p.stdout.split() else 0
+        _DEVICE_COUNT[key] = n
+    return _DEVICE_COUNT[key]
+
+
+def _cuda_entry_points():
+    """(module, attribute) of every function through which torch initialises CUDA here: the lazy
+    initialisation (CUDA tensors, streams, device queries and torch.cuda.init go through
+    ``torch.cuda._lazy_init``, which the submodules of torch.cuda imported by name), the C
+    initialisation it calls, and the CUDA runtime's device count (cuInit)."""
+    lazy = getattr(torch.cuda, "_lazy_init", None)
+    points = [(m, "_lazy_init") for name, m in list(sys.modules.items())
+              if m is not None and (name == "torch.cuda" or name.startswith("torch.cuda."))
+              and lazy is not None and getattr(m, "_lazy_init", None) is lazy]
+    points += [(torch._C, a) for a in ("_cuda_init", "_cuda_getDeviceCount") if hasattr(torch._C, a)]
+    return points
+
+
+def guard_cuda_init(check):
+    """Call ``check(what)`` before torch initialises CUDA in this process (``what`` names the entry
+    point); ``check`` raises to refuse. Returns a function that removes the guard."""
+    undo = []
+    for mod, attr in _cuda_entry_points():
+        orig = getattr(mod, attr)
+
+        def guarded(*args, _orig=orig, _what=f"{mod.__name__}.{attr}", **kwargs):
+            check(_what)
+            return _orig(*args, **kwargs)
+
+        guarded.__wrapped__ = orig
+        setattr(mod, attr, guarded)
+        undo.append((mod, attr, orig))
+
+    def release():
+        for mod, attr, orig in reversed(undo):
+            setattr(mod, attr, orig)
+        undo.clear()
+
+    return release
+
+
+def _caller() -> str:
+    """Where the code that asked for CUDA is (the innermost frames outside torch and this module)."""
+    frames = [f for f in traceback.extract_stack()[:-3]
+              if os.sep + "torch" + os.sep not in f.filename and f.filename != __file__]
+    return "".join(traceback.format_list(frames[-4:])) or "(inside torch)"
+
+
+_SERVER_REFUSALS: list = []  # in the worker server: the imports that asked for CUDA (the ranks report them)
+
+
+def _refuse_in_server(what):
+    _SERVER_REFUSALS.append(f"{what} from\n{_caller()}")
+    raise RuntimeError(f"the DistributedTest worker server must not initialise CUDA ({what}): its forks, the ranks, "
+                       f"could not use it")
+
+
+@contextlib.contextmanager
+def gpu_heavy_lock(heavy: bool):
+    """Held around a ``gpu_heavy`` test under ``pytest -n``: a lock file that the xdist workers of
+    one run share, so that one such test runs at a time (the others beside it stay small)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not heavy or run is None:
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), f"deepspeed_fused-gpu-heavy-{run}.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _visible_devices() -> str:
+    """The GPUs of an NCCL test's ranks: CUDA_VISIBLE_DEVICES (or all) rotated by the xdist worker's
+    number, so that parallel pytest workers start on different GPUs."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in vis.split(",") if d.strip()] if vis is not None else \
+        [str(i) for i in range(cuda_device_count())]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")[2:]
+    k = int(worker) % len(ids) if ids and worker.isdigit() else 0
+    return ",".join(ids[k:] + ids[:k])
 
 
 # ---- the worker server ------------------------------------------------------------------------
@@ -114,17 +232,17 @@ def _adopt_inherited_forkserver() -> None:
 def start_worker_server(modules=()) -> None:
     """Start the forkserver the ranks are forked from, importing ``modules`` there once.
 
-    Call it in the process whose forks run the tests (conftest does, after collection). On CPU
-    the test modules are imported in the server as well; on GPU only torch and this module, since
-    a test module may query CUDA at import, and a server that has initialised the CUDA driver
-    would hand that to its forks again."""
+    Call it in the process whose forks run the tests (conftest does, after collection). The
+    server imports them with CUDA initialisation refused (:func:`guard_cuda_init`): a server that
+    had initialised CUDA would hand a CUDA its forks cannot use; a module that asks for CUDA at
+    import is imported by each rank instead, and the ranks fail the test saying so."""
     if _start_method() != "forkserver":
         return
     from multiprocessing import forkserver
 
     if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
         return
-    names = [m for m in modules if m] if not torch.cuda.is_available() else []
+    names = [m for m in modules if m]
     mp.set_forkserver_preload([__name__])
     # The server starts with the interpreter's default sys.path (Python < 3.13 ignores the
     # parent's): PYTHONPATH finds this module, which then takes the parent's sys.path.
@@ -186,11 +304,15 @@ def _preload_from_env() -> None:
     else:
         os.environ["PYTHONPATH"] = spec["pythonpath"]
     _rewrite_asserts_in_test_modules()
-    for name in spec["modules"]:
-        try:
-            __import__(name)
-        except BaseException:  # noqa: BLE001
-            traceback.print_exc()
+    release = guard_cuda_init(_refuse_in_server)
+    try:
+        for name in spec["modules"]:
+            try:
+                __import__(name)
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+    finally:
+        release()
 
 
 # ---- one rank ---------------------------------------------------------------------------------
@@ -214,6 +336,9 @@ def _run_rank(rank, world_size, port, payload, env, backend, store, log_path, qu
         if backend == "nccl":
             for k, v in NCCL_ENV.items():
                 os.environ.setdefault(k, v)
+        if _SERVER_REFUSALS:
+            raise RuntimeError("the worker server refused to initialise CUDA while importing the test modules (a "
+                               "module asks for CUDA at import):\n" + "\n".join(_SERVER_REFUSALS))
         interp = env.get("TRITON_INTERPRET")
         if interp != _SERVER_TRITON_INTERPRET and any(m.startswith("deepspeed_fused.ops") for m in sys.modules):
             raise RuntimeError(f"the worker server imported the kernels with TRITON_INTERPRET="
@@ -223,19 +348,24 @@ def _run_rank(rank, world_size, port, payload, env, backend, store, log_path, qu
         torch.manual_seed(1234)
         if backend != "nccl":  # the ranks share the CPU's cores: no oversubscribed thread pools
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
-        if backend == "nccl":
+        if backend == "nccl" and world_size > 1:  # rank 0: device 0, the default
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if init_dist:
             import deepspeed
 
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=store,
                                        rank=rank, world_size=world_size)
-        fn(**kwargs)
+        try:
+            fn(**kwargs)
+        finally:
+            _finish_background_builds()
         if init_dist:
             import deepspeed.comm as dist
 
             dist.barrier()
         queue.put((rank, None))
+    except pytest.skip.Exception as e:
+        queue.put((rank, ("skip", str(e.msg))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, traceback.format_exc()))
     finally:
@@ -248,6 +378,15 @@ def _run_rank(rank, world_size, port, payload, env, backend, store, log_path, qu
             except Exception:
                 pass
         sys.stdout.flush(), sys.stderr.flush()
+
+
+def _finish_background_builds():
+    """Wait for the background build (or cached load) of deepspeed_fused's C++ node if the test
+    started one: torch's extension build holds a lock file while it runs, and a rank that exited
+    in the middle would leave it behind for every later build or load to wait on forever."""
+    native = sys.modules.get("deepspeed_fused.ops.rms_norm.native")
+    if native is not None and native.building():
+        native._state["thread"].join()
 
 
 def _tail(path, lines=30):
@@ -265,8 +404,8 @@ def run_distributed(fn, world_size: int, timeout: float = DEFAULT_TIMEOUT, init_
     ``fn`` and ``kwargs`` must pickle: a module-level function or :class:`_Method`, and values
     (the worker imports ``fn``'s module; nothing else of this process reaches it)."""
     backend = backend or _backend()
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        pytest.skip(f"{world_size} GPUs required, {torch.cuda.device_count()} available")
+    if backend == "nccl" and cuda_device_count() < world_size:
+        pytest.skip(f"{world_size} GPUs required, {cuda_device_count()} available")
     try:
         payload = pickle.dumps((fn, kwargs))
     except Exception as e:  # noqa: BLE001
@@ -282,10 +421,12 @@ def run_distributed(fn, world_size: int, timeout: float = DEFAULT_TIMEOUT, init_
     store = "file://" + os.path.join(tmp, "store")
     logs = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
     env = dict(os.environ)
+    if backend == "nccl":
+        env["CUDA_VISIBLE_DEVICES"] = _visible_devices()
     procs = [ctx.Process(target=_run_rank,
                          args=(r, world_size, port, payload, env, backend, store, logs[r], queue, init_dist))
              for r in range(world_size)]
-    errors, done = {}, set()
+    errors, skips, done = {}, {}, set()
     try:
         for p in procs:
             p.start()
@@ -313,7 +454,10 @@ def run_distributed(fn, world_size: int, timeout: float = DEFAULT_TIMEOUT, init_
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
                     continue
             done.add(rank)
-            if err:
+            if isinstance(err, tuple):  # ("skip", reason)
+                skips[rank] = err[1]
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
+            elif err:
                 errors[rank] = err
                 deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE)
     finally:
@@ -339,7 +483,10 @@ def run_distributed(fn, world_size: int, timeout: float = DEFAULT_TIMEOUT, init_
         shutil.rmtree(tmp, ignore_errors=True)
     if errors:
         msg = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        msg += "".join(f"\n--- rank {r} ---\nskipped: {m}" for r, m in sorted(skips.items()))
         pytest.fail(f"distributed test failed ({backend}, world size {world_size}):\n{msg}", pytrace=False)
+    if skips:
+        pytest.skip(skips[min(skips)])
 
 
 # ---- the test classes -------------------------------------------------------------------------
@@ -352,6 +499,33 @@ class _Method:
 
     def __call__(self, **kwargs):
         getattr(self.cls, self.name)._dist_fn(self.cls(), **kwargs)
+
+
+class _Function:
+    """A plain test function, or a method of a plain test class, as a worker calls it: by module
+    and names (the worker imports the module)."""
+
+    def __init__(self, module, cls, name):
+        self.module, self.cls, self.name = module, cls, name
+
+    def __call__(self, **kwargs):
+        obj = importlib.import_module(self.module)
+        if self.cls is not None:
+            for part in self.cls.split("."):
+                obj = getattr(obj, part)
+            obj = obj()
+        getattr(obj, self.name)(**kwargs)
+
+
+def run_test_function(item, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Run a collected test function's body in one clean worker (no process group), with the
+    values pytest resolved for its arguments (parameters and fixtures, computed here, pickled
+    there), and its outcome (pass, failure with the worker's traceback, ``pytest.skip``) here.
+    tests/conftest.py calls it for the tests marked ``gpu``."""
+    args = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    cls = item.cls.__qualname__ if item.cls is not None else None
+    run_distributed(_Function(item.module.__name__, cls, item.originalname), 1, timeout=timeout, init_dist=False,
+                    backend="nccl" if cuda_device_count() else "gloo", **args)
 
 
 class DistributedTest:

@@ -38,9 +38,12 @@ def test_cli_report_config_and_model():
     for name in ("rms_norm", "linear_cross_entropy", "moe_reorder"):
         line = next(line for line in out.splitlines() if line.startswith(name))
         assert "yes" in line  # enabled; applied or the reason it is not
+    line = next(line for line in out.splitlines() if line.startswith("linear_cross_entropy"))
     if not torch.cuda.is_available():  # the loss is patched in, but the op runs its torch reference here
-        line = next(line for line in out.splitlines() if line.startswith("linear_cross_entropy"))
         assert "applied (torch reference: no GPU)" in line
+    header = next(line for line in out.splitlines() if line.startswith("feature "))
+    assert header.split() == ["feature", "enabled", "status", "calls", "where", "/", "why"]
+    assert "0 fused, 0 eager" in line and "calls: how often each applied feature's fused path" in out
 
 
 def test_cli_rejects_a_bare_section_with_an_unknown_key(tmp_path):
@@ -95,6 +98,9 @@ def test_example_job_runs_under_launcher(tmp_path):
     names = [f["name"] for f in summary["report"]["features"]]
     assert names[:3] == ["rms_norm", "linear_cross_entropy", "moe_reorder"]
     assert all(f["enabled"] for f in summary["report"]["features"][:3])
+    lce = summary["report"]["features"][1]  # the counts at the end of the run: every training step fused
+    assert lce["applied"] and lce["calls"]["fused"] >= 3 and lce["calls"]["eager"] == 0, lce
+    assert f"[train] deepspeed_fused calls: linear_cross_entropy {lce['calls']['fused']} fused, 0 eager" in out
     # one more step profiled (on CPU the leaf CPU ops stand for kernels): every category of the
     # e2e breakdown is filled where this job has that work, and they add up to the total
     b = json.loads(profile.read_text())
@@ -106,15 +112,17 @@ def test_example_job_runs_under_launcher(tmp_path):
 
 
 def test_example_job_search_mode_records_each_size(tmp_path):
-    """--batch-sizes: the sizes in ascending order in one process, one record each."""
+    """--batch-sizes: the sizes in ascending order in one process, one record each (the job run as
+    the module ``deepspeed --module deepspeed_fused.train`` runs; examples/train.py wraps it)."""
     from unit.common import _free_port, remove_shm_buffers
 
     metrics = tmp_path / "metrics.json"
     port = _free_port()
     try:
         out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
-                    "examples/train.py", "--deepspeed_config", "configs/baseline.json", "--model", "qwen3-moe-tiny",
-                    "--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-sizes", "1,3", "--no-progress",
+                    "--module", "deepspeed_fused.train", "--deepspeed_config", "configs/baseline.json", "--model",
+                    "qwen3-moe-tiny", "--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-sizes", "1,3",
+                    "--no-progress",
                     "--metrics-out", str(metrics)])
     finally:
         remove_shm_buffers(port)
@@ -122,3 +130,21 @@ def test_example_job_search_mode_records_each_size(tmp_path):
     trials = json.loads(metrics.read_text())["trials"]
     assert [t["batch"] for t in trials] == [1, 3] and all(t["status"] == "ok" for t in trials)
     assert all(len(t["history"]) == 2 and t["median_tokens_per_s"] > 0 for t in trials)
+
+
+def test_example_job_finds_the_shipped_configs(tmp_path, monkeypatch):
+    """``--deepspeed_config configs/NAME.json`` outside a clone runs the config shipped in the
+    package (deepspeed_fused/configs, in a clone a link to configs/); a file that exists wins."""
+    from deepspeed_fused.train import CONFIGS_DIR, find_config
+
+    monkeypatch.chdir(tmp_path)
+    shipped = os.path.join(CONFIGS_DIR, "fused_all.json")
+    with open(shipped) as f, open(os.path.join(ROOT, "configs", "fused_all.json")) as g:
+        assert json.load(f) == json.load(g)
+    for name in ("configs/fused_all.json", "fused_all.json", "fused_all"):
+        assert find_config(name) == shipped
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "fused_all.json").write_text("{}")
+    assert find_config("configs/fused_all.json") == "configs/fused_all.json"
+    with pytest.raises(SystemExit, match="no such file, nor a shipped config of that name .*zero3_fused.json"):
+        find_config("nope.json")

@@ -139,3 +139,101 @@ class TestHarnessFailure:
             pytest.skip("a machine with 64 GPUs")
         with pytest.raises(pytest.skip.Exception, match="GPUs required"):
             run_distributed(_boom, 64, backend="nccl")
+
+
+def _skip_on_every_rank():
+    pytest.skip(f"rank {os.environ['RANK']} has nothing to do")
+
+
+def _skip_on_rank_one_fail_on_zero():
+    if int(os.environ["RANK"]) == 1:
+        pytest.skip("rank one skips")
+    raise ValueError("rank zero failed")
+
+
+def _world_two_env():
+    assert os.environ["WORLD_SIZE"] == "2" and os.environ["RANK"] in ("0", "1")
+
+
+def _ranks_from_a_worker():
+    common.start_worker_server()  # this worker's own server (a fresh interpreter)
+    run_distributed(_world_two_env, 2, init_dist=False)
+
+
+def _start_a_background_build(path):
+    import threading
+
+    from deepspeed_fused.ops.rms_norm import native as _native
+
+    def build():  # a daemon thread, as _native.get() starts: it would die with the rank
+        time.sleep(1.0)
+        with open(path, "w") as f:
+            f.write("built")
+
+    _native._state["thread"] = threading.Thread(target=build, daemon=True)
+    _native._state["thread"].start()
+
+
+class TestHarnessOutcomes:
+    def test_ranks_finish_the_native_build_they_started(self, tmp_path):
+        """torch's extension build holds a lock file: a rank may not exit in the middle of it."""
+        run_distributed(_start_a_background_build, 1, init_dist=False, path=str(tmp_path / "built"))
+        assert (tmp_path / "built").read_text() == "built"
+
+
+    def test_a_worker_starts_ranks_of_its_own(self):
+        """As tests/gpu/test_harness_gpu.py does after initialising CUDA in its worker."""
+        run_distributed(_ranks_from_a_worker, 1, init_dist=False)
+
+
+    def test_skip_in_the_ranks_skips_the_test(self):
+        with pytest.raises(pytest.skip.Exception, match="rank 0 has nothing to do"):
+            run_distributed(_skip_on_every_rank, 2, init_dist=False)
+
+    def test_a_failure_beside_a_skip_fails(self):
+        with pytest.raises(pytest.fail.Exception, match=r"(?s)rank 0 ---.*ValueError: rank zero failed.*rank 1 ---\n"
+                                                         r"skipped: rank one skips"):
+            run_distributed(_skip_on_rank_one_fail_on_zero, 2, init_dist=False)
+
+    def test_nccl_ranks_start_on_other_gpus_per_xdist_worker(self, monkeypatch):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+        assert common._visible_devices() == "0,1,2,3"
+        for worker, want in (("gw0", "0,1,2,3"), ("gw1", "1,2,3,0"), ("gw6", "2,3,0,1")):
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+            assert common._visible_devices() == want
+
+    def test_gpu_heavy_tests_hold_one_lock(self, monkeypatch):
+        """Under xdist (a run id), a heavy test holds a lock file another process cannot take."""
+        import fcntl
+
+        monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", f"harness-test-{os.getpid()}")
+        path = os.path.join(common.tempfile.gettempdir(), f"deepspeed_fused-gpu-heavy-harness-test-{os.getpid()}.lock")
+
+        def other_can_lock():
+            ctx = mp.get_context("fork")
+            q = ctx.Queue()
+
+            def probe():
+                with open(path, "w") as f:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        q.put(True)
+                    except BlockingIOError:
+                        q.put(False)
+
+            p = ctx.Process(target=probe)
+            p.start()
+            got = q.get(timeout=60)
+            p.join()
+            return got
+
+        try:
+            with common.gpu_heavy_lock(True):
+                assert not other_can_lock()
+            assert other_can_lock()
+            with common.gpu_heavy_lock(False):  # not heavy: no lock
+                assert other_can_lock()
+        finally:
+            if os.path.exists(path):
+                os.remove(path)

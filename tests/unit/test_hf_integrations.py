@@ -51,10 +51,21 @@ class _Shown:
 
 
 def _check(engine, shown, losses, ref, expect_applied):
+    from deepspeed_fused.features.moe_reorder import _CALLS_ATTR
+    from deepspeed_fused.features.rms_norm import is_replaced
+
     rep = engine.deepspeed_fused_report
     assert [f.name for f in rep.features if f.applied] == expect_applied, str(rep)
     assert len(shown.reports()) == 1 and "linear_cross_entropy" in shown.reports()[0]
     assert lce.fused_state(engine.module).fused_calls == STEPS
+    # the report's live counts: every training forward ran the fused paths, none the eager ones
+    calls = {f.name: (f.calls.fused, f.calls.eager) for f in rep.features if f.applied}
+    norms = sum(is_replaced(m) for m in engine.module.modules())
+    assert calls["linear_cross_entropy"] == (STEPS, 0) and calls["rms_norm"] == (norms * STEPS, 0), calls
+    if "moe_reorder" in calls:
+        experts = sum(_CALLS_ATTR in m.__dict__ for m in engine.module.modules())
+        assert experts and calls["moe_reorder"] == (experts * STEPS, 0), calls
+    assert f"{STEPS} fused, 0 eager" in str(rep)
     assert len(losses) == len(ref) == STEPS
     for a, b in zip(losses, ref):
         assert abs(a - b) <= RTOL * abs(b), (losses, ref)
@@ -82,6 +93,62 @@ class TestTrainer(DistributedTest):
                 assert trainer.model_wrapped.deepspeed_fused_report.applied == []
         # the on-run's engine (the section survived the Trainer's "auto" resolution)
         _check(trainer.model_wrapped, shown, losses["on"], losses["off"], ["rms_norm", "linear_cross_entropy"])
+
+
+def _shifted_ce(outputs, labels, num_items_in_batch=None):
+    """A user's compute_loss_func: cross-entropy from the logits."""
+    logits = outputs["logits"][..., :-1, :].float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[..., 1:].reshape(-1))
+
+
+class TestTrainerLabelsTakenOut(DistributedTest):
+    """The Trainer's label smoothing and compute_loss_func take the labels out before the forward:
+    the fused loss cannot run there, and one warning says why and what to do."""
+    world_size = 1
+    init_distributed = False
+
+    def _train(self, tmp_path, key, section, **kw):
+        import warnings
+
+        from transformers import Trainer, TrainingArguments
+
+        data = [{"input_ids": ids, "labels": ids} for ids in _batches(2 * STEPS)]
+        loss_func = kw.pop("compute_loss_func", None)
+        args = TrainingArguments(output_dir=str(tmp_path / key), deepspeed=hf_ds_config(2, section),
+                                 per_device_train_batch_size=2, max_steps=STEPS, logging_steps=1, report_to=[],
+                                 save_strategy="no", learning_rate=1e-3, use_cpu=True, disable_tqdm=True, seed=0, **kw)
+        trainer = Trainer(model=build_model("llama-tiny"), args=args, train_dataset=data,
+                          compute_loss_func=loss_func)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        ours = [str(w.message) for w in caught if "deepspeed_fused.linear_cross_entropy" in str(w.message)]
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return trainer.model_wrapped.deepspeed_fused_report["linear_cross_entropy"], ours, losses
+
+    def test_label_smoothing_factor_warns_and_the_section_option_fuses(self, tmp_path):
+        lce_on = {"linear_cross_entropy": {"enabled": True}}
+        rep, warned, _ = self._train(tmp_path, "hf", lce_on, label_smoothing_factor=0.1)
+        assert rep.applied and (rep.calls.fused, rep.calls.eager) == (0, STEPS)  # applied, never fused
+        assert len(warned) == 1, warned
+        assert "label_smoothing_factor=0.1" in warned[0] and '"label_smoothing": 0.1' in warned[0]
+        assert "materialized (2x16x257 float32" in warned[0]
+        # the remedy: the section's own option, the Trainer's off; the same loss as the Trainer's smoothing
+        _, _, ref = self._train(tmp_path, "ref", None, label_smoothing_factor=0.1)
+        section = {"linear_cross_entropy": {"enabled": True, "label_smoothing": 0.1}}
+        rep, warned, losses = self._train(tmp_path, "fused", section)
+        assert warned == [] and (rep.calls.fused, rep.calls.eager) == (STEPS, 0)
+        assert len(losses) == len(ref) == STEPS
+        for a, b in zip(losses, ref):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, ref)
+
+    def test_compute_loss_func_warns_with_its_cost(self, tmp_path):
+        rep, warned, losses = self._train(tmp_path, "clf", {"linear_cross_entropy": {"enabled": True}},
+                                          compute_loss_func=_shifted_ce)
+        assert rep.applied and (rep.calls.fused, rep.calls.eager) == (0, STEPS) and len(losses) == STEPS
+        assert len(warned) == 1, warned
+        assert "compute_loss_func (_shifted_ce)" in warned[0] and "0.0314 MiB per forward" in warned[0]
+        assert "label_smoothing_factor" not in warned[0]
 
 
 class TestAccelerate(DistributedTest):

@@ -44,12 +44,16 @@ class DummyFeature(Feature):
     name = "dummy"
     config_model = DummyConfig
     applies = 0
+    engines = []  # the engine each apply was given
+    built = []  # for each apply: whether the engine's subclass __init__ had finished (None: no such subclass)
 
     def is_supported(self, env):
         return (True, "") if _STATE["supported"] else (False, "dummy support check failed (no widget)")
 
     def apply(self, model, engine, cfg):
         DummyFeature.applies += 1
+        DummyFeature.engines.append(engine)
+        DummyFeature.built.append(getattr(engine, "subclass_init_done", None))
         n = 0
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
@@ -75,6 +79,7 @@ def dummy_registered():
     """The test feature registered (in the process that runs the test: a rank registers its own)."""
     _STATE["supported"] = True
     DummyFeature.applies = 0
+    DummyFeature.engines, DummyFeature.built = [], []
     register(DummyFeature)
     try:
         yield DummyFeature
@@ -172,6 +177,7 @@ class TestHookApplies(DistributedTest):
             model = build_model("llama-tiny")
             cfg = ds_config(0, {"dummy": {"enabled": True}})
             engine, _ = train_steps(model, cfg, steps=1)
+            assert DummyFeature.applies == 1 and DummyFeature.engines == [engine]  # once, by the engine hook
             rep = engine.deepspeed_fused_report
             assert rep["dummy"].applied and rep["dummy"].where == "15 x Linear"
             assert rep.applied == ["dummy"]
@@ -212,6 +218,172 @@ class TestHookApplies(DistributedTest):
         model = build_model("llama-tiny")
         with pytest.raises(ConfigError, match=r"deepspeed_fused\.rms_norm\.enabeld"):
             train_steps(model, ds_config(0, {"rms_norm": {"enabeld": True}}))
+
+
+    def test_engine_subclass_built_directly(self):
+        """An engine class of the user's (defined after the import) built without deepspeed.initialize:
+        the section is checked before DeepSpeed's __init__ runs, the features apply once, after the
+        subclass's own __init__ finished."""
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        class MyEngine(DeepSpeedEngine):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.subclass_init_done = True
+
+        def build(section):
+            cfg = ds_config(0, section)
+            model = build_model("llama-tiny")
+            return MyEngine(args=None, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            config=cfg, config_class=DeepSpeedConfig(cfg))
+
+        with dummy_registered():
+            sanity = []
+            real = DeepSpeedEngine._do_args_sanity_check
+            DeepSpeedEngine._do_args_sanity_check = lambda engine, args: (sanity.append(1), real(engine, args))[1]
+            try:
+                with pytest.raises(ConfigError, match=r"deepspeed_fused\.dummy\.enabeld"):
+                    build({"dummy": {"enabeld": True}})
+                assert sanity == [] and DummyFeature.applies == 0  # nothing of the engine was built
+                engine = build({"dummy": {"enabled": True}})
+            finally:
+                DeepSpeedEngine._do_args_sanity_check = real
+            assert sanity == [1] and DummyFeature.applies == 1 and DummyFeature.built == [True]
+            assert engine.deepspeed_fused_report["dummy"].applied
+            assert "_deepspeed_fused_building" not in engine.__dict__
+
+    def test_deepspeed_engine_classes_are_hooked(self):
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        for cls in (DeepSpeedEngine, DeepSpeedHybridEngine, PipelineEngine):
+            assert getattr(cls.__dict__["__init__"], "_deepspeed_fused_hook", False), cls
+
+
+_BOUND_EARLY = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from deepspeed import initialize            # bound before the plugin is imported
+from deepspeed.runtime.engine import DeepSpeedEngine
+import deepspeed_fused
+import torch
+from deepspeed_fused.config import ConfigError
+from deepspeed_fused.features.registry import get_feature
+from tiny_models import build_model
+
+applies = []
+feature_cls = type(get_feature("linear_cross_entropy"))
+real_apply = feature_cls.apply
+feature_cls.apply = lambda self, *a, **k: (applies.append(1), real_apply(self, *a, **k))[1]
+sanity = []
+real_sanity = DeepSpeedEngine._do_args_sanity_check
+DeepSpeedEngine._do_args_sanity_check = lambda self, args: (sanity.append(1), real_sanity(self, args))[1]
+
+def config(section):
+    return {{"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "deepspeed_fused": section}}
+
+model = build_model("llama-tiny").train()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    initialize(model=model, optimizer=opt, config=config({{"linear_cross_entropy": {{"enabeld": True}}}}))
+except ConfigError as e:
+    print("REJECTED", e)
+print("SANITY_BEFORE", len(sanity))
+engine, *_ = initialize(model=model, optimizer=opt, config=config({{"linear_cross_entropy": {{"enabled": True}}}}))
+rep = engine.deepspeed_fused_report
+ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+for _ in range(2):
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+print("APPLIES", len(applies), "SANITY", len(sanity))
+print("APPLIED", rep["linear_cross_entropy"].applied, "CALLS", rep["linear_cross_entropy"].calls)
+"""
+
+
+def test_initialize_bound_before_the_import(tmp_path):
+    """`from deepspeed import initialize` before `import deepspeed_fused`: the engine is still
+    patched (once) and has its report, and an invalid section still fails before the engine is built."""
+    from unit.common import _free_port, remove_shm_buffers
+
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    script = tmp_path / "bound_early.py"
+    script.write_text(_BOUND_EARLY.format(tests=os.path.join(root, "tests")))
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1")
+    try:
+        p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=500)
+    finally:
+        remove_shm_buffers(port)
+    out = p.stdout
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "REJECTED invalid deepspeed_fused config: deepspeed_fused.linear_cross_entropy.enabeld" in out, out
+    assert "SANITY_BEFORE 0" in out  # DeepSpeedEngine.__init__ did not get to its own work
+    assert "APPLIES 1 SANITY 1" in out, out  # applied once, for the one engine built
+    assert "APPLIED True CALLS 2 fused, 0 eager" in out, out
+
+
+# ---- issue 26, item 2: live counts of the fused and eager calls ------------------------------------------
+
+def test_report_counts_fused_and_eager_calls_live(interpret):
+    model = build_model("llama-tiny").train()
+    rep = patch_model(model, CFG)
+    norms, lce = rep["rms_norm"], rep["linear_cross_entropy"]
+    assert (norms.calls.fused, norms.calls.eager, lce.calls.fused, lce.calls.eager) == (0, 0, 0, 0)
+    ids = _ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids)
+    with pytest.warns(RuntimeWarning, match="without labels"):
+        model(input_ids=ids)  # training, no labels: the eager head
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)  # eval: eager
+    assert (lce.calls.fused, lce.calls.eager) == (2, 2)
+    assert (norms.calls.fused, norms.calls.eager) == (5 * 4, 0)  # 5 norms per forward
+    # the report reads them when it is printed (the same objects the engine holds)
+    table = rep.table()
+    assert "calls" in table.splitlines()[0]
+    assert next(r for r in table.splitlines() if r.startswith("linear_cross_entropy")).count("2 fused, 2 eager") == 1
+    assert "20 fused, 0 eager" in next(r for r in table.splitlines() if r.startswith("rms_norm"))
+    d = rep.to_dict()
+    assert d["features"][1]["calls"] == {"fused": 2, "eager": 2}
+    json.dumps(d)  # plain data
+    # the same report object comes back while the options are unchanged, and keeps counting
+    assert patch_model(model, CFG)["linear_cross_entropy"] is lce
+    unpatch_model(model)
+
+
+def test_counts_of_a_deep_copy_are_its_own(interpret):
+    from deepspeed_fused.hook import _APPLIED_ATTR
+
+    model = build_model("llama-tiny").train()
+    rep = patch_model(model, CFG)
+    clone = copy.deepcopy(model)
+    clone_rep = {name: r for name, (_, r) in clone.__dict__[_APPLIED_ATTR].items()}
+    ids = _ids()
+    clone(input_ids=ids, labels=ids)
+    assert (clone_rep["linear_cross_entropy"].calls.fused, clone_rep["rms_norm"].calls.fused) == (1, 5)
+    assert (rep["linear_cross_entropy"].calls.fused, rep["rms_norm"].calls.fused) == (0, 0)
+    model(input_ids=ids, labels=ids)
+    assert rep["linear_cross_entropy"].calls.fused == 1 and clone_rep["linear_cross_entropy"].calls.fused == 1
+    unpatch_model(model)
+    unpatch_model(clone)
+
+
+def test_rms_norm_counts_eager_fallbacks(interpret):
+    model = build_model("llama-tiny")
+    calls = patch_model(model, {"rms_norm": {"enabled": True}})["rms_norm"].calls
+    norm = model.model.norm
+    norm(torch.randn(2, 3, 64))
+    norm(torch.randn(2, 3, 64, dtype=torch.float64))  # a dtype the kernel does not take: eager, with a warning
+    assert (calls.fused, calls.eager) == (1, 1)
+    unpatch_model(model)
+    norm(torch.randn(2, 3, 64))
+    assert (calls.fused, calls.eager) == (1, 1)  # reverted: no longer counted
 
 
 def test_patch_model_without_engine(dummy):

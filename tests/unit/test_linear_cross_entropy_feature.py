@@ -201,8 +201,10 @@ def test_supported_and_unsupported_classes():
               "DeepseekV3ForCausalLM"]:
         ok, why = lce.causal_lm_support(getattr(transformers, n))
         assert ok, (n, why)
-    ok, why = lce.causal_lm_support(transformers.CohereForCausalLM)  # logits * self.logit_scale: unknown
-    assert not ok and "logit_scale" in why
+    ok, why = lce.causal_lm_support(transformers.CohereForCausalLM)  # logits * self.logit_scale: a temperature
+    assert ok, why
+    ok, why = lce.causal_lm_support(transformers.T5ForConditionalGeneration)  # its own CrossEntropyLoss
+    assert not ok and "computes its loss itself" in why
     ok, why = lce.causal_lm_support(transformers.LlamaModel)
     assert not ok
 
@@ -210,12 +212,13 @@ def test_supported_and_unsupported_classes():
 def test_unsupported_model_not_patched():
     import transformers
 
+    # a negative logit scale is no temperature: checked per instance, before anything is patched
     cfg = transformers.CohereConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=V)
+                                    num_key_value_heads=2, vocab_size=V, logit_scale=-0.0625)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     fwd = type(model).forward
     rep = get_feature("linear_cross_entropy").apply(model, None, _cfg())
-    assert not rep.applied and "CohereForCausalLM" in rep.reason and "logit_scale" in rep.reason
+    assert not rep.applied and "CohereForCausalLM" in rep.reason and "not a positive temperature" in rep.reason
     assert type(model).forward is fwd and not lce.is_patched(model)
 
 
@@ -317,7 +320,8 @@ def test_eval_generation_and_no_labels_are_unchanged(op_calls):
     _apply(fused)
     b = _batch(9)
     no_labels = {k: v for k, v in b.items() if k != "labels"}
-    torch.testing.assert_close(fused(**no_labels).logits, ref(**no_labels).logits)  # training, no labels
+    with pytest.warns(RuntimeWarning, match="without labels"):  # training, no labels: said once
+        torch.testing.assert_close(fused(**no_labels).logits, ref(**no_labels).logits)
     ref.eval(), fused.eval()
     out_r, out_f = ref(**b), fused(**b)  # eval with labels: real logits and the HF loss
     torch.testing.assert_close(out_f.logits, out_r.logits)
@@ -328,6 +332,72 @@ def test_eval_generation_and_no_labels_are_unchanged(op_calls):
     assert op_calls == []
     fused.train()
     assert fused(**b).logits is None and len(op_calls) == 1
+
+
+def test_training_without_labels_warns_once_per_model(op_calls):
+    import warnings
+
+    _, fused = _pair("llama-tiny")
+    rep = _apply(fused)
+    other = build_model("llama-tiny").train()
+    _apply(other)
+    ids = _batch(11)["input_ids"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert fused(input_ids=ids).logits is not None
+        fused(input_ids=ids, return_dict=False)
+        other(input_ids=ids)
+    msgs = [str(w.message) for w in caught if "without labels" in str(w.message)]
+    assert len(msgs) == 2, msgs  # one per model
+    msg = msgs[0]
+    assert msg.startswith("deepspeed_fused.linear_cross_entropy: LlamaForCausalLM ran in training mode without "
+                          "labels, so the fused loss did not run")
+    assert "(2x16x257 float32, 0.0314 MiB per forward" in msg and "Pass labels=" in msg
+    assert "logits are None" in msg and "Trainer's label_smoothing_factor" not in msg
+    assert (rep.calls.fused, rep.calls.eager) == (0, 4) and op_calls == []
+    fused(**_batch(11))
+    assert (rep.calls.fused, rep.calls.eager) == (1, 4) and len(op_calls) == 1
+
+
+def test_report_says_training_outputs_have_no_logits():
+    _, fused = _pair("llama-tiny")
+    rep = _apply(fused)
+    assert "training forwards with labels return logits=None" in rep.reason
+
+
+class _Lora(torch.nn.Module):
+    """The shape of peft's LoRA layer (peft.tuners.lora.layer.Linear): a base nn.Linear and adapters."""
+
+    def __init__(self, base, r=4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(base.in_features, r, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(r, base.out_features, bias=False)})
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+_Lora.__name__ = _Lora.__qualname__ = "Linear"
+_Lora.__module__ = "peft.tuners.lora.layer"
+
+
+def test_lora_head_reason_names_peft():
+    _, model = _pair("llama-tiny")
+    model.lm_head = _Lora(model.lm_head)
+    rep = get_feature("linear_cross_entropy").apply(model, None, _cfg())
+    assert not rep.applied and "lm_head is peft's LoRA layer peft.tuners.lora.layer.Linear around nn.Linear" \
+        in rep.reason, rep.reason
+    assert "target_modules" in rep.reason
+
+
+def test_lora_head_reason_names_peft_with_peft():
+    peft = pytest.importorskip("peft")
+    _, model = _pair("llama-tiny")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
+    rep = get_feature("linear_cross_entropy").apply(model, None, _cfg())
+    assert not rep.applied and "lm_head is peft's LoRA layer peft.tuners.lora" in rep.reason, rep.reason
 
 
 def test_user_loss_function_is_not_fused(op_calls):
@@ -448,7 +518,7 @@ def test_bad_config_values_raise_with_key_path(key, value):
 
 
 def test_config_defaults_and_docs():
-    from deepspeed_fused.config import config_reference
+    from deepspeed_fused.docs import config_reference
 
     c = _cfg()
     assert (c.ignore_index, c.chunk_tokens, c.accum_dtype, c.z_loss, c.label_smoothing, c.validate_targets) == \
