@@ -185,6 +185,8 @@ def test_form_family_bf16_training_step(family):
     import transformers
 
     cls_name, kw, expected = FORM_MODELS[family]
+    if not hasattr(transformers, cls_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = getattr(transformers, cls_name)(**{**_TINY, **kw})
