@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.linear_cross_entropy import linear_cross_entropy
-from ..ops.linear_cross_entropy.parallel import _CopyToGroup
+from ..ops.linear_cross_entropy.group import _CopyToGroup
 from .common import Record, env_fields, write_results
 
 SUITE = "tp_cross_entropy"
