@@ -33,9 +33,9 @@ addressed through up to three strided leading dims and a strided head dim with n
 cos/sin are broadcast over the heads through zero strides. The outputs take the inputs' layout
 (``empty_like``), as eager's elementwise results do, and the input gradients are contiguous, as
 eager autograd's are (the slices' backward builds them so): the layers before see the gradient
-eager would give them, down to its strides, so their own reductions round as in eager. cos and sin are constants: inputs where they
-require grad, and inputs the kernels cannot take, run the plain torch reference
-(:func:`rope_reference`) with one warning per reason. Under ``torch.compile`` the op is the custom
+eager would give them, down to its strides, so their own reductions round as in eager. cos and
+sin are constants: inputs where they require grad, and inputs the kernels cannot take, run the
+plain torch reference (:func:`rope_reference`) with one warning per reason. Under ``torch.compile`` the op is the custom
 op ``deepspeed_fused::rope_fwd`` with ``rope_bwd`` as its backward; in eager mode the same kernels
 run behind an ``autograd.Function``, launched through the compiled kernel's C launcher once a
 shape has been seen.
@@ -806,9 +806,9 @@ def try_fused_rope(q, k, cos, sin, unsqueeze_dim: int = 1, spec: RopeSpec = LLAM
 
 def fused_rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                unsqueeze_dim: int = 1, spec: RopeSpec = LLAMA):
-    """Rotary embedding of ``q`` and ``k`` (``[..., head_dim]``, up to 4 dims, any strides) by ``cos``/``sin`` unsqueezed at ``unsqueeze_dim`` and broadcast over
-    their leading dims, as ``spec`` describes (default: the Llama form ``q * cos +
-    rotate_half(q) * sin``). Returns ``(q_out, k_out)``, or ``q_out`` when ``k`` is None, in the
+    """Rotary embedding of ``q`` and ``k`` (``[..., head_dim]``, up to 4 dims, any strides) by
+    ``cos``/``sin`` unsqueezed at ``unsqueeze_dim`` and broadcast over their leading dims, as
+    ``spec`` describes (default: the Llama form ``q * cos + rotate_half(q) * sin``). Returns ``(q_out, k_out)``, or ``q_out`` when ``k`` is None, in the
     inputs' layout and ``output_dtype(spec, ...)``, equal to the Hugging Face form's result
     element for element; differentiable in q and k (first order; cos and sin are constants).
     Inputs the kernels cannot take run :func:`rope_reference` with a one-time warning per reason;
