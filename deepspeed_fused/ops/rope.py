@@ -810,9 +810,10 @@ def fused_rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, si
     ``cos``/``sin`` unsqueezed at ``unsqueeze_dim`` and broadcast over their leading dims, as
     ``spec`` describes (default: the Llama form ``q * cos + rotate_half(q) * sin``). Returns
     ``(q_out, k_out)``, or ``q_out`` when ``k`` is None, in the inputs' layout and
-    ``output_dtype(spec, ...)``, equal to the Hugging Face form's result element for element; differentiable in q and k (first order; cos and sin are constants).
-    Inputs the kernels cannot take run :func:`rope_reference` with a one-time warning per reason;
-    inputs eager rejects raise a ValueError or TypeError naming the argument."""
+    ``output_dtype(spec, ...)``, equal to the Hugging Face form's result element for element;
+    differentiable in q and k (first order; cos and sin are constants). Inputs the kernels
+    cannot take run :func:`rope_reference` with a one-time warning per reason; inputs eager
+    rejects raise a ValueError or TypeError naming the argument."""
     out = try_fused_rope(q, k, cos, sin, unsqueeze_dim, spec)
     if out is None:
         warn_fallback(_OP, rope_kernel_ok(q, k, cos, sin, unsqueeze_dim, spec)[1])
