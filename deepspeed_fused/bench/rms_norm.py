@@ -9,17 +9,23 @@ of the eager form, Liger-Kernel ``LigerRMSNorm`` (llama casting, not in place) a
 0.19.8 ``fused_rms_norm`` (widths up to 2048), each when it imports. Forward + backward is timed
 as the forward followed by ``torch.autograd.grad`` for x and the weight.
 
+The other forms (``ops.rms_norm.RMSForm``) are timed beside it at their models' widths: Gemma 3's
+``1 + w`` (hidden 2560 / 3840 / 5376, head_dim 256 q/k norms), Qwen3.5's gated output norm of its
+linear attention (head dim 128, with its gate) and GPT-OSS's weight-before-the-cast (hidden 2880):
+ours, eager (the form's torch formulation, the ops the HF modules run) and ``torch.compile`` of it,
+each with the Llama form's device time at the same shape beside it. ``--forms`` runs only those.
+
 ``python -m deepspeed_fused.bench rms_norm --sweep --out DIR`` times the kernels' tile knobs instead
 (CUDA-graph device time, one record per setting and shape) to tune the defaults in
-``deepspeed_fused/ops/rms_norm.py``.
+``deepspeed_fused/ops/rms_norm/plans.py``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..ops import _native
+from ..ops.rms_norm import native as _native
 from ..ops import rms_norm as _ops
-from ..ops.rms_norm import fused_rms_norm, rms_norm_reference
+from ..ops.rms_norm import FORMS, fused_rms_norm, fused_rms_norm_form, rms_norm_form_reference, rms_norm_reference
 from .common import Record, env_fields, graph_ms, loop_ms, measure
 
 SUITE = "rms_norm"
@@ -42,11 +48,11 @@ _LOOPED = ("deepspeed_fused", _PY_NODE, "torch F.rms_norm", "torch.compile(eager
 
 def _python_node(x, w):
     """Ours with the Python autograd node (the C++ node switched off for the call)."""
-    _ops.NATIVE = False
+    _ops.api.NATIVE = False
     try:
         return fused_rms_norm(x, w, EPS)
     finally:
-        _ops.NATIVE = True
+        _ops.api.NATIVE = True
 EPS = 1e-6
 
 
@@ -144,14 +150,14 @@ def sweep(args) -> list:
         raise SystemExit("the rms_norm sweep needs a GPU (it times CUDA-graph replays)")
     dtype = torch.bfloat16
     shapes = [(8192, 2048), (8192, 4096), (8192, 8192), (262144, 128), (524288, 128)]
-    saved = {k: getattr(_ops, k) for k in _FWD_KNOBS + _BWD_KNOBS}
+    saved = {k: getattr(_ops.plans, k) for k in _FWD_KNOBS + _BWD_KNOBS}
     recs = []
     gen = torch.Generator().manual_seed(0)
 
     def apply(knobs, setting):
         for k, v in zip(knobs, setting):
-            setattr(_ops, k, v)
-        _ops._occupancy_cache.clear()
+            setattr(_ops.plans, k, v)
+        _ops.plans._occupancy_cache.clear()
         _ops.clear_plans()
 
     try:
@@ -163,15 +169,15 @@ def sweep(args) -> list:
             shape = f"{rows}x{width}"
             for setting in FWD_SWEEP:
                 apply(_FWD_KNOBS, setting)
-                ms = graph_ms(lambda: _ops._forward_impl(x, w, EPS), rep=50)
+                ms = graph_ms(lambda: _ops.launch._forward_impl(x, w, EPS), rep=50)
                 recs.append(Record(SUITE, "fwd tile_bytes/elems_per_warp " + "/".join(map(str, setting)), shape,
                                    "bfloat16", ours=True, fwd_ms=ms, unit="TB/s", fwd_rate=2 * e / ms / 1e9,
                                    note="CUDA-graph device time", **env_fields()))
             apply(_FWD_KNOBS, [saved[k] for k in _FWD_KNOBS])
-            _, rstd = _ops._forward_impl(x, w, EPS)
+            _, rstd = _ops.launch._forward_impl(x, w, EPS)
             for setting in BWD_SWEEP:
                 apply(_BWD_KNOBS, setting)
-                ms = graph_ms(lambda: _ops._backward_impl(dy, x, w, rstd), rep=50)
+                ms = graph_ms(lambda: _ops.launch._backward_impl(dy, x, w, rstd), rep=50)
                 recs.append(Record(SUITE, "bwd tile_elems/elems_per_warp/prefetch " + "/".join(map(str, setting)),
                                    shape, "bfloat16", ours=True, fwd_bwd_ms=ms, unit="TB/s",
                                    fwd_bwd_rate=3 * e / ms / 1e9,
@@ -184,9 +190,124 @@ def sweep(args) -> list:
     return recs
 
 
+# (form, model, rows, width): the forms at their models' widths (8192 tokens; q/k norms: 8192 x 8 heads)
+FORM_SHAPES = [("offset", "Gemma 3 4B", 8192, 2560), ("offset", "Gemma 3 12B", 8192, 3840),
+               ("offset", "Gemma 3 27B", 8192, 5376), ("offset", "Gemma 3 q/k norm", 65536, 256),
+               ("gated", "Qwen3.5 linear-attention output norm", 8192 * 32, 128),
+               ("gated", "Qwen3.5 linear-attention output norm", 8192 * 16, 128),
+               ("weight_first", "GPT-OSS", 8192, 2880)]
+
+
+def _form_fns(impl, x, w, g, dy):
+    leaves = [t.detach().requires_grad_() for t in (x, w, g) if t is not None]
+
+    def call(*ts):
+        it = iter(ts)
+        return impl(next(it), next(it) if w is not None else None, next(it) if g is not None else None)
+
+    def fwd():
+        with torch.no_grad():
+            return impl(x, w, g)
+
+    def fwd_bwd():
+        return torch.autograd.grad(call(*leaves), leaves, dy)
+
+    return fwd, fwd_bwd
+
+
+def run_forms(dev: str, dtype, rep: int, native: bool, quick: bool) -> list:
+    """The other forms at their models' widths: ours, eager and torch.compile of the form's torch
+    formulation, and the Llama form (ours) at the same shape for its device time."""
+    recs = []
+    gen = torch.Generator().manual_seed(1)
+    shapes = FORM_SHAPES if dev == "cuda" else [("offset", "smoke", 64, 256), ("gated", "smoke", 64, 128),
+                                                ("weight_first", "smoke", 16, 256)]
+    if quick and dev == "cuda":
+        shapes = [FORM_SHAPES[0], FORM_SHAPES[4], FORM_SHAPES[6]]
+    for fname, model, rows, width in shapes:
+        form = FORMS[fname]
+        x = (0.5 * torch.randn(rows, width, generator=gen)).to(dev, dtype)
+        w = ((0.0 if fname == "offset" else 1.0) + 0.02 * torch.randn(width, generator=gen)).to(dev, dtype)
+        g = torch.randn(rows, width, generator=gen).to(dev, dtype) if form.gate != "none" else None
+        dy = torch.randn(rows, width, generator=gen).to(dev, dtype)
+        e = rows * width * x.element_size()
+        # bytes an exact implementation moves: x (and the gate) read, y written; the backward reads
+        # x, dy (and the gate), writes dx (and the gate's gradient)
+        n_in = 2 if g is not None else 1
+        b_fwd, b_fwd_bwd = (n_in + 1) * e, (n_in + 1 + n_in + 1 + n_in) * e
+        shape = f"{rows}x{width} {fname} ({model})"
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda a, b, c: rms_norm_form_reference(a, b, EPS, form, c), dynamic=False)
+        impls = [(f"deepspeed_fused {fname}", lambda a, b, c: fused_rms_norm_form(a, b, EPS, form, c), True,
+                  "C++ autograd node" if native else "Python node", b_fwd, b_fwd_bwd),
+                 (f"eager {fname} (HF form)", lambda a, b, c: rms_norm_form_reference(a, b, EPS, form, c), False, "",
+                  b_fwd, b_fwd_bwd),
+                 (f"torch.compile {fname}", compiled, False, "", b_fwd, b_fwd_bwd),
+                 ("deepspeed_fused llama form (same shape)", lambda a, b, c: fused_rms_norm(a, b, EPS), False,
+                  "the Llama form's op at this shape (no gate): its device time is the form's target", 2 * e, 5 * e)]
+        for name, fn, ours, note, bf, bfb in impls:
+            gg = None if name.endswith("(same shape)") else g
+            fwd, fwd_bwd = _form_fns(fn, x, w, gg, dy)
+            rec = measure(SUITE, name, shape, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=bf, bytes_fwd_bwd=bfb,
+                          ours=ours, note=note, rep=rep, tensor_mib=round(e / 2**20, 1), form=fname)
+            if dev == "cuda" and rec.fwd_bwd_ms:
+                try:
+                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
+                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4),
+                                     fwd_graph_tbps=round(bf / fms / 1e9, 3),
+                                     fwd_bwd_graph_tbps=round(bfb / gms / 1e9, 3))
+                    graph_note = f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"
+                    rec.note = "; ".join(p for p in [rec.note, graph_note] if p)
+                except Exception as ex:  # reported, not fatal
+                    torch.cuda.synchronize()
+                    rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)
+            recs.append(rec)
+        del x, w, g, dy
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return recs
+
+
+def _forms_summary(recs) -> str:
+    """Targets of the forms: fwd+bwd device time within 10% of the Llama form's at the same shape
+    (per byte too, since a gated norm moves more), faster than eager and torch.compile
+    host-inclusive."""
+    rows = ["The other forms (fwd+bwd; device time from CUDA graphs, host-inclusive from do_bench):", "",
+            "| shape | ours device ms | Llama form device ms | ratio | ratio per byte | vs eager (host) | "
+            "vs torch.compile (host) | targets |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for shape in dict.fromkeys(r.shape for r in recs if "form" in r.extra):
+        rs = {r.impl.split(" ")[0] + (" llama" if "llama form" in r.impl else ""): r for r in recs if r.shape == shape}
+        ours, llama = rs.get("deepspeed_fused"), rs.get("deepspeed_fused llama")
+        eager, comp = rs.get("eager"), rs.get("torch.compile")
+        if ours is None or llama is None:
+            continue
+        og, lg = ours.extra.get("fwd_bwd_graph_ms"), llama.extra.get("fwd_bwd_graph_ms")
+        ratio = og / lg if og and lg else None
+        per_byte = (ours.extra.get("fwd_bwd_graph_tbps") and llama.extra.get("fwd_bwd_graph_tbps")
+                    and llama.extra["fwd_bwd_graph_tbps"] / ours.extra["fwd_bwd_graph_tbps"])
+        ve = eager.fwd_bwd_ms / ours.fwd_bwd_ms if eager and eager.fwd_bwd_ms and ours.fwd_bwd_ms else None
+        vc = comp.fwd_bwd_ms / ours.fwd_bwd_ms if comp and comp.fwd_bwd_ms and ours.fwd_bwd_ms else None
+        met = [ratio is not None and ratio <= 1.10, ve is not None and ve > 1, vc is not None and vc > 1]
+        verdict = ", ".join(f"{n} {'yes' if m else 'NO'}" for n, m in zip(("<=1.1x Llama", "> eager", "> compile"),
+                                                                             met))
+        f = (lambda v, d=2: f"{v:.{d}f}" if v else "-")
+        rows.append(f"| {shape} | {f(og, 4)} | {f(lg, 4)} | {f(ratio)} | {f(per_byte)} | {f(ve)}x | {f(vc)}x | "
+                    f"{verdict} |")
+    return "\n".join(rows)
+
+
 def run(args) -> list:
-    if "--sweep" in (getattr(args, "extra", None) or []):
+    global NOTES
+    extra = getattr(args, "extra", None) or []
+    if "--sweep" in extra:
         return sweep(args)
+    if "--forms" in extra:
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        native = _native.get(wait=True) is not None if dev == "cuda" else False
+        recs = run_forms(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if getattr(args, "quick", False)
+                         else 100, native, getattr(args, "quick", False))
+        NOTES = _NOTES + "\n\n" + _forms_summary(recs) if dev == "cuda" else _NOTES
+        return recs
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     quick = getattr(args, "quick", False)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -254,8 +375,10 @@ def run(args) -> list:
         del x, w, dy
         if dev == "cuda":
             torch.cuda.empty_cache()
-    global NOTES
-    NOTES = _NOTES + "\n\n" + _summary(recs) + "\n\n" + _host_summary(recs) if dev == "cuda" else _NOTES
+    forms = run_forms(dev, dtype, rep, native, quick)
+    NOTES = (_NOTES + "\n\n" + _summary(recs) + "\n\n" + _host_summary(recs) + "\n\n" + _forms_summary(forms)
+             if dev == "cuda" else _NOTES)
+    recs += forms
     return recs
 
 

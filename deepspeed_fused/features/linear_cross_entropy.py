@@ -1,19 +1,25 @@
-"""Feature "linear_cross_entropy": Hugging Face causal LMs compute their training loss with the
-fused LM-head + cross-entropy op, so the [tokens, vocab] logits are never materialized.
+"""Feature "linear_cross_entropy": Hugging Face language models compute their training loss with
+the fused LM-head + cross-entropy op, so the [tokens, vocab] logits are never materialized.
 
-One generic mechanism serves every ``*ForCausalLM`` whose forward follows the usual pattern
-(``self.model(...)`` -> hidden states -> ``logits = self.lm_head(hidden)`` ->
-``self.loss_function(logits, labels, vocab_size, **kwargs)``, optional router aux loss):
+One generic mechanism serves every model whose forward has a vocabulary projection feeding
+transformers' ``ForCausalLMLoss`` (``*ForCausalLM``, ``*LMHeadModel``, the language model's head
+of a ``*ForConditionalGeneration`` vision-language model, ...): hidden states ->
+``logits = self.<head>(hidden)`` (scaled, soft-capped) -> ``self.loss_function(logits, labels,
+vocab_size, **kwargs)``, optional router aux loss. Which forwards qualify, and what the op must
+do to the logits, is read from the forward's source (``lm_heads.py``), never from a class name:
 
 * The class's ``forward`` is wrapped once by a dispatcher; only instances that opted in (a state
   object in their ``__dict__``) take the fused path, and only when training with labels and with
   transformers' own ``ForCausalLMLoss``. Everything else (eval, generation, no labels, a user's own
   ``loss_function``) runs the original forward unchanged and gets real logits.
 * On the fused path the model's own forward runs with two per-call substitutions in the instance
-  ``__dict__``: ``self.lm_head`` becomes a capture that records the (already ``logits_to_keep``
-  sliced) hidden states and returns a zero-width tensor, and ``self.loss_function`` becomes a loss
+  ``__dict__``: the head (``self.lm_head``, or whatever the forward calls) becomes a capture that
+  records the (already ``logits_to_keep`` sliced) hidden states and returns a zero-width tensor
+  (reads of the head's attributes pass through), and ``self.loss_function`` becomes a loss
   that shifts/pads labels exactly as ``ForCausalLMLoss`` does (or takes ``shift_labels`` as given),
-  then calls the real ``lm_head`` *as a module* with its forward swapped for the op. Calling the
+  then calls the real head *as a module* with its forward swapped for the op. When the logits
+  are those of an inner model called without labels (``outputs = self.language_model(...)``;
+  ``logits = outputs[0]``), the capture goes on the inner model's head. Calling the
   module keeps DeepSpeed ZeRO-3's hooks in charge: the partitioned weight is gathered for the op's
   forward and backward and its gradient reaches the partitioned parameter like an ``nn.Linear``'s.
   The model's code therefore still does the slicing, router aux loss, output class and
@@ -23,10 +29,12 @@ One generic mechanism serves every ``*ForCausalLM`` whose forward follows the us
   materialized): it warns once, naming the cause when it is the HF Trainer's
   ``label_smoothing_factor`` or ``compute_loss_func`` (which take the labels out before the
   forward). The report counts fused and eager forwards since the feature was applied.
-* Which forwards qualify is read from their source (AST): between ``self.lm_head`` and the loss
-  the logits may only be upcast (``.float()``), divided by a config scalar (-> the op's
-  ``temperature``) or soft-capped with ``config.<x>`` (-> the op's ``softcap``). Anything else is
-  reported and left unpatched, never silently changed.
+* Between the head and the loss the logits may only be upcast or copied, multiplied or divided
+  by scalars read from the model (-> the op's ``temperature``) and go through one ``tanh``
+  (-> ``softcap``), under conditions on such scalars; after the loss they may be read only where
+  the fused path does not go. The scalars and conditions are evaluated per call; the head must be
+  an ``nn.Linear`` (or an AutoTP vocabulary shard). Anything else is reported and left
+  unpatched (or, found at call time, runs eager with a warning), never silently changed.
 * DeepSpeed AutoTP heads split by vocabulary (``tensor_parallel``: ``VocabParallelLinear`` with
   DeepSpeed's ``VocabParallelCausalLMLoss``, or the training-mode ``LinearLayer`` that all-gathers
   the logits) take the op's vocab-parallel path with the layer's TP group (``mp_group``) and its
@@ -36,12 +44,10 @@ One generic mechanism serves every ``*ForCausalLM`` whose forward follows the us
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import inspect
 import sys
-import textwrap
 import warnings
 from typing import Literal, Optional, Union
 
@@ -49,9 +55,8 @@ import torch
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 from typing_extensions import Annotated
 
-from ..config import FeatureConfig
-from .base import CallCounts, Feature, FeatureReport
-from .registry import register
+from .base import CallCounts, Feature, FeatureConfig, FeatureReport
+from .lm_heads import HeadSpec, Unsupported, blocked, locate, logit_transform, read_class
 
 _STATE = "_deepspeed_fused_lce"  # instance __dict__ key: the per-instance opt-in
 _ORIG = "_deepspeed_fused_lce_original"  # on the dispatcher: the class's original forward
@@ -81,31 +86,7 @@ class LinearCrossEntropyConfig(FeatureConfig):
 
 
 # --------------------------------------------------------------------------------------------
-# Which forwards qualify: a static reading of the class's forward source.
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """How a class's forward turns lm_head output into logits: config attributes (read per call)."""
-
-    temperature_attr: Optional[str] = None
-    softcap_attr: Optional[str] = None
-
-
-def _is_self_attr(node, name=None) -> bool:
-    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
-            and (name is None or node.attr == name))
-
-
-def _config_attr(node) -> Optional[str]:
-    """``self.config.X`` -> "X"."""
-    if isinstance(node, ast.Attribute) and _is_self_attr(node.value, "config"):
-        return node.attr
-    return None
-
-
-def _names(node) -> set:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+# Which forwards qualify: a static reading of the class's forward source (lm_heads.py).
 
 
 def _original_forward(cls):
@@ -114,114 +95,48 @@ def _original_forward(cls):
 
 
 @functools.lru_cache(maxsize=None)
-def _analyze(cls) -> tuple[Optional[_Spec], str]:
+def _analyze(cls) -> tuple[Optional[HeadSpec], str]:
     """(spec, "") when ``cls.forward`` follows the supported pattern, else (None, why not)."""
-    try:
-        fn = inspect.unwrap(_original_forward(cls))
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError) as e:
-        return None, f"forward source unavailable ({type(e).__name__})"
-    func = tree.body[0]
-    lm_uses = [n for n in ast.walk(func) if _is_self_attr(n, "lm_head")]
-    loss_uses = [n for n in ast.walk(func) if _is_self_attr(n, "loss_function")]
-    if len(lm_uses) != 1 or len(loss_uses) != 1:
-        return None, (f"forward uses self.lm_head {len(lm_uses)} and self.loss_function {len(loss_uses)} "
-                      "times (expected once each)")
-    head = [s for s in ast.walk(func) if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
-            and s.value.func is lm_uses[0]]
-    if len(head) != 1 or len(head[0].targets) != 1 or not isinstance(head[0].targets[0], ast.Name):
-        return None, "forward does not assign `logits = self.lm_head(...)`"
-    var = head[0].targets[0].id
-    calls = [n for n in ast.walk(func) if isinstance(n, ast.Call) and n.func is loss_uses[0]]
-    if len(calls) != 1:
-        return None, "forward does not call self.loss_function(...)"
-    call = calls[0]
-    first = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "logits"), None)
-    if not (isinstance(first, ast.Name) and first.id == var):
-        return None, f"self.loss_function is not given `{var}` as its logits"
-    head_line, loss_line = head[0].lineno, call.lineno
-    temperature = softcap = None
-    # Statements between lm_head and the loss that touch the logits: only known transformations.
-    stmts = []
-
-    def visit(body):
-        for s in body:
-            inner = list(ast.walk(s))
-            if any(n is head[0] for n in inner) or any(n is call for n in inner):
-                if not isinstance(s, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)):
-                    for fld in ("body", "orelse", "finalbody"):  # a block holding the head or the loss
-                        visit(getattr(s, fld, None) or [])
-            elif head_line < s.lineno < loss_line and var in _names(s):
-                stmts.append(s)
-
-    visit(func.body)
-    for s in sorted(stmts, key=lambda s: s.lineno):
-        kind = _classify(s, var)
-        if kind is None:
-            return None, f"forward changes the logits before the loss: `{ast.unparse(s).splitlines()[0]}`"
-        if kind[0] == "temperature":
-            if softcap is not None or temperature is not None:
-                return None, f"unsupported order of logits scaling: `{ast.unparse(s)}`"
-            temperature = kind[1]
-        elif kind[0] == "softcap":
-            if softcap is not None:
-                return None, "logits soft-capped twice"
-            softcap = kind[1]
-    # After the loss, the logits may only be handed to the output (keyword `logits=`).
-    allowed = {id(k.value) for k in ast.walk(func) if isinstance(k, ast.keyword) and k.arg == "logits"}
-    for n in ast.walk(func):
-        if isinstance(n, ast.Name) and n.id == var and getattr(n, "lineno", 0) > loss_line \
-                and isinstance(n.ctx, ast.Load) and id(n) not in allowed:
-            return None, f"forward uses `{var}` after the loss other than in its output"
-    return _Spec(temperature_attr=temperature, softcap_attr=softcap), ""
-
-
-def _classify(s, var):
-    """One statement between lm_head and the loss: ("noop",) | ("temperature", attr) |
-    ("softcap", attr) | None (unknown)."""
-    def is_var(n):
-        return isinstance(n, ast.Name) and n.id == var
-
-    if isinstance(s, ast.Assign) and len(s.targets) == 1 and is_var(s.targets[0]):
-        v = s.value
-        # logits = logits.float()
-        if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "float" \
-                and is_var(v.func.value) and not v.args and not v.keywords:
-            return ("noop",)
-        # logits = logits / self.config.X
-        if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div) and is_var(v.left) and _config_attr(v.right):
-            return ("temperature", _config_attr(v.right))
-        return None
-    # if self.config.X is not None: logits = logits / X; logits = torch.tanh(logits); logits = logits * X
-    if isinstance(s, ast.If) and not s.orelse and isinstance(s.test, ast.Compare) and len(s.test.ops) == 1 \
-            and isinstance(s.test.ops[0], ast.IsNot) and _config_attr(s.test.left) \
-            and isinstance(s.test.comparators[0], ast.Constant) and s.test.comparators[0].value is None:
-        x = _config_attr(s.test.left)
-        b = s.body
-        ok = (len(b) == 3 and all(isinstance(t, ast.Assign) and len(t.targets) == 1 and is_var(t.targets[0])
-                                  for t in b))
-        if ok:
-            v0, v1, v2 = (t.value for t in b)
-            ok = (isinstance(v0, ast.BinOp) and isinstance(v0.op, ast.Div) and is_var(v0.left)
-                  and _config_attr(v0.right) == x
-                  and isinstance(v1, ast.Call) and ast.unparse(v1.func) == "torch.tanh" and len(v1.args) == 1
-                  and is_var(v1.args[0])
-                  and isinstance(v2, ast.BinOp) and isinstance(v2.op, ast.Mult) and is_var(v2.left)
-                  and _config_attr(v2.right) == x)
-        return ("softcap", x) if ok else None
-    return None
+    return read_class(cls, _original_forward(cls))
 
 
 def causal_lm_support(cls) -> tuple[bool, str]:
-    """Whether instances of ``cls`` can take the fused loss path, and why not."""
+    """Whether instances of ``cls`` can take the fused loss path, and why not (from its forward's
+    source: a vocabulary projection whose logits reach ``self.loss_function``; the head module,
+    the loss and the scalars are checked per instance)."""
     try:
         from transformers import PreTrainedModel
     except Exception as e:  # pragma: no cover
         return False, f"transformers not importable ({e})"
-    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel) and cls.__name__.endswith("ForCausalLM")):
-        return False, "not a transformers *ForCausalLM"
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        return False, "not a transformers PreTrainedModel"
     spec, why = _analyze(cls)
     return spec is not None, why
+
+
+def _is_lm_candidate(model) -> bool:
+    """A PreTrainedModel with a head: an output embedding, or a forward calling
+    ``self.loss_function`` (patched, or reported with the reason it is not)."""
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    if not isinstance(model, PreTrainedModel):
+        return False
+    try:
+        if model.get_output_embeddings() is not None:
+            return True
+    except Exception:
+        pass
+    return _calls_loss_function(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_loss_function(cls) -> bool:
+    try:
+        return "self.loss_function" in inspect.getsource(inspect.unwrap(_original_forward(cls)))
+    except (OSError, TypeError):
+        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +158,7 @@ class _State:
     deep copy of the model gets its own live state, so the copy stays fused when the original is
     reverted; a pickled model loads the state as ``False`` (eager until it is patched again)."""
 
-    spec: _Spec
+    spec: HeadSpec
     ignore_index: int
     chunk_tokens: Optional[int]
     accum_dtype: Optional[torch.dtype]
@@ -272,19 +187,24 @@ class _State:
 
 
 class _Capture:
-    """Stands in for ``self.lm_head`` during one fused forward: records the hidden states and
-    returns zero-width "logits" (any unexpected use of them fails loudly)."""
+    """Stands in for the head (``self.lm_head``) during one fused forward: records the hidden
+    states and returns zero-width "logits" (any unexpected use of them fails loudly). Reads of
+    other attributes (``self.lm_head.weight.dtype``) go to the real head."""
 
-    def __init__(self):
+    def __init__(self, module):
+        self.module = module
         self.hidden = None
         self.calls = 0
 
     def __call__(self, hidden, *args, **kwargs):
         if args or kwargs:
-            raise TypeError("deepspeed_fused.linear_cross_entropy: lm_head called with extra arguments")
+            raise TypeError("deepspeed_fused.linear_cross_entropy: the LM head called with extra arguments")
         self.calls += 1
         self.hidden = hidden
         return hidden.new_empty(hidden.shape[:-1] + (0,))
+
+    def __getattr__(self, name):  # only for names not set in __init__
+        return getattr(self.__dict__["module"], name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +267,8 @@ def _shard_text(shard: _VocabShard) -> str:
     return f"vocab-parallel over the AutoTP group (tp={shard.tp})"
 
 
-def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard: Optional[_VocabShard] = None):
+def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard: Optional[_VocabShard] = None,
+                transform: tuple = (1.0, None)):
     """A replacement for ``ForCausalLMLoss`` (or DeepSpeed's ``VocabParallelCausalLMLoss``) that
     runs the fused op on the captured hidden states (over ``shard.group`` for an AutoTP head)."""
 
@@ -358,11 +279,11 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard:
         counter[0] += 1
         hidden = cap.hidden
         if hidden is None:
-            raise RuntimeError("deepspeed_fused.linear_cross_entropy: loss called before lm_head")
+            raise RuntimeError("deepspeed_fused.linear_cross_entropy: loss called before the LM head")
         ii = st.ignore_index if ignore_index is None else int(ignore_index)
         full_vocab = shard.vocab if shard is not None else lm_head.out_features
         if vocab_size is not None and int(vocab_size) != full_vocab:
-            what = "the AutoTP lm_head's global vocabulary" if shard is not None else "lm_head.out_features"
+            what = "the AutoTP head's global vocabulary" if shard is not None else "the head's out_features"
             raise ValueError(f"vocab_size: expected {what}={full_vocab}, got {vocab_size}")
         if shift_labels is None:
             if labels is None:
@@ -374,9 +295,7 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard:
         if h.shape[0] != targets.numel():
             raise ValueError(f"labels: {targets.numel()} (shifted) labels for {h.shape[0]} positions whose logits "
                              "are kept; with logits_to_keep, labels must cover the kept positions")
-        spec = st.spec
-        temperature = float(getattr(model.config, spec.temperature_attr)) if spec.temperature_attr else 1.0
-        softcap = getattr(model.config, spec.softcap_attr) if spec.softcap_attr else None
+        temperature, softcap = transform  # the forward's scalings of the logits (lm_heads.logit_transform)
         reduction = "mean" if num_items_in_batch is None else "sum"
 
         def head_forward(x):
@@ -423,25 +342,63 @@ def _labels_of(sig_names, args, kwargs):
     return args[i] if 0 <= i < len(args) else None
 
 
-def _unfused_reason(model) -> str:
-    """Why a patched instance must not fuse right now ("" when it may)."""
-    lm_head = model._modules.get("lm_head")
+def _head(model, spec: HeadSpec):
+    """(module holding the head, the head's attribute name, the chain for lm_heads); raises Unsupported."""
+    return locate(spec, model, _analyze)
+
+
+def _unfused_reason(model, spec: Optional[HeadSpec] = None) -> str:
+    """Why a patched instance must not fuse right now ("" when it may); ``spec``: its class's
+    reading (default: the patched state's, else read now)."""
+    if spec is None:
+        st = fused_state(model)
+        spec, why = (st.spec, "") if st is not None else _analyze(type(model))
+        if spec is None:
+            return why
+    try:
+        owner, name, chain = _head(model, spec)
+        logit_transform(chain)
+    except Unsupported as e:
+        return str(e)
+    lm_head = owner._modules.get(name)
+    if owner is not model:
+        name = f"{spec.via}.{name}"
+    if lm_head is None:
+        return f"self.{name} is not a submodule (the forward calls it as the head)"
     shard = _vocab_shard(lm_head)
     if shard is None and not isinstance(lm_head, torch.nn.Linear):
         kind = _head_kind(lm_head)
         if kind.startswith("peft's"):
-            return f"lm_head is {kind}"
-        return (f"lm_head is {kind}, not nn.Linear or a DeepSpeed AutoTP head split by "
+            return f"self.{name} is {kind}"
+        return (f"self.{name} is {kind}, not nn.Linear or a DeepSpeed AutoTP head split by "
                 "vocabulary (VocabParallelLinear, LinearLayer with gather_output)")
+    if shard is None and type(lm_head).forward is not torch.nn.Linear.forward:
+        return (f"self.{name} is {type(lm_head).__name__}, an nn.Linear with its own forward (quantized or "
+                "otherwise not x @ weight.T + bias)")
     if "forward" in lm_head.__dict__:
-        return "lm_head.forward is overridden on the instance"
+        return f"self.{name}.forward is overridden on the instance"
     if shard is not None and getattr(lm_head, "defer_collectives_to_compiler", False):
-        return "lm_head's tensor-parallel collectives are deferred to DeepSpeed's AutoTP compile pass"
+        return f"self.{name}'s tensor-parallel collectives are deferred to DeepSpeed's AutoTP compile pass"
+    why = blocked(chain)
+    if why:
+        return why
     if shard is not None and shard.kind == "VocabParallelLinear":
         return _ds_vocab_parallel_loss(model.loss_function, lm_head)
     if model.loss_function is not _causal_lm_loss():
-        return "the model's loss_function is not transformers' ForCausalLMLoss (a user's own loss is kept)"
+        if "_loss_function" in model.__dict__:
+            return "the model's loss_function is not transformers' ForCausalLMLoss (a user's own loss is kept)"
+        loss = model.loss_function
+        return (f"the model's loss_function is {getattr(loss, '__name__', type(loss).__name__)} (loss_type "
+                f"{getattr(model, 'loss_type', None)!r}), not transformers' ForCausalLMLoss")
     return ""
+
+
+def _head_module(model):
+    try:
+        owner, name, _ = _head(model, fused_state(model).spec)
+    except Unsupported:
+        return None
+    return owner._modules.get(name)
 
 
 def _head_kind(lm_head) -> str:
@@ -519,8 +476,10 @@ def _warn_no_labels(model, out) -> None:
 
 
 def _fused_forward(model, st: _State, orig, args, kwargs):
-    cap, counter = _Capture(), [0]
-    lm_head = model._modules["lm_head"]
+    owner, name, chain = _head(model, st.spec)  # checked by _unfused_reason just before
+    lm_head = owner._modules[name]
+    cap, counter = _Capture(lm_head), [0]
+    transform = logit_transform(chain)
     return_dict = kwargs.get("return_dict", None)
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
@@ -528,18 +487,18 @@ def _fused_forward(model, st: _State, orig, args, kwargs):
         kwargs = {**kwargs, "return_dict": True}
     d = model.__dict__
     prev_loss = d.get("_loss_function", _MISSING)
-    d["lm_head"] = cap  # instance __dict__ wins over nn.Module.__getattr__ (the real one stays in _modules)
-    d["_loss_function"] = _fused_loss(model, lm_head, st, cap, counter, _vocab_shard(lm_head))
+    owner.__dict__[name] = cap  # instance __dict__ wins over nn.Module.__getattr__ (the real one stays in _modules)
+    d["_loss_function"] = _fused_loss(model, lm_head, st, cap, counter, _vocab_shard(lm_head), transform)
     try:
         out = orig(model, *args, **kwargs)
     finally:
-        d.pop("lm_head", None)
+        owner.__dict__.pop(name, None)
         if prev_loss is _MISSING:
             d.pop("_loss_function", None)
         else:
             d["_loss_function"] = prev_loss
     if cap.calls != 1 or counter[0] != 1:
-        raise RuntimeError(f"deepspeed_fused.linear_cross_entropy: {type(model).__name__}.forward called lm_head "
+        raise RuntimeError(f"deepspeed_fused.linear_cross_entropy: {type(model).__name__}.forward called self.{name} "
                            f"{cap.calls} and loss_function {counter[0]} times with labels (expected once each)")
     from transformers.utils import ModelOutput
 
@@ -564,7 +523,8 @@ def _make_dispatcher(orig):
     @functools.wraps(orig)
     def forward(self, *args, **kwargs):
         st = fused_state(self)
-        if st is None:
+        if st is None or isinstance(self.__dict__.get(st.spec.head), _Capture):
+            # (a capture on its head: an outer model's fused forward takes this one's logits)
             return orig(self, *args, **kwargs)
         if not self.training or _labels_of(names, args, kwargs) is None:
             st.calls.eager += 1
@@ -573,7 +533,7 @@ def _make_dispatcher(orig):
                 st.warned_no_labels = True
                 _warn_no_labels(self, out)
             return out
-        why = _unfused_reason(self)
+        why = _unfused_reason(self, st.spec)
         if why:
             st.calls.eager += 1
             if why != st.unfused_reason:
@@ -610,7 +570,7 @@ def _unpatch_class(cls) -> None:
         delattr(cls, "forward")
 
 
-def _state_from_cfg(spec: _Spec, cfg) -> _State:
+def _state_from_cfg(spec: HeadSpec, cfg) -> _State:
     return _State(spec=spec, ignore_index=int(cfg.ignore_index),
                   chunk_tokens=None if cfg.chunk_tokens == "auto" else int(cfg.chunk_tokens),
                   accum_dtype=torch.float32 if cfg.accum_dtype == "fp32" else None,
@@ -636,7 +596,6 @@ def is_patched(module) -> bool:
     return fused_state(module) is not None
 
 
-@register
 class LinearCrossEntropyFeature(Feature):
     name = "linear_cross_entropy"
     config_model = LinearCrossEntropyConfig
@@ -651,14 +610,14 @@ class LinearCrossEntropyFeature(Feature):
         plans, skipped = [], {}
         for name, m in model.named_modules():
             cls = type(m)
-            if not cls.__name__.endswith("ForCausalLM") or is_patched(m):
+            if is_patched(m) or not _is_lm_candidate(m):
                 continue
             ok, why = causal_lm_support(cls)
             if ok:
                 if "forward" in m.__dict__:
                     ok, why = False, "forward is overridden on the instance"
                 else:
-                    why = _unfused_reason(m)
+                    why = _unfused_reason(m, _analyze(cls)[0])
                     ok = not why
             if ok:
                 plans.append((name, m, _analyze(cls)[0]))
@@ -682,7 +641,7 @@ class LinearCrossEntropyFeature(Feature):
         # AutoTP heads split by vocabulary (the op runs over their TP group): by module name.
         vocab_parallel, modes = {}, {}
         for name, m in model.named_modules():
-            shard = _vocab_shard(m._modules.get("lm_head")) if is_patched(m) else None
+            shard = _vocab_shard(_head_module(m)) if is_patched(m) else None
             if shard is not None:
                 vocab_parallel[name or "<root>"] = {"tp": shard.tp, "vocab": shard.vocab, "vocab_start": shard.start,
                                                     "head": shard.kind}
@@ -697,7 +656,7 @@ class LinearCrossEntropyFeature(Feature):
             report.details["vocab_parallel"] = vocab_parallel
             report.details["mode"] = "; ".join(sorted(set().union(*modes.values())))
         if not counts:
-            report.reason = "no supported *ForCausalLM found" + (
+            report.reason = "no supported language-model head found" + (
                 "; " + "; ".join(f"{c}: {w}" for c, w in skipped.items()) if skipped else "")
         elif skipped:
             report.reason = "skipped " + "; ".join(f"{c}: {w}" for c, w in skipped.items())

@@ -1,4 +1,4 @@
-"""Feature "rms_norm": run Llama-form RMSNorm modules through the fused op.
+"""Feature "rms_norm": run RMSNorm modules through the fused op, each in its own form.
 
 Installation is class-level plus a per-instance opt-in. The first time a class is replaced, its
 ``forward`` is wrapped (once) by a dispatcher; the dispatcher runs the fused op only for
@@ -10,27 +10,30 @@ eager until it is replaced again. Parameters, buffers, state_dict keys and modul
 touched.
 
 Which modules qualify: the exact classes of :data:`SUPPORTED_CLASSES` (by qualified name) while
-their class still runs its own forward, plus (``match_llama_form``) any other class whose
-forward compiles to the same bytecode as the Llama form (only the epsilon attribute name,
-``variance_epsilon`` or ``eps``, may differ). Norms with other math (Gemma's ``1 + w``, GptOss
-and Olmo2 multiplying by the weight before the cast, ``torch.nn.RMSNorm``) do not match. Modules
-already replaced by DeepSpeed's own ``replace_rms_norm`` are left to it and reported.
+their class still runs its own forward, plus (``match_forms``) any other class whose forward (and
+the ``_norm`` helper it calls) compiles to the same bytecode as one of the known forms'
+templates (only the epsilon attribute name, ``variance_epsilon`` or ``eps``, may differ; see
+:func:`recognise`), and ``torch.nn.RMSNorm`` modules. Llama-form classes get the Llama
+dispatcher (the op's hot path); the other forms (Gemma's ``1 + w``, the weight before the cast,
+T5's, unweighted, gated) get a form dispatcher that resolves the module's form per call. Norms
+with other math do not match. Modules already replaced by DeepSpeed's own ``replace_rms_norm``
+are left to it and reported.
 """
 from __future__ import annotations
 
 import collections
 import dis
 import functools
-from typing import Any, Optional
+import sys
+from typing import Any, NamedTuple, Optional
 
 import torch
-from pydantic import StrictBool
+from pydantic import Field, StrictBool
 
-from ..config import FeatureConfig
 from ..ops._common import warn_fallback
-from ..ops.rms_norm import rms_norm_kernel_ok, try_fused_rms_norm
-from .base import CallCounts, Environment, Feature, FeatureReport
-from .registry import register
+from ..ops.rms_norm import (FORMS, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
+                             try_fused_rms_norm_form)
+from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -90,11 +93,54 @@ def _make_dispatcher(original, eps_attr: str):
     return forward
 
 
+_NOT_FUSED = object()
+
+
+def _make_form_dispatcher(original, spec):
+    """The dispatcher of a class whose forward is another form (``spec``, see :func:`recognise`):
+    the same structure as the Llama form's; the module's form, weight and epsilon come from
+    ``spec.resolve`` (a reason string where this instance or call must run eager)."""
+    resolve, gated = spec.resolve, spec.gated
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if getattr(self, MARKER, None) is OPT_IN:
+            calls = self.__dict__.get(CALLS)
+            gate = _gate_argument(args, kwargs) if gated else (None if not args and not kwargs else _NOT_FUSED)
+            if gate is not _NOT_FUSED:
+                got = resolve(self, hidden_states, gate)
+                if type(got) is tuple:
+                    form, weight, eps = got
+                    y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate)
+                    if y is not None:
+                        if calls is not None:
+                            calls.fused += 1
+                        return y
+                    got = rms_norm_form_kernel_ok(hidden_states, weight, gate)[1]
+                warn_fallback("rms_norm", f"{got}; the module runs its eager forward")
+            if calls is not None:
+                calls.eager += 1
+        return original(self, hidden_states, *args, **kwargs)
+
+    forward.__qualname__ = f"deepspeed_fused_rms_norm_dispatcher[{getattr(original, '__qualname__', '?')}]"
+    forward.__doc__ = getattr(original, "__doc__", None)
+    return forward
+
+
+def _gate_argument(args, kwargs):
+    """The gate of a gated norm's call ``forward(hidden_states, gate)``, or _NOT_FUSED for other
+    argument lists."""
+    if not kwargs:
+        return args[0] if len(args) == 1 else (None if not args else _NOT_FUSED)
+    if not args and len(kwargs) == 1 and "gate" in kwargs:
+        return kwargs["gate"]
+    return _NOT_FUSED
+
+
 def _is_our_dispatcher(fn) -> bool:
     return any(fn is d for d in _DISPATCHERS.values())
 
 
-# ---- recognising the Llama form ---------------------------------------------------------------
+# ---- recognising the forms ----------------------------------------------------------------------
 def _llama_form(self, hidden_states):
     input_dtype = hidden_states.dtype
     hidden_states = hidden_states.to(torch.float32)
@@ -107,19 +153,23 @@ _NAME_OPS = {"LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_CONST", "KW_NAMES"
 _SKIP_OPS = {"CACHE", "RESUME", "NOP", "EXTENDED_ARG", "PUSH_NULL"}
 
 
-def _normalized_ops(fn, eps_attr: str = "variance_epsilon") -> Optional[tuple]:
+def _normalized_ops(fn, eps_attr: str = "variance_epsilon", argcount: int = 2) -> Optional[tuple]:
     """The instructions of ``fn`` with local variables by slot, names and constants by value,
     ``LOAD_METHOD`` read as ``LOAD_ATTR`` (CPython picks one or the other depending on whether
     the module imported ``torch``), and attribute ``eps_attr`` read as ``variance_epsilon``."""
     code = getattr(fn, "__code__", None)
-    if code is None or code.co_argcount != 2 or code.co_kwonlyargcount or code.co_flags & 0x0C:
+    if code is None or code.co_argcount != argcount or code.co_kwonlyargcount or code.co_flags & 0x0C:
         return None
     ops = []
     for ins in dis.get_instructions(code):
         if ins.opname in _SKIP_OPS:
             continue
         op = "LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname
-        if op in _NAME_OPS:
+        if op == "KW_NAMES":  # the keyword names of the next call (dis shows no argval for them)
+            arg = code.co_consts[ins.arg]
+        elif op == "LOAD_CONST":  # by type and value: 1 == 1.0 == True in Python
+            arg = (type(ins.argval), ins.argval)
+        elif op in _NAME_OPS:
             arg = ins.argval
             if op == "LOAD_ATTR" and arg == eps_attr:
                 arg = "variance_epsilon"
@@ -129,23 +179,298 @@ def _normalized_ops(fn, eps_attr: str = "variance_epsilon") -> Optional[tuple]:
     return tuple(ops)
 
 
-@functools.lru_cache(maxsize=512)
-def llama_form_eps_attr(fn) -> Optional[str]:
-    """If ``fn`` (a forward) compiles to the Llama form, the name of its epsilon attribute."""
-    if getattr(fn, "__globals__", {}).get("torch") is not torch:
+# The forms' spellings in transformers, as templates compared instruction by instruction with a
+# class's forward (and its ``_norm`` helper, where the forward calls one). Each names the kind of
+# dispatch (see _resolvers) and the op's form. The epsilon attribute may be ``variance_epsilon``
+# or ``eps`` whatever the template says; other names (locals by slot) do not matter.
+_NORM_RSQRT = '''
+def _norm(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+'''
+_NORM_POW = '''
+def _norm(self, hidden_states):
+    mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
+    return hidden_states * torch.pow(mean_squared, -0.5)
+'''
+_TEMPLATE_SOURCES = [
+    # (name, kind, op form, forward source, _norm source or None)
+    ("llama4", "llama", "llama", '''
+def forward(self, x):
+    output = self._norm(x.float()).type_as(x)
+    return output * self.weight
+''', _NORM_RSQRT),
+    ("cpmant", "cpmant", "llama", '''
+def forward(self, hidden_states):
+    if hidden_states.size(-1) != self.dim_norm:
+        raise AssertionError("hidden_states.size(-1) != self.dim_norm")
+    old_dtype = hidden_states.dtype
+    variance = hidden_states.to(torch.float32).pow(2).mean(dim=-1, keepdim=True)
+    hidden_states = (hidden_states * torch.rsqrt(variance + self.eps)).to(old_dtype) * self.weight
+    return hidden_states
+''', None),
+    ("gemma", "weighted", "offset", '''
+def forward(self, x):
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+''', _NORM_RSQRT),
+    ("centered", "weighted", "offset_w", '''
+def forward(self, x):
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight).float()
+    return output.type_as(x)
+''', _NORM_RSQRT),
+    ("olmo2", "weighted", "weight_first", '''
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)
+''', None),
+    ("helium", "weighted", "weight_first_fp32", '''
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)
+''', None),
+    ("moshi", "weighted", "weight_first_fp32", '''
+def forward(self, x):
+    output = self._norm(x.float())
+    output = output * self.weight.float()
+    return output.type_as(x)
+''', _NORM_RSQRT),
+    ("gemma3n", "with_scale", "weight_first_fp32", '''
+def forward(self, hidden_states):
+    normed_output = self._norm(hidden_states.float())
+    if self.with_scale:
+        normed_output = normed_output * self.weight.float()
+    return normed_output.type_as(hidden_states)
+''', _NORM_POW),
+    ("t5", "weighted", "t5", '''
+def forward(self, hidden_states):
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    if self.weight.dtype in [torch.float16, torch.bfloat16]:
+        hidden_states = hidden_states.to(self.weight.dtype)
+    return self.weight * hidden_states
+''', None),
+    ("unweighted", "unweighted", "unweighted", '''
+def forward(self, x):
+    return self._norm(x.float()).type_as(x)
+''', _NORM_RSQRT),
+    ("unweighted_square", "unweighted", "unweighted", '''
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.float()
+    hidden_states = hidden_states * torch.rsqrt(hidden_states.square().mean(-1, keepdim=True) + self.eps)
+    return hidden_states.to(input_dtype)
+''', None),
+    ("rstd_cast", "unweighted", "unweighted_rstd_cast", '''
+def forward(self, x):
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype)
+''', None),
+    ("gated", "gated", "gated", '''
+def forward(self, hidden_states, gate):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight * hidden_states.to(input_dtype)
+    hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
+    return hidden_states.to(input_dtype)
+''', None),
+    ("gated_weight_first", "gated", "gated_weight_first", '''
+def forward(self, hidden_states, gate):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight.to(torch.float32) * hidden_states
+    hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
+    return hidden_states.to(input_dtype)
+''', None),
+    ("gate_first", "gate_first", "gate_first", '''
+def forward(self, hidden_states, gate):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    if gate is not None:
+        hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+    *prefix_dims, last_dim = hidden_states.shape
+    group_count = last_dim // self.group_size
+    hidden_states_group = hidden_states.view(*prefix_dims, group_count, self.group_size)
+    variance = hidden_states_group.pow(2).mean(-1, keepdim=True)
+    hidden_states_group = hidden_states_group * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = hidden_states_group.view(*prefix_dims, group_count * self.group_size)
+    return self.weight * hidden_states.to(input_dtype)
+''', None),
+]
+
+
+class _Template(NamedTuple):
+    name: str
+    kind: str
+    form: str
+    argcount: int
+    ops: dict  # eps attribute -> normalized forward instructions
+    norm_ops: Optional[dict]  # same for _norm
+
+
+def _compile_template(src: str):
+    ns: dict = {}
+    exec(compile(src, "<deepspeed_fused rms_norm template>", "exec"), ns)
+    return next(v for k, v in ns.items() if callable(v) and not k.startswith("__"))
+
+
+def _build_templates() -> list:
+    out = [_Template("llama", "llama", "llama", 2, {a: _normalized_ops(_llama_form, a) for a in _EPS_ATTRS}, None)]
+    for name, kind, form, fwd_src, norm_src in _TEMPLATE_SOURCES:
+        fwd = _compile_template(fwd_src)
+        argc = fwd.__code__.co_argcount
+        norm = _compile_template(norm_src) if norm_src else None
+        ops = {a: _normalized_ops(fwd, a, argc) for a in _EPS_ATTRS}
+        nops = {a: _normalized_ops(norm, a) for a in _EPS_ATTRS} if norm else None
+        out.append(_Template(name, kind, form, argc, ops, nops))
+    return out
+
+
+_TEMPLATES = _build_templates()
+_TEMPLATE = _TEMPLATES[0].ops["variance_epsilon"]
+# names a candidate forward must use for any template to match (a cheap first filter)
+_HINTS = ("rsqrt", "_norm")
+
+
+def _globals_ok(fn) -> bool:
+    """The names the templates take from their module resolve to torch's and transformers' own."""
+    glb = getattr(fn, "__globals__", {})
+    if glb.get("torch") is not torch:
+        return False
+    names = fn.__code__.co_names
+    if "nn" in names and glb.get("nn") is not torch.nn:
+        return False
+    if "ACT2FN" in names:
+        acts = sys.modules.get("transformers.activations")
+        if acts is None or glb.get("ACT2FN") is not getattr(acts, "ACT2FN", None):
+            return False
+    return True
+
+
+class FormSpec(NamedTuple):
+    """How a recognised class runs: the template it matched, its dispatch kind and the op's form,
+    the epsilon attribute, whether its forward takes a gate."""
+
+    template: str
+    kind: str
+    form: str
+    eps_attr: str
+    gated: bool
+
+    @property
+    def resolve(self):
+        return functools.partial(_RESOLVERS[self.kind], self)
+
+
+@functools.lru_cache(maxsize=1024)
+def _match(fwd, norm) -> Optional[FormSpec]:
+    code = getattr(fwd, "__code__", None)
+    if code is None or not any(h in code.co_names for h in _HINTS) or not _globals_ok(fwd):
         return None
     try:
-        for attr in _EPS_ATTRS:
-            if _normalized_ops(fn, attr) == _TEMPLATE:
-                names = fn.__code__.co_names
-                if attr in names and (attr == "variance_epsilon" or "variance_epsilon" not in names):
-                    return attr
+        for t in _TEMPLATES:
+            if code.co_argcount != t.argcount:
+                continue
+            names = set(code.co_names)
+            if t.norm_ops is not None:
+                if norm is None or not _globals_ok(norm):
+                    continue
+                names |= set(norm.__code__.co_names)
+            for attr in _EPS_ATTRS:
+                # the epsilon attribute: the one the code reads (``eps`` only where it reads no
+                # ``variance_epsilon``); both spellings of the template count
+                if attr not in names or (attr == "eps" and "variance_epsilon" in names):
+                    continue
+                if t.norm_ops is not None and _normalized_ops(norm, attr) not in t.norm_ops.values():
+                    continue
+                if _normalized_ops(fwd, attr, t.argcount) in t.ops.values():
+                    return FormSpec(t.name, t.kind, t.form, attr, t.argcount == 3)
     except Exception:  # pragma: no cover - an unusual callable
         return None
     return None
 
 
-_TEMPLATE = _normalized_ops(_llama_form)
+def recognise(cls) -> Optional[FormSpec]:
+    """The form of ``cls.forward`` (with its ``_norm`` helper), or None: exact instruction match
+    against the templates; ``torch.nn.RMSNorm`` (its own forward) by class."""
+    fwd = cls.forward
+    if _TORCH_RMSNORM is not None and issubclass(cls, _TORCH_RMSNORM) and fwd is _TORCH_RMSNORM.forward:
+        return FormSpec("torch.nn.RMSNorm", "torch", "weight_first_fp32", "eps", False)
+    norm = getattr(cls, "_norm", None)
+    return _match(fwd, norm if callable(norm) else None)
+
+
+@functools.lru_cache(maxsize=512)
+def llama_form_eps_attr(fn) -> Optional[str]:
+    """If ``fn`` (a forward) compiles to the Llama form, the name of its epsilon attribute."""
+    spec = _match(fn, None)
+    return spec.eps_attr if spec is not None and spec.template == "llama" else None
+
+
+_TORCH_RMSNORM = getattr(torch.nn, "RMSNorm", None)
+_F32_EPS = torch.finfo(torch.float32).eps
+
+
+# ---- per-call resolution of a recognised class's form (a reason string: run eager) ---------------
+def _resolve_weighted(spec, module, hidden, gate):
+    return FORMS[spec.form], module.weight, getattr(module, spec.eps_attr)
+
+
+def _resolve_unweighted(spec, module, hidden, gate):
+    return FORMS[spec.form], None, getattr(module, spec.eps_attr)
+
+
+def _resolve_cpmant(spec, module, hidden, gate):
+    if hidden.shape[-1] != getattr(module, "dim_norm", None):
+        return "the input width is not dim_norm (the module raises)"
+    return FORMS["llama"], module.weight, module.eps
+
+
+def _resolve_with_scale(spec, module, hidden, gate):
+    if module.with_scale:
+        return FORMS["weight_first_fp32"], module.weight, module.eps
+    return FORMS["unweighted"], None, module.eps
+
+
+_ACT_NAMES = {"silu": "silu", "swish": "silu", "sigmoid": "sigmoid"}
+
+
+def _resolve_gated(spec, module, hidden, gate):
+    act = _ACT_NAMES.get(getattr(module, "activation", None))
+    if act is None:
+        return f"gate activation {getattr(module, 'activation', None)!r} (the op takes silu and sigmoid)"
+    if gate is None:
+        return "a gated norm called without a gate"
+    form = FORMS[spec.form]
+    return (form if form.act == act else form._replace(act=act)), module.weight, getattr(module, spec.eps_attr)
+
+
+def _resolve_gate_first(spec, module, hidden, gate):
+    if module.group_size != hidden.shape[-1]:
+        return "statistics over groups (group_size smaller than the width)"
+    return FORMS["gate_first"], module.weight, getattr(module, spec.eps_attr)
+
+
+def _resolve_torch(spec, module, hidden, gate):
+    eps = module.eps if module.eps is not None else _F32_EPS
+    if module.weight is None:
+        return FORMS["unweighted"], None, eps
+    return FORMS["weight_first_fp32"], module.weight, eps
+
+
+_RESOLVERS = {"weighted": _resolve_weighted, "unweighted": _resolve_unweighted, "cpmant": _resolve_cpmant,
+              "with_scale": _resolve_with_scale, "gated": _resolve_gated, "gate_first": _resolve_gate_first,
+              "torch": _resolve_torch, "llama": _resolve_weighted}
 
 
 def _qualname(cls) -> str:
@@ -177,12 +502,59 @@ def _looks_like_norm(module) -> bool:
     return "rmsnorm" in type(module).__name__.lower() or isinstance(module, getattr(torch.nn, "RMSNorm", ()))
 
 
-def _classify(module, match_llama_form: bool, ds) -> tuple[str, str]:
-    """('replace', eps_attr) | ('already', '') | ('skip', reason) | ('ignore', '')."""
+_LLAMA_SPEC = FormSpec("llama", "llama", "llama", "variance_epsilon", False)
+
+
+def _weight_reason(module) -> str:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or len(getattr(weight, "ds_shape", weight.shape)) != 1 \
+            or not weight.is_floating_point():
+        return "weight is not a 1-D floating-point Parameter"
+    return ""
+
+
+def _eps_reason(module, attr: str, none_ok: bool = False) -> str:
+    eps = getattr(module, attr, None)
+    if (none_ok and eps is None) or (not isinstance(eps, bool) and isinstance(eps, (float, int))):
+        return ""
+    return f"{attr} is not a number"
+
+
+def _module_reason(module, spec: FormSpec) -> str:
+    """Why a module of a recognised class cannot run its form's op ('' if it can)."""
+    kind = spec.kind
+    if kind == "torch":
+        if len(module.normalized_shape) != 1:
+            return "normalized over more than the last dimension"
+        if module.weight is not None and _weight_reason(module):
+            return _weight_reason(module)
+        return _eps_reason(module, "eps", none_ok=True)
+    if kind == "with_scale":
+        if not isinstance(getattr(module, "with_scale", None), bool):
+            return "with_scale is not a bool"
+        if module.with_scale and _weight_reason(module):
+            return _weight_reason(module)
+    elif kind != "unweighted":
+        reason = _weight_reason(module)
+        if reason:
+            return reason
+    if kind == "gated" and getattr(module, "activation", None) not in _ACT_NAMES:
+        return f"gate activation {getattr(module, 'activation', None)!r} (the op takes silu and sigmoid)"
+    if kind == "gate_first":
+        n = getattr(module.weight, "ds_shape", module.weight.shape)[0]
+        if getattr(module, "group_size", None) != n:
+            return "statistics over groups (group_size smaller than the width)"
+    return _eps_reason(module, spec.eps_attr)
+
+
+def _classify(module, match_forms: bool, ds) -> tuple[str, Any]:
+    """('replace', FormSpec) | ('already', '') | ('skip', reason) | ('ignore', '')."""
     cls = type(module)
     fwd = cls.forward
     ours = _is_our_dispatcher(fwd)
-    if not ours and not _looks_like_norm(module) and not (match_llama_form and llama_form_eps_attr(fwd)):
+    qn = _qualname(cls)
+    spec = recognise(cls) if not ours and (match_forms or qn in SUPPORTED_CLASSES) else None
+    if not ours and spec is None and not _looks_like_norm(module):
         return "ignore", ""
     if ours and module.__dict__.get(MARKER) is OPT_IN:
         return "already", ""
@@ -190,41 +562,34 @@ def _classify(module, match_llama_form: bool, ds) -> tuple[str, str]:
         return "skip", "forward patched on the instance"
     if _deepspeed_opted_in(ds, module):
         return "skip", "already replaced by DeepSpeed's replace_rms_norm (left to it)"
-    qn = _qualname(cls)
-    eps_attr = None
     if ours:
-        if qn not in SUPPORTED_CLASSES and not match_llama_form:
-            return "skip", "not a supported class (match_llama_form is off)"
-        eps_attr = fwd.__eps_attr__
+        if qn not in SUPPORTED_CLASSES and not match_forms:
+            return "skip", "not a supported class (match_forms is off)"
+        spec = fwd.__spec__
     elif qn in SUPPORTED_CLASSES and fwd is _deepspeed_class_forward(ds, cls):
-        eps_attr = "variance_epsilon"  # DeepSpeed's dispatcher around the class's own forward
+        spec = _LLAMA_SPEC  # DeepSpeed's dispatcher around the class's own forward
     elif qn in SUPPORTED_CLASSES:
         own = cls.__dict__.get("forward")
         if fwd is not own or getattr(fwd, "__qualname__", "") != f"{cls.__qualname__}.forward" \
                 or hasattr(fwd, "__wrapped__"):
             return "skip", "the class's forward was replaced or wrapped"
-        eps_attr = llama_form_eps_attr(fwd) or "variance_epsilon"
-    elif match_llama_form:
-        eps_attr = llama_form_eps_attr(fwd)
-        if eps_attr is None:
-            return "skip", "forward is not the Llama form"
+        spec = spec if spec is not None and spec.template == "llama" else _LLAMA_SPEC
+    elif match_forms:
+        if spec is None:
+            return "skip", "forward is not a known RMSNorm form"
     else:
-        return "skip", "not a supported class (match_llama_form is off)"
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.nn.Parameter) or len(getattr(weight, "ds_shape", weight.shape)) != 1 \
-            or not weight.is_floating_point():
-        return "skip", "weight is not a 1-D floating-point Parameter"
-    eps = getattr(module, eps_attr, None)
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
-        return "skip", f"{eps_attr} is not a number"
-    return "replace", eps_attr
+        return "skip", "not a supported class (match_forms is off)"
+    reason = _module_reason(module, spec)
+    if reason:
+        return "skip", reason
+    return "replace", spec
 
 
-def _plan(model: torch.nn.Module, match_llama_form: bool = True) -> dict:
+def _plan(model: torch.nn.Module, match_forms: bool = True) -> dict:
     ds = _deepspeed_installer()
     plan = dict(replace=[], already=collections.Counter(), skipped={})
     for name, module in model.named_modules():
-        action, info = _classify(module, match_llama_form, ds)
+        action, info = _classify(module, match_forms, ds)
         cname = type(module).__name__
         if action == "replace":
             plan["replace"].append((module, info))
@@ -237,11 +602,15 @@ def _plan(model: torch.nn.Module, match_llama_form: bool = True) -> dict:
 
 def _commit(plan: dict) -> collections.Counter:
     replaced = collections.Counter()
-    for module, eps_attr in plan["replace"]:
+    for module, spec in plan["replace"]:
         cls = type(module)
         if not _is_our_dispatcher(cls.forward):
-            disp = _make_dispatcher(cls.forward, eps_attr)
-            disp.__eps_attr__ = eps_attr
+            if spec.kind == "llama":
+                disp = _make_dispatcher(cls.forward, spec.eps_attr)
+            else:
+                disp = _make_form_dispatcher(cls.forward, spec)
+            disp.__eps_attr__ = spec.eps_attr
+            disp.__spec__ = spec
             _DISPATCHERS[cls] = disp
             cls.forward = disp
         module.__dict__[MARKER] = OPT_IN
@@ -249,10 +618,10 @@ def _commit(plan: dict) -> collections.Counter:
     return replaced
 
 
-def replace_rms_norm(model: torch.nn.Module, match_llama_form: bool = True) -> int:
+def replace_rms_norm(model: torch.nn.Module, match_forms: bool = True) -> int:
     """Opt every qualifying RMSNorm module of ``model`` into the fused op. Returns how many
     modules were newly replaced (modules already replaced are not counted again)."""
-    return sum(_commit(_plan(model, match_llama_form)).values())
+    return sum(_commit(_plan(model, match_forms)).values())
 
 
 def restore_rms_norm(model: torch.nn.Module) -> int:
@@ -278,13 +647,18 @@ def _fmt(counter) -> str:
 class RmsNormConfig(FeatureConfig):
     """Options of the "rms_norm" feature."""
 
-    match_llama_form: StrictBool = True
+    match_forms: StrictBool = True
     """Also replace RMSNorm classes outside the built-in list (Llama, Mistral, Mixtral, Phi3,
-    Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3) whose forward compiles to exactly the
-    bytecode of the Llama form (only the epsilon attribute name may differ)."""
+    Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3) whose forward (and its ``_norm`` helper)
+    compiles to exactly the bytecode of one of the known forms (the Llama form and its Llama 4
+    spelling, Gemma's ``1 + w``, the weight multiplied before the cast (OLMo 2, GPT-OSS, Helium),
+    T5's, unweighted norms, the gated norms of Qwen3-Next, Kimi-Linear and Mamba2; only the epsilon
+    attribute name may differ), and ``torch.nn.RMSNorm`` modules."""
+
+    match_llama_form: StrictBool = Field(True, json_schema_extra=dict(deprecated=True, new_param="match_forms"))
+    """Deprecated: the earlier name of ``match_forms`` (a value given here is taken as ``match_forms``)."""
 
 
-@register
 class RmsNormFeature(Feature):
     name = "rms_norm"
     config_model = RmsNormConfig
@@ -295,7 +669,7 @@ class RmsNormFeature(Feature):
         return True, ""
 
     def apply(self, model: torch.nn.Module, engine: Any, cfg: Any) -> FeatureReport:
-        plan = _plan(model, bool(getattr(cfg, "match_llama_form", True)))
+        plan = _plan(model, bool(getattr(cfg, "match_forms", True)))
         replaced = _commit(plan)
         already = plan["already"]
         skipped = {reason: dict(c) for reason, c in plan["skipped"].items()}

@@ -40,11 +40,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import FeatureConfig
 from ..ops._common import warn_fallback
 from ..ops.rope import RopeInputError, RopeSpec, rope_kernel_ok, try_fused_rope
-from .base import CallCounts, Environment, Feature, FeatureReport
-from .registry import register
+from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport
 
 MARKER = "_ds_fused_rope"  # instance attribute holding OPT_IN on opted-in modules
 CALLS = "_ds_fused_rope_calls"  # instance attribute: the CallCounts of the apply that opted the module in
@@ -640,18 +638,17 @@ def _make_call(g: dict, name: str, original, form: Form):
     helpers = form.helpers
     sig = inspect.signature(original)
     where = f"{g.get('__name__', '?')}.{name}"
-    get = g.get
 
     def eager(fn, args, kwargs):
         _count("eager")
         return fn(*args, **kwargs)
 
     def fused_call(*args, **kwargs):
-        current = get(name)
+        current = g.get(name)  # not a bound g.get captured once: dynamo cannot trace that
         if current is not original:  # the module's function was replaced since: call what the forward would
             return eager(current, args, kwargs)
         for hname, helper in helpers:
-            if get(hname) is not helper:  # its rotate_half was replaced: the form's math is not known any more
+            if g.get(hname) is not helper:  # its rotate_half was replaced: the form's math is not known any more
                 warn_fallback("rope", f"{where}: {hname} was replaced; it runs eager")
                 return eager(original, args, kwargs)
         if len(args) == n_fast and (not kwargs or (len(kwargs) == 1 and ud_name in kwargs)):
@@ -1037,7 +1034,6 @@ class RopeConfig(FeatureConfig):
     their bytecode)."""
 
 
-@register
 class RopeFeature(Feature):
     name = "rope"
     config_model = RopeConfig

@@ -201,8 +201,10 @@ def test_supported_and_unsupported_classes():
               "DeepseekV3ForCausalLM"]:
         ok, why = lce.causal_lm_support(getattr(transformers, n))
         assert ok, (n, why)
-    ok, why = lce.causal_lm_support(transformers.CohereForCausalLM)  # logits * self.logit_scale: unknown
-    assert not ok and "logit_scale" in why
+    ok, why = lce.causal_lm_support(transformers.CohereForCausalLM)  # logits * self.logit_scale: a temperature
+    assert ok, why
+    ok, why = lce.causal_lm_support(transformers.T5ForConditionalGeneration)  # its own CrossEntropyLoss
+    assert not ok and "computes its loss itself" in why
     ok, why = lce.causal_lm_support(transformers.LlamaModel)
     assert not ok
 
@@ -210,12 +212,13 @@ def test_supported_and_unsupported_classes():
 def test_unsupported_model_not_patched():
     import transformers
 
+    # a negative logit scale is no temperature: checked per instance, before anything is patched
     cfg = transformers.CohereConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=V)
+                                    num_key_value_heads=2, vocab_size=V, logit_scale=-0.0625)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     fwd = type(model).forward
     rep = get_feature("linear_cross_entropy").apply(model, None, _cfg())
-    assert not rep.applied and "CohereForCausalLM" in rep.reason and "logit_scale" in rep.reason
+    assert not rep.applied and "CohereForCausalLM" in rep.reason and "not a positive temperature" in rep.reason
     assert type(model).forward is fwd and not lce.is_patched(model)
 
 
@@ -515,7 +518,7 @@ def test_bad_config_values_raise_with_key_path(key, value):
 
 
 def test_config_defaults_and_docs():
-    from deepspeed_fused.config import config_reference
+    from deepspeed_fused.docs import config_reference
 
     c = _cfg()
     assert (c.ignore_index, c.chunk_tokens, c.accum_dtype, c.z_loss, c.label_smoothing, c.validate_targets) == \

@@ -136,6 +136,10 @@ struct RmsPlan {
   bool y_like;  // the output is empty_like(x) (same dtype, x contiguous)
   int64_t ws_numel;  // float32 weight-gradient partials the backward needs
   int64_t n_cnt;  // int32 arrival counters the backward needs (zero between launches)
+  // the other forms (RmsNormFormFn): whether there is a weight and a gate, the gate's dtype
+  bool has_w = true;
+  bool gated = false;
+  at::ScalarType g_dtype = at::kFloat;
 };
 
 std::mutex plans_mutex;
@@ -251,6 +255,73 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
   }
 };
 
+// The other RMSNorm forms (ops/rms_norm.py RMSForm): the same launches with an optional weight and
+// an optional gate. Pointer slots: forward x, w, y, rstd, gate; backward dy, x, w, rstd, dx, partials,
+// counters, dw, gate, dgate (the slots of an absent tensor are not in the plan's parameter list).
+at::Tensor first_order(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  auto err = std::make_shared<torch::autograd::DelayedError>(
+      "deepspeed_fused rms_norm: its gradient is not differentiable again (first order only)", 1);
+  at::Tensor a = t.detach();
+  a.set_requires_grad(true);
+  return err->apply({a})[0];
+}
+
+struct RmsNormFormFn : public torch::autograd::Function<RmsNormFormFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& g,
+                            double eps, int64_t plan_id) {
+    const RmsPlan& plan = plan_at(plan_id);
+    TORCH_CHECK(w.defined() == plan.has_w && g.defined() == plan.gated,
+                "deepspeed_fused rms_norm: weight or gate do not match the launch plan");
+    at::Tensor y = plan.y_like ? at::empty_like(x) : at::empty(x.sizes(), x.options().dtype(plan.out_dtype));
+    at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+    const void* ptrs[5] = {x.data_ptr(), w.defined() ? w.data_ptr() : nullptr, y.data_ptr(), rstd.data_ptr(),
+                           g.defined() ? g.data_ptr() : nullptr};
+    plan.fwd.run(current_stream(x.device()), ptrs, eps);
+    ctx->save_for_backward({x, w, g, rstd});
+    ctx->saved_data["plan"] = plan_id;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const RmsPlan& plan = plan_at(ctx->saved_data["plan"].toInt());
+    variable_list saved = ctx->get_saved_variables();
+    at::Tensor x = as_planned(saved[0], plan.x_dtype);
+    at::Tensor w = plan.has_w ? as_planned(saved[1], plan.w_dtype) : at::Tensor();
+    at::Tensor g = plan.gated ? as_planned(saved[2], plan.g_dtype) : at::Tensor();
+    at::Tensor rstd = as_planned(saved[3], at::kFloat);
+    at::Tensor dy = grads[0];
+    if (!dy.defined()) dy = at::zeros(x.sizes(), x.options().dtype(plan.out_dtype));
+    dy = as_planned(dy, plan.out_dtype);
+    const int64_t n = x.dim() >= 1 ? x.size(-1) : 0;
+    TORCH_CHECK(x.dim() >= 1 && dy.sizes() == x.sizes() && rstd.numel() * n == x.numel() &&
+                    (!plan.has_w || w.numel() == n) && (!plan.gated || g.sizes() == x.sizes()),
+                "deepspeed_fused rms_norm: saved tensors or gradient of unexpected shape (x ", x.sizes(), ", rstd ",
+                rstd.sizes(), ", grad ", dy.sizes(), ")");
+    TORCH_CHECK(x.device() == rstd.device() && x.device() == dy.device() && (!plan.has_w || x.device() == w.device()) &&
+                    (!plan.gated || x.device() == g.device()),
+                "deepspeed_fused rms_norm: saved tensors and gradient on different devices");
+    c10::DeviceGuard guard(x.device());
+    void* stream = current_stream(x.device());
+    Workspace ws = workspace(x, stream, plan.ws_numel, plan.n_cnt);
+    at::Tensor dx = at::empty_like(x);
+    at::Tensor dw = plan.has_w ? at::empty_like(w) : at::Tensor();
+    at::Tensor dg = plan.gated ? at::empty_like(g) : at::Tensor();
+    const void* ptrs[10] = {dy.data_ptr(), x.data_ptr(), plan.has_w ? w.data_ptr() : nullptr, rstd.data_ptr(),
+                            dx.data_ptr(), ws.part.data_ptr(), ws.cnt.data_ptr(), plan.has_w ? dw.data_ptr() : nullptr,
+                            plan.gated ? g.data_ptr() : nullptr, plan.gated ? dg.data_ptr() : nullptr};
+    plan.bwd.run(stream, ptrs, 0.0);
+    bool again = grads[0].requires_grad() || saved[0].requires_grad() ||
+                 (saved[1].defined() && saved[1].requires_grad()) || (saved[2].defined() && saved[2].requires_grad());
+    if (at::GradMode::is_enabled() && again) {  // first order only (see RmsNormFn)
+      dx = first_order(dx);
+      dw = first_order(dw);
+      dg = first_order(dg);
+    }
+    return {dx, dw, dg, at::Tensor(), at::Tensor()};
+  }
+};
+
 Launch make_launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared,
                    const std::vector<int64_t>& kinds, const std::vector<int64_t>& values) {
   TORCH_CHECK(grid.size() == 3 && kinds.size() == values.size(), "deepspeed_fused native: bad launch description");
@@ -290,6 +361,28 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_
   return RmsNormFn::apply(x, w, eps, plan_id);
 }
 
+int64_t register_rms_form_plan(int64_t f_function, std::vector<int64_t> f_grid, int64_t f_threads,
+                               int64_t f_shared, std::vector<int64_t> f_kinds, std::vector<int64_t> f_values,
+                               int64_t b_function, std::vector<int64_t> b_grid, int64_t b_threads, int64_t b_shared,
+                               std::vector<int64_t> b_kinds, std::vector<int64_t> b_values, const at::Tensor& x_like,
+                               const at::Tensor& w_like, const at::Tensor& out_like, bool y_like, int64_t ws_numel,
+                               int64_t n_cnt, bool has_w, bool gated, const at::Tensor& g_like) {
+  int64_t id = register_rms_plan(f_function, f_grid, f_threads, f_shared, f_kinds, f_values, b_function, b_grid,
+                                 b_threads, b_shared, b_kinds, b_values, x_like, w_like, out_like, y_like, ws_numel,
+                                 n_cnt);
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  RmsPlan& plan = *(*plans)[id];
+  plan.has_w = has_w;
+  plan.gated = gated;
+  plan.g_dtype = g_like.scalar_type();
+  return id;
+}
+
+at::Tensor rms_norm_form(const at::Tensor& x, const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& g,
+                         double eps, int64_t plan_id) {
+  return RmsNormFormFn::apply(x, w.has_value() ? *w : at::Tensor(), g.has_value() ? *g : at::Tensor(), eps, plan_id);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -297,4 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_driver", &init_driver, "resolve the CUDA driver entry points; False without libcuda");
   m.def("register_rms_plan", &register_rms_plan, "register a forward/backward launch pair; returns its id");
   m.def("rms_norm", &rms_norm, "the fused RMSNorm through the C++ autograd node");
+  m.def("register_rms_form_plan", &register_rms_form_plan,
+        "register a forward/backward launch pair of another form (optional weight and gate); returns its id");
+  m.def("rms_norm_form", &rms_norm_form, "another RMSNorm form through the C++ autograd node (w, g: None if absent)");
 }

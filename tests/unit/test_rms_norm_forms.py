@@ -1,0 +1,593 @@
+"""The other RMSNorm forms (RMSForm): the op under the Triton interpreter against each form's eager
+formulation and a float64 oracle, and the installer on transformers' own classes of each form."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from deepspeed_fused.features import rms_norm as F
+from deepspeed_fused.ops import rms_norm as R
+from deepspeed_fused.ops._common import reset_fallback_warnings
+from unit.test_rms_norm import EPS, assert_dx_close, tune, ulp, ulp_err  # noqa: F401  (tune: a fixture)
+
+FORM_NAMES = sorted(n for n in R.FORMS if n != "llama")
+_ACT = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
+
+
+def form_inputs(form, shape, dtype, wdtype=None, gdtype=None, seed=0, device="cpu", gate=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = None
+    if form.weight != "none":
+        base = 0.0 if form.weight.startswith("offset") else 1.0
+        w = (base + 0.1 * torch.randn(shape[-1], generator=g)).to(wdtype or dtype)
+    gt = torch.randn(shape, generator=g).to(gdtype or dtype) if form.gate != "none" and gate else None
+    out = R.form_output_dtype(form, dtype, None if w is None else w.dtype)
+    dy = torch.randn(shape, generator=g).to(out)
+    to = (lambda t: None if t is None else t.to(device))
+    return to(x), to(w), to(gt), to(dy)
+
+
+def oracle_form(x, w, g, eps, form):
+    """The form in float64 with no rounding anywhere (float64 leaves keep their graph)."""
+    h = x
+    if form.gate == "before" and g is not None:
+        h = h * _ACT[form.act](g)
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if form.weight in ("plain", "fp32"):
+        n = w * n
+    elif form.weight in ("offset", "offset_w"):
+        n = n * (1.0 + w)
+    if form.gate == "after":
+        n = n * _ACT[form.act](g)
+    return n
+
+
+def _grads(fn, x, w, g, dy, dtype=None):
+    leaves = [None if t is None else (t.detach().to(dtype) if dtype else t.detach().clone()).requires_grad_()
+              for t in (x, w, g)]
+    y = fn(*leaves)
+    y.backward(dy.to(dtype) if dtype else dy)
+    return (y.detach(),) + tuple(None if t is None else t.grad for t in leaves)
+
+
+def _assert_y(y, y_ref, y64):
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    if not y.numel():
+        return
+    if y.dtype == torch.float32:
+        rowmax = y64.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+        e_f = ((y.double() - y64) / rowmax).abs().max()
+        e_e = ((y_ref.double() - y64) / rowmax).abs().max()
+        assert e_f <= 2 * e_e + 2.0 ** -21, f"forward {e_f.item():.3g} off float64, eager {e_e.item():.3g}"
+    else:
+        err = ulp_err(y, y_ref, y.dtype)
+        assert err.max() <= 2, f"forward {err.max().item()} ULP off eager"
+        assert (err == 0).double().mean() >= 0.9, "forward: fewer than 90% of outputs equal eager's"
+
+
+def check_form(form, x, w, g, dy, eps=EPS):
+    """Forward, dx, dw and the gate's gradient against eager (its own rounding) and float64."""
+    y, dx, dw, dg = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, eps, form, c), x, w, g, dy)
+    yr, dxr, dwr, dgr = _grads(lambda a, b, c: R.rms_norm_form_reference(a, b, eps, form, c), x, w, g, dy)
+    y64, dx64, dw64, dg64 = _grads(lambda a, b, c: oracle_form(a, b, c, eps, form), x, w, g, dy, torch.float64)
+    _assert_y(y, yr, y64)
+    assert_dx_close(dx, dxr, x.dtype, dx64)
+    if g is not None:
+        assert dg.dtype == g.dtype
+        assert_dx_close(dg, dgr, g.dtype, dg64)
+    if w is not None:
+        # dw against eager's own formula given our rstd (the same rounded terms; only the FP32
+        # summation order differs): within 1 ULP + 4 eps32 * sum |terms|
+        _, rstd = R.launch._form_forward_impl(x, w, g, eps, form)
+        eager = R.reference._form_eager
+        _, _, dw_inj, _ = _grads(lambda a, b, c: eager(a, b, eps, form, c, rstd[..., None]), x, w, g, dy)
+        h = x.double() * (_ACT[form.act](g.double()) if form.gate == "before" and g is not None else 1)
+        s = _ACT[form.act](g.double()).abs() if form.gate == "after" else 1
+        terms = (dy.double().abs() * s * (h * rstd[..., None].double()).abs()).reshape(-1, x.shape[-1]).sum(0)
+        assert dw.dtype == w.dtype
+        bound = ulp(torch.maximum(dw.double().abs(), dw_inj.double().abs()), w.dtype) + 4 * 2.0 ** -24 * terms
+        d = (dw.double() - dw_inj.double()).abs()
+        assert (d <= bound).all(), f"dw off by {(d / bound).max().item()} of the bound"
+        rel = (dw.double() - dw64).norm() / dw64.norm().clamp_min(1e-30)
+        tol = 1e-5 if x.dtype == w.dtype == torch.float32 else 1e-2  # a half-precision rounding in the chain
+        assert rel < tol, f"dw vs float64: {rel.item():.3g}"
+    return y, dx, dw, dg
+
+
+# ---- the op ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", FORM_NAMES)
+@pytest.mark.parametrize("rows,n", [(7, 40), (65, 128), (0, 16)])
+def test_form_matches_eager(interpret, form, dtype, rows, n):
+    f = R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (rows, n), dtype, seed=rows * 7 + n + len(form), device=interpret)
+    y, dx, dw, dg = check_form(f, x, w, g, dy)
+    if rows == 0 and w is not None:
+        assert torch.equal(dw, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("form", ["offset", "weight_first", "t5", "gated", "gate_first", "gated_weight_first"])
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float16, torch.float32), (torch.float32, torch.float16)])
+def test_form_mixed_weight_dtype(interpret, form, dtype, wdtype):
+    f = R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (3, 5, 24), dtype, wdtype, seed=5, device=interpret)
+    y, dx, dw, dg = check_form(f, x, w, g, dy)
+    assert y.dtype == R.form_output_dtype(f, dtype, wdtype) and dx.dtype == dtype and dw.dtype == wdtype
+    if form == "t5":  # T5 rounds to a half-precision weight's dtype and returns it
+        assert y.dtype == (torch.float32 if wdtype == torch.float32 else wdtype)
+    elif f.out_cast:
+        assert y.dtype == dtype
+
+
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+@pytest.mark.parametrize("form", ["gated", "gated_weight_first", "gate_first"])
+def test_gate_activations_and_gate_dtype(interpret, form, act):
+    f = R.FORMS[form]._replace(act=act)
+    x, w, g, dy = form_inputs(f, (9, 48), torch.float16, gdtype=torch.float32, seed=3, device=interpret)
+    check_form(f, x, w, g, dy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", FORM_NAMES)
+def test_form_wide_rows_loop(interpret, tune, form, dtype):
+    tune(_MAX_FWD_BLOCK=64, _MAX_BWD_BLOCK=64, _LOOP_BLOCK=32)
+    assert not R.plans._fwd_config(5, 130, 2, 1)[2] and not R.plans._bwd_config(5, 130)[2]
+    f = R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (5, 130), dtype, seed=13, device=interpret)
+    check_form(f, x, w, g, dy)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("form", ["gated", "gate_first", "offset"])
+def test_form_tile_boundaries_and_several_programs(interpret, tune, form, prefetch):
+    tune(_BWD_PREFETCH=prefetch)
+    f = R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (300, 16), torch.float16, seed=17, device=interpret)
+    check_form(f, x, w, g, dy)
+
+
+@pytest.mark.parametrize("col", [True, False])
+def test_form_wide_weight_gradient_sums(interpret, tune, col):
+    f = R.FORMS["gated"]
+    x, w, g, dy = form_inputs(f, (67, 40), torch.float16, seed=9, device=interpret)
+    tune(_MAX_TAIL_BYTES=0, _SMALL_ELEMS=0, _COL_FINISH=col)
+    check_form(f, x, w, g, dy)
+    plan = next(iter(R.plans._form_bwd_plans.values()))
+    assert plan.const["FINISH"] == (2 if col else 0) and (plan.red is None) == col
+
+
+@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("form", FORM_NAMES)
+def test_form_poisoned_outputs_are_fully_written(interpret, tune, form, loop):
+    if loop:
+        tune(_MAX_FWD_BLOCK=32, _MAX_BWD_BLOCK=32, _LOOP_BLOCK=16)
+    f = R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (37, 40), torch.float16, seed=8, device=interpret)
+    y0, r0 = R.launch._form_forward_impl(x, w, g, EPS, f)
+    y, r = torch.full_like(y0, float("nan")), torch.full_like(r0, float("nan"))
+    R.launch._form_forward_impl(x, w, g, EPS, f, y=y, rstd=r)
+    assert torch.equal(y, y0) and torch.equal(r, r0) and not y.isnan().any()
+    dx0, dw0, dg0 = R.launch._form_backward_impl(dy, x, w, g, r0, f)
+    nan = (lambda t: None if t is None else torch.full_like(t, float("nan")))
+    dx, dw, dg = nan(dx0), nan(dw0), nan(dg0)
+    R.launch._form_backward_impl(dy, x, w, g, r0, f, dx=dx, dw=dw, dg=dg)
+    for a, b in ((dx, dx0), (dw, dw0), (dg, dg0)):
+        assert (a is None and b is None) or (torch.equal(a, b) and not a.isnan().any())
+
+
+def test_form_strided_rows_without_copy(interpret):
+    # Gemma-style q/k norms on a slice of a fused projection viewed as [B, S, heads, head_dim]
+    B, S, H, hd = 2, 3, 4, 16
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(B, S, 3 * H * hd, generator=gen).to(interpret)
+    q = qkv[..., : H * hd].view(B, S, H, hd)
+    assert not q.is_contiguous() and R.plans._row_layout(q) is not None
+    f = R.FORMS["offset"]
+    w = (0.1 * torch.randn(hd, generator=gen)).to(interpret)
+    dy = torch.randn(B, H, S, hd, generator=gen).to(interpret).transpose(1, 2)
+    check_form(f, q, w, None, dy)
+    key = next(iter(R.plans._form_fwd_plans))
+    assert not R.plans._form_fwd_plans[key].copy  # no copy of x
+
+
+def test_forms_that_round_as_llama_run_the_llama_op(interpret, monkeypatch):
+    calls = []
+    real = R.try_fused_rms_norm
+    monkeypatch.setattr(R.api, "try_fused_rms_norm", lambda *a: calls.append(1) or real(*a))
+    x, w, _, dy = form_inputs(R.FORMS["t5"], (4, 24), torch.float16, device=interpret)
+    torch.testing.assert_close(R.fused_rms_norm_form(x, w, EPS, "t5"), R.fused_rms_norm(x, w, EPS), rtol=0, atol=0)
+    assert len(calls) == 2  # T5 with a weight of the input's half dtype is the Llama form
+    y = R.fused_rms_norm_form(x, w, EPS, "gate_first", None)  # the Mamba2 form without a gate
+    assert len(calls) == 3 and torch.equal(y, R.fused_rms_norm(x, w, EPS))
+    R.fused_rms_norm_form(x, w.float(), EPS, "t5")
+    assert len(calls) == 4 or len(calls) == 3  # fp32 weight: T5 keeps FP32 (its own kernel)
+    assert R.plans._form_consts(R.FORMS["t5"], torch.float16, torch.float32, False) is not None
+
+
+def test_form_bad_inputs_raise(interpret):
+    x = torch.randn(4, 8, device=interpret)
+    w = torch.ones(8, device=interpret)
+    with pytest.raises(ValueError, match="unknown form"):
+        R.fused_rms_norm_form(x, w, EPS, "nope")
+    with pytest.raises(ValueError, match="takes no weight"):
+        R.fused_rms_norm_form(x, w, EPS, "unweighted")
+    with pytest.raises(ValueError, match="needs a weight"):
+        R.fused_rms_norm_form(x, None, EPS, "offset")
+    with pytest.raises(ValueError, match="needs a gate"):
+        R.fused_rms_norm_form(x, w, EPS, "gated")
+    with pytest.raises(ValueError, match="takes no gate"):
+        R.fused_rms_norm_form(x, w, EPS, "offset", x)
+    with pytest.raises(ValueError, match="gate must have hidden's shape"):
+        R.fused_rms_norm_form(x, w, EPS, "gated", x[:, :4])
+    with pytest.raises(TypeError, match="gate must be a floating-point"):
+        R.fused_rms_norm_form(x, w, EPS, "gated", torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        R.fused_rms_norm_form(x, torch.ones(7, device=interpret), EPS, "weight_first")
+    with pytest.raises(ValueError, match="rstd_cast takes no weight"):
+        R.fused_rms_norm_form(x, w, EPS, R.RMSForm(rstd_cast=True))
+    with pytest.raises(TypeError, match="form must be"):
+        R.fused_rms_norm_form(x, w, EPS, 3)
+
+
+def test_form_fallback_warns_and_runs_reference(interpret):
+    reset_fallback_warnings()
+    f = R.FORMS["gated"]
+    x, w, g, _ = form_inputs(f, (3, 8), torch.float64, device=interpret)
+    with pytest.warns(RuntimeWarning, match="float64"):
+        y = R.fused_rms_norm_form(x, w, EPS, f, g)
+    assert torch.equal(y, R.rms_norm_form_reference(x, w, EPS, f, g))
+
+
+def test_form_custom_ops_and_compile(interpret):
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    f = R.FORMS["gated"]
+    x, w, g, dy = form_inputs(f, (6, 32), torch.float32, seed=4, device=interpret)
+    torch.library.opcheck(R.api._rms_norm_form_fwd, (x, w.requires_grad_(), g, EPS, R.reference._form_code(f)),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    w = w.detach()
+    rstd = R.launch._form_forward_impl(x, w, g, EPS, f)[1]
+    torch.library.opcheck(R.api._rms_norm_form_bwd, (dy, x, w, g, rstd, R.reference._form_code(f)),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch._dynamo.reset()
+    for form, (a, b, c) in (("gated", (x, w, g)), ("unweighted", (x, None, None))):
+        rec = AotEagerAndRecordGraphs()
+
+        def fn(a, b, c, form=form):
+            return R.fused_rms_norm_form(a * 2, b, EPS, form, c).sin()
+
+        ins = [None if t is None else t.clone().requires_grad_() for t in (a, b, c)]
+        yc = torch.compile(fn, backend=rec, fullgraph=True)(*ins)
+        yc.backward(dy)
+        ref = [None if t is None else t.clone().requires_grad_() for t in (a, b, c)]
+        ye = fn(*ref)
+        ye.backward(dy)
+        assert len(rec.graphs) == 1
+        assert "deepspeed_fused.rms_norm_form_fwd.default" in {str(n.target) for gr in rec.fw_graphs
+                                                                for n in gr.graph.nodes}
+        assert torch.equal(yc, ye)
+        for p, q in zip(ins, ref):
+            assert p is None or torch.equal(p.grad, q.grad)
+
+
+def test_form_gradient_of_gradient_raises(interpret):
+    f = R.FORMS["offset"]
+    x, w, _, dy = form_inputs(f, (5, 16), torch.float32, seed=31, device=interpret)
+    x.requires_grad_()
+    y = R.fused_rms_norm_form(x, w, EPS, f)
+    (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
+        torch.autograd.grad(gx.sum(), x)
+
+
+# ---- recognition and the installer on transformers' own classes ----------------------------------
+# (model, class, template) of transformers' RMSNorm-like classes: two of each template where there
+# are two; the docs' table (docs/rms_norm.md) lists every class of transformers 5.24.
+RECOGNISED = [
+    ("llama", "LlamaRMSNorm", "llama"), ("glm4", "Glm4RMSNorm", "llama"),
+    ("llama4", "Llama4TextRMSNorm", "llama4"), ("cpmant", "CpmAntLayerNorm", "cpmant"),
+    ("gemma3", "Gemma3RMSNorm", "gemma"), ("qwen3_next", "Qwen3NextRMSNorm", "gemma"),
+    ("qwen3_5", "Qwen3_5RMSNorm", "gemma"), ("vaultgemma", "VaultGemmaRMSNorm", "gemma"),
+    ("muse_spark", "MuseSparkTextCenteredRMSNorm", "centered"),
+    ("gpt_oss", "GptOssRMSNorm", "olmo2"), ("olmo2", "Olmo2RMSNorm", "olmo2"), ("olmo3", "Olmo3RMSNorm", "olmo2"),
+    ("flex_olmo", "FlexOlmoRMSNorm", "olmo2"), ("afmoe", "AfmoeRMSNorm", "olmo2"),
+    ("deepseek_v4", "DeepseekV4RMSNorm", "olmo2"),
+    ("helium", "HeliumRMSNorm", "helium"), ("nemotron_h", "NemotronHRMSNorm", "helium"),
+    ("moshi", "MoshiRMSNorm", "moshi"), ("gemma3n", "Gemma3nRMSNorm", "gemma3n"),
+    ("gemma4", "Gemma4RMSNorm", "gemma3n"),
+    ("t5", "T5LayerNorm", "t5"), ("idefics", "IdeficsRMSNorm", "t5"),
+    ("falcon_mamba", "FalconMambaWeightlessRMSNorm", "unweighted"), ("llama4", "Llama4TextL2Norm", "unweighted"),
+    ("inkling2", "Inkling2UnweightedRMSNorm", "unweighted_square"),
+    ("deepseek_v4", "DeepseekV4UnweightedRMSNorm", "rstd_cast"),
+    ("qwen3_next", "Qwen3NextRMSNormGated", "gated"), ("qwen3_5", "Qwen3_5RMSNormGated", "gated"),
+    ("kimi_linear", "KimiLinearRMSNormGated", "gated_weight_first"),
+    ("bailing_hybrid", "BailingHybridRMSNormGated", "gated_weight_first"),
+    ("mamba2", "MambaRMSNormGated", "gate_first"), ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", "gate_first"),
+    ("nemotron_h", "NemotronHRMSNormGated", "gate_first"),
+]
+# RMSNorm-like classes whose math is none of the forms: left eager
+NOT_RECOGNISED = [
+    ("dory", "DoryL2Norm"),  # a sum, not a mean
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm"),  # optional group statistics in its _norm
+    ("falcon_h1", "FalconH1RMSNormGated"),  # groups, and the gate's place set by a flag
+    ("gradium_phonon_tts", "GradiumPhononTTSTimestepNorm"),  # statistics in the input's dtype
+    ("muse_spark", "MuseSparkTextInputScaledRMSNorm"),  # the weight before the statistics
+    ("hy_v4", "HYV4UnweightedRMSNorm"),  # returns rstd only
+    ("cohere", "CohereLayerNorm"),  # subtracts the mean
+]
+
+
+def _import(model, name):
+    """The class, or None where the installed transformers has no such family or class (the GPU
+    machine's transformers is older than CI's)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+# imported once at collection, so that forked tests do not import them again each
+_CLASSES = {(m, n): _import(m, n) for m, n, *_ in RECOGNISED + NOT_RECOGNISED}
+
+
+def _cls(model, name):
+    cls = _CLASSES[(model, name)]
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {model}.{name}")
+    return cls
+
+
+@pytest.mark.parametrize("model,name,template", RECOGNISED)
+def test_transformers_classes_are_recognised(model, name, template):
+    spec = F.recognise(_cls(model, name))
+    assert spec is not None and spec.template == template, spec
+
+
+@pytest.mark.parametrize("model,name", NOT_RECOGNISED)
+def test_other_math_is_not_recognised(model, name):
+    assert F.recognise(_cls(model, name)) is None
+
+
+def _instance(model, name, n, **kw):
+    cls = _cls(model, name)
+    if name == "CpmAntLayerNorm":
+        from transformers import CpmAntConfig
+
+        return cls(CpmAntConfig(hidden_size=n, eps=1e-6))
+    if name in ("Llama4TextL2Norm", "Inkling2UnweightedRMSNorm", "DeepseekV4UnweightedRMSNorm"):
+        return cls(1e-6)
+    if "group_size" in str(__import__("inspect").signature(cls.__init__)):
+        return cls(n, group_size=kw.pop("group_size", n))
+    return cls(n, **kw)
+
+
+def _randomize(m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            base = 0.0 if float(p.detach().float().abs().max()) == 0 else 1.0  # zero-centred (Gemma) weights
+            p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _module_step(m, x, gate, dy):
+    x = x.detach().clone().requires_grad_()
+    gate = None if gate is None else gate.detach().clone().requires_grad_()
+    y = m(x) if gate is None else m(x, gate)
+    y.backward(dy)
+    grads = [x.grad] + ([gate.grad] if gate is not None else []) + [p.grad for p in m.parameters()]
+    return y.detach(), grads
+
+
+def _close(a, b, dtype):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    else:
+        rel = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)
+        assert rel < 2e-3, f"relative error {rel.item():.3g}"
+
+
+_GATED = {"gated", "gated_weight_first", "gate_first"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("model,name,template", [r for r in RECOGNISED if r[2] != "llama"])
+def test_installed_class_matches_its_own_eager_forward(interpret, model, name, template, dtype):
+    n = 24
+    m = _randomize(_instance(model, name, n)).to(interpret, dtype)
+    ref = copy.deepcopy(m)
+    rep = F.RmsNormFeature().apply(torch.nn.ModuleList([m]), None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {name: 1}, rep
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, n, generator=g).to(interpret, dtype)
+    gate = torch.randn(5, 3, n, generator=g).to(interpret, dtype) if template in _GATED else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback: the kernels ran
+        y_r = ref(x) if gate is None else ref(x, gate)
+        dy = torch.randn(y_r.shape, generator=g).to(interpret, y_r.dtype)
+        y, grads = _module_step(m, x, gate, dy)
+    y_r, grads_r = _module_step(ref, x, gate, dy)
+    _close(y, y_r, dtype)
+    assert len(grads) == len(grads_r)
+    for a, b in zip(grads, grads_r):
+        _close(a, b, dtype)
+
+
+def test_torch_rmsnorm_modules(interpret, monkeypatch):
+    calls = []
+    real = F.try_fused_rms_norm_form
+    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
+    mods = torch.nn.ModuleList([torch.nn.RMSNorm(16), torch.nn.RMSNorm(16, eps=1e-5, elementwise_affine=False),
+                                torch.nn.RMSNorm(16, eps=None), torch.nn.RMSNorm((4, 16))]).to(interpret)
+    _randomize(mods)
+    ref = copy.deepcopy(mods)
+    rep = F.RmsNormFeature().apply(mods, None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {"RMSNorm": 3}
+    assert rep.details["skipped"] == {"normalized over more than the last dimension": {"RMSNorm": 1}}
+    x = torch.randn(3, 4, 16, device=interpret)
+    for m, r in zip(mods[:3], ref[:3]):
+        dy = torch.randn_like(x)
+        y, grads = _module_step(m, x, None, dy)
+        y_r, grads_r = _module_step(r, x, None, dy)
+        _close(y, y_r, torch.float32)
+        for a, b in zip(grads, grads_r):
+            _close(a, b, torch.float32)
+    assert calls == [R.FORMS["weight_first_fp32"], R.FORMS["unweighted"], R.FORMS["weight_first_fp32"]]
+
+
+def test_per_instance_conditions_run_eager_with_a_reason(interpret, monkeypatch):
+    reset_fallback_warnings()
+    grouped = _instance("mamba2", "MambaRMSNormGated", 32, group_size=16).to(interpret)
+    one = _instance("mamba2", "MambaRMSNormGated", 32).to(interpret)
+    gated = _instance("qwen3_next", "Qwen3NextRMSNormGated", 32).to(interpret)
+    gelu = _instance("qwen3_next", "Qwen3NextRMSNormGated", 32).to(interpret)
+    gelu.activation = "gelu"
+    mods = torch.nn.ModuleList([grouped, one, gated, gelu])
+    ref = copy.deepcopy(mods)
+    rep = F.RmsNormFeature().apply(mods, None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {"MambaRMSNormGated": 1, "Qwen3NextRMSNormGated": 1}
+    assert rep.details["skipped"] == {
+        "statistics over groups (group_size smaller than the width)": {"MambaRMSNormGated": 1},
+        "gate activation 'gelu' (the op takes silu and sigmoid)": {"Qwen3NextRMSNormGated": 1}}
+    calls = []
+    real = F.try_fused_rms_norm_form
+    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
+    x, gt = torch.randn(2, 32, device=interpret), torch.randn(2, 32, device=interpret)
+    # one group: with a gate (positional or keyword) and without (no gating)
+    for args, kw in (((gt,), {}), ((), {"gate": gt}), ((), {})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            y = one(x, *args, **kw)
+        torch.testing.assert_close(y, ref[1](x, *args, **kw), rtol=1e-5, atol=1e-6)
+    assert calls == [R.FORMS["gate_first"]] * 3
+    torch.testing.assert_close(grouped(x, gt), ref[0](x, gt), rtol=0, atol=0)  # not replaced: eager
+    gated.activation = "relu"  # changed after installation: eager, with a warning
+    with pytest.warns(RuntimeWarning, match="gate activation 'relu'"):
+        gated(x, gt)
+    assert len(calls) == 3
+
+
+def test_match_forms_off_and_deprecated_key():
+    from deepspeed_fused import parse_config
+
+    cfg = parse_config({"rms_norm": {"enabled": True, "match_llama_form": False}})
+    assert cfg.rms_norm.match_forms is False
+    mods = torch.nn.ModuleList([_instance("gemma3", "Gemma3RMSNorm", 8), _instance("llama", "LlamaRMSNorm", 8)])
+    rep = F.RmsNormFeature().apply(mods, None, cfg.rms_norm)
+    assert rep.details["replaced"] == {"LlamaRMSNorm": 1}
+    assert rep.details["skipped"] == {"not a supported class (match_forms is off)": {"Gemma3RMSNorm": 1}}
+
+
+# ---- whole models of the forms' families: a training step patched vs eager ----------------------
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=257, max_position_embeddings=256, tie_word_embeddings=False)
+FORM_MODELS = {
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=8), {"Gemma3RMSNorm": 13}),
+    "olmo2": ("Olmo2Config", {}, {"Olmo2RMSNorm": 9}),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+                {"GptOssRMSNorm": 5}),
+    "qwen3_next": ("Qwen3NextConfig", dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                                           linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32,
+                                           layer_types=["linear_attention", "full_attention"]),
+                   {"Qwen3NextRMSNormGated": 1, "Qwen3NextRMSNorm": 7}),
+    "helium": ("HeliumConfig", dict(head_dim=16), {"HeliumRMSNorm": 5}),
+    "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=2, intermediate_size_mlp=128),
+               {"Llama4TextL2Norm": 2, "Llama4TextRMSNorm": 5}),
+    "deepseek_v4": ("DeepseekV4Config", {}, {"DeepseekV4RMSNorm": 11, "DeepseekV4UnweightedRMSNorm": 7}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FORM_MODELS))
+def test_form_family_training_step_matches_eager(interpret, monkeypatch, family):
+    import transformers
+
+    cls_name, kw, expected = FORM_MODELS[family]
+    if not hasattr(transformers, cls_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = getattr(transformers, cls_name)(**{**_TINY, **kw})
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(interpret)
+    _randomize(torch.nn.ModuleList([m for m in model.modules() if F.recognise(type(m)) is not None]))
+    ref = copy.deepcopy(model)
+    rep = F.RmsNormFeature().apply(model, None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == expected and not rep.details["skipped"], rep
+    calls = []
+    for name in ("try_fused_rms_norm", "try_fused_rms_norm_form"):
+        real = getattr(F, name)
+        monkeypatch.setattr(F, name, lambda *a, _real=real: calls.append(1) or _real(*a))
+    ids = torch.randint(0, 257, (2, 6), generator=torch.Generator().manual_seed(1)).to(interpret)
+
+    def step(m):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    module_calls = []
+    for m in model.modules():
+        if F.is_replaced(m):
+            m.register_forward_hook(lambda *_: module_calls.append(1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="deepspeed_fused", category=RuntimeWarning)  # no fallback
+        loss, grads = step(model)
+    n_fused = len(calls)
+    assert n_fused == len(module_calls) > 0  # every call of a replaced module ran the op
+    loss_r, grads_r = step(ref)
+    assert len(calls) == n_fused
+    torch.testing.assert_close(loss, loss_r, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads_r.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], grads_r[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_bench_forms_smoke(interpret):
+    """The suite's forms part runs on CPU (the kernels under the interpreter) and summarises."""
+    from deepspeed_fused.bench import rms_norm as B
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        recs = B.run_forms("cpu", torch.float32, rep=2, native=False, quick=True)
+    assert len(recs) == 12 and all(r.fwd_bwd_ms for r in recs), [(r.impl, r.note) for r in recs]
+    assert {r.extra["form"] for r in recs} == {"offset", "gated", "weight_first"}
+    text = B._forms_summary(recs)
+    assert text.count("\n| ") == 4  # the header's separator and one row per shape
+
+
+def test_form_dispatcher_counts_fused_and_eager_calls(interpret):
+    from deepspeed_fused import patch_model
+
+    mods = torch.nn.ModuleList([_instance("gemma3", "Gemma3RMSNorm", 16), _instance("qwen3_next",
+                                                                                    "Qwen3NextRMSNormGated", 16)])
+    calls = patch_model(mods, {"rms_norm": {"enabled": True}})["rms_norm"].calls
+    x = torch.randn(2, 16, device=interpret)
+    mods.to(interpret)
+    mods[0](x)
+    mods[1](x, x)
+    assert (calls.fused, calls.eager) == (2, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mods[0](x.double())  # float64: the module's eager forward
+        mods[1].activation = "gelu"
+        mods[1](x, x)
+    assert (calls.fused, calls.eager) == (2, 2)
+
+
+def test_form_non_tensor_arguments_raise(interpret):
+    x = torch.randn(4, 8, device=interpret)
+    with pytest.raises(TypeError, match="weight must be a tensor"):
+        R.fused_rms_norm_form(x, [1.0] * 8, EPS, "offset")
+    with pytest.raises(TypeError, match="gate must be a floating-point tensor"):
+        R.fused_rms_norm_form(x, torch.ones(8, device=interpret), EPS, "gated", [1.0])
+    with pytest.raises(TypeError, match="hidden must be a tensor"):
+        R.fused_rms_norm_form([1.0], None, EPS, "unweighted")
