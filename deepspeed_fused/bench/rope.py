@@ -223,8 +223,8 @@ def summary(recs) -> str:
     def r3(peer, ours):
         if peer is None or ours is None:
             return None, "-"
-        vals = [(peer.fwd_bwd_ms, ours.fwd_bwd_ms), (peer.extra.get("fwd_bwd_loop_ms"), ours.extra.get("fwd_bwd_loop_ms")),
-                (peer.extra.get("fwd_bwd_graph_ms"), ours.extra.get("fwd_bwd_graph_ms"))]
+        vals = [(peer.fwd_bwd_ms, ours.fwd_bwd_ms)] + [(peer.extra.get(f), ours.extra.get(f))
+                                                       for f in ("fwd_bwd_loop_ms", "fwd_bwd_graph_ms")]
         txt = " / ".join(f"{p / o:.2f}x" if p and o else "-" for p, o in vals)
         return (vals[0][0] / vals[0][1] if vals[0][0] and vals[0][1] else None), txt
 

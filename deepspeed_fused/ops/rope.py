@@ -28,13 +28,14 @@ as eager does too. Outputs equal eager's element for element (as ``torch.equal``
 ``-0.0`` and ``+0.0`` are not told apart).
 
 q and k may be strided views (Hugging Face passes ``[B, S, H, D]`` projections transposed to
-``[B, H, S, D]``): rows are addressed through up to three strided leading dims with no copy, and
+``[B, H, S, D]``; ZAYA's come from a transposed convolution, their head dim strided): rows are
+addressed through up to three strided leading dims and a strided head dim with no copy, and
 cos/sin are broadcast over the heads through zero strides. The outputs take the inputs' layout
 (``empty_like``), as eager's elementwise results do, and the input gradients are contiguous, as
 eager autograd's are (the slices' backward builds them so): the layers before see the gradient
-eager would give them, down to its strides, so their own reductions round as in eager. cos and sin are constants: inputs where they
-require grad, and inputs the kernels cannot take, run the plain torch reference
-(:func:`rope_reference`) with one warning per reason. Under ``torch.compile`` the op is the custom
+eager would give them, down to its strides, so their own reductions round as in eager. cos and
+sin are constants: inputs where they require grad, and inputs the kernels cannot take, run the
+plain torch reference (:func:`rope_reference`) with one warning per reason. Under ``torch.compile`` the op is the custom
 op ``deepspeed_fused::rope_fwd`` with ``rope_bwd`` as its backward; in eager mode the same kernels
 run behind an ``autograd.Function``, launched through the compiled kernel's C launcher once a
 shape has been seen.
@@ -237,7 +238,8 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _rope_rows(X, Y, C, S, tile, n_rows, N1, N2, xs0, xs1, xs2, ys0, ys1, ys2, cs0, cs1, cs2, ss0, ss1, ss2,
+    def _rope_rows(X, Y, C, S, tile, n_rows, N1, N2, xs0, xs1, xs2, xsd, ys0, ys1, ys2, ysd, cs0, cs1, cs2,
+                   ss0, ss1, ss2,
                    H, D, R, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
                    PAIRS: tl.constexpr, ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr, NEG: tl.constexpr,
                    BACKWARD: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr):
@@ -284,8 +286,8 @@ if HAS_TRITON:
             src_s = s
             dst_f = of
             dst_s = os
-        a = tl.load(X + xrow + src_f[None, :], mask=m, other=0.0).to(tl.float32)
-        b = tl.load(X + xrow + src_s[None, :], mask=m, other=0.0).to(tl.float32)
+        a = tl.load(X + xrow + (src_f * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
+        b = tl.load(X + xrow + (src_s * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
         cf = tl.load(C + crow + af[None, :], mask=m, other=0.0).to(tl.float32)
         sf = tl.load(S + srow + af[None, :], mask=m, other=0.0).to(tl.float32)
         if ANGLE_PAIR:
@@ -309,19 +311,19 @@ if HAS_TRITON:
         t3 = _round(_round(b * cs, PROD), ACC)
         t4 = _round(_round(a * ss, PROD), ACC)
         out_ty = Y.dtype.element_ty
-        tl.store(Y + yrow + dst_f[None, :], _round(t1 - t2, ACC).to(out_ty), mask=m)
-        tl.store(Y + yrow + dst_s[None, :], _round(t3 + t4, ACC).to(out_ty), mask=m)
+        tl.store(Y + yrow + (dst_f * ysd)[None, :], _round(t1 - t2, ACC).to(out_ty), mask=m)
+        tl.store(Y + yrow + (dst_s * ysd)[None, :], _round(t3 + t4, ACC).to(out_ty), mask=m)
         if PASS:  # columns [R, D) pass through, converted to the output's dtype
             for c0 in range(R, D, BLOCK_P):
                 c = c0 + tl.arange(0, BLOCK_P)
                 mm = rmask[:, None] & (c < D)[None, :]
-                v = tl.load(X + xrow + c[None, :], mask=mm, other=0.0)
-                tl.store(Y + yrow + c[None, :], v.to(out_ty), mask=mm)
+                v = tl.load(X + xrow + (c * xsd)[None, :], mask=mm, other=0.0)
+                tl.store(Y + yrow + (c * ysd)[None, :], v.to(out_ty), mask=mm)
 
     @triton.jit
     def _rope_kernel(X0, Y0, X1, Y1, C, S, NP0,
-                     n0, a1, a2, xa0, xa1, xa2, ya0, ya1, ya2, ca0, ca1, ca2, sa0, sa1, sa2,
-                     n1, b1, b2, xb0, xb1, xb2, yb0, yb1, yb2, cb0, cb1, cb2, sb0, sb1, sb2,
+                     n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2, sa0, sa1, sa2,
+                     n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2, sb0, sb1, sb2,
                      H, D, R,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, PAIRS: tl.constexpr,
                      ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr, NEG: tl.constexpr, BACKWARD: tl.constexpr,
@@ -330,15 +332,15 @@ if HAS_TRITON:
         pid = tl.program_id(0)
         if TWO:
             if pid >= NP0:
-                _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, yb0, yb1, yb2, cb0, cb1, cb2,
+                _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2,
                            sb0, sb1, sb2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
                            BACKWARD, PROD, ACC, PASS)
             else:
-                _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, ya0, ya1, ya2, ca0, ca1, ca2,
+                _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
                            sa0, sa1, sa2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
                            BACKWARD, PROD, ACC, PASS)
         else:
-            _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, ya0, ya1, ya2, ca0, ca1, ca2,
+            _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
                        sa0, sa1, sa2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG, BACKWARD,
                        PROD, ACC, PASS)
 
@@ -361,16 +363,16 @@ class _Geometry:
     n_rows: int
 
     def ints(self, x_strides: tuple, y_strides: tuple) -> tuple:
-        """The kernel's 15 ints of this tensor read with ``x_strides`` and written with
+        """The kernel's 17 ints of this tensor read with ``x_strides`` and written with
         ``y_strides``: rows in the written tensor's memory order (sizes of the two inner leading
-        dims), then x / y / cos / sin strides in that order."""
+        dims), then the x and y strides of those dims and of the head dim, cos / sin strides."""
         pad = (0,) * self.pad
         xs, ys = pad + tuple(x_strides[:-1]), pad + tuple(y_strides[:-1])
         order = tuple(sorted(range(3), key=lambda i: (-ys[i], i)))
         pick = lambda t: tuple(t[o] for o in order)  # noqa: E731
         sizes = pick(self.sizes)
-        return ((self.n_rows, sizes[1], sizes[2]) + pick(xs) + pick(ys) + pick(self.angle_strides)
-                + pick(self.sin_strides))
+        return ((self.n_rows, sizes[1], sizes[2]) + pick(xs) + (x_strides[-1],) + pick(ys) + (y_strides[-1],)
+                + pick(self.angle_strides) + pick(self.sin_strides))
 
 
 class RopeInputError(Exception):
@@ -451,8 +453,6 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True):
     for name, x in (("q", q),) + ((("k", k),) if k is not None else ()):
         if x.dim() > 4:
             return f"{name} of {x.dim()} dims (the kernels take up to 4)"
-        if x.stride(-1) != 1 and d > 1:
-            return f"{name} with a strided last dim"
         lead = tuple(x.shape[:-1])
         try:
             full = torch.broadcast_shapes(lead, tuple(cos_shape[:-1]))
@@ -639,10 +639,6 @@ def _forward(plan: _Plan, q, k, cos, sin, outs=None):
     return yq, yk
 
 
-def _unit_last(g: torch.Tensor) -> torch.Tensor:
-    return g if g.stride(-1) == 1 or g.shape[-1] <= 1 else g.contiguous()
-
-
 def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None) -> list:
     """Input gradients of the outputs whose gradients ``grads`` holds (None: no gradient), in the
     inputs' dtype, contiguous as eager autograd leaves them (or into ``outs``); one launch for both."""
@@ -650,7 +646,7 @@ def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None) -> list:
     out = [None] * len(grads)
     if not present:
         return out
-    gs = tuple(_unit_last(grads[i]) for i in present)
+    gs = tuple(grads[i] for i in present)
     args, np0, total, const, lkey = plan.backward_entry(present, gs)
     dxs = [torch.empty_strided(g.shape, plan.geos[i].dx_strides, dtype=plan.x_dtype, device=g.device)
            if outs is None else outs[i] for i, g in zip(present, gs)]
@@ -724,7 +720,7 @@ def _(q, k, cos, sin, unsqueeze_dim, spec):
 @torch.library.custom_op("deepspeed_fused::rope_bwd", mutates_args=())
 def _rope_bwd_op(gq: Optional[torch.Tensor], gk: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  unsqueeze_dim: int, spec: int, x_dtype: torch.dtype) -> list[torch.Tensor]:
-    grads = tuple(_unit_last(g) if g is not None else None for g in (gq, gk))
+    grads = (gq, gk)
     present = [g for g in grads if g is not None]
     plan = _get_plan(present[0], present[1] if len(present) == 2 else None, cos, sin, unsqueeze_dim,
                      RopeSpec.from_code(spec), x_dtype=x_dtype)
@@ -810,14 +806,14 @@ def try_fused_rope(q, k, cos, sin, unsqueeze_dim: int = 1, spec: RopeSpec = LLAM
 
 def fused_rope(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                unsqueeze_dim: int = 1, spec: RopeSpec = LLAMA):
-    """Rotary embedding of ``q`` and ``k`` (``[..., head_dim]``, up to 4 dims, any strides with a
-    contiguous last dim) by ``cos``/``sin`` unsqueezed at ``unsqueeze_dim`` and broadcast over
-    their leading dims, as ``spec`` describes (default: the Llama form ``q * cos +
-    rotate_half(q) * sin``). Returns ``(q_out, k_out)``, or ``q_out`` when ``k`` is None, in the
-    inputs' layout and ``output_dtype(spec, ...)``, equal to the Hugging Face form's result
-    element for element; differentiable in q and k (first order; cos and sin are constants).
-    Inputs the kernels cannot take run :func:`rope_reference` with a one-time warning per reason;
-    inputs eager rejects raise a ValueError or TypeError naming the argument."""
+    """Rotary embedding of ``q`` and ``k`` (``[..., head_dim]``, up to 4 dims, any strides) by
+    ``cos``/``sin`` unsqueezed at ``unsqueeze_dim`` and broadcast over their leading dims, as
+    ``spec`` describes (default: the Llama form ``q * cos + rotate_half(q) * sin``). Returns
+    ``(q_out, k_out)``, or ``q_out`` when ``k`` is None, in the inputs' layout and
+    ``output_dtype(spec, ...)``, equal to the Hugging Face form's result element for element;
+    differentiable in q and k (first order; cos and sin are constants). Inputs the kernels
+    cannot take run :func:`rope_reference` with a one-time warning per reason; inputs eager
+    rejects raise a ValueError or TypeError naming the argument."""
     out = try_fused_rope(q, k, cos, sin, unsqueeze_dim, spec)
     if out is None:
         warn_fallback(_OP, rope_kernel_ok(q, k, cos, sin, unsqueeze_dim, spec)[1])

@@ -138,11 +138,12 @@ def test_poisoned_outputs(interpret):
     assert all(torch.equal(a, b_) for a, b_ in zip(dx, want))
 
 
-@pytest.mark.parametrize("layout", ["bhsd-view", "contiguous", "bshd-ud2", "qkv-slice", "cos-batch-1", "3d"])
+@pytest.mark.parametrize("layout", ["bhsd-view", "contiguous", "bshd-ud2", "qkv-slice", "cos-batch-1", "3d",
+                                    "head-dim-strided"])
 def test_layouts(interpret, layout):
     """Strided rows without copies: transposed views, contiguous, [B, S, H, D] with
-    unsqueeze_dim=2, slices of a fused QKV projection, cos broadcast over the batch, and 3-D
-    [S, H, D] with unsqueeze_dim=-2 (vision towers)."""
+    unsqueeze_dim=2, slices of a fused QKV projection, cos broadcast over the batch, 3-D
+    [S, H, D] with unsqueeze_dim=-2 (vision towers), a strided head dim (ZAYA)."""
     spec = SPECS["llama"]
     gen = torch.Generator().manual_seed(4)
     dt, dev = torch.float16, interpret
@@ -167,6 +168,12 @@ def test_layouts(interpret, layout):
         qb = torch.randn(b, s, hq + 2 * hk, d, generator=gen).to(dev, dt).requires_grad_()
         kb = qb
         q, k = qb[:, :, :hq].transpose(1, 2), qb[:, :, hq:hq + hk].transpose(1, 2)
+    elif layout == "head-dim-strided":  # ZAYA: q and k from a [B, C, S] convolution output, transposed
+        qb = torch.randn(b, hq * d, s, generator=gen).to(dev, dt).requires_grad_()
+        kb = torch.randn(b, hk * d, s, generator=gen).to(dev, dt).requires_grad_()
+        q = qb.transpose(1, 2).view(b, s, hq, d).transpose(1, 2)
+        k = kb.transpose(1, 2).view(b, s, hk, d).transpose(1, 2)
+        assert q.stride(-1) != 1
     else:  # 3d
         qb = torch.randn(s, hq, d, generator=gen).to(dev, dt).requires_grad_()
         kb = torch.randn(s, hk, d, generator=gen).to(dev, dt).requires_grad_()
@@ -240,7 +247,7 @@ def test_zero_rows(interpret):
     ("width-1", "width 1"),
     ("grow", "larger shape"),
     ("5d", "5 dims"),
-    ("last-strided", "strided last dim"),
+    ("cos-strided", "cos/sin with a strided last dim"),
 ])
 def test_fallbacks_warn_and_match_reference(interpret, case, reason):
     """Valid inputs the kernels do not take run the reference, with one warning naming why."""
@@ -264,8 +271,8 @@ def test_fallbacks_warn_and_match_reference(interpret, case, reason):
         q, k = q[:1], k[:1]
     elif case == "5d":
         q, k = q[None], k[None]
-    elif case == "last-strided":
-        q = torch.randn(2, 3, 4, 16, dtype=dt)[..., ::2]
+    elif case == "cos-strided":
+        cos = torch.randn(2, 4, 16, dtype=dt)[..., ::2]
     reset_fallback_warnings()
     ok, why = R.rope_kernel_ok(q, k, cos, sin, ud, spec)
     assert not ok and reason in why, why
