@@ -18,10 +18,12 @@ SUITES = {
     "e2e": "deepspeed_fused.bench.e2e",
     "tp_cross_entropy": "deepspeed_fused.bench.tp_cross_entropy",
     "multi_gpu": "deepspeed_fused.bench.multi_gpu",
+    "coverage": "deepspeed_fused.bench.coverage",
 }
 # not in "all": the end-to-end runs, and the suites for several GPUs (run under torch.distributed.run
-# or launching their own multi-GPU jobs)
-NOT_IN_ALL = ("e2e", "tp_cross_entropy", "multi_gpu")
+# or launching their own multi-GPU jobs), and the coverage suite (a correctness check over every
+# model family of the installed transformers, not a timing)
+NOT_IN_ALL = ("e2e", "tp_cross_entropy", "multi_gpu", "coverage")
 
 
 def main(argv=None) -> int:

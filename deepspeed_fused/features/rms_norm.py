@@ -640,6 +640,15 @@ def is_replaced(module: torch.nn.Module) -> bool:
     return module.__dict__.get(MARKER) is OPT_IN and _is_our_dispatcher(type(module).forward)
 
 
+def replaced_form(module: torch.nn.Module) -> Optional[str]:
+    """The template a replaced module's class was recognised as (``"llama"``, ``"gemma"``,
+    ``"torch.nn.RMSNorm"``, ...; see :func:`recognise`), or None when ``module`` is not replaced."""
+    if not is_replaced(module):
+        return None
+    spec = getattr(type(module).forward, "__spec__", None)
+    return spec.template if isinstance(spec, FormSpec) else "llama"
+
+
 def _fmt(counter) -> str:
     return ", ".join(f"{n} x {c}" for c, n in sorted(counter.items()))
 

@@ -222,6 +222,34 @@ def test_unsupported_model_not_patched():
     assert type(model).forward is fwd and not lce.is_patched(model)
 
 
+class _ScaledHead(torch.nn.Linear):
+    """An nn.Linear whose class has its own forward: a learned per-token logit scale after the GEMM
+    (as transformers' DoryLMHead)."""
+
+    def __init__(self, hidden, vocab):
+        super().__init__(hidden, vocab, bias=False)
+        self.logit_scale = torch.nn.Parameter(torch.rand(vocab) + 0.5)
+
+    def forward(self, x):
+        return super().forward(x).float() * self.logit_scale
+
+
+def test_linear_head_with_its_own_forward_is_not_fused(op_calls):
+    """The op computes x @ W.T + b only: a head subclass that does more keeps the eager loss
+    (fusing it would drop the scale from the loss and its gradient)."""
+    b = _batch(10)
+    ref, fused = _pair("llama-tiny")
+    for m in (ref, fused):
+        torch.manual_seed(1)
+        m.lm_head = _ScaledHead(m.config.hidden_size, m.config.vocab_size)
+    rep = get_feature("linear_cross_entropy").apply(fused, None, _cfg())
+    assert not rep.applied and "_ScaledHead" in rep.reason and "own forward" in rep.reason
+    assert not lce.is_patched(fused)
+    out_r, out_f = ref(**b), fused(**b)
+    assert out_f.logits is not None and op_calls == []
+    torch.testing.assert_close(out_f.loss, out_r.loss)
+
+
 # ---------------------------------------------------------------------------------------------
 # The ForCausalLMLoss contract.
 
