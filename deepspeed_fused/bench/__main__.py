@@ -26,7 +26,7 @@ NOT_IN_ALL = ("e2e", "tp_cross_entropy", "multi_gpu")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m deepspeed_fused.bench", description=__doc__)
     p.add_argument("suites", nargs="+", choices=sorted(SUITES) + ["all"])
-    p.add_argument("--out", default=None, help="output folder (default docs/benchmarks/)")
+    p.add_argument("--out", default=None, help="output folder (default docs/benchmarks/ under the current directory)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     args, extra = p.parse_known_args(argv)
     args.extra = extra

@@ -1,6 +1,6 @@
 """Where a training step's GPU time goes: kernel time attributed to categories, each kernel once.
 
-Used by the ``e2e`` suite (through ``examples/train.py --profile-out``). Two parts:
+Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two parts:
 
 * :func:`install_ranges` puts ``record_function`` ranges (named ``e2e::...``) around the code the
   plugin's features replace, and around DeepSpeed's own work, for one profiled step. It uses

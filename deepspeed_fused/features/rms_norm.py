@@ -30,12 +30,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from pydantic import Field, StrictBool
 
-from ..config import FeatureConfig
 from ..ops._common import warn_fallback
 from ..ops.rms_norm import (FORMS, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                              try_fused_rms_norm_form)
-from .base import CallCounts, Environment, Feature, FeatureReport
-from .registry import register
+from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -661,7 +659,6 @@ class RmsNormConfig(FeatureConfig):
     """Deprecated: the earlier name of ``match_forms`` (a value given here is taken as ``match_forms``)."""
 
 
-@register
 class RmsNormFeature(Feature):
     name = "rms_norm"
     config_model = RmsNormConfig

@@ -44,7 +44,6 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,9 +61,9 @@ _SERVER_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")  # as this interpr
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from deepspeed_fused.bench.common import free_port  # one helper for the suites and the tests
+
+    return free_port()
 
 
 def remove_shm_buffers(port: int) -> None:

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from .._common import HAS_TRITON, interpreter_active, tl, triton
+from .._common import HAS_TRITON, interpreter_active, sm_count, tl, triton
 
 
 # dtypes the kernel takes (float64 runs the torch reference)
@@ -469,7 +469,6 @@ try:
 except Exception:  # pragma: no cover - older Triton
     _TensorDescriptor = None
 
-_NUM_SMS = {}
 # the last launched fused GEMMs ("stats", "grad"): their registers, spills and shared memory are
 # what a tuning run reads (n_regs, n_spills, metadata.shared)
 _COMPILED = {}
@@ -484,10 +483,7 @@ def _fused_launch(hidden, fp32_logits, interp):
     if interp:
         return 4, rnd, contextlib.nullcontext()
     idx = hidden.device.index if hidden.device.index is not None else torch.cuda.current_device()
-    sms = _NUM_SMS.get(idx)
-    if sms is None:
-        sms = _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return sms, rnd, torch.cuda.device(hidden.device)
+    return sm_count(idx), rnd, torch.cuda.device(hidden.device)
 
 
 def _fused_failed(flag, which, path, e):
