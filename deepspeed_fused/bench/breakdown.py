@@ -71,6 +71,7 @@ OUR_KERNELS = [
     (re.compile(r"^_(rms_fwd|rms_bwd|rms_bwd_loop|dw_reduce)_kernel"), "rms_norm"),
     (re.compile(r"^_lce_"), "lm_head + loss"),
     (re.compile(r"^_(gather_rows|combine|combine_backward|route_maps)_kernel"), MOE_OTHER),
+    (re.compile(r"^_rope_kernel"), "attention"),
 ]
 NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
 # GEMM kernels (cuBLAS/cuBLASLt nvjet, CUTLASS, grouped GEMMs): the expert GEMMs inside a MoE range.

@@ -4,7 +4,8 @@ from .registry import all_features, get_feature, register, unregister  # noqa: F
 from .rms_norm import RmsNormFeature
 from .linear_cross_entropy import LinearCrossEntropyFeature
 from .moe_reorder import MoeReorderFeature
+from .rope import RopeFeature
 
-for _feature in (RmsNormFeature, LinearCrossEntropyFeature, MoeReorderFeature):
+for _feature in (RmsNormFeature, LinearCrossEntropyFeature, MoeReorderFeature, RopeFeature):
     register(_feature)
 del _feature
