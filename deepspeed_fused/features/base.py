@@ -178,3 +178,26 @@ class Feature:
         """For an applied feature: what runs instead of its kernels on this machine ("" when the
         kernels run), shown in the report's status, e.g. "torch reference: no GPU"."""
         return ""
+
+
+class OptIn:
+    """A feature's per-instance opt-in marker value: one shared object per feature that copies
+    (``copy.copy``, ``copy.deepcopy``, ``nn.DataParallel`` replicas) keep as is and that pickles
+    as ``False``, so a model loaded from a pickle runs eager until it is patched again."""
+
+    __slots__ = ("_feature",)
+
+    def __init__(self, feature: str):
+        self._feature = feature
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (bool, (False,))
+
+    def __repr__(self):
+        return f"<deepspeed_fused {self._feature} opt-in>"

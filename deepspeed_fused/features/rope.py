@@ -42,32 +42,14 @@ import torch
 
 from ..ops._common import warn_fallback
 from ..ops.rope import RopeInputError, RopeSpec, rope_kernel_ok, try_fused_rope
-from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport
+from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, OptIn
 
 MARKER = "_ds_fused_rope"  # instance attribute holding OPT_IN on opted-in modules
 CALLS = "_ds_fused_rope_calls"  # instance attribute: the CallCounts of the apply that opted the module in
 PREFIX = "__deepspeed_fused_rope__"  # the private global the forward's copy calls
 
 
-class _OptIn:
-    """The opt-in marker value: one shared object; copies keep it, pickles load it as False."""
-
-    __slots__ = ()
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return (bool, (False,))
-
-    def __repr__(self):
-        return "<deepspeed_fused rope opt-in>"
-
-
-OPT_IN = _OptIn()
+OPT_IN = OptIn("rope")
 
 
 # ----------------------------------------------------------------------------------------------

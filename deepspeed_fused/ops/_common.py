@@ -266,3 +266,20 @@ def _launch_hooks() -> bool:
         return _JIT_ONLY
     enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
+
+
+class on_device:
+    """Launch on the tensor's CUDA device (a context manager) (Triton launches on the current one)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ctx = None
+        if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+            self.ctx = torch.cuda.device(t.device.index)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *a):
+        if self.ctx is not None:
+            self.ctx.__exit__(*a)

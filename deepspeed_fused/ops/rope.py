@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._common import on_device as _on_device
 from ._common import (HAS_TRITON, _current_device, _launch_hooks, _raw_stream, direct_launcher, kernel_device_ok, tl,
                       triton, warn_fallback)
 
@@ -580,23 +581,6 @@ def _get_plan(q, k, cos, sin, ud, spec, key=None, x_dtype=None):
 
 
 _GRAD_REASON = "cos/sin require grad (the fused op treats them as constants)"
-
-
-class _on_device:
-    """Launch on the tensors' CUDA device (Triton launches on the current one)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.ctx = None
-        if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
-            self.ctx = torch.cuda.device(t.device.index)
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *a):
-        if self.ctx is not None:
-            self.ctx.__exit__(*a)
 
 
 def _launch(plan: _Plan, lkey, x0, y0, x1, y1, cos, sin, np0: int, total: int, args: tuple, const: dict) -> None:

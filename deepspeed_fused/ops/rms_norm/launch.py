@@ -11,12 +11,13 @@ from typing import Optional
 import torch
 
 from .._common import _current_device, _launch_hooks, _raw_stream, _stream_capturing, launch_binding
+from .._common import on_device as _on_device
 from . import native as _native
 from .kernels import _dw_reduce_kernel, _rms_fwd_form_kernel, _rms_fwd_kernel
 from .plans import (_F32, AS_LLAMA, BwdKey, FormBwdKey, _bwd_fast, _bwd_inputs, _bwd_key, _bwd_plan, _bwd_plans,
                     _current_device_is, _form_bwd_fast, _form_bwd_key, _form_bwd_plan, _form_bwd_plans,
                     _form_fwd_fast, _form_fwd_plan, _form_fwd_plans, _form_key, _fwd_fast, _fwd_key, _fwd_plan,
-                    _fwd_plans, _key_of, _launches, _on_device, _ptr, _remember, _tkey, _workspace, _workspaces)
+                    _fwd_plans, _key_of, _launches, _ptr, _remember, _tkey, _workspace, _workspaces)
 from .reference import RMSForm, form_output_dtype, output_dtype
 
 

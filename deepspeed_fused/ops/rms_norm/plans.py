@@ -126,23 +126,6 @@ def _bwd_config(n_rows: int, N: int) -> tuple:
     return 1, _LOOP_BLOCK, False, min(16, max(4, _LOOP_BLOCK // 512))
 
 
-class _on_device:
-    """Launch on the tensor's CUDA device (Triton launches on the current one)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.ctx = None
-        if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
-            self.ctx = torch.cuda.device(t.device.index)
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *a):
-        if self.ctx is not None:
-            self.ctx.__exit__(*a)
-
-
 # Launch plans: everything a call derives from shapes, strides, dtypes, devices and pointer
 # alignment (configs, grids, persistent-program counts, workspace sizes, the compiled kernels),
 # computed once per such key. A repeated call then builds its key, allocates its outputs and
