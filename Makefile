@@ -19,4 +19,4 @@ e2e:             ## the end-to-end training benchmark (GPU)
 	$(PY) -m deepspeed_fused.bench e2e
 
 docs:            ## regenerate the config reference in README.md and docs/config.md
-	$(PY) -m deepspeed_fused.docs
+	$(PY) -m deepspeed_fused.docs --write README.md docs/config.md

@@ -18,7 +18,8 @@ setup(
     long_description=long_description,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_fused", "deepspeed_fused.*"]),
-    package_data={"deepspeed_fused.ops": ["csrc/*.cpp"]},  # built on first use (ops/_native.py)
+    # the RMSNorm's C++ node (built on first use, ops/rms_norm/native.py) and the example job's ds_configs
+    package_data={"deepspeed_fused.ops": ["csrc/*.cpp"], "deepspeed_fused": ["configs/*.json"]},
     python_requires=">=3.10",
     install_requires=install_requires,
     # pytest-forked 1.7.5 cannot marshal pytest 9.1+ reports (every forked test "EXITED with status 3").

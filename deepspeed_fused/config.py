@@ -1,9 +1,10 @@
 """The ``"deepspeed_fused"`` section of ds_config.json, as validated config models.
 
-Each feature declares its own model (a :class:`FeatureConfig` subclass, in the style of
-DeepSpeed's ``DeepSpeedConfigModel``: unknown keys forbidden, strict types). The section model
-is built from the feature registry, so adding a feature adds its key here. Errors name the
-full key path (``deepspeed_fused.rms_norm.enabeld``) and the allowed keys.
+Each feature declares its own model (a :class:`~deepspeed_fused.features.base.FeatureConfig`
+subclass, in the style of DeepSpeed's ``DeepSpeedConfigModel``: unknown keys forbidden, strict
+types). The section model is built from the feature registry, so adding a feature adds its key
+here. Errors name the full key path (``deepspeed_fused.rms_norm.enabeld``) and the allowed keys.
+The config reference in the docs is generated from these models by :mod:`deepspeed_fused.docs`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from typing import Any, Mapping, Optional
 from pydantic import StrictBool, ValidationError, create_model
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+from .features.base import FeatureConfig  # noqa: F401  (importable from here too)
+from .features.registry import all_features
 
 SECTION = "deepspeed_fused"
 
@@ -33,13 +37,6 @@ DEEPSPEED_TOP_LEVEL_KEYS = frozenset("""
     """.split())
 
 
-class FeatureConfig(DeepSpeedConfigModel):
-    """Options every feature has. Subclasses add their own fields."""
-
-    enabled: StrictBool = False
-    """Turn the feature on. Off by default: an absent section changes nothing."""
-
-
 class SectionConfig(DeepSpeedConfigModel):
     """Options of the section itself (next to the features' keys)."""
 
@@ -58,8 +55,6 @@ _SECTION_MODELS: dict = {}
 
 def _section_model():
     """The section model for the features registered now (cached per registry state)."""
-    from .features.registry import all_features
-
     key = tuple((f.name, f.config_model) for f in all_features())
     if key not in _SECTION_MODELS:
         fields = {name: (cm, cm()) for name, cm in key}
@@ -147,59 +142,3 @@ def _feature_names(model: type) -> set:
 def _is_ds_config(config: Mapping) -> bool:
     """A whole ds_config (it has the section key or a DeepSpeed top-level key), not a section."""
     return SECTION in config or any(k in DEEPSPEED_TOP_LEVEL_KEYS for k in config)
-
-
-def config_reference() -> list[dict]:
-    """Every key of every feature: path, type, default, meaning (docs are generated from this)."""
-    from .features.registry import all_features
-
-    rows = []
-    docs = _field_docs(SectionConfig)
-    for name, field in SectionConfig.model_fields.items():
-        rows.append(dict(key=f"{SECTION}.{name}", type=_type_name(field.annotation), default=field.default,
-                         doc=docs.get(name, field.description or "")))
-    for f in all_features():
-        cm = f.config_model
-        docs = _field_docs(cm)
-        for name, field in cm.model_fields.items():
-            rows.append(dict(key=f"{SECTION}.{f.name}.{name}", type=_type_name(field.annotation),
-                             default=field.default, doc=docs.get(name, field.description or "")))
-    return rows
-
-
-def _type_name(ann) -> str:
-    """A readable type for the docs: ``int or "auto"``, ``"auto" or "fp32"``, ``bool``."""
-    import typing
-
-    origin = typing.get_origin(ann)
-    if origin is typing.Literal:
-        return " or ".join(f'"{a}"' if isinstance(a, str) else str(a) for a in typing.get_args(ann))
-    if origin is typing.Union or type(ann).__name__ == "UnionType":
-        return " or ".join(_type_name(a) for a in typing.get_args(ann))
-    if origin is typing.Annotated:
-        return _type_name(typing.get_args(ann)[0])
-    name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
-    return {"StrictBool": "bool", "StrictInt": "int", "StrictFloat": "float", "StrictStr": "str",
-            "NoneType": "null"}.get(name, name)
-
-
-def _field_docs(cls: type) -> dict:
-    """Attribute docstrings (a string literal right after a field) of a config class and its bases."""
-    import ast
-    import inspect
-    import textwrap
-
-    out: dict = {}
-    for klass in reversed(cls.__mro__):
-        if not (isinstance(klass, type) and issubclass(klass, (FeatureConfig, SectionConfig))):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body
-        for a, b in zip(body, body[1:]):
-            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
-                    and isinstance(getattr(b, "value", None), ast.Constant) and isinstance(b.value.value, str):
-                out[a.target.id] = " ".join(b.value.value.split())
-    return out

@@ -1,6 +1,6 @@
 """Named Hugging Face causal-LM configs built offline with random weights.
 
-Used by the example job (``examples/train.py --model NAME``), the end-to-end benchmark and the
+Used by the example job (``deepspeed_fused.train --model NAME``), the end-to-end benchmark and the
 tests. No hub access: every model is built from a config.
 """
 from __future__ import annotations

@@ -14,6 +14,7 @@ SUITES = {
     "rms_norm": "deepspeed_fused.bench.rms_norm",
     "moe_reorder": "deepspeed_fused.bench.moe_reorder",
     "linear_cross_entropy": "deepspeed_fused.bench.linear_cross_entropy",
+    "rope": "deepspeed_fused.bench.rope",
     "e2e": "deepspeed_fused.bench.e2e",
     "tp_cross_entropy": "deepspeed_fused.bench.tp_cross_entropy",
     "multi_gpu": "deepspeed_fused.bench.multi_gpu",
@@ -28,7 +29,7 @@ NOT_IN_ALL = ("e2e", "tp_cross_entropy", "multi_gpu", "coverage")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m deepspeed_fused.bench", description=__doc__)
     p.add_argument("suites", nargs="+", choices=sorted(SUITES) + ["all"])
-    p.add_argument("--out", default=None, help="output folder (default docs/benchmarks/)")
+    p.add_argument("--out", default=None, help="output folder (default docs/benchmarks/ under the current directory)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     args, extra = p.parse_known_args(argv)
     args.extra = extra

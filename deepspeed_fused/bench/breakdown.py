@@ -1,6 +1,6 @@
 """Where a training step's GPU time goes: kernel time attributed to categories, each kernel once.
 
-Used by the ``e2e`` suite (through ``examples/train.py --profile-out``). Two parts:
+Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two parts:
 
 * :func:`install_ranges` puts ``record_function`` ranges (named ``e2e::...``) around the code the
   plugin's features replace, and around DeepSpeed's own work, for one profiled step. It uses
@@ -71,6 +71,7 @@ OUR_KERNELS = [
     (re.compile(r"^_(rms_fwd|rms_bwd|rms_bwd_loop|dw_reduce)_kernel"), "rms_norm"),
     (re.compile(r"^_lce_"), "lm_head + loss"),
     (re.compile(r"^_(gather_rows|combine|combine_backward|route_maps)_kernel"), MOE_OTHER),
+    (re.compile(r"^_rope_kernel"), "attention"),
 ]
 NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
 # GEMM kernels (cuBLAS/cuBLASLt nvjet, CUTLASS, grouped GEMMs): the expert GEMMs inside a MoE range.

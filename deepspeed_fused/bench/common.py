@@ -3,7 +3,8 @@
 A suite module exposes ``run(args) -> list[Record]``. Timings are medians of
 ``triton.testing.do_bench`` after warm-up (CUDA events when Triton is absent); peak memory is
 measured above what was allocated before the call (the inputs). Results go to
-``docs/benchmarks/SUITE.json`` (one record per implementation and shape), ``SUITE.md`` (a table
+``docs/benchmarks/SUITE.json`` under the current directory or ``--out`` (one record per
+implementation and shape), ``SUITE.md`` (a table
 with each implementation's ratio to the best peer of the same shape) and ``SUITE.png``.
 """
 from __future__ import annotations
@@ -13,14 +14,32 @@ import datetime
 import gc
 import json
 import os
+import socket
 import statistics
 import time
 from typing import Callable, Optional
 
 import torch
 
-OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
-                       "benchmarks")
+# where results go without --out: relative to the current directory (in a clone's root, its
+# docs/benchmarks/); never inside the installed package
+OUT_DIR = os.path.join("docs", "benchmarks")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a launcher's ``--master_port``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_json(paths: list) -> list:
+    """The documents of JSON files (earlier results, for a suite's ``--render``)."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    return docs
 
 
 @dataclasses.dataclass

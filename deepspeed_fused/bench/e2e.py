@@ -1,6 +1,7 @@
 """Suite ``e2e``: a real MoE training run, features off vs Liger-Kernel vs features on.
 
-Runs ``examples/train.py`` through the deepspeed launcher, a fresh process per run (memory
+Runs the example job (``deepspeed_fused.train``, the module ``examples/train.py`` wraps) through
+the deepspeed launcher with the configs shipped in the package, a fresh process per run (memory
 figures are not polluted): the Qwen3-30B-A3B layer shape cut to 4 layers, bf16, 4096-token
 sequences of synthetic tokens (same seed and data in every arm).
 
@@ -64,7 +65,6 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -72,9 +72,12 @@ import tempfile
 import time
 from typing import Callable, Optional
 
-from .common import OUT_DIR, env_fields
+from .common import OUT_DIR, env_fields, free_port, read_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the folder that holds this deepspeed_fused package (a clone's root, or site-packages): the runs
+# import the same copy
+ROOT = os.path.dirname(PACKAGE)
 # pair -> (baseline config, fused config, GPUs)
 PAIRS = {
     "zero2": ("configs/baseline.json", "configs/fused_all.json", 1),
@@ -104,10 +107,10 @@ SEARCH_TARGET = 1.3
 # Running train.py with a time limit
 # ---------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def config_file(config: str) -> str:
+    """A pair's config (``configs/NAME.json``, the configs shipped in the package, or a path of its
+    own) as an absolute path."""
+    return config if os.path.isabs(config) else os.path.join(PACKAGE, config)
 
 
 # ``--include`` of the command line (e.g. ``localhost:1``): which GPUs the launcher gives the runs,
@@ -116,16 +119,17 @@ INCLUDE: Optional[str] = None
 
 
 def launch(train_args: list, num_gpus: int, timeout: float, tmp: str, env_extra: Optional[dict] = None) -> dict:
-    """Run ``examples/train.py`` under the deepspeed launcher with a time limit (:func:`run_limited`)."""
-    port = _free_port()
+    """Run the example job (``deepspeed_fused.train``) under the deepspeed launcher with a time
+    limit (:func:`run_limited`), in ``tmp``."""
+    port = free_port()
     where = ["--include", INCLUDE] if INCLUDE else ["--num_gpus", str(num_gpus)]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *where, "--master_port",
-           str(port), os.path.join(ROOT, "examples", "train.py"), *train_args]
+           str(port), "--module", "deepspeed_fused.train", *train_args]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
     print("[e2e] running", " ".join(f"{k}={v}" for k, v in (env_extra or {}).items()), " ".join(cmd[5:]),
           f"(limit {timeout:.0f} s)", flush=True)
     try:
-        return run_limited(cmd, timeout, tmp, env)
+        return run_limited(cmd, timeout, tmp, env, cwd=tmp)
     finally:
         # a CPU run's shared-memory all-reduce leaves a /dev/shm buffer per rank and port behind
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
@@ -135,15 +139,15 @@ def launch(train_args: list, num_gpus: int, timeout: float, tmp: str, env_extra:
                 pass
 
 
-def run_limited(cmd: list, timeout: float, tmp: str, env: Optional[dict] = None) -> dict:
-    """Run ``cmd`` in its own process group; past ``timeout`` seconds the whole group (the launcher
-    and the ranks it started) gets SIGTERM, then SIGKILL. Returns rc (None on timeout), stdout,
-    stderr and wall seconds."""
+def run_limited(cmd: list, timeout: float, tmp: str, env: Optional[dict] = None, cwd: Optional[str] = None) -> dict:
+    """Run ``cmd`` (in ``cwd``) in its own process group; past ``timeout`` seconds the whole group
+    (the launcher and the ranks it started) gets SIGTERM, then SIGKILL. Returns rc (None on
+    timeout), stdout, stderr and wall seconds."""
     fd_out, out_path = tempfile.mkstemp(dir=tmp, suffix=".out")
     fd_err, err_path = tempfile.mkstemp(dir=tmp, suffix=".err")
     t0 = time.time()
     with os.fdopen(fd_out, "w") as fo, os.fdopen(fd_err, "w") as fe:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fo, stderr=fe, start_new_session=True)
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -208,14 +212,14 @@ def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> d
     tag = f"{pair}.{arm}"
     metrics = os.path.join(tmp, tag + ".metrics.json")
     timeout = o.liger_swiglu_timeout if arm in SWIGLU_ARMS else o.arm_timeout
-    args = ["--deepspeed_config", os.path.join(ROOT, config), "--model", o.model, "--steps", str(o.steps + o.warmup),
+    args = ["--deepspeed_config", config_file(config), "--model", o.model, "--steps", str(o.steps + o.warmup),
             "--warmup", str(o.warmup), "--batch-size", str(o.batch_size), "--seq-len", str(o.seq_len),
             "--no-progress", "--metrics-out", metrics, "--dump-stacks-after", str(max(10.0, timeout - 45)), *extra]
     if getattr(o, "profile", True):
         args += ["--profile-out", os.path.join(tmp, tag + ".profile.json")]
     if getattr(o, "keep_traces", None):
         os.makedirs(o.keep_traces, exist_ok=True)
-        args += ["--trace-out", os.path.join(o.keep_traces, tag + ".trace.json")]
+        args += ["--trace-out", os.path.abspath(os.path.join(o.keep_traces, tag + ".trace.json"))]
     r = launch(args, gpus, timeout, tmp, env_extra)
     sys.stdout.write(r["stdout"][-3000:])
     seen = steps_seen(r["stdout"])
@@ -370,7 +374,7 @@ def run_search(pair: str, arm: str, o, tmp: str) -> dict:
     def run_sizes(chain: list) -> list:
         count[0] += 1
         metrics = os.path.join(tmp, f"{pair}.{arm}.search{count[0]}.json")
-        args = ["--deepspeed_config", os.path.join(ROOT, config), "--model", o.model,
+        args = ["--deepspeed_config", config_file(config), "--model", o.model,
                 "--steps", str(o.search_steps + o.search_warmup), "--warmup", str(o.search_warmup),
                 "--seq-len", str(o.seq_len), "--batch-sizes", ",".join(map(str, chain)), "--no-progress",
                 "--metrics-out", metrics, "--dump-stacks-after", str(max(10.0, o.search_timeout - 45)), *extra]
@@ -755,13 +759,11 @@ def merge(docs: list) -> tuple:
     return results, search, meta
 
 
-def render(paths: list, out_dir: str) -> dict:
-    docs = []
-    for path in paths:
-        with open(path) as f:
-            docs.append(json.load(f))
-    results, search, meta = merge(docs)
-    return _write(results, search, meta, out_dir)
+def render(paths: list, out_dir: str, write: Optional[Callable] = None) -> dict:
+    """Merge earlier result files arm by arm (:func:`merge`) and write the outputs with ``write``
+    (``(results, search, meta, out_dir)``; default this suite's)."""
+    results, search, meta = merge(read_json(paths))
+    return (write or _write)(results, search, meta, out_dir)
 
 
 def _write(results: dict, search: dict, meta: dict, out_dir: str) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import row_gather as rg
+from ..ops import moe_reorder as reorder
 from .common import measure
 
 SUITE = "moe_reorder"
@@ -99,24 +99,24 @@ def _autoep_arms(layer, ek, tokens: int, top_k: int, ep: int, local: int):
 
     def legacy_permute(t, counts):
         pidx, sizes, n = feat._direct_indices(t, counts)
-        return rg.permute_rows_reference(t, pidx), pidx, sizes, n
+        return reorder.permute_rows_reference(t, pidx), pidx, sizes, n
 
     def legacy_unpermute(t, pidx, n):
-        return rg.unpermute_rows_reference(t, pidx, n)
+        return reorder.unpermute_rows_reference(t, pidx, n)
 
     def ours(x, scores, selected):
         sorted_a = torch.argsort(selected.view(-1), stable=True)
         if ep == 1:
             pidx, _, _ = feat._direct_indices(x.new_empty((sorted_a.numel(), 0)), counts_of(selected))
-            maps = rg.route_maps(sorted_a, top_k, pidx)
-            out = experts_fn(rg.route_dispatch(x, maps))
+            maps = reorder.route_maps(sorted_a, top_k, pidx)
+            out = experts_fn(reorder.route_dispatch(x, maps))
         else:
-            maps = rg.route_maps(sorted_a, top_k)
-            routed = rg.route_dispatch(x, maps)
+            maps = reorder.route_maps(sorted_a, top_k)
+            routed = reorder.route_dispatch(x, maps)
             pidx, _, n = feat._direct_indices(routed, counts_of(selected))
-            permuted = rg.permute_rows(routed, pidx)
-            out = rg.unpermute_rows(experts_fn(permuted), pidx, n)
-        return rg.route_combine(out, maps, scores).reshape(shape_of(x))
+            permuted = reorder.permute_rows(routed, pidx)
+            out = reorder.unpermute_rows(experts_fn(permuted), pidx, n)
+        return reorder.route_combine(out, maps, scores).reshape(shape_of(x))
 
     arms = [("deepspeed_fused", ours, True)]
     if ek is not None:
@@ -207,7 +207,7 @@ def run(args) -> list:
         s = torch.randn(np_, hidden, device=dev, dtype=dtype)
         g_perm = torch.randn(np_, hidden, device=dev, dtype=dtype)
         g_unperm = torch.randn(n, hidden, device=dev, dtype=dtype)
-        inv = rg.inverse_permutation(pidx, n)
+        inv = reorder.inverse_permutation(pidx, n)
         pidx_long = pidx.long()
         tag = f"{name} T{tokens} k{top_k} E{experts} H{hidden}"
 
@@ -225,11 +225,11 @@ def run(args) -> list:
         xr = x.detach().requires_grad_()
         bf, bfb = (n + np_) * row, (n + np_) * row + 2 * n * row
         # ours as the AutoEP layer calls it: the inverse is built by the permute, reused by the unpermute
-        m("permute", "deepspeed_fused", lambda: rg.permute_rows_with_inverse(x, pidx)[0],
-          fb(lambda t: rg.permute_rows_with_inverse(t, pidx)[0], xr, g_perm), bf, bfb, ours=True,
+        m("permute", "deepspeed_fused", lambda: reorder.permute_rows_with_inverse(x, pidx)[0],
+          fb(lambda t: reorder.permute_rows_with_inverse(t, pidx)[0], xr, g_perm), bf, bfb, ours=True,
           note="builds the inverse permutation in the same kernel (uncached, as a layer's first call)")
-        m("permute", "DeepSpeed 0.19.7 vstack+index", lambda: rg.permute_rows_reference(x, pidx),
-          fb(lambda t: rg.permute_rows_reference(t, pidx), xr, g_perm), bf, bfb)
+        m("permute", "DeepSpeed 0.19.7 vstack+index", lambda: reorder.permute_rows_reference(x, pidx),
+          fb(lambda t: reorder.permute_rows_reference(t, pidx), xr, g_perm), bf, bfb)
         clamped = pidx_long.clamp(min=0)
         m("permute", "torch index_select", lambda: x.index_select(0, clamped),
           fb(lambda t: t.index_select(0, clamped), xr, g_perm), bf, bfb,
@@ -241,11 +241,11 @@ def run(args) -> list:
         # ---- unpermute: [NP, H] -> [N, H] ----
         sr = s.detach().requires_grad_()
         bf, bfb = 2 * n * row, 2 * n * row + (n + np_) * row
-        m("unpermute", "deepspeed_fused", lambda: rg.unpermute_rows(s, pidx, n, inverse=inv),
-          fb(lambda t: rg.unpermute_rows(t, pidx, n, inverse=inv), sr, g_unperm), bf, bfb, ours=True,
+        m("unpermute", "deepspeed_fused", lambda: reorder.unpermute_rows(s, pidx, n, inverse=inv),
+          fb(lambda t: reorder.unpermute_rows(t, pidx, n, inverse=inv), sr, g_unperm), bf, bfb, ours=True,
           note="inverse reused from the permute (cached per index tensor)")
-        m("unpermute", "DeepSpeed 0.19.7 zero+index_put", lambda: rg.unpermute_rows_reference(s, pidx, n),
-          fb(lambda t: rg.unpermute_rows_reference(t, pidx, n), sr, g_unperm), bf, bfb)
+        m("unpermute", "DeepSpeed 0.19.7 zero+index_put", lambda: reorder.unpermute_rows_reference(s, pidx, n),
+          fb(lambda t: reorder.unpermute_rows_reference(t, pidx, n), sr, g_unperm), bf, bfb)
         m("unpermute", "torch index_select", lambda: s.index_select(0, inv),
           fb(lambda t: t.index_select(0, inv), sr, g_unperm), bf, bfb, note="backward is index_add")
         if ek is not None:
@@ -255,14 +255,15 @@ def run(args) -> list:
         # ---- transformers top-k dispatch and combine ----
         flat = ids.reshape(-1).to(dev)
         _, perm = torch.sort(flat)
-        slot = rg.inverse_permutation(perm, n).view(tokens, top_k)
+        maps = reorder.route_maps(perm, top_k)  # as the transformers path builds them (no sentinels here)
+        slot = maps.slot.view(tokens, top_k)
         tok_of_slot = perm // top_k
         h = torch.randn(tokens, hidden, device=dev, dtype=dtype)
         hr = h.detach().requires_grad_()
         g_disp = torch.randn(n, hidden, device=dev, dtype=dtype)
         bf, bfb = 2 * n * row, 2 * n * row + (n + tokens) * row
-        m("dispatch", "deepspeed_fused", lambda: rg.gather_dispatch(h, tok_of_slot, slot),
-          fb(lambda t: rg.gather_dispatch(t, tok_of_slot, slot), hr, g_disp), bf, bfb, ours=True,
+        m("dispatch", "deepspeed_fused", lambda: reorder.route_dispatch(h, maps),
+          fb(lambda t: reorder.route_dispatch(t, maps), hr, g_disp), bf, bfb, ours=True,
           note="backward: gather + FP32 sum of the k slots")
         m("dispatch", "transformers hidden[perm // k]", lambda: h[tok_of_slot],
           fb(lambda t: t[tok_of_slot], hr, g_disp), bf, bfb, note="backward: accumulating index_put")
@@ -272,7 +273,7 @@ def run(args) -> list:
         yr = y.detach().requires_grad_()
         wr = w.detach().requires_grad_()
         g_comb = torch.randn(tokens, hidden, device=dev, dtype=dtype)
-        inv_perm = slot.reshape(-1)
+        inv_perm = slot.reshape(-1).long()
         w_sorted = w.reshape(-1)[perm]
 
         def hf_combine(t, weights_sorted):
@@ -287,8 +288,8 @@ def run(args) -> list:
             return run_fb
 
         bf, bfb = (n + tokens) * row, (n + tokens) * row + 3 * n * row
-        m("combine", "deepspeed_fused", lambda: rg.gather_combine(y, slot, w),
-          fb2(lambda: rg.gather_combine(yr, slot, wr)), bf, bfb, ours=True,
+        m("combine", "deepspeed_fused", lambda: reorder.route_combine(y, maps, w),
+          fb2(lambda: reorder.route_combine(yr, maps, wr)), bf, bfb, ours=True,
           note="weights, inverse gather and sum fused (FP32 sum)")
         m("combine", "transformers gather+sum", lambda: hf_combine(y, w_sorted),
           fb2(lambda: hf_combine(yr, wr.reshape(-1)[perm])), bf, bfb)

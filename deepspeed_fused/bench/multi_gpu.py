@@ -4,7 +4,7 @@
     python -m deepspeed_fused.bench multi_gpu --pairs zero3 --out DIR2
     python -m deepspeed_fused.bench multi_gpu --render DIR/multi_gpu.json DIR2/multi_gpu.json --out DIR3
 
-Runs ``examples/train.py`` through the DeepSpeed launcher (``python -m deepspeed.launcher.runner
+Runs the example job (``deepspeed_fused.train``) through the DeepSpeed launcher (``python -m deepspeed.launcher.runner
 --num_gpus N``), a fresh job per run, with the machinery of the ``e2e`` suite
 (:func:`deepspeed_fused.bench.e2e.run_arm`: the launch, its time limit, the metrics file, the
 comparison of the arms). Model: the Qwen3-30B-A3B layer shape cut to 4 layers (a MoE model), bf16,
@@ -63,7 +63,7 @@ def _pair_configs(pair: str, gpus: int, tmp: str) -> tuple:
         return base, fused, gpus
     out = []
     for path in (base, fused):
-        with open(os.path.join(e2e.ROOT, path)) as f:
+        with open(e2e.config_file(path)) as f:
             cfg = json.load(f)
         cfg["expert_parallel"]["autoep_size"] = gpus
         dst = os.path.join(tmp, os.path.basename(path).replace("autoep2", f"autoep{gpus}"))
@@ -122,13 +122,8 @@ def write(results: dict, meta: dict, out_dir: str) -> dict:
 
 
 def render(paths: list, out_dir: str) -> dict:
-    """Merge earlier multi_gpu.json files arm by arm (e2e.merge) and write the outputs."""
-    docs = []
-    for path in paths:
-        with open(path) as f:
-            docs.append(json.load(f))
-    results, _, meta = e2e.merge(docs)
-    return write(results, meta, out_dir)
+    """Merge earlier multi_gpu.json files arm by arm (e2e's render) and write the outputs."""
+    return e2e.render(paths, out_dir, write=lambda results, search, meta, out: write(results, meta, out))
 
 
 def _report_lines(report: Optional[dict]) -> list:

@@ -17,13 +17,13 @@ each with the Llama form's device time at the same shape beside it. ``--forms`` 
 
 ``python -m deepspeed_fused.bench rms_norm --sweep --out DIR`` times the kernels' tile knobs instead
 (CUDA-graph device time, one record per setting and shape) to tune the defaults in
-``deepspeed_fused/ops/rms_norm.py``.
+``deepspeed_fused/ops/rms_norm/plans.py``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..ops import _native
+from ..ops.rms_norm import native as _native
 from ..ops import rms_norm as _ops
 from ..ops.rms_norm import FORMS, fused_rms_norm, fused_rms_norm_form, rms_norm_form_reference, rms_norm_reference
 from .common import Record, env_fields, graph_ms, loop_ms, measure
@@ -48,11 +48,11 @@ _LOOPED = ("deepspeed_fused", _PY_NODE, "torch F.rms_norm", "torch.compile(eager
 
 def _python_node(x, w):
     """Ours with the Python autograd node (the C++ node switched off for the call)."""
-    _ops.NATIVE = False
+    _ops.api.NATIVE = False
     try:
         return fused_rms_norm(x, w, EPS)
     finally:
-        _ops.NATIVE = True
+        _ops.api.NATIVE = True
 EPS = 1e-6
 
 
@@ -150,14 +150,14 @@ def sweep(args) -> list:
         raise SystemExit("the rms_norm sweep needs a GPU (it times CUDA-graph replays)")
     dtype = torch.bfloat16
     shapes = [(8192, 2048), (8192, 4096), (8192, 8192), (262144, 128), (524288, 128)]
-    saved = {k: getattr(_ops, k) for k in _FWD_KNOBS + _BWD_KNOBS}
+    saved = {k: getattr(_ops.plans, k) for k in _FWD_KNOBS + _BWD_KNOBS}
     recs = []
     gen = torch.Generator().manual_seed(0)
 
     def apply(knobs, setting):
         for k, v in zip(knobs, setting):
-            setattr(_ops, k, v)
-        _ops._occupancy_cache.clear()
+            setattr(_ops.plans, k, v)
+        _ops.plans._occupancy_cache.clear()
         _ops.clear_plans()
 
     try:
@@ -169,15 +169,15 @@ def sweep(args) -> list:
             shape = f"{rows}x{width}"
             for setting in FWD_SWEEP:
                 apply(_FWD_KNOBS, setting)
-                ms = graph_ms(lambda: _ops._forward_impl(x, w, EPS), rep=50)
+                ms = graph_ms(lambda: _ops.launch._forward_impl(x, w, EPS), rep=50)
                 recs.append(Record(SUITE, "fwd tile_bytes/elems_per_warp " + "/".join(map(str, setting)), shape,
                                    "bfloat16", ours=True, fwd_ms=ms, unit="TB/s", fwd_rate=2 * e / ms / 1e9,
                                    note="CUDA-graph device time", **env_fields()))
             apply(_FWD_KNOBS, [saved[k] for k in _FWD_KNOBS])
-            _, rstd = _ops._forward_impl(x, w, EPS)
+            _, rstd = _ops.launch._forward_impl(x, w, EPS)
             for setting in BWD_SWEEP:
                 apply(_BWD_KNOBS, setting)
-                ms = graph_ms(lambda: _ops._backward_impl(dy, x, w, rstd), rep=50)
+                ms = graph_ms(lambda: _ops.launch._backward_impl(dy, x, w, rstd), rep=50)
                 recs.append(Record(SUITE, "bwd tile_elems/elems_per_warp/prefetch " + "/".join(map(str, setting)),
                                    shape, "bfloat16", ours=True, fwd_bwd_ms=ms, unit="TB/s",
                                    fwd_bwd_rate=3 * e / ms / 1e9,

@@ -51,6 +51,7 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.linear_cross_entropy import linear_cross_entropy
+from ..ops.linear_cross_entropy.group import _CopyToGroup
 from .common import Record, env_fields, write_results
 
 SUITE = "tp_cross_entropy"
@@ -177,24 +178,6 @@ def peak_extra(fn: Callable[[], object], device) -> Optional[float]:
 # Implementations
 # ---------------------------------------------------------------------------------------------
 
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over the TP group (what a column-parallel
-    head does to its input: the logits-based peers need it for a full dhidden)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        import torch.distributed as dist
-
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
 def implementations(tp: int, group, start: int, end: int, deepspeed_peers: bool = True) -> dict:
     """name -> (loss fn (h, w) -> scalar, uses the full head?, ours?) at TP size ``tp``."""
     impls = {ours_name(1): (lambda h, w, t: linear_cross_entropy(h, w, t), True, True)}
@@ -212,7 +195,8 @@ def implementations(tp: int, group, start: int, end: int, deepspeed_peers: bool 
         def ds_logits(h, w, t):
             from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
-            x = _CopyToTP.apply(h, tpg) if tpg is not None and h.requires_grad else h
+            # identity forward, gradient summed over the TP group (a column-parallel head's input)
+            x = _CopyToGroup.apply(h, tpg, False) if tpg is not None and h.requires_grad else h
             logits = x @ w.t()
             kw = dict(vocab_start_index=start, vocab_end_index=end) if tpg is not None else {}
             return vocab_parallel_cross_entropy(logits, t, tp_group=tpg, **kw)

@@ -1,3 +1,11 @@
-"""Features: one file each, registered in :mod:`.registry`."""
-from .base import Environment, Feature, FeatureReport  # noqa: F401
-from .registry import all_features, get_feature, register  # noqa: F401
+"""Features: one file each. The package registers the built-in ones, in this order."""
+from .base import Environment, Feature, FeatureConfig, FeatureReport  # noqa: F401
+from .registry import all_features, get_feature, register, unregister  # noqa: F401
+from .rms_norm import RmsNormFeature
+from .linear_cross_entropy import LinearCrossEntropyFeature
+from .moe_reorder import MoeReorderFeature
+from .rope import RopeFeature
+
+for _feature in (RmsNormFeature, LinearCrossEntropyFeature, MoeReorderFeature, RopeFeature):
+    register(_feature)
+del _feature

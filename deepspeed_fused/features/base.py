@@ -1,6 +1,8 @@
 """What a feature is: a name, a config model, a support check, apply and revert.
 
-Features patch a model (``engine.module`` or a bare ``nn.Module``), can undo it and can say
+A feature's options are a :class:`FeatureConfig` subclass (in the style of DeepSpeed's
+``DeepSpeedConfigModel``: unknown keys forbidden, strict types); the config section
+(``deepspeed_fused.config``) is built from the registered features' models. Features patch a model (``engine.module`` or a bare ``nn.Module``), can undo it and can say
 whether it is in force on a model (``is_applied``). They call
 the ops' public functions and know nothing of Triton internals; the hook knows only the
 registry.
@@ -11,6 +13,15 @@ import dataclasses
 from typing import Any, ClassVar, Optional
 
 import torch
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import StrictBool
+
+
+class FeatureConfig(DeepSpeedConfigModel):
+    """Options every feature has. Subclasses add their own fields."""
+
+    enabled: StrictBool = False
+    """Turn the feature on. Off by default: an absent section changes nothing."""
 
 
 @dataclasses.dataclass
@@ -146,7 +157,7 @@ class Feature:
     ``is_supported``, ``apply`` and ``revert``."""
 
     name: ClassVar[str] = ""
-    config_model: ClassVar[type] = None  # a DeepSpeedConfigModel subclass with an `enabled` field
+    config_model: ClassVar[type] = None  # a FeatureConfig subclass
 
     def is_supported(self, env: Environment) -> tuple[bool, str]:
         return True, ""
@@ -167,3 +178,26 @@ class Feature:
         """For an applied feature: what runs instead of its kernels on this machine ("" when the
         kernels run), shown in the report's status, e.g. "torch reference: no GPU"."""
         return ""
+
+
+class OptIn:
+    """A feature's per-instance opt-in marker value: one shared object per feature that copies
+    (``copy.copy``, ``copy.deepcopy``, ``nn.DataParallel`` replicas) keep as is and that pickles
+    as ``False``, so a model loaded from a pickle runs eager until it is patched again."""
+
+    __slots__ = ("_feature",)
+
+    def __init__(self, feature: str):
+        self._feature = feature
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (bool, (False,))
+
+    def __repr__(self):
+        return f"<deepspeed_fused {self._feature} opt-in>"

@@ -55,10 +55,8 @@ import torch
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 from typing_extensions import Annotated
 
-from ..config import FeatureConfig
-from .base import CallCounts, Feature, FeatureReport
+from .base import CallCounts, Feature, FeatureConfig, FeatureReport
 from .lm_heads import HeadSpec, Unsupported, blocked, locate, logit_transform, read_class
-from .registry import register
 
 _STATE = "_deepspeed_fused_lce"  # instance __dict__ key: the per-instance opt-in
 _ORIG = "_deepspeed_fused_lce_original"  # on the dispatcher: the class's original forward
@@ -598,7 +596,6 @@ def is_patched(module) -> bool:
     return fused_state(module) is not None
 
 
-@register
 class LinearCrossEntropyFeature(Feature):
     name = "linear_cross_entropy"
     config_model = LinearCrossEntropyConfig

@@ -1,4 +1,4 @@
-"""Feature "moe_reorder": MoE token reorder by row gathers (``deepspeed_fused.ops.row_gather``).
+"""Feature "moe_reorder": MoE token reorder by row gathers (``deepspeed_fused.ops.moe_reorder``).
 
 Two integrations, chosen per model:
 
@@ -24,10 +24,8 @@ from typing import Any
 import torch
 from pydantic import StrictBool
 
-from ..config import FeatureConfig
-from ..ops import row_gather
-from .base import CallCounts, Environment, Feature, FeatureReport, SharedCallCounts
-from .registry import register
+from ..ops import moe_reorder as reorder
+from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, SharedCallCounts
 
 IMPL_NAME = "deepspeed_fused"
 _STATE_ATTR = "_deepspeed_fused_moe_reorder"
@@ -155,11 +153,11 @@ def _make_autoep_functions(original_permute, original_unpermute, direct: bool):
             permuted_indices, aligned_counts, n_tokens = _direct_indices(tokens, local_counts)
         else:
             permuted_indices, aligned_counts, n_tokens = _probe_indices(original_permute, tokens, local_counts)
-        permuted = row_gather.permute_rows(tokens, permuted_indices, validate=_AUTOEP["validate"] > 0)
+        permuted = reorder.permute_rows(tokens, permuted_indices, validate=_AUTOEP["validate"] > 0)
         return permuted, permuted_indices, aligned_counts, n_tokens
 
     def unpermute_by_local_expert(expert_output, permuted_indices, n_tokens):
-        return row_gather.unpermute_rows(expert_output, permuted_indices, n_tokens, validate=_AUTOEP["validate"] > 0)
+        return reorder.unpermute_rows(expert_output, permuted_indices, n_tokens, validate=_AUTOEP["validate"] > 0)
 
     permute_by_local_expert.__doc__ = ("deepspeed_fused: " + (original_permute.__doc__ or "")).strip()
     unpermute_by_local_expert.__doc__ = ("deepspeed_fused: " + (original_unpermute.__doc__ or "")).strip()
@@ -245,7 +243,7 @@ def _fused_local_forward(self, hidden_states):
     handles = getattr(self, "folding_group_handles", None)
     if ((handles is not None and handles.spec.tp_size > 1)
             or (self.ep_size > 1 and self.comm_backend == layer.DEEPEP_BACKEND)
-            or not row_gather._route_kernels(hidden_states)):
+            or not reorder.kernels_take(hidden_states)[0]):
         return original(self, hidden_states)  # its reorder runs our permute_by_local_expert (counted there)
     x = hidden_states.reshape(-1, hdim)
     # DeepSpeed's own early checks (fail every rank before any collective)
@@ -276,9 +274,9 @@ def _fused_local_forward(self, hidden_states):
             permuted_indices, aligned_counts, _ = _probe_indices(_AUTOEP["originals"][0], stand_in,
                                                                  ro.num_tokens_per_expert)
         if validate:
-            row_gather.validate_permutation(permuted_indices, n_routed)
-        maps = row_gather.route_maps(sorted_assignments, top_k, permuted_indices)
-        expert_output = self.experts(row_gather.route_dispatch(x, maps, pre), aligned_counts)
+            reorder.validate_permutation(permuted_indices, n_routed)
+        maps = reorder.route_maps(sorted_assignments, top_k, permuted_indices)
+        expert_output = self.experts(reorder.route_dispatch(x, maps, pre), aligned_counts)
     else:
         if pending_plan is not None:
             plan = self._wait_async_split_plan(pending_plan)
@@ -286,15 +284,15 @@ def _fused_local_forward(self, hidden_states):
             plan = layer.compute_split_plan(selected_experts=ro.selected_experts, num_experts=self.num_experts,
                                             ep_size=self.ep_size, num_local_experts=self.num_local_experts,
                                             ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
-        maps = row_gather.route_maps(sorted_assignments, top_k)
-        routed = row_gather.route_dispatch(x, maps, pre)  # the all-to-all send buffer, in one pass
+        maps = reorder.route_maps(sorted_assignments, top_k)
+        routed = reorder.route_dispatch(x, maps, pre)  # the all-to-all send buffer, in one pass
         routed = layer._AllToAllV.apply(self.ep_group, routed, plan.input_splits, plan.output_splits)
         routed, perm_indices, aligned_counts, n_tokens = layer.permute_by_local_expert(routed,
                                                                                       plan.local_counts_by_source)
         expert_output = self.experts(routed, aligned_counts)
         expert_output = layer.unpermute_by_local_expert(expert_output, perm_indices, n_tokens)
         expert_output = layer._AllToAllV.apply(self.ep_group, expert_output, plan.output_splits, plan.input_splits)
-    output = row_gather.route_combine(expert_output, maps, post).reshape(bsz, seqlen, hdim)
+    output = reorder.route_combine(expert_output, maps, post).reshape(bsz, seqlen, hdim)
     return self._finalize_output(output, x, hidden_states, hdim)
 
 
@@ -353,12 +351,14 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts forward with gathers for the dispatch and the combine.
 
-    Assignments are sorted by expert exactly as ``grouped_mm`` sorts them (same call, same order);
-    ``hidden[perm // top_k]`` is :func:`row_gather.gather_dispatch` (backward: a gather-sum per
-    token, no scatter-add); the GEMMs are transformers' ``_grouped_linear``; weighting, the inverse
-    permutation and the sum over ``top_k`` are one :func:`row_gather.gather_combine` (FP32 sum, one
-    rounding). Sentinel expert ids (``>= num_experts``, experts of other ranks under transformers'
-    expert parallelism) get zero rows, no GEMM rows and no contribution or gradient."""
+    Assignments are sorted by expert exactly as ``grouped_mm`` sorts them (same call, same order)
+    and mapped to slots in one launch (:func:`~deepspeed_fused.ops.moe_reorder.route_maps`);
+    ``hidden[perm // top_k]`` is :func:`~deepspeed_fused.ops.moe_reorder.route_dispatch` (backward:
+    a gather-sum per token, no scatter-add); the GEMMs are transformers' ``_grouped_linear``;
+    weighting, the inverse permutation and the sum over ``top_k`` are one
+    :func:`~deepspeed_fused.ops.moe_reorder.route_combine` (FP32 sum, one rounding). Sentinel
+    expert ids (``>= num_experts``, experts of other ranks under transformers' expert parallelism)
+    sit in padding slots: zero rows, no GEMM rows and no contribution or gradient."""
     from transformers.integrations.moe import _grouped_linear
 
     calls = self.__dict__.get(_CALLS_ATTR)
@@ -366,7 +366,6 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
         calls.fused += 1
     device = hidden_states.device
     num_top_k = top_k_index.size(-1)
-    num_tokens = hidden_states.size(0)
     num_experts = self.num_experts
 
     expert_ids = top_k_index.reshape(-1)
@@ -374,14 +373,11 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     # transformers >= 5.2x masks sentinels only under its expert parallelism; older 5.x always.
     masking = bool(getattr(self, "_is_expert_parallel", True))
     sentinel_g = expert_ids_g >= num_experts
-    token_of_slot = perm // num_top_k
-    slot_of_assignment = row_gather.inverse_permutation(perm, perm.numel())
-    if masking:
-        token_of_slot = token_of_slot.masked_fill(sentinel_g, -1)
-        slot_of_assignment = slot_of_assignment.masked_fill(expert_ids >= num_experts, -1)
-    slot_of_assignment = slot_of_assignment.view(num_tokens, num_top_k)
+    # slot s holds sorted position s; a sentinel's slot is padding
+    positions = torch.arange(perm.numel(), device=device).masked_fill(sentinel_g, -1) if masking else None
+    maps = reorder.route_maps(perm, num_top_k, positions)
 
-    selected = row_gather.gather_dispatch(hidden_states, token_of_slot, slot_of_assignment)
+    selected = reorder.route_dispatch(hidden_states, maps)
 
     # Group offsets exactly as grouped_mm computes them (histc drops the sentinel tail).
     histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
@@ -407,7 +403,7 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     if getattr(self, "has_post_expert_norm", False):
         proj = self.post_expert_norm(proj)
 
-    out = row_gather.gather_combine(proj, slot_of_assignment, top_k_weights)
+    out = reorder.route_combine(proj, maps, top_k_weights)
     return out.to(hidden_states.dtype)
 
 
@@ -437,7 +433,6 @@ def _get_impl(model) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-@register
 class MoeReorderFeature(Feature):
     name = "moe_reorder"
     config_model = MoeReorderConfig

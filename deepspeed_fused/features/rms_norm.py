@@ -30,12 +30,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from pydantic import Field, StrictBool
 
-from ..config import FeatureConfig
 from ..ops._common import warn_fallback
 from ..ops.rms_norm import (FORMS, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                              try_fused_rms_norm_form)
-from .base import CallCounts, Environment, Feature, FeatureReport
-from .registry import register
+from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, OptIn
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -48,25 +46,7 @@ CALLS = "_ds_fused_rms_calls"  # instance attribute: the CallCounts of the apply
 _EPS_ATTRS = ("variance_epsilon", "eps")
 
 
-class _OptIn:
-    """The opt-in marker value: one shared object; copies keep it, pickles load it as False."""
-
-    __slots__ = ()
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return (bool, (False,))
-
-    def __repr__(self):
-        return "<deepspeed_fused rms_norm opt-in>"
-
-
-OPT_IN = _OptIn()
+OPT_IN = OptIn("rms_norm")
 
 # class -> the dispatcher installed on it. Dispatchers stay installed for the life of the
 # process: for instances without the marker they only call the forward they wrap.
@@ -670,7 +650,6 @@ class RmsNormConfig(FeatureConfig):
     """Deprecated: the earlier name of ``match_forms`` (a value given here is taken as ``match_forms``)."""
 
 
-@register
 class RmsNormFeature(Feature):
     name = "rms_norm"
     config_model = RmsNormConfig

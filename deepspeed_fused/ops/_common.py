@@ -1,4 +1,5 @@
-"""Helpers shared by the ops: where kernels may run, and warn-once fallbacks.
+"""Helpers shared by the ops: where kernels may run, warn-once fallbacks, the SM count, and
+launches through Triton's C launcher.
 
 The ops never import DeepSpeed. A kernel runs on CUDA tensors when Triton imports, and on
 CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set before the kernels
@@ -6,6 +7,7 @@ are defined), which is how the CPU test-suite exercises the kernels themselves.
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Optional
@@ -50,6 +52,12 @@ def kernel_device_ok(t: torch.Tensor) -> tuple[bool, str]:
     if t.device.type == "cpu" and interpreter_active():
         return True, ""
     return False, f"tensors on {t.device.type} (kernels need CUDA)"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """The streaming multiprocessors of CUDA device ``device_index`` (read once per device)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 _warned: set[tuple[str, str]] = set()
@@ -130,15 +138,27 @@ def direct_launcher(compiled, grid: tuple, constexpr_values: tuple):
     g2 = grid[2] if len(grid) > 2 else 1
     coop, pdl = bool(getattr(run, "launch_cooperative_grid", False)), bool(getattr(run, "launch_pdl", False))
     tail = tuple(constexpr_values)
+    parts = (launch, g0, g1, g2, function, coop, pdl, meta, tail)
+    launch, grid3, fixed, tail = launch_binding(parts)
 
     def fn(stream, *args):
-        launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None, *args, *tail)
+        launch(*grid3, stream, *fixed, *args, *tail)
 
-    # for callers that bind the launch into their own closure (one Python call per launch):
-    # launch(g0, g1, g2, stream, function, coop, pdl, None, None, meta, None, None, None, *args, *tail)
-    fn.parts = (launch, g0, g1, g2, function, coop, pdl, meta, tail)
-    fn.compiled = compiled  # for launch descriptions handed to the C++ nodes (ops/_native.py)
+    fn.parts = parts  # for callers that bind the launch into their own closure (launch_binding)
+    fn.compiled = compiled  # for launch descriptions handed to the C++ node (ops/rms_norm/native.py)
     return fn
+
+
+def launch_binding(parts: tuple) -> tuple:
+    """``(launch, grid, fixed, tail)`` of a direct launcher's ``parts`` (``fn.parts`` of
+    :func:`direct_launcher`): ``launch(*grid, stream, *fixed, *args, *tail)`` launches the
+    compiled kernel on ``stream`` with runtime arguments ``args`` (integer pointers, ints,
+    floats). The one spelling of the C launcher's argument layout (grid, stream, function,
+    cooperative, PDL, two scratch pointers, the packed metadata, three hooks; then the arguments
+    and the constexpr values): callers that make the launch in their own closure (the RMSNorm's
+    fast paths) bind these once and make one C call per launch, with no Python call between."""
+    launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
+    return launch, (g0, g1, g2), (function, coop, pdl, None, None, meta, None, None, None), tail
 
 
 def _spec(a):
@@ -246,3 +266,20 @@ def _launch_hooks() -> bool:
         return _JIT_ONLY
     enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
+
+
+class on_device:
+    """Launch on the tensor's CUDA device (a context manager) (Triton launches on the current one)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ctx = None
+        if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+            self.ctx = torch.cuda.device(t.device.index)
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *a):
+        if self.ctx is not None:
+            self.ctx.__exit__(*a)

@@ -79,7 +79,7 @@ def test_full_vocab(dtype, H, V, mode):
 def test_benchmark_shape_bf16(accum, mode):
     """8192 x 4096 x 128256 bf16 with the default chunking (5 token chunks for the mean loss, 5
     vocabulary chunks for the per-token path): error bounds hold."""
-    from deepspeed_fused.ops.linear_cross_entropy import api
+    from deepspeed_fused.ops.linear_cross_entropy import sizing as api
 
     assert api._vocab_chunk(None, 1664, 128256, torch.bfloat16, 8192, 0.0, True) == 25728
     kw = dict(reduction="none", return_entropy=True) if mode != "mean" else {}
@@ -91,7 +91,7 @@ def test_benchmark_shape_bf16(accum, mode):
 def test_vocab_chunks(monkeypatch, dtype, opts):
     """The per-token path over vocabulary chunks (forced by a 16 MiB budget: 512 tokens, V=32000 in
     chunks of ~8000), every option, against float64."""
-    from deepspeed_fused.ops.linear_cross_entropy import api
+    from deepspeed_fused.ops.linear_cross_entropy import sizing as api
 
     monkeypatch.setattr(api, "DEFAULT_WORKSPACE_BYTES", 16 << 20)
     M, V = 512, 32000
@@ -113,7 +113,7 @@ def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
     (an occasional last-bit difference of a logit), and within the usual bounds of float64.
     "ragged": tokens and vocabulary off the tile sizes (1000 x 50001: odd rows, padded dlogits
     rows) and a small workspace, so the backward's fused GEMM takes several vocabulary slices."""
-    from deepspeed_fused.ops.linear_cross_entropy import api, kernels
+    from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as kernels, sizing as api
 
     M, H, V = 1024, 2048, 151936
     if opts == "ragged":
@@ -127,7 +127,7 @@ def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
     elif opts == "softcap":
         kw.update(softcap=20.0)
     bias = kw.pop("bias")
-    from deepspeed_fused.ops.linear_cross_entropy import single
+    from deepspeed_fused.ops.linear_cross_entropy import chunks as single
 
     slices, real_grad = [], single.gemm_grad
     monkeypatch.setattr(single, "gemm_grad", lambda hh, ww, *a, vocab_start=0, **k: (
@@ -359,7 +359,7 @@ def test_lse_at_least_as_accurate_as_eager(dtype, bias, softcap):
     lse_fp32 = eager(h.float(), w.float(), None if b is None else b.float()).double()
     lse_eager = eager(h, w, b).double()
     _, lse = linear_cross_entropy(h, w, t, bias=b, softcap=softcap, reduction="none", return_lse=True)
-    from deepspeed_fused.ops.linear_cross_entropy import single
+    from deepspeed_fused.ops.linear_cross_entropy import sizing as single
 
     assert single._FP32_LOGITS_OK[0], "cuBLAS did not write fp32 logits (the fallback ran)"
     ours_err = (lse.double() - lse_fp32).abs()
@@ -375,7 +375,7 @@ def test_upstream_gradient_scaling(dtype, g):
     """The eager scalar loss's in-place scaling by the upstream gradient: the product in fp32, one
     rounding; nothing changes when g == 1. Rows of ignored targets (dhidden's) are left as they
     are, and so is a tensor whose gate is False (dweight with no labelled token)."""
-    from deepspeed_fused.ops.linear_cross_entropy import kernels
+    from deepspeed_fused.ops.linear_cross_entropy import scale_kernel as kernels
 
     x = torch.randn(1000, 777, device=DEV).to(dtype)
     gt = torch.tensor(g, dtype=torch.float32, device=DEV)

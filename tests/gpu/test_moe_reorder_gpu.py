@@ -4,7 +4,8 @@ DeepSpeed AutoEP over NCCL on 2 GPUs."""
 import pytest
 import torch
 
-from deepspeed_fused.ops import row_gather as rg
+from deepspeed_fused.ops import moe_reorder as rg
+from deepspeed_fused.ops.moe_reorder import kernels, route
 from unit.common import DistributedTest
 
 pytestmark = pytest.mark.gpu
@@ -92,14 +93,14 @@ def test_poisoned_outputs():
     pidx = _indices(5000, 64, 16, torch.int64, gen, "empty")
     x = torch.randn(5000, 2880, dtype=torch.bfloat16, device="cuda")
     out = torch.full((pidx.numel(), 2880), float("nan"), dtype=torch.bfloat16, device="cuda")
-    rg._gather_kernel(x, pidx, out=out)
+    kernels.gather_rows(x, pidx, out=out)
     assert torch.equal(out, rg.permute_rows_reference(x, pidx))
     slot = torch.randperm(4096 * 8, device="cuda").view(4096, 8)
     slot[::7, 3] = -1
     w = torch.rand(4096, 8, device="cuda")
     src = torch.randn(4096 * 8, 2880, dtype=torch.bfloat16, device="cuda")
     out = torch.full((4096, 2880), float("nan"), dtype=torch.bfloat16, device="cuda")
-    rg._combine_kernel_launch(src, slot, w, out=out)
+    kernels.combine_rows(src, slot, w, out=out)
     assert not out.isnan().any()
 
 
@@ -111,12 +112,13 @@ def test_combine_and_dispatch(dtype, hidden, top_k):
     w = torch.rand(tokens, top_k, device="cuda").softmax(-1).to(dtype).requires_grad_()
     flat = ids.reshape(-1)
     _, perm = torch.sort(flat)
-    slot = rg.inverse_permutation(perm, perm.numel()).view(tokens, top_k)
+    maps = rg.route_maps(perm, top_k)
+    slot = maps.slot.view(tokens, top_k)
     h = torch.randn(tokens, hidden, dtype=dtype, device="cuda").requires_grad_()
-    x = rg.gather_dispatch(h, perm // top_k, slot)
+    x = rg.route_dispatch(h, maps)
     assert torch.equal(x, h.detach()[perm // top_k])
-    y = rg.gather_combine(x, slot, w)
-    ref = rg.gather_combine_reference(x.detach(), slot, w.detach())
+    y = rg.route_combine(x, maps, w)
+    ref = rg.combine_reference(x.detach(), slot, w.detach())
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
     # eager transformers formulation: weight, inverse gather, sum over k
@@ -211,7 +213,7 @@ class TestAutoEPLocalPathGPU(DistributedTest):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dispatch_combine_double_backward(dtype):
-    """Second-order gradients through gather_dispatch -> experts -> gather_combine on CUDA (the
+    """Second-order gradients through route_dispatch -> experts -> route_combine on CUDA (the
     eager Functions and the custom ops torch.compile traces) against autograd of the float64
     references; with a sentinel assignment (weight 0, slot -1)."""
     gen = torch.Generator().manual_seed(11)
@@ -223,8 +225,8 @@ def test_dispatch_combine_double_backward(dtype):
     mat = torch.randn(hidden, hidden, generator=gen) / hidden**0.5
     flat = ids.reshape(-1)
     vals, perm = torch.sort(flat)
-    token_of_slot = torch.where(vals >= experts, -1, perm // top_k).cuda()
-    slot = rg.inverse_permutation(perm, perm.numel()).masked_fill(flat >= experts, -1).view(tokens, top_k).cuda()
+    maps = rg.route_maps(perm.cuda(), top_k, torch.arange(perm.numel()).masked_fill(vals >= experts, -1).cuda())
+    m3 = (maps.token, maps.assignment, maps.slot)
     g = torch.randn(tokens, hidden, generator=gen)
     vh, vw = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, top_k, generator=gen)
 
@@ -232,15 +234,15 @@ def test_dispatch_combine_double_backward(dtype):
         hh = h.to("cuda", dt).requires_grad_()
         ww = w.to("cuda", dt).requires_grad_()
         m = mat.to("cuda", dt)
-        out = combine(torch.tanh(dispatch(hh, token_of_slot, slot) @ m), slot, ww)
+        out = combine(torch.tanh(dispatch(hh, maps) @ m), maps, ww)
         gh, gw = torch.autograd.grad(out, (hh, ww), g.to("cuda", dt), create_graph=True)
         d2 = torch.autograd.grad((gh * vh.to("cuda", dt)).sum() + (gw * vw.to("cuda", dt)).sum(), (hh, ww))
         return [t.double() for t in (out, gh, gw) + d2]
 
-    ref = second_order(lambda x, t, s: rg.gather_dispatch_reference(x, t), rg.gather_combine_reference,
-                       torch.float64)
-    for name, disp, comb in (("eager", rg.gather_dispatch, rg.gather_combine),
-                             ("custom ops", rg._dispatch_op, rg._combine_op)):
+    ref = second_order(rg.route_dispatch_reference, rg.route_combine_reference, torch.float64)
+    for name, disp, comb in (("eager", rg.route_dispatch, rg.route_combine),
+                             ("custom ops", lambda x, mp: route._dispatch_op(x, *m3, None, top_k),
+                              lambda y, mp, ww: route._combine_op(y, *m3, ww, top_k))):
         got = second_order(disp, comb, dtype)
         for what, a, b in zip(("out", "d h", "d w", "d2 h", "d2 w"), got, ref):
             assert b.abs().sum() > 0, what

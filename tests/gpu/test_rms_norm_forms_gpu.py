@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepspeed_fused.features import rms_norm as F
-from deepspeed_fused.ops import _native
+from deepspeed_fused.ops.rms_norm import native as _native
 from deepspeed_fused.ops import rms_norm as R
 from unit.test_rms_norm_forms import (EPS, FORM_MODELS, FORM_NAMES, _TINY, _module_step, _randomize, check_form,
                                       form_inputs)
@@ -50,14 +50,14 @@ def test_form_large_shapes_and_poison(form, shape):
     f = R.FORMS[form]
     x, w, g, dy = form_inputs(f, shape, torch.bfloat16, seed=len(shape), device="cuda")
     check_form(f, x, w, g, dy)
-    y0, r0 = R._form_forward_impl(x, w, g, EPS, f)
+    y0, r0 = R.launch._form_forward_impl(x, w, g, EPS, f)
     y, r = torch.full_like(y0, float("nan")), torch.full_like(r0, float("nan"))
-    R._form_forward_impl(x, w, g, EPS, f, y=y, rstd=r)
+    R.launch._form_forward_impl(x, w, g, EPS, f, y=y, rstd=r)
     assert torch.equal(y, y0) and torch.equal(r, r0)
-    dx0, dw0, dg0 = R._form_backward_impl(dy, x, w, g, r0, f)
+    dx0, dw0, dg0 = R.launch._form_backward_impl(dy, x, w, g, r0, f)
     nan = (lambda t: None if t is None else torch.full_like(t, float("nan")))
     dx, dw, dg = nan(dx0), nan(dw0), nan(dg0)
-    R._form_backward_impl(dy, x, w, g, r0, f, dx=dx, dw=dw, dg=dg)
+    R.launch._form_backward_impl(dy, x, w, g, r0, f, dx=dx, dw=dw, dg=dg)
     for a, b in ((dx, dx0), (dw, dw0), (dg, dg0)):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -80,11 +80,11 @@ def test_form_native_node_equals_python_node(form, shape):
     first, n1 = _call(f, x, w, g, dy)
     _, n2 = _call(f, x, w, g, dy)
     second, n3 = _call(f, x, w, g, dy)
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:
         third, n4 = _call(f, x, w, g, dy)
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert ["RmsNormFormFn" in n for n in (n1, n2, n3, n4)] == [False, False, True, False], (n1, n2, n3, n4)
     for a, b, c in zip(first, second, third):
         assert (a is None and b is None and c is None) or (torch.equal(a, b) and torch.equal(b, c))
@@ -185,6 +185,8 @@ def test_form_family_bf16_training_step(family):
     import transformers
 
     cls_name, kw, expected = FORM_MODELS[family]
+    if not hasattr(transformers, cls_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = getattr(transformers, cls_name)(**{**_TINY, **kw})

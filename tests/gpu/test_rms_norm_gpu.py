@@ -70,7 +70,7 @@ def test_strided_q_and_k_views(dtype):
     k = qkv[..., H * hd: (H + KV) * hd].view(B, S, KV, hd)
     w = (1 + 0.1 * torch.randn(hd, generator=g)).to("cuda", dtype)
     for t, heads in ((q, H), (k, KV)):
-        assert R._row_layout(t) is not None
+        assert R.plans._row_layout(t) is not None
         dy = torch.randn(B, heads, S, hd, generator=g).to("cuda", dtype).transpose(1, 2)
         check_against_eager(t, w, dy)
 
@@ -88,12 +88,12 @@ def test_repeated_runs_bitwise_identical(shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_poisoned_outputs_fully_written(shape, dtype):
     x, w, dy = make_inputs(shape, dtype, seed=5, device="cuda")
-    y0, r0 = R._forward_impl(x, w, EPS)
+    y0, r0 = R.launch._forward_impl(x, w, EPS)
     y, r = torch.full_like(y0, float("nan")), torch.full_like(r0, float("nan"))
-    R._forward_impl(x, w, EPS, y=y, rstd=r)
-    dx0, dw0 = R._backward_impl(dy, x, w, r0)
+    R.launch._forward_impl(x, w, EPS, y=y, rstd=r)
+    dx0, dw0 = R.launch._backward_impl(dy, x, w, r0)
     dx, dw = torch.full_like(dx0, float("nan")), torch.full_like(dw0, float("nan"))
-    R._backward_impl(dy, x, w, r0, dx=dx, dw=dw)
+    R.launch._backward_impl(dy, x, w, r0, dx=dx, dw=dw)
     assert torch.equal(y, y0) and torch.equal(r, r0) and torch.equal(dx, dx0) and torch.equal(dw, dw0)
 
 
@@ -270,7 +270,7 @@ def test_cached_launches_follow_alignment_and_strides(dtype):
                                                                     dyb[:-1, :255])):
             ww = w[: x.shape[-1]].contiguous()
             check_against_eager(x, ww, dy)
-    assert len(R._launches._compiled) >= 3
+    assert len(R.plans._launches._compiled) >= 3
 
 
 # ---- the one-launch backward's workspace (per device and stream) ------------------------------
@@ -293,7 +293,7 @@ def test_workspace_shared_by_norms_of_different_shapes():
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     for (x, w, dy) in ins[:2]:
         check_against_eager(x, w, dy)
-    assert all(int(ws[1].abs().sum()) == 0 for ws in R._workspaces.values())
+    assert all(int(ws[1].abs().sum()) == 0 for ws in R.plans._workspaces.values())
 
 
 def test_cuda_graph_then_eager_on_the_capture_stream():
@@ -323,5 +323,5 @@ def test_no_grad_forward_skips_rstd_and_matches():
     x, w, _ = make_inputs((1024, 4096), torch.bfloat16, seed=70, device="cuda")
     with torch.no_grad():
         y = R.fused_rms_norm(x, w, EPS)
-    y2, _ = R._forward_impl(x, w, EPS)
+    y2, _ = R.launch._forward_impl(x, w, EPS)
     assert torch.equal(y, y2)

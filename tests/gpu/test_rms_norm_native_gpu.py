@@ -1,4 +1,4 @@
-"""The RMSNorm's C++ autograd node (ops/_native.py) on the GPU: it is taken from a key's second
+"""The RMSNorm's C++ autograd node (ops/rms_norm/native.py) on the GPU: it is taken from a key's second
 call on, and its outputs and gradients equal the Python node's bitwise; the edges (other
 gradient layouts and dtypes, saved-tensor hooks, create_graph, streams, CUDA graphs, launch
 hooks, poisoned memory, no host sync)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspeed_fused.ops import _native
+from deepspeed_fused.ops.rms_norm import native as _native
 from deepspeed_fused.ops import rms_norm as R
 from unit.test_rms_norm import EPS, check_against_eager, make_inputs, on_streams_bitwise
 
@@ -47,11 +47,11 @@ def _three_ways(x, w, dy):
     first, n1 = _call(x, w, dy)
     _, n2 = _call(x, w, dy)
     second, n3 = _call(x, w, dy)
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:
         third, n4 = _call(x, w, dy)
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert [_native_node(n) for n in (n1, n2, n3, n4)] == [False, False, True, False], (n1, n2, n3, n4)
     return first, second, third
 
@@ -124,12 +124,12 @@ def test_native_saved_tensor_hooks():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.float(), lambda t: t):
         got, node = _call(x, w, dy)
     assert _native_node(node) and _equal(got, want)
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:  # the Python node's fast backward leaves such tensors to the plan path
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.float(), lambda t: t):
             got, node = _call(x, w, dy)
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert not _native_node(node) and got[0].dtype == torch.bfloat16
     torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2e-2, atol=2e-2)
 
@@ -172,11 +172,11 @@ def test_native_chain_equals_python_chain():
     first, _ = chain()
     chain()
     second, name = chain()
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:
         third, name3 = chain()
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert _native_node(name) and not _native_node(name3)
     assert _equal(first, second) and _equal(second, third)
 
@@ -273,9 +273,9 @@ def test_switch_off_by_flag():
     _built()
     x, w, dy = make_inputs((256, 2048), torch.bfloat16, seed=13, device="cuda")
     _warm(x, w, dy)
-    R.NATIVE = False
+    R.api.NATIVE = False
     try:
         _, node = _call(x, w, dy)
     finally:
-        R.NATIVE = True
+        R.api.NATIVE = True
     assert not _native_node(node)

@@ -44,7 +44,6 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,9 +61,9 @@ _SERVER_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")  # as this interpr
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from deepspeed_fused.bench.common import free_port  # one helper for the suites and the tests
+
+    return free_port()
 
 
 def remove_shm_buffers(port: int) -> None:
@@ -385,7 +384,7 @@ def _finish_background_builds():
     """Wait for the background build (or cached load) of deepspeed_fused's C++ node if the test
     started one: torch's extension build holds a lock file while it runs, and a rank that exited
     in the middle would leave it behind for every later build or load to wait on forever."""
-    native = sys.modules.get("deepspeed_fused.ops._native")
+    native = sys.modules.get("deepspeed_fused.ops.rms_norm.native")
     if native is not None and native.building():
         native._state["thread"].join()
 

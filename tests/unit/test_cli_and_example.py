@@ -112,15 +112,17 @@ def test_example_job_runs_under_launcher(tmp_path):
 
 
 def test_example_job_search_mode_records_each_size(tmp_path):
-    """--batch-sizes: the sizes in ascending order in one process, one record each."""
+    """--batch-sizes: the sizes in ascending order in one process, one record each (the job run as
+    the module ``deepspeed --module deepspeed_fused.train`` runs; examples/train.py wraps it)."""
     from unit.common import _free_port, remove_shm_buffers
 
     metrics = tmp_path / "metrics.json"
     port = _free_port()
     try:
         out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
-                    "examples/train.py", "--deepspeed_config", "configs/baseline.json", "--model", "qwen3-moe-tiny",
-                    "--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-sizes", "1,3", "--no-progress",
+                    "--module", "deepspeed_fused.train", "--deepspeed_config", "configs/baseline.json", "--model",
+                    "qwen3-moe-tiny", "--steps", "2", "--warmup", "1", "--seq-len", "16", "--batch-sizes", "1,3",
+                    "--no-progress",
                     "--metrics-out", str(metrics)])
     finally:
         remove_shm_buffers(port)
@@ -128,3 +130,21 @@ def test_example_job_search_mode_records_each_size(tmp_path):
     trials = json.loads(metrics.read_text())["trials"]
     assert [t["batch"] for t in trials] == [1, 3] and all(t["status"] == "ok" for t in trials)
     assert all(len(t["history"]) == 2 and t["median_tokens_per_s"] > 0 for t in trials)
+
+
+def test_example_job_finds_the_shipped_configs(tmp_path, monkeypatch):
+    """``--deepspeed_config configs/NAME.json`` outside a clone runs the config shipped in the
+    package (deepspeed_fused/configs, in a clone a link to configs/); a file that exists wins."""
+    from deepspeed_fused.train import CONFIGS_DIR, find_config
+
+    monkeypatch.chdir(tmp_path)
+    shipped = os.path.join(CONFIGS_DIR, "fused_all.json")
+    with open(shipped) as f, open(os.path.join(ROOT, "configs", "fused_all.json")) as g:
+        assert json.load(f) == json.load(g)
+    for name in ("configs/fused_all.json", "fused_all.json", "fused_all"):
+        assert find_config(name) == shipped
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "fused_all.json").write_text("{}")
+    assert find_config("configs/fused_all.json") == "configs/fused_all.json"
+    with pytest.raises(SystemExit, match="no such file, nor a shipped config of that name .*zero3_fused.json"):
+        find_config("nope.json")

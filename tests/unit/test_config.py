@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from deepspeed_fused.config import ConfigError, config_reference, parse_config
+from deepspeed_fused.config import ConfigError, parse_config
+from deepspeed_fused.docs import config_reference
 from deepspeed_fused.features.registry import all_features
 
 FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder"]

@@ -163,7 +163,7 @@ def _ranks_from_a_worker():
 def _start_a_background_build(path):
     import threading
 
-    from deepspeed_fused.ops import _native
+    from deepspeed_fused.ops.rms_norm import native as _native
 
     def build():  # a daemon thread, as _native.get() starts: it would die with the rank
         time.sleep(1.0)

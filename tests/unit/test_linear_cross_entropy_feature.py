@@ -546,7 +546,7 @@ def test_bad_config_values_raise_with_key_path(key, value):
 
 
 def test_config_defaults_and_docs():
-    from deepspeed_fused.config import config_reference
+    from deepspeed_fused.docs import config_reference
 
     c = _cfg()
     assert (c.ignore_index, c.chunk_tokens, c.accum_dtype, c.z_loss, c.label_smoothing, c.validate_targets) == \

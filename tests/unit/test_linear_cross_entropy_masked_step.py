@@ -47,13 +47,13 @@ def _run(arm, stage):
         assert engine.deepspeed_fused_report["linear_cross_entropy"].applied
     engine.train()
     calls = {"ref": 0}
-    real_ok, real_ref = lce_api.kernel_device_ok, lce_api.linear_cross_entropy_reference
+    real_ok, real_ref = lce_api.kernel_device_ok, lce_api.run_reference
 
     def ref(*a, **k):
         calls["ref"] += 1
         return real_ref(*a, **k)
 
-    lce_api.linear_cross_entropy_reference = ref
+    lce_api.run_reference = ref
     if arm == "reference":  # the op's fallback to its torch reference, as on a device without kernels
         lce_api.kernel_device_ok = lambda t: (False, "test: the torch reference path")
     try:
@@ -79,7 +79,7 @@ def _run(arm, stage):
         # the kernel arm ran the kernels (no fallback), the reference arm the reference
         assert calls["ref"] == {"eager": 0, "kernel": 0, "reference": 2}[arm], calls
     finally:
-        lce_api.kernel_device_ok, lce_api.linear_cross_entropy_reference = real_ok, real_ref
+        lce_api.kernel_device_ok, lce_api.run_reference = real_ok, real_ref
         if arm != "eager":
             from deepspeed_fused import unpatch_model
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
-from deepspeed_fused.ops.linear_cross_entropy import kernels as lce_kernels, stats as lce_stats
+from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as lce_gemm, row_kernel as lce_rows
+from deepspeed_fused.ops.linear_cross_entropy import scale_kernel as lce_scale, stats as lce_stats
 from deepspeed_fused.ops.linear_cross_entropy import (auto_chunk_tokens, linear_cross_entropy,
                                                       linear_cross_entropy_reference, merge_partial_stats)
 
@@ -150,7 +151,7 @@ def test_kernel_writes_every_element(interpret):
     n, V = 7, 150
     x, t, g = _row_inputs(1, n, V, 3, 2)
     stats = torch.full((n, 5), float("nan"))
-    lce_kernels._launch_rows(x, t, stats=stats, need_ent=True, smoothing=0.1)
+    lce_rows._launch_rows(x, t, stats=stats, need_ent=True, smoothing=0.1)
     assert torch.isfinite(stats).all()
     loss, lse, ent = lce_stats._finalize_stats(stats, t != -100, V, 0.0, 0.1, True)
     z = x.double()
@@ -163,7 +164,7 @@ def test_kernel_writes_every_element(interpret):
     entr = torch.distributions.Categorical(logits=zz).entropy()
     (lossr * gl.double() + entr * ge.double()).sum().backward()
     y = x.clone()
-    lce_kernels._launch_rows(y, t, lse=lse, ent=ent, g_loss=gl, g_ent=ge, per_token=True, smoothing=0.1)
+    lce_rows._launch_rows(y, t, lse=lse, ent=ent, g_loss=gl, g_ent=ge, per_token=True, smoothing=0.1)
     assert torch.allclose(y.double(), zz.grad, atol=1e-6)
 
 
@@ -175,14 +176,14 @@ def test_kernel_writes_gradient_to_another_buffer(interpret):
     stats = torch.empty(n, 5)
     gl = torch.rand(n, generator=g)
     kw = dict(softcap=2.5, inv_temp=0.9)
-    lce_kernels._launch_rows(x, t, stats=stats, **kw)
+    lce_rows._launch_rows(x, t, stats=stats, **kw)
     lse = lce_stats._finalize_stats(stats, t != -100, V, 0.0, 0.0, False)[1]
     x0 = x.clone()
     out = torch.full((n, V), float("nan"), dtype=torch.float16)
-    lce_kernels._launch_rows(x, t, lse=lse, g_loss=gl, per_token=True, out=out, **kw)
+    lce_rows._launch_rows(x, t, lse=lse, g_loss=gl, per_token=True, out=out, **kw)
     assert torch.equal(x, x0) and torch.isfinite(out).all()
     y = x.clone()
-    lce_kernels._launch_rows(y, t, lse=lse, g_loss=gl, per_token=True, **kw)
+    lce_rows._launch_rows(y, t, lse=lse, g_loss=gl, per_token=True, **kw)
     assert torch.equal(out, y.half())
 
 
@@ -208,7 +209,7 @@ def test_softcap_lse_at_least_as_accurate_as_eager(interpret, bias):
 def test_fp32_logits_fallback(interpret, monkeypatch):
     """When cuBLAS cannot write fp32 logits: one warning, this call's logits rounded first (into
     its fp32 buffer), and later calls take input-dtype workspaces (no fp32 buffers)."""
-    from deepspeed_fused.ops.linear_cross_entropy import single
+    from deepspeed_fused.ops.linear_cross_entropy import chunks, sizing
 
     calls = []
 
@@ -230,16 +231,16 @@ def test_fp32_logits_fallback(interpret, monkeypatch):
             raise RuntimeError("no fp32 output here")
         return real_mm(*a, **k)
 
-    monkeypatch.setattr(single, "_FP32_LOGITS_OK", [True])
+    monkeypatch.setattr(sizing, "_FP32_LOGITS_OK", [True])
     monkeypatch.setattr(torch, "mm", mm)
     h, w = torch.randn(3, 8).half(), torch.randn(5, 8).half()
     out = torch.empty(3, 5)
     with pytest.warns(RuntimeWarning, match="fp32 logits"):
-        single._logits_fp32_into(h, w, None, _FakeOut(out))
+        chunks._logits_fp32_into(h, w, None, _FakeOut(out))
     assert calls == [torch.float16] and torch.equal(out, real_mm(h, w.t()).float())
-    assert not single.fp32_logits(torch.bfloat16, 3.0)
-    assert single.chunk_bytes_per_logit(torch.bfloat16, 3.0, True) == 2
-    assert single._ChunkBuffers(h, 3, 5, 3.0, True).logits.dtype == torch.float16
+    assert not sizing.fp32_logits(torch.bfloat16, 3.0)
+    assert sizing.chunk_bytes_per_logit(torch.bfloat16, 3.0, True) == 2
+    assert chunks._ChunkBuffers(h, 3, 5, 3.0, True).logits.dtype == torch.float16
 
 
 def test_vocab_shards_merge(interpret):
@@ -247,12 +248,12 @@ def test_vocab_shards_merge(interpret):
     n, V = 6, 200
     x, t, _ = _row_inputs(2, n, V, 4, 0)
     full = torch.empty(n, 5)
-    lce_kernels._launch_rows(x, t, stats=full, need_ent=True, smoothing=0.2)
+    lce_rows._launch_rows(x, t, stats=full, need_ent=True, smoothing=0.2)
     bounds = [0, 70, 71, 200]  # ragged shards, one of one column
     parts = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         st = torch.empty(n, 5)
-        lce_kernels._launch_rows(x[:, lo:hi].contiguous(), t, stats=st, need_ent=True, smoothing=0.2,
+        lce_rows._launch_rows(x[:, lo:hi].contiguous(), t, stats=st, need_ent=True, smoothing=0.2,
                                  vocab_start=lo, vocab_total=V)
         parts.append(st)
     merged = merge_partial_stats(torch.stack(parts))
@@ -378,14 +379,15 @@ def test_target_check_read_after_the_kernels_are_queued(interpret, monkeypatch, 
     # the check's reduction is started before the kernels and read after them (on CUDA through
     # pinned memory and an event): a bad target still raises ValueError naming it, and nothing
     # else is left behind; invalid targets are never read out of bounds by the kernels
-    from deepspeed_fused.ops.linear_cross_entropy import checks, single
+    from deepspeed_fused.ops.linear_cross_entropy import checks, chunks, single
 
     order = []
     finish = checks._ValueCheck.finish
     monkeypatch.setattr(checks._ValueCheck, "finish", lambda self: (order.append("check"), finish(self))[1])
-    launch, fused = single._launch_rows, single.gemm_stats
-    monkeypatch.setattr(single, "_launch_rows", lambda *a, **k: (order.append("kernel"), launch(*a, **k))[1])
-    monkeypatch.setattr(single, "gemm_stats", lambda *a, **k: (order.append("kernel"), fused(*a, **k))[1])
+    launch, fused = single._launch_rows, chunks.gemm_stats
+    for mod in (single, chunks):  # the row kernel's launches, from both
+        monkeypatch.setattr(mod, "_launch_rows", lambda *a, **k: (order.append("kernel"), launch(*a, **k))[1])
+    monkeypatch.setattr(chunks, "gemm_stats", lambda *a, **k: (order.append("kernel"), fused(*a, **k))[1])
     h, w, t, _ = _inputs(6, 8, 20, torch.float32, interpret)
     h.requires_grad_(not per_token)
     bad = torch.tensor([0, 1, 2, 20, 1, -100], device=interpret)
@@ -411,43 +413,45 @@ def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
     than there are vocabulary rows: partial statistics per chunk, merged; dweight rows per chunk,
     dhidden summed over chunks. A small workspace budget forces it here (13 tokens, V=300: three
     vocabulary chunks, 112 + 112 + 76, each ragged kernel blocks of 64 under the interpreter)."""
-    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api, single as lce_single
+    from deepspeed_fused.ops.linear_cross_entropy import chunks as lce_chunks, single as lce_single
+    from deepspeed_fused.ops.linear_cross_entropy import sizing as lce_sizing
 
     seen = []
-    real = lce_single._vocab_chunks
+    real = lce_chunks._vocab_chunks
 
     def spy(hidden, weight, bias, vchunk, softcap, grad):
         for v0, v1, x, g in real(hidden, weight, bias, vchunk, softcap, grad):
             seen.append((v0, v1))
             yield v0, v1, x, g
 
-    monkeypatch.setattr(lce_single, "_vocab_chunks", spy)
-    fused, real_grad = [], lce_single.gemm_grad
+    monkeypatch.setattr(lce_single, "_vocab_chunks", spy)  # the forward's
+    monkeypatch.setattr(lce_chunks, "_vocab_chunks", spy)  # the backward's
+    fused, real_grad = [], lce_chunks.gemm_grad
 
     def grad_spy(hidden, weight, *a, vocab_start=0, **k):
         fused.append((vocab_start, vocab_start + weight.shape[0]))
         return real_grad(hidden, weight, *a, vocab_start=vocab_start, **k)
 
-    monkeypatch.setattr(lce_single, "gemm_grad", grad_spy)
+    monkeypatch.setattr(lce_chunks, "gemm_grad", grad_spy)
     # the fused GEMMs (forward statistics, backward gradients), or cuBLAS and the row kernel
-    monkeypatch.setattr(lce_kernels, "_GEMM_STATS_OK", [fused_fwd])
-    monkeypatch.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused_fwd])
+    monkeypatch.setattr(lce_gemm, "_GEMM_STATS_OK", [fused_fwd])
+    monkeypatch.setattr(lce_gemm, "_GEMM_GRAD_OK", [fused_fwd])
     M, V = 13, 300
     temp = (torch.rand(M, generator=torch.Generator().manual_seed(3)) + 0.5).to(interpret)
     if case == "all_options":
-        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 4)
+        monkeypatch.setattr(lce_sizing, "DEFAULT_WORKSPACE_BYTES", 5 * V * 4)
         _compare(torch.float32, interpret, M=M, H=24, V=V, bias=True, reduction="none", return_entropy=True,
                  return_lse=True, temperature=temp, softcap=2.0, z_loss=0.05, label_smoothing=0.1)
     elif case == "fp16_softcap":  # fp32 logits (4 bytes) and an fp16 dlogits buffer (2) per element
-        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 2 * 6 // 2)
+        monkeypatch.setattr(lce_sizing, "DEFAULT_WORKSPACE_BYTES", 5 * V * 2 * 6 // 2)
         _compare(torch.float16, interpret, M=M, H=24, V=V, bias=True, reduction="none", return_lse=True,
                  softcap=3.0)
     elif case == "fp16_accum_fp32":  # dhidden summed over the chunks in fp32
-        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 2)
+        monkeypatch.setattr(lce_sizing, "DEFAULT_WORKSPACE_BYTES", 5 * V * 2)
         _compare(torch.float16, interpret, M=M, H=24, V=V, reduction="none", return_entropy=True,
                  accum_dtype=torch.float32)
     else:  # every target on the first or last row of a chunk, none ignored
-        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * V * 4)
+        monkeypatch.setattr(lce_sizing, "DEFAULT_WORKSPACE_BYTES", 5 * V * 4)
         h, w, _, b = _inputs(M, 24, V, torch.float32, interpret, bias=True)
         t = torch.tensor([0, 111, 112, 223, 224, 299, 0, 111, 112, 223, 224, 299, 150], device=interpret)
         out, grads = weighted_backward(linear_cross_entropy, h, w, t, b, reduction="none", label_smoothing=0.2,
@@ -461,9 +465,9 @@ def test_vocab_chunks(interpret, monkeypatch, case, fused_fwd):
     assert seen == ([] if fused_fwd else [(0, 112), (112, 224), (224, 300)] * 2), seen
     assert fused == ([(0, 112), (112, 224), (224, 300)] if fused_fwd else []), fused
     if case == "all_options":
-        assert lce_api._vocab_chunk(None, 5, V, torch.float32, M, 0.0, True) == 112
-    assert lce_api._vocab_chunk(7, 7, V, torch.float32, M, 0.0, True) == 0  # chunk_tokens given: tokens
-    assert lce_api._vocab_chunk(None, 5, 12, torch.float32, M, 0.0, True) == 0  # more tokens than V rows
+        assert lce_sizing._vocab_chunk(None, 5, V, torch.float32, M, 0.0, True) == 112
+    assert lce_sizing._vocab_chunk(7, 7, V, torch.float32, M, 0.0, True) == 0  # chunk_tokens given: tokens
+    assert lce_sizing._vocab_chunk(None, 5, 12, torch.float32, M, 0.0, True) == 0  # more tokens than V rows
 
 
 @pytest.mark.parametrize("subtile", [1, 2])
@@ -477,7 +481,7 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
     memory bound)."""
     if interpret == "cuda":
         pytest.skip("the interpreter's tile sizes")
-    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
+    from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as kernels, sizing
 
     cfg = kernels._GEMM_STATS_CFG_INTERP
     monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
@@ -500,7 +504,7 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
     real_empty = torch.empty
     monkeypatch.setattr(kernels.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     stats = kernels.gemm_stats(h, w, b, t, temp=temp, softcap=cap, need_ent=full, need_sumz=full,
-                               fp32_logits=single.fp32_logits(dt, cap), ignore_index=ignore)
+                               fp32_logits=sizing.fp32_logits(dt, cap), ignore_index=ignore)
     monkeypatch.setattr(kernels.torch, "empty", real_empty)
     assert stats is not None and stats.shape == (M, 5) and torch.isfinite(stats).all()
     z = h.double() @ w.double().t() + (0 if b is None else b.double())
@@ -528,7 +532,7 @@ def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
     outputs and gradients, with the fused GEMMs and without."""
     if interpret == "cuda":
         pytest.skip("CPU")
-    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
+    from deepspeed_fused.ops.linear_cross_entropy import chunks, gemm_kernels as kernels
 
     h, w, t, b = _inputs(13, 16, 150, torch.float32, interpret, bias=True)
     kw = dict(reduction="none", return_lse=True, return_entropy=True)
@@ -537,8 +541,8 @@ def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
     else:
         t[2] = 150 + 3  # in the last tile's padding
         kw.update(validate_targets=False)
-    calls, real_grad = [], single.gemm_grad
-    monkeypatch.setattr(single, "gemm_grad", lambda *a, **k: (calls.append(1), real_grad(*a, **k))[1])
+    calls, real_grad = [], chunks.gemm_grad
+    monkeypatch.setattr(chunks, "gemm_grad", lambda *a, **k: (calls.append(1), real_grad(*a, **k))[1])
 
     def run(fused):
         monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [fused])
@@ -568,7 +572,7 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
         pytest.skip("the interpreter's tile sizes")
     if store == "pointer" and subtile == 1:
         pytest.skip("pointer stores always take the column halves")
-    from deepspeed_fused.ops.linear_cross_entropy import kernels, single
+    from deepspeed_fused.ops.linear_cross_entropy import chunks, gemm_kernels as kernels, row_kernel, sizing
 
     cfg = kernels._GEMM_STATS_CFG_INTERP
     monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
@@ -595,7 +599,7 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
     elif opts == "fp16_rounded":  # fp16 logits: rounded in the epilogue as cuBLAS rounds them
         kw = dict(temp=torch.rand(M, generator=gen) + 0.5)
     grads = dict(lse=lse, g_loss=gl) if opts == "plain" else dict(lse=lse, ent=ent, g_loss=gl, g_ent=ge, g_lse=gs)
-    f32 = single.fp32_logits(dt, kw.get("softcap", 0.0))
+    f32 = sizing.fp32_logits(dt, kw.get("softcap", 0.0))
     ld = v1 - v0 + (10 if store == "tma" else 0)  # 160 columns: 16-byte rows in fp16 and fp32
     out = torch.full((M, ld), float("nan"), dtype=dt)[:, :v1 - v0]
     wb = None if b is None else b[v0:v1]
@@ -613,9 +617,9 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
     BM, BN = cfg[:2]
     assert made == ([[BM, BN // subtile]] if store == "tma" else []), made
     x = torch.empty(M, v1 - v0, dtype=torch.float32 if f32 else dt)
-    single._logits_into(h, w[v0:v1], wb, x)
+    chunks._logits_into(h, w[v0:v1], wb, x)
     want = torch.empty(M, v1 - v0, dtype=dt)
-    kernels._launch_rows(x, t, out=want, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw, **kw_ignore)
+    row_kernel._launch_rows(x, t, out=want, vocab_start=v0, vocab_total=V, per_token=True, **grads, **kw, **kw_ignore)
     assert torch.isfinite(out).all()
     rtol, atol = (1e-5, 1e-5) if dt == torch.float32 else (1e-3, 1e-6)  # fp16: the same rounded logits
     assert torch.allclose(out.float(), want.float(), rtol=rtol, atol=atol), (out.float() - want.float()).abs().max()
@@ -626,7 +630,7 @@ def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
     per-token forward runs cuBLAS and the row kernel with the same results."""
     if interpret == "cuda":
         pytest.skip("CPU: a stand-in kernel that raises")
-    from deepspeed_fused.ops.linear_cross_entropy import kernels
+    from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as kernels
 
     h, w, t, _ = _inputs(13, 16, 37, torch.float32, interpret)
     want = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)
@@ -644,9 +648,9 @@ def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
         got = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)
     # the backward's fused GEMM failing after the forward's ran: its chunks redone by cuBLAS and
     # the row kernel (vocabulary chunks forced), the gradients as without it
-    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api
+    from deepspeed_fused.ops.linear_cross_entropy import sizing as lce_sizing
 
-    monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * 37 * 4)
+    monkeypatch.setattr(lce_sizing, "DEFAULT_WORKSPACE_BYTES", 5 * 37 * 4)
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
     monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [False])
     hw = [h.clone().requires_grad_(), w.clone().requires_grad_()]
@@ -716,12 +720,12 @@ def test_upstream_gradient_scaling_matches_mul(interpret, dtype, g):
     x = torch.randn(37, 29, generator=torch.Generator().manual_seed(1)).to(dtype).to(interpret)
     gt = torch.tensor(g, dtype=torch.float32, device=interpret)
     scaled = (x.float() * gt).to(dtype)
-    ours = lce_kernels._scale_unless_one_(x.clone(), gt)
+    ours = lce_scale._scale_unless_one_(x.clone(), gt)
     assert torch.equal(ours, scaled) or (g != g and ours.isnan().all())
     t = torch.randint(0, 5, (37,), generator=torch.Generator().manual_seed(2)).to(interpret)
     t[::3] = -100
     want = torch.where((t != -100)[:, None], scaled, x)
-    for fn in (lce_kernels._scale_unless_one_, lce_kernels._scale_masked_torch_):
+    for fn in (lce_scale._scale_unless_one_, lce_scale._scale_masked_torch_):
         rows = fn(x.clone(), gt, target=t, ignore_index=-100)
         assert torch.equal(rows[::3], x[::3])  # ignored rows untouched, bitwise
         assert torch.equal(rows.nan_to_num(), want.nan_to_num()) and torch.equal(rows.isnan(), want.isnan())
@@ -871,24 +875,26 @@ def test_out_of_range_targets_unchecked_score_lse(interpret, monkeypatch, kind, 
     every path (the kernels' row pass, the fused GEMMs, vocabulary chunks, the reference): the
     token's loss is lse (with the smoothing and z-loss terms), its gradient that loss's, and it
     counts in the mean; the same as the float64 reference and the formula on materialized logits."""
-    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api, single as lce_single
+    from deepspeed_fused.ops.linear_cross_entropy import chunks as lce_chunks, single as lce_single
+    from deepspeed_fused.ops.linear_cross_entropy import sizing as lce_sizing
 
-    seen, real = [], lce_single._vocab_chunks
+    seen, real = [], lce_chunks._vocab_chunks
 
     def spy(*a):
         for c in real(*a):
             seen.append(c[0])
             yield c
 
-    monkeypatch.setattr(lce_single, "_vocab_chunks", spy)
+    monkeypatch.setattr(lce_single, "_vocab_chunks", spy)  # the forward's
+    monkeypatch.setattr(lce_chunks, "_vocab_chunks", spy)  # the backward's
     M, V = 13, 37
     h, w, t, b = _inputs(M, 16, V, torch.float32, interpret, bias=True)
     t[[1, 6, 11]] = torch.tensor(_OUT_OF_RANGE[kind], device=interpret)
     fused = path == "per_token_fused"
-    monkeypatch.setattr(lce_kernels, "_GEMM_STATS_OK", [fused])
-    monkeypatch.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused])
+    monkeypatch.setattr(lce_gemm, "_GEMM_STATS_OK", [fused])
+    monkeypatch.setattr(lce_gemm, "_GEMM_GRAD_OK", [fused])
     if path == "vocab_chunks":  # three vocabulary slices (see test_vocab_chunks)
-        monkeypatch.setattr(lce_api, "DEFAULT_WORKSPACE_BYTES", 5 * 16 * 4)
+        monkeypatch.setattr(lce_sizing, "DEFAULT_WORKSPACE_BYTES", 5 * 16 * 4)
     opts = dict(temperature=0.8, softcap=3.0, z_loss=0.05, label_smoothing=0.1, validate_targets=False)
     reductions = ("mean", "sum") if path == "scalar" else ("none",)
     for reduction in reductions:

@@ -15,9 +15,10 @@ from unit.common import DistributedTest, cuda_device_count
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
-from deepspeed_fused.ops.linear_cross_entropy import kernels as lce_kernels
+from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as lce_gemm
 from deepspeed_fused.ops.linear_cross_entropy import parallel as lce_parallel
-from deepspeed_fused.ops.linear_cross_entropy import single as lce_single
+from deepspeed_fused.ops.linear_cross_entropy import chunks as lce_chunks
+from deepspeed_fused.ops.linear_cross_entropy import group as lce_group
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 
 DEV = "cuda" if cuda_device_count() else "cpu"  # NCCL ranks on GPUs (skipped without enough of them)
@@ -310,9 +311,9 @@ class TestVocabParallel(DistributedTest):
                 return fn(*a, **k)
             return f
 
-        # the logits GEMM: the statistics and per-token passes reach it through single._logit_chunks,
+        # the logits GEMM: the statistics and per-token passes reach it through chunks._logit_chunks,
         # the scalar-loss pass (two workspaces) directly
-        mp.setattr(lce_single, "_logits_into", wrap("logits", lce_single._logits_into))
+        mp.setattr(lce_chunks, "_logits_into", wrap("logits", lce_chunks._logits_into))
         mp.setattr(lce_parallel, "_logits_into", wrap("logits", lce_parallel._logits_into))
         mp.setattr(lce_parallel, "_dhidden_into", wrap("dh", lce_parallel._dhidden_into))
         mp.setattr(lce_parallel._ParamGrads, "add", wrap("dw", lce_parallel._ParamGrads.add))
@@ -341,25 +342,25 @@ class TestVocabParallel(DistributedTest):
             # and gathers in the same chunks (the same collectives on every rank either way)
             bwd = ["logits", "dh", "dw", "logits", "dh", "dw", "logits", "dh", "all_reduce", "dw"]
             for fused in (False, True):
-                mp.setattr(lce_kernels, "_GEMM_STATS_OK", [fused])
-                mp.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused])
+                mp.setattr(lce_gemm, "_GEMM_STATS_OK", [fused])
+                mp.setattr(lce_gemm, "_GEMM_GRAD_OK", [fused])
                 events.clear()
                 _check_tp(h, w, t, b, rank * 16, 16, chunk_tokens=4, reduction="none", return_entropy=True)
-                ran = fused and lce_kernels._gemm_fusable(h, w[sl])  # (on a GPU: Hopper, fp16/bf16 only)
+                ran = fused and lce_gemm._gemm_fusable(h, w[sl])  # (on a GPU: Hopper, fp16/bf16 only)
                 fwd = ["gather"] + (["gather"] * 3 if ran else ["logits", "gather"] * 3)
                 assert events == fwd + bwd, (fused, events)
-                assert lce_kernels._GEMM_STATS_OK[0] == fused  # the fused GEMM ran without failing
+                assert lce_gemm._GEMM_STATS_OK[0] == fused  # the fused GEMM ran without failing
             # per-token, one chunk: the backward takes the shard as one vocabulary slice (the fused
             # gradient GEMM, else cuBLAS and the row kernel), then the dhidden all-reduce
             for fused in (False, True):
-                mp.setattr(lce_kernels, "_GEMM_STATS_OK", [fused])
-                mp.setattr(lce_kernels, "_GEMM_GRAD_OK", [fused])
+                mp.setattr(lce_gemm, "_GEMM_STATS_OK", [fused])
+                mp.setattr(lce_gemm, "_GEMM_GRAD_OK", [fused])
                 events.clear()
                 _check_tp(h, w, t, b, rank * 16, 16, reduction="none", return_entropy=True, label_smoothing=0.1)
-                ran = fused and lce_kernels._gemm_fusable(h, w[sl])
+                ran = fused and lce_gemm._gemm_fusable(h, w[sl])
                 fwd = ["gather"] + ([] if ran else ["logits"]) + ["gather"]
                 assert events == fwd + ([] if ran else ["logits"]) + ["all_reduce"], (fused, events)
-                assert lce_kernels._GEMM_STATS_OK[0] == lce_kernels._GEMM_GRAD_OK[0] == fused
+                assert lce_gemm._GEMM_STATS_OK[0] == lce_gemm._GEMM_GRAD_OK[0] == fused
         finally:
             mp.undo()
 
@@ -412,7 +413,7 @@ class TestVocabParallel(DistributedTest):
         assert out.item() == 0 and hh.grad.shape == (0, 8)
         # the layout check is cached: a valid call still works after all of the above
         linear_cross_entropy(h, w[rank * 16:(rank + 1) * 16], t, tp_group=g, validate_targets=False)
-        lce_parallel._TP_LAYOUTS.clear()
+        lce_group._TP_LAYOUTS.clear()
 
 
 def _check_sp(h, w, t, b, rank, size, fn=linear_cross_entropy, dtype=torch.float32, **kw):

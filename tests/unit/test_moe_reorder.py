@@ -13,7 +13,8 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 from deepspeed_fused import patch_model, unpatch_model
 from deepspeed_fused.features import moe_reorder
 from deepspeed_fused.ops import _common
-from deepspeed_fused.ops import row_gather as rg
+from deepspeed_fused.ops import moe_reorder as mr
+from deepspeed_fused.ops.moe_reorder import kernels, permute, reference, route
 from unit.common import DistributedTest
 
 # Import the model classes once here (and in the worker server the ranks fork from), not in every rank.
@@ -62,10 +63,10 @@ def test_permute_unpermute_equal_eager(interpret, dtype, case):
     hidden = 40  # not a power of two: a ragged column block
     rows = torch.randn(n, hidden, dtype=dtype, generator=gen).to(interpret).requires_grad_()
     ref_rows = rows.detach().clone().requires_grad_()
-    rg.validate_permutation(pidx, n)
+    mr.validate_permutation(pidx, n)
 
-    out = rg.permute_rows(rows, pidx)
-    ref = rg.permute_rows_reference(ref_rows, pidx)
+    out = mr.permute_rows(rows, pidx)
+    ref = mr.permute_rows_reference(ref_rows, pidx)
     assert out.shape == (pidx.numel(), hidden) and out.dtype == dtype
     assert torch.equal(out, ref)
     assert torch.equal(out[pidx < 0], torch.zeros_like(out[pidx < 0]))
@@ -79,8 +80,8 @@ def test_permute_unpermute_equal_eager(interpret, dtype, case):
 
     slots = torch.randn(pidx.numel(), hidden, dtype=dtype, generator=gen).to(interpret).requires_grad_()
     ref_slots = slots.detach().clone().requires_grad_()
-    back = rg.unpermute_rows(slots, pidx, n)
-    back_ref = rg.unpermute_rows_reference(ref_slots, pidx, n)
+    back = mr.unpermute_rows(slots, pidx, n)
+    back_ref = mr.unpermute_rows_reference(ref_slots, pidx, n)
     assert back.shape == (n, hidden) and torch.equal(back, back_ref)
     g2 = torch.randn(back.shape, dtype=dtype, generator=gen).to(interpret).requires_grad_()
     (gs, ) = torch.autograd.grad(back, slots, g2, create_graph=True)
@@ -89,7 +90,7 @@ def test_permute_unpermute_equal_eager(interpret, dtype, case):
     v2 = torch.randn(gs.shape, dtype=dtype, generator=gen).to(interpret)
     assert torch.equal(torch.autograd.grad(gs, g2, v2)[0], torch.autograd.grad(gs_ref, g2, v2)[0])
     # round trip
-    assert torch.equal(rg.unpermute_rows(out.detach(), pidx, n), rows.detach())
+    assert torch.equal(mr.unpermute_rows(out.detach(), pidx, n), rows.detach())
 
 
 def test_padding_n_tokens_convention(interpret):
@@ -98,9 +99,9 @@ def test_padding_n_tokens_convention(interpret):
     pidx = pidx.to(interpret)
     pidx_n = torch.where(pidx < 0, n, pidx)
     rows = torch.randn(n, 16, device=interpret)
-    assert torch.equal(rg.permute_rows(rows, pidx_n, validate=True), rg.permute_rows(rows, pidx))
+    assert torch.equal(mr.permute_rows(rows, pidx_n, validate=True), mr.permute_rows(rows, pidx))
     slots = torch.randn(pidx.numel(), 16, device=interpret)
-    assert torch.equal(rg.unpermute_rows(slots, pidx_n, n), rg.unpermute_rows_reference(slots, pidx, n))
+    assert torch.equal(mr.unpermute_rows(slots, pidx_n, n), mr.unpermute_rows_reference(slots, pidx, n))
 
 
 def test_poisoned_outputs(interpret):
@@ -110,25 +111,25 @@ def test_poisoned_outputs(interpret):
     pidx = pidx.to(d)
     rows = torch.randn(n, 24, device=d)
     out = torch.full((pidx.numel(), 24), float("nan"), device=d)
-    rg._gather_kernel(rows, pidx, out=out)
-    assert torch.equal(out, rg.permute_rows_reference(rows, pidx))
+    kernels.gather_rows(rows, pidx, out=out)
+    assert torch.equal(out, mr.permute_rows_reference(rows, pidx))
     slot = torch.tensor([[0, 3], [2, -1], [5, 1]], device=d)
     w = torch.rand(3, 2, device=d)
     src = torch.randn(6, 24, device=d)
     out = torch.full((3, 24), float("nan"), device=d)
-    rg._combine_kernel_launch(src, slot, w, out=out)
-    torch.testing.assert_close(out, rg.gather_combine_reference(src, slot, w), rtol=1e-6, atol=1e-6)
+    kernels.combine_rows(src, slot, w, out=out)
+    torch.testing.assert_close(out, mr.combine_reference(src, slot, w), rtol=1e-6, atol=1e-6)
 
 
 def test_inverse_permutation():
     pidx = torch.tensor([2, 0, -1, -1, 1, -1, 3, -1], dtype=torch.int32)
-    inv = rg.inverse_permutation(pidx, 4)
+    inv = mr.inverse_permutation(pidx, 4)
     assert inv.dtype == torch.int64 and inv.tolist() == [1, 4, 0, 6]
-    assert rg.inverse_permutation(pidx, 4) is inv  # cached for the unpermute of the same layer
+    assert mr.inverse_permutation(pidx, 4) is inv  # cached for the unpermute of the same layer
     pidx[0] = 3  # an in-place change invalidates the cache
-    assert rg.inverse_permutation(pidx, 4) is not inv
+    assert mr.inverse_permutation(pidx, 4) is not inv
     # a missing row reads as -1 (a zero row), never uninitialised memory
-    assert rg.inverse_permutation(torch.tensor([1, -1]), 2).tolist() == [-1, 0]
+    assert mr.inverse_permutation(torch.tensor([1, -1]), 2).tolist() == [-1, 0]
 
 
 def test_permute_builds_inverse(interpret):
@@ -136,44 +137,45 @@ def test_permute_builds_inverse(interpret):
     pidx, n = _indices([4, 0, 7, 2], 8, torch.int64)
     pidx = pidx.to(interpret)
     rows = torch.randn(n, 24, device=interpret)
-    assert rg._cached_inverse(pidx, n) is None
-    out = rg.permute_rows(rows, pidx)
-    inv = rg._cached_inverse(pidx, n)
-    assert inv is not None and torch.equal(inv, rg._invert(pidx, n))
-    assert torch.equal(out, rg.permute_rows_reference(rows, pidx))
-    out2, inv2 = rg._permute_inverse_op(rows, pidx)
+    assert permute._cached_inverse(pidx, n) is None
+    out = mr.permute_rows(rows, pidx)
+    inv = permute._cached_inverse(pidx, n)
+    assert inv is not None and torch.equal(inv, reference.invert(pidx, n))
+    assert torch.equal(out, mr.permute_rows_reference(rows, pidx))
+    out2, inv2 = permute._permute_inverse_op(rows, pidx)
     assert torch.equal(out2, out) and torch.equal(inv2, inv)
 
 
 def test_validate_errors():
     pidx = torch.tensor([0, 2, -1, 2, 1, -1], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"entry 3 repeats row 2 \(first at entry 1\)"):
-        rg.validate_permutation(pidx, 3)
+        mr.validate_permutation(pidx, 3)
     with pytest.raises(ValueError, match="entry 1 is 7, out of range"):
-        rg.validate_permutation(torch.tensor([0, 7, 1, -1]), 2)
+        mr.validate_permutation(torch.tensor([0, 7, 1, -1]), 2)
     with pytest.raises(ValueError, match="entry 2 is -3, out of range"):
-        rg.validate_permutation(torch.tensor([0, 1, -3]), 2)
+        mr.validate_permutation(torch.tensor([0, 1, -3]), 2)
     with pytest.raises(ValueError, match="row 1 appears in no entry"):
-        rg.validate_permutation(torch.tensor([0, -1, 2]), 3)
+        mr.validate_permutation(torch.tensor([0, -1, 2]), 3)
     rows = torch.randn(3, 8)
     with pytest.raises(ValueError, match="repeats row 2"):
-        rg.permute_rows(rows, pidx, validate=True)
+        mr.permute_rows(rows, pidx, validate=True)
     with pytest.raises(ValueError, match="repeats row 2"):
-        rg.unpermute_rows(torch.randn(6, 8), pidx, 3, validate=True)
+        mr.unpermute_rows(torch.randn(6, 8), pidx, 3, validate=True)
     with pytest.raises(TypeError, match="permuted_indices: expected an int32 or int64 tensor, got torch.float32"):
-        rg.permute_rows(rows, pidx.float())
+        mr.permute_rows(rows, pidx.float())
     with pytest.raises(TypeError, match="int32 or int64"):
-        rg.validate_permutation(pidx.to(torch.int16), 3)
+        mr.validate_permutation(pidx.to(torch.int16), 3)
     with pytest.raises(ValueError, match="rows: expected a 2-D"):
-        rg.permute_rows(rows[0], pidx)
+        mr.permute_rows(rows[0], pidx)
     with pytest.raises(ValueError, match="rows: expected 6 rows"):
-        rg.unpermute_rows(rows, pidx, 3)
+        mr.unpermute_rows(rows, pidx, 3)
     with pytest.raises(ValueError, match="num_rows"):
-        rg.unpermute_rows(torch.randn(6, 8), pidx, -1)
-    with pytest.raises(TypeError, match="routing_weights: expected a floating-point"):
-        rg.gather_combine(rows, torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="routing_weights: expected shape"):
-        rg.gather_combine(rows, torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 3))
+        mr.unpermute_rows(torch.randn(6, 8), pidx, -1)
+    maps = mr.route_maps(torch.tensor([2, 0, 1]), 1)
+    with pytest.raises(ValueError, match="weights: expected 3 floating-point routing weights, got 3 of torch.int64"):
+        mr.route_combine(rows, maps, torch.ones(3, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="weights: expected 3 floating-point routing weights, got 6"):
+        mr.route_combine(rows, maps, torch.ones(3, 2))
 
 
 def test_eager_path_large(monkeypatch):
@@ -188,16 +190,16 @@ def test_eager_path_large(monkeypatch):
     ref_rows = rows.detach().clone().requires_grad_()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        out = rg.permute_rows(rows, pidx)
-        rg.permute_rows(rows.detach(), pidx)
-    assert sum("row_gather.permute_rows" in str(x.message) for x in w) == 1
-    ref = rg.permute_rows_reference(ref_rows, pidx)
+        out = mr.permute_rows(rows, pidx)
+        mr.permute_rows(rows.detach(), pidx)
+    assert sum("moe_reorder.permute_rows" in str(x.message) for x in w) == 1
+    ref = mr.permute_rows_reference(ref_rows, pidx)
     assert torch.equal(out, ref)
     g = torch.randn(out.shape, generator=gen)
     out.backward(g)
     ref.backward(g)
     assert torch.equal(rows.grad, ref_rows.grad)
-    back = rg.unpermute_rows(out.detach(), pidx, n)
+    back = mr.unpermute_rows(out.detach(), pidx, n)
     assert torch.equal(back, rows.detach())
 
 
@@ -207,8 +209,16 @@ def test_unsupported_dtype_falls_back(interpret):
     pidx = pidx.to(interpret)
     rows = torch.randn(n, 8, dtype=torch.float64, device=interpret)
     with pytest.warns(RuntimeWarning, match="dtype torch.float64"):
-        out = rg.permute_rows(rows, pidx)
-    assert torch.equal(out, rg.permute_rows_reference(rows, pidx))
+        out = mr.permute_rows(rows, pidx)
+    assert torch.equal(out, mr.permute_rows_reference(rows, pidx))
+
+
+def _transformers_maps(ids, num_experts):
+    """The maps the transformers path builds: assignments sorted by expert id, the slot of a
+    sentinel (an expert of another rank) is padding."""
+    vals, perm = torch.sort(ids.reshape(-1))
+    positions = torch.arange(perm.numel()).masked_fill(vals >= num_experts, -1)
+    return mr.route_maps(perm, ids.shape[1], positions)
 
 
 def _transformers_style(hidden, ids, weights, num_experts, proj):
@@ -242,11 +252,13 @@ def test_dispatch_combine_vs_transformers(interpret, dtype, top_k):
     h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref, perm = _transformers_style(h_ref, ids, w_ref, experts, proj)
     flat = ids.reshape(-1)
+    maps = _transformers_maps(ids, experts)
     token_of_slot = torch.where(torch.sort(flat).values >= experts, -1, perm // top_k)
-    slot = rg.inverse_permutation(perm, perm.numel()).masked_fill(flat >= experts, -1).view(tokens, top_k)
-    x = rg.gather_dispatch(h, token_of_slot, slot)
+    slot = mr.inverse_permutation(perm, perm.numel()).masked_fill(flat >= experts, -1)
+    assert torch.equal(maps.token.long(), token_of_slot) and torch.equal(maps.slot.long(), slot)
+    x = mr.route_dispatch(h, maps)
     assert torch.equal(x, h_ref.detach()[perm // top_k].masked_fill((token_of_slot < 0)[:, None], 0.0))
-    out = rg.gather_combine(proj(x), slot, w)
+    out = mr.route_combine(proj(x), maps, w)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(out, ref, **tol)
     g = torch.randn(out.shape, dtype=dtype, generator=gen)
@@ -257,8 +269,8 @@ def test_dispatch_combine_vs_transformers(interpret, dtype, top_k):
     assert gw[3, 0] == 0  # the sentinel gets no router gradient
     # combine without weights (the dispatch backward) has its own backward
     s = torch.randn(perm.numel(), hidden, dtype=dtype, generator=gen).requires_grad_()
-    summed = rg.gather_combine(s, slot)
-    torch.testing.assert_close(summed, rg.gather_combine_reference(s.detach(), slot), **tol)
+    summed = mr.route_combine(s, maps)
+    torch.testing.assert_close(summed, mr.combine_reference(s.detach(), slot.view(tokens, top_k)), **tol)
     (gs, ) = torch.autograd.grad(summed, s, torch.ones_like(summed))
     used = torch.zeros(perm.numel(), dtype=torch.bool)
     used[slot[slot >= 0]] = True
@@ -266,8 +278,9 @@ def test_dispatch_combine_vs_transformers(interpret, dtype, top_k):
 
 
 def test_dispatch_combine_double_backward(interpret):
-    """Gradients of gather_dispatch -> experts -> gather_combine differentiate again, as in eager
-    transformers (the combine's backward op has a registered derivative)."""
+    """Gradients of route_dispatch -> experts -> route_combine differentiate again, as in eager
+    transformers, in the eager Functions and in the custom ops torch.compile traces (each op's
+    derivative is written in the others, the combine's fused backward included)."""
     gen = torch.Generator().manual_seed(7)
     tokens, top_k, experts, hidden = 13, 2, 4, 24
     ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
@@ -281,10 +294,9 @@ def test_dispatch_combine_double_backward(interpret):
 
     h_ref, w_ref = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref, perm = _transformers_style(h_ref, ids, w_ref, experts, proj)
-    flat = ids.reshape(-1)
-    token_of_slot = torch.where(torch.sort(flat).values >= experts, -1, perm // top_k)
-    slot = rg.inverse_permutation(perm, perm.numel()).masked_fill(flat >= experts, -1).view(tokens, top_k)
-    out = rg.gather_combine(proj(rg.gather_dispatch(h, token_of_slot, slot)), slot, w)
+    maps = _transformers_maps(ids, experts)
+    m3 = (maps.token, maps.assignment, maps.slot)
+    out = mr.route_combine(proj(mr.route_dispatch(h, maps)), maps, w)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     g = torch.randn(out.shape, generator=gen)
     gh, gw = torch.autograd.grad(out, (h, w), g, create_graph=True)
@@ -297,22 +309,22 @@ def test_dispatch_combine_double_backward(interpret):
     assert d2[0].abs().sum() > 0 and d2[1].abs().sum() > 0
     for a, b in zip(d2, d2_r):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # the custom ops (what torch.compile traces): the combine's backward op has its own derivative
+    # the custom ops (what torch.compile traces)
     hc, wc = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    outc = rg._combine_op(proj(rg._dispatch_op(hc, token_of_slot, slot)), slot, wc)
+    outc = route._combine_op(proj(route._dispatch_op(hc, *m3, None, top_k)), *m3, wc, top_k)
     ghc, gwc = torch.autograd.grad(outc, (hc, wc), g, create_graph=True)
     torch.testing.assert_close(ghc, gh_r, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gwc, gw_r, rtol=1e-5, atol=1e-6)
     d2c = torch.autograd.grad((ghc * vh).sum() + (gwc * vw).sum(), (hc, wc))
     for a, b in zip(d2c, d2_r):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # the backward op's derivative to every input, against autograd of the torch reference
+    # the fused backward op's derivative to every input, against autograd of the torch reference
     src = torch.randn(perm.numel(), hidden, generator=gen).requires_grad_()
     gr = torch.randn(tokens, hidden, generator=gen).requires_grad_()
     ww = w.detach().clone().requires_grad_()
-    gs_op, gw_op = rg._combine_backward_op(gr, src, slot, ww, True)
+    gs_op, gw_op = route._combine_backward_op(gr, src, *m3, ww, top_k)
     src_r, gr_r, ww_r = (t.detach().clone().requires_grad_() for t in (src, gr, ww))
-    gs_ref, gw_ref = torch.autograd.grad(rg.gather_combine_reference(src_r, slot, ww_r), (src_r, ww_r), gr_r,
+    gs_ref, gw_ref = torch.autograd.grad(mr.route_combine_reference(src_r, maps, ww_r), (src_r, ww_r), gr_r,
                                          create_graph=True)
     torch.testing.assert_close(gs_op, gs_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gw_op, gw_ref, rtol=1e-5, atol=1e-6)
@@ -322,47 +334,98 @@ def test_dispatch_combine_double_backward(interpret):
     for a, b in zip(d3, d3_r):
         assert a.abs().sum() > 0
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    # without create_graph the kernels run directly: bitwise the same first-order values
-    out2 = rg.gather_combine(proj(rg.gather_dispatch(h, token_of_slot, slot)), slot, w)
+    # without create_graph the kernels run directly (the combine's two gradients in one pass):
+    # bitwise the same first-order values
+    out2 = mr.route_combine(proj(mr.route_dispatch(h, maps)), maps, w)
     gh2, gw2 = torch.autograd.grad(out2, (h, w), g)
     assert torch.equal(gh2, gh.detach()) and torch.equal(gw2, gw.detach())
 
 
-@pytest.mark.parametrize("tokens,top_k,slots", [(0, 2, 4), (3, 0, 4), (0, 2, 0)])
+@pytest.mark.parametrize("tokens,top_k,slots", [(0, 2, 4), (3, 1, 0), (0, 2, 0)])
 def test_combine_double_backward_empty(interpret, tokens, top_k, slots):
-    """No tokens, no assignments or no slots: first and second order run and give zeros."""
+    """No tokens or no slots (every assignment unplaced): first and second order run and give zeros."""
     hidden = 8
     src = torch.randn(slots, hidden).requires_grad_()
-    slot = torch.full((tokens, top_k), -1, dtype=torch.int64)
+    maps = mr.RouteMaps(torch.full((slots, ), -1, dtype=torch.int32), torch.full((slots, ), -1, dtype=torch.int32),
+                        torch.full((tokens * top_k, ), -1, dtype=torch.int32), top_k)
     w = torch.rand(tokens, top_k).requires_grad_()
-    out = rg.gather_combine(src, slot, w)
-    assert out.shape == (tokens, hidden)
+    out = mr.route_combine(src, maps, w)
+    assert out.shape == (tokens, hidden) and not out.abs().sum()
     gs, gw = torch.autograd.grad(out, (src, w), torch.randn(out.shape), create_graph=True, allow_unused=True)
     for g, like in ((gs, src), (gw, w)):
         assert g is None or (g.shape == like.shape and not g.abs().sum())
     gr = torch.randn(tokens, hidden).requires_grad_()
-    gs_op, gw_op = rg._combine_backward_op(gr, src, slot, w, True)
+    gs_op, gw_op = route._combine_backward_op(gr, src, maps.token, maps.assignment, maps.slot, w, top_k)
     d = torch.autograd.grad(gs_op.sum() + gw_op.sum(), (gr, src, w), allow_unused=True)
     assert all(t is None or not t.abs().sum() for t in d)
 
 
 def test_opcheck(interpret):
+    """Every custom op torch.compile traces: schema, fake implementation, autograd registration."""
     d = interpret
     pidx, n = _indices([3, 1, 0], 8, torch.int64)
     pidx = pidx.to(d)
-    inv = rg.inverse_permutation(pidx, n)
+    inv = mr.inverse_permutation(pidx, n)
     rows = torch.randn(n, 16, device=d, requires_grad=True)
-    torch.library.opcheck(torch.ops.deepspeed_fused.rg_permute.default, (rows, pidx, inv))
-    torch.library.opcheck(torch.ops.deepspeed_fused.rg_unpermute.default,
+    ops = torch.ops.deepspeed_fused
+    torch.library.opcheck(ops.moe_permute.default, (rows, pidx, inv))
+    torch.library.opcheck(ops.moe_unpermute.default,
                           (torch.randn(pidx.numel(), 16, device=d, requires_grad=True), pidx, inv))
-    slot = torch.tensor([[0, 2], [1, -1]], device=d)
-    torch.library.opcheck(torch.ops.deepspeed_fused.rg_combine.default,
-                          (torch.randn(3, 16, device=d, requires_grad=True), slot,
-                           torch.rand(2, 2, device=d, requires_grad=True)))
-    torch.library.opcheck(torch.ops.deepspeed_fused.rg_combine_backward.default,
-                          (torch.randn(2, 16, device=d, requires_grad=True),
-                           torch.randn(3, 16, device=d, requires_grad=True), slot,
-                           torch.rand(2, 2, device=d, requires_grad=True), True))
+    torch.library.opcheck(ops.moe_permute_with_inverse.default, (rows, pidx))
+    order = torch.tensor([3, 0, 5, 1, 4, 2], device=d)
+    positions = torch.tensor([0, 1, -1, 2, 3, 4, 6, 5], device=d)  # a padding slot, an out-of-range one
+    torch.library.opcheck(ops.moe_route_maps.default, (order, positions, 2))
+    torch.library.opcheck(ops.moe_route_maps.default, (order, None, 3))
+    m = mr.route_maps(order, 2, positions)
+    m3 = (m.token, m.assignment, m.slot)
+    x = torch.randn(3, 16, device=d, requires_grad=True)
+    y = torch.randn(8, 16, device=d, requires_grad=True)
+    w = torch.rand(3, 2, device=d, requires_grad=True)
+    for weights in (None, w):
+        torch.library.opcheck(ops.moe_dispatch.default, (x, *m3, weights, 2))
+        torch.library.opcheck(ops.moe_combine.default, (y, *m3, weights, 2))
+    torch.library.opcheck(ops.moe_slot_dot.default, (x, y, *m3, 2))
+    torch.library.opcheck(ops.moe_combine_backward.default, (torch.randn(3, 16, device=d, requires_grad=True), y,
+                                                             *m3, w, 2))
+
+
+def test_both_paths_compile_whole_and_match_eager(interpret):
+    """torch.compile (aot_eager: the custom ops' fake implementations and derivatives) traces the
+    transformers path's and AutoEP's dispatch/combine in one graph each (fullgraph), with outputs
+    and gradients equal to eager."""
+    gen = torch.Generator().manual_seed(2)
+    tokens, top_k, experts, hidden = 9, 2, 4, 16
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    ids[1, 0] = experts  # a sentinel
+    h = torch.randn(tokens, hidden, generator=gen).to(interpret)
+    w = torch.rand(tokens, top_k, generator=gen).to(interpret)
+    ids = ids.to(interpret)
+
+    def transformers_path(h, w):
+        vals, perm = torch.sort(ids.reshape(-1))
+        positions = torch.arange(perm.numel(), device=h.device).masked_fill(vals >= experts, -1)
+        maps = mr.route_maps(perm, top_k, positions)
+        return mr.route_combine(torch.tanh(mr.route_dispatch(h, maps)), maps, w)
+
+    def autoep_path(h, w):  # scores before and after the experts, padding slots every third
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        n = order.numel()
+        positions = torch.arange(n + n // 3, device=h.device)
+        positions = torch.where(positions % 3 == 2, -1, positions - positions // 3)
+        maps = mr.route_maps(order, top_k, positions)
+        return mr.route_combine(torch.tanh(mr.route_dispatch(h, maps, w)), maps, w)
+
+    for fn in (transformers_path, autoep_path):
+        res = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            run = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
+            out = run(hh, ww)
+            res.append((out.detach(), ) + torch.autograd.grad(out, (hh, ww), torch.ones_like(out)))
+        for a, b in zip(*res):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert res[0][2].abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,13 +451,13 @@ def test_transformers_path_matches_grouped_mm(interpret, name):
 
     model = build_model(name, torch.float32, seed=0)
     calls = {"n": 0}
-    orig = moe_reorder.row_gather.gather_combine
+    orig = mr.route_combine
 
     def counting(*a, **k):
         calls["n"] += 1
         return orig(*a, **k)
 
-    moe_reorder.row_gather.gather_combine = counting
+    mr.route_combine = counting
     try:
         report = patch_model(model, {"moe_reorder": {"enabled": True}})
         rep = report.features[[f.name for f in report.features].index("moe_reorder")]
@@ -404,7 +467,7 @@ def test_transformers_path_matches_grouped_mm(interpret, name):
         assert model.get_experts_implementation()[""] == "deepspeed_fused"
         loss, grads = _loss_and_grads(model)
     finally:
-        moe_reorder.row_gather.gather_combine = orig
+        mr.route_combine = orig
     assert calls["n"] == n_layers
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
     assert grads.keys() == grads_ref.keys()
@@ -432,6 +495,28 @@ def test_transformers_sentinels(interpret):
         results.append((out.detach(), hh.grad, ww.grad, experts.gate_up_proj.grad.clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_forward_compiles_whole(interpret):
+    """The experts implementation compiles in one graph (fullgraph, aot_eager), as grouped_mm does,
+    and gives eager's outputs and gradients (sentinel experts included)."""
+    model = build_model("qwen3-moe-tiny", torch.float32, seed=0)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    experts._is_expert_parallel = True
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, experts.num_experts + 2, (10, 2), generator=gen)
+    w = torch.rand(10, 2, generator=gen).masked_fill(ids >= experts.num_experts, 0.0)
+    h = torch.randn(10, 64, generator=gen)
+    res = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        fn = lambda hh, ww: moe_reorder.deepspeed_fused_experts_forward(experts, hh, ids, ww)  # noqa: E731
+        run = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = run(hh, ww)
+        res.append((out.detach(), ) + torch.autograd.grad(out, (hh, ww), torch.ones_like(out)))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_not_applicable_and_config():
@@ -503,8 +588,8 @@ def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
     if feature:
         assert "local token path (routed gather, scores, reorder, combine) runs as fused gathers" in rep.reason
     calls = {"n": 0, "dispatch": 0}
-    orig = moe_reorder.row_gather.permute_rows
-    orig_dispatch = moe_reorder.row_gather.route_dispatch
+    orig = mr.permute_rows
+    orig_dispatch = mr.route_dispatch
 
     def counting(*a, **k):
         calls["n"] += 1
@@ -514,8 +599,8 @@ def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
         calls["dispatch"] += 1
         return orig_dispatch(*a, **k)
 
-    moe_reorder.row_gather.permute_rows = counting
-    moe_reorder.row_gather.route_dispatch = counting_dispatch
+    mr.permute_rows = counting
+    mr.route_dispatch = counting_dispatch
     gen = torch.Generator().manual_seed(5 + deepspeed.comm.get_rank())
     losses, grads = [], []
     try:
@@ -527,8 +612,8 @@ def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
             engine.step()
             losses.append(out.loss.detach())
     finally:
-        moe_reorder.row_gather.permute_rows = orig
-        moe_reorder.row_gather.route_dispatch = orig_dispatch
+        mr.permute_rows = orig
+        mr.route_dispatch = orig_dispatch
     # the local path dispatches straight into the padded buffer at autoep_size 1; with more ranks
     # the expert side still permutes (our gathers)
     assert calls["dispatch"] == (2 * steps if feature else 0)
@@ -682,8 +767,8 @@ def test_eager_functions_match_custom_ops(interpret):
     rows = torch.randn(n, 24, generator=gen).to(interpret)
     a = rows.clone().requires_grad_()
     b = rows.clone().requires_grad_()
-    out_a, inv_a = rg.permute_rows_with_inverse(a, pidx)
-    out_b, inv_b = rg._permute_inverse_op(b, pidx)
+    out_a, inv_a = mr.permute_rows_with_inverse(a, pidx)
+    out_b, inv_b = permute._permute_inverse_op(b, pidx)
     assert type(out_a.grad_fn).__name__ == "_PermuteInverseFnBackward"
     assert torch.equal(out_a, out_b) and torch.equal(inv_a, inv_b) and not inv_a.requires_grad
     g = torch.randn(out_a.shape, generator=gen).to(interpret)
@@ -692,25 +777,25 @@ def test_eager_functions_match_custom_ops(interpret):
     assert torch.equal(a.grad, b.grad)
     slots = torch.randn(pidx.numel(), 24, generator=gen).to(interpret)
     c, d = slots.clone().requires_grad_(), slots.clone().requires_grad_()
-    back_c = rg.unpermute_rows(c, pidx, n, inverse=inv_a)
-    back_d = rg._unpermute_op(d, pidx, inv_a)
+    back_c = mr.unpermute_rows(c, pidx, n, inverse=inv_a)
+    back_d = permute._unpermute_op(d, pidx, inv_a)
     assert type(back_c.grad_fn).__name__ == "_PermutePairFnBackward" and torch.equal(back_c, back_d)
     g2 = torch.randn(back_c.shape, generator=gen).to(interpret)
     back_c.backward(g2)
     back_d.backward(g2)
     assert torch.equal(c.grad, d.grad)
     with torch.no_grad():  # no graph: the kernels directly
-        assert rg.permute_rows(a, pidx, inverse=inv_a).grad_fn is None
+        assert mr.permute_rows(a, pidx, inverse=inv_a).grad_fn is None
 
 
 def test_dispatch_combine_eager_functions_match_custom_ops(interpret):
-    """gather_dispatch / gather_combine run autograd Functions in eager mode and the custom ops under
-    torch.compile: same outputs and gradients (tokens, expert outputs and routing weights)."""
+    """route_dispatch / route_combine run autograd Functions in eager mode and the custom ops under
+    torch.compile: same outputs and gradients (tokens, expert outputs, scores and routing weights)."""
     gen = torch.Generator().manual_seed(3)
     tokens, top_k, hidden = 11, 2, 24
-    perm = torch.randperm(tokens * top_k, generator=gen)
-    token_of_slot = (perm // top_k).to(interpret)
-    slot = rg.inverse_permutation(perm, perm.numel()).view(tokens, top_k).to(interpret)
+    perm = torch.randperm(tokens * top_k, generator=gen).to(interpret)
+    maps = mr.route_maps(perm, top_k)
+    m3 = (maps.token, maps.assignment, maps.slot)
     h = torch.randn(tokens, hidden, generator=gen).to(interpret)
     w = torch.rand(tokens, top_k, generator=gen).to(interpret)
     g = torch.randn(tokens, hidden, generator=gen).to(interpret)
@@ -718,16 +803,18 @@ def test_dispatch_combine_eager_functions_match_custom_ops(interpret):
     for eager in (True, False):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         if eager:
-            x = rg.gather_dispatch(hh, token_of_slot, slot)
-            out = rg.gather_combine(x * 2.0, slot, ww)
-            assert type(x.grad_fn).__name__ == "_DispatchFnBackward"
-            assert type(out.grad_fn).__name__ == "_CombineFnBackward"
+            x = mr.route_dispatch(hh, maps, ww)
+            out = mr.route_combine(x * 2.0, maps, ww)
+            assert type(x.grad_fn).__name__ == "_RouteDispatchBackward"
+            assert type(out.grad_fn).__name__ == "_RouteCombineBackward"
         else:
-            x = rg._dispatch_op(hh, token_of_slot, slot)
-            out = rg._combine_op(x * 2.0, slot, ww)
+            x = route._dispatch_op(hh, *m3, ww, top_k)
+            out = route._combine_op(x * 2.0, *m3, ww, top_k)
         results.append((out.detach(),) + torch.autograd.grad(out, (hh, ww), g))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+    with torch.no_grad():  # no graph: the kernels directly
+        assert mr.route_combine(mr.route_dispatch(h.requires_grad_(), maps), maps, w).grad_fn is None
 
 
 def test_index_tensors_on_another_device_raise():
@@ -736,14 +823,14 @@ def test_index_tensors_on_another_device_raise():
     rows = torch.randn(4, 8, device="meta")
     pidx = torch.tensor([0, 1, 2, 3], device="meta")
     with pytest.raises(ValueError, match="inverse: expected a tensor on meta"):
-        rg.permute_rows(rows, pidx, inverse=torch.arange(4))
+        mr.permute_rows(rows, pidx, inverse=torch.arange(4))
     with pytest.raises(ValueError, match="inverse: expected a tensor on meta"):
-        rg.unpermute_rows(rows, pidx, 4, inverse=torch.arange(4))
-    maps = rg.route_maps_reference(torch.arange(8), 2)
+        mr.unpermute_rows(rows, pidx, 4, inverse=torch.arange(4))
+    maps = mr.route_maps_reference(torch.arange(8), 2)
     with pytest.raises(ValueError, match="maps: expected a tensor on meta"):
-        rg.route_dispatch(rows, maps)
+        mr.route_dispatch(rows, maps)
     with pytest.raises(ValueError, match="maps: expected a tensor on meta"):
-        rg.route_combine(torch.randn(8, 8, device="meta"), maps)
+        mr.route_combine(torch.randn(8, 8, device="meta"), maps)
 
 
 def test_direct_launch_key_follows_triton_specialization():

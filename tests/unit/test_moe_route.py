@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspeed_fused.ops import row_gather as rg
+from deepspeed_fused.ops import moe_reorder as mr
 
 
 def _case(T, K, E, H, dtype, seed, pad):
@@ -57,17 +57,17 @@ def test_route_matches_deepspeed_eager(interpret, dtype, pad, mode):
     x, scores, sorted_a, perm = _case(T, K, E, H, dtype, seed=7 + pad, pad=pad)
     x, scores, sorted_a = x.to(interpret), scores.to(interpret), sorted_a.to(interpret)
     perm = perm.to(interpret) if perm is not None else None
-    maps = rg.route_maps(sorted_a, K, perm)
-    ref = rg.route_maps_reference(sorted_a, K, perm)
+    maps = mr.route_maps(sorted_a, K, perm)
+    ref = mr.route_maps_reference(sorted_a, K, perm)
     assert all(torch.equal(a, b) for a, b in zip(maps[:3], ref[:3]))
     scale = torch.linspace(0.5, 1.5, H, dtype=dtype, device=interpret)
     y_fn = lambda b: b * scale  # noqa: E731  (a stand-in for the experts)
     xr, sr = x.clone().requires_grad_(), scores.clone().requires_grad_()
     out_r, buf_r = _eager(xr, sr, sorted_a, perm, K, mode == "pre", mode == "post", y_fn)
     xf, sf = x.clone().requires_grad_(), scores.clone().requires_grad_()
-    buf = rg.route_dispatch(xf, maps, sf if mode == "pre" else None)
+    buf = mr.route_dispatch(xf, maps, sf if mode == "pre" else None)
     assert torch.equal(buf, buf_r)  # only data moves (and the same FP32 multiply)
-    out = rg.route_combine(y_fn(buf), maps, sf if mode == "post" else None)
+    out = mr.route_combine(y_fn(buf), maps, sf if mode == "post" else None)
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(out, out_r, **tol)
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype).to(interpret)
@@ -83,14 +83,14 @@ def test_route_double_backward(interpret, mode):
     T, K, E, H = 7, 2, 3, 24
     x, scores, sorted_a, perm = _case(T, K, E, H, torch.float32, seed=11, pad=True)
     x, scores, sorted_a, perm = (t.to(interpret) for t in (x, scores, sorted_a, perm))
-    maps = rg.route_maps(sorted_a, K, perm)
+    maps = mr.route_maps(sorted_a, K, perm)
     y_fn = lambda b: b * b  # noqa: E731  (nonlinear, so second derivatives are not trivial)
     res = []
     for fused in (False, True):
         xg, sg = x.clone().requires_grad_(), scores.clone().requires_grad_()
         if fused:
-            buf = rg.route_dispatch(xg, maps, sg if mode == "pre" else None)
-            out = rg.route_combine(y_fn(buf), maps, sg if mode == "post" else None)
+            buf = mr.route_dispatch(xg, maps, sg if mode == "pre" else None)
+            out = mr.route_combine(y_fn(buf), maps, sg if mode == "post" else None)
         else:
             out, _ = _eager(xg, sg, sorted_a, perm, K, mode == "pre", mode == "post", y_fn)
         gx, gs = torch.autograd.grad(out.pow(2).sum(), (xg, sg), create_graph=True)
@@ -101,12 +101,12 @@ def test_route_double_backward(interpret, mode):
 
 def test_route_maps_poisoned_and_checked(interpret):
     x, scores, sorted_a, perm = _case(9, 2, 4, 8, torch.float32, seed=2, pad=True)
-    maps = rg.route_maps(sorted_a.to(interpret), 2, perm.to(interpret))
+    maps = mr.route_maps(sorted_a.to(interpret), 2, perm.to(interpret))
     assert (maps.slot >= 0).all() and maps.slot.unique().numel() == maps.slot.numel()
     assert int((maps.token >= 0).sum()) == 18 and int((maps.assignment < 0).sum()) == perm.numel() - 18
     with pytest.raises(ValueError, match="top_k"):
-        rg.route_maps(sorted_a, 0)
+        mr.route_maps(sorted_a, 0)
     with pytest.raises(ValueError, match="T \\* top_k"):
-        rg.route_maps(sorted_a, 4)
+        mr.route_maps(sorted_a, 4)
     with pytest.raises(ValueError, match="x: expected 9 token rows"):
-        rg.route_dispatch(torch.randn(8, 8, device=interpret), maps)
+        mr.route_dispatch(torch.randn(8, 8, device=interpret), maps)

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from deepspeed_fused.ops import _native
+from deepspeed_fused.ops.rms_norm import native as _native
 
 
 def _fn(signature: dict, tail=(), grid=(7, 1, 1), **md):
@@ -119,32 +119,34 @@ def rms_plans(monkeypatch):
     R.clear_plans()
 
     def add_key(x, w, dy_stride=None, dy_dtype=None, dy_align=0):
-        key = R._fwd_key(x, w, True)
+        key = R.plans._fwd_key(x, w, True)
         lkey = ("fwd",) + key
-        R._fwd_plans[key] = (False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey)
-        R._fwd_fast[key] = object()
-        R._launches._compiled[lkey] = _fake_launcher(4)
+        R.plans._fwd_plans[key] = R.plans.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {},
+                                                  4, 0, lkey)
+        R.plans._fwd_fast[key] = object()
+        R.plans._launches._compiled[lkey] = _fake_launcher(4)
         fast_key = (key, dy_stride or x.stride(), dy_dtype or x.dtype, dy_align)
-        R._bwd_fast[fast_key] = object()
-        bplan = (False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0, None)
+        R.plans._bwd_fast[fast_key] = object()
+        bplan = R.plans.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2,
+                                None, 0, None)
         return key, fast_key, bplan, _fake_launcher(8)
 
     yield R, ext, state, add_key
     R.clear_plans()
-    R._native_ids.clear()
+    R.plans._native_ids.clear()
 
 
 def test_native_registration_waits_for_the_build_then_reuses_descriptions(rms_plans):
     R, ext, state, add_key = rms_plans
     x, w = torch.randn(6, 8), torch.randn(8)
     key, fast_key, bplan, bfn = add_key(x, w)
-    R._offer_native(fast_key, bplan, bfn)
-    assert key in R._native_pending and key not in R._native_plans  # still building: kept
-    assert R._register_native(key) is None and key in R._native_pending
+    R.native._offer_native(fast_key, bplan, bfn)
+    assert key in R.plans._native_pending and key not in R.plans._native_plans  # still building: kept
+    assert R.native._register_native(key) is None and key in R.plans._native_pending
     state["built"] = True
-    nat = R._register_native(key)
-    assert nat is not None and nat[1] == 0 and nat[2] == 0 and key not in R._native_pending
-    assert R._native_plans[key] is nat and R._register_native(key) is nat
+    nat = R.native._register_native(key)
+    assert nat is not None and nat.plan_id == 0 and nat.dev == 0 and key not in R.plans._native_pending
+    assert R.plans._native_plans[key] is nat and R.native._register_native(key) is nat
     args = ext.registered[0]
     assert args[0] == 0xABC and args[4] == (_native.PTR,) * 4 + (_native.I32, _native.I32, _native.EPS_F32)
     assert [a.dtype for a in args[12:15]] == [torch.float32] * 3
@@ -153,17 +155,18 @@ def test_native_registration_waits_for_the_build_then_reuses_descriptions(rms_pl
     # extension keeps every plan it is given, so none is registered twice (also after clear_plans)
     key2, fast_key2, bplan2, bfn2 = add_key(torch.randn(3, 2, 8), w)
     assert key2 != key
-    R._offer_native(fast_key2, bplan2, bfn2)
-    assert R._native_plans[key2][1] == 0 and len(ext.registered) == 1
+    R.native._offer_native(fast_key2, bplan2, bfn2)
+    assert R.plans._native_plans[key2].plan_id == 0 and len(ext.registered) == 1
 
 
 def test_native_registration_dropped_when_the_build_fails(rms_plans):
     R, ext, state, add_key = rms_plans
     key, fast_key, bplan, bfn = add_key(torch.randn(6, 8), torch.randn(8))
-    R._offer_native(fast_key, bplan, bfn)
-    assert key in R._native_pending
+    R.native._offer_native(fast_key, bplan, bfn)
+    assert key in R.plans._native_pending
     state["enabled"] = False  # a failed build switches the nodes off
-    assert R._register_native(key) is None and key not in R._native_pending and key not in R._native_plans
+    assert R.native._register_native(key) is None
+    assert key not in R.plans._native_pending and key not in R.plans._native_plans
 
 
 @pytest.mark.parametrize("case", ["dy_strided", "dy_dtype", "dy_unaligned", "x_unaligned"])
@@ -176,8 +179,8 @@ def test_native_only_for_planned_layouts(rms_plans, case):
     if case == "x_unaligned":
         x = torch.randn(6 * 8 + 1)[1:].view(6, 8)
     key, fast_key, bplan, bfn = add_key(x, w, **kw)
-    R._offer_native(fast_key, bplan, bfn)
-    assert key not in R._native_pending and key not in R._native_plans and not ext.registered
+    R.native._offer_native(fast_key, bplan, bfn)
+    assert key not in R.plans._native_pending and key not in R.plans._native_plans and not ext.registered
 
 
 @pytest.mark.parametrize("case", ["unweighted", "gated", "strided_gate"])
@@ -192,28 +195,28 @@ def test_native_registration_of_other_forms(rms_plans, case):
     w = None if case == "unweighted" else torch.randn(8)
     g = None if case == "unweighted" else (torch.randn(8, 6).t() if case == "strided_gate" else torch.randn(6, 8))
     form = R.FORMS["unweighted"] if case == "unweighted" else R.FORMS["gated"]
-    key = R._form_key(x, w, g, form, True)
+    key = R.plans._form_key(x, w, g, form, True)
     lkey = ("form_fwd",) + key
-    R._form_fwd_plans[key] = (False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,), {}, 4, 0, lkey,
-                              False, g is not None)
-    R._form_fwd_fast[key] = object()
+    R.plans._form_fwd_plans[key] = R.plans.FwdPlan(False, False, True, x.dtype, x.shape[:-1], x.device, (6, 8), (3,),
+                                                   {}, 4, 0, lkey, False, g is not None)
+    R.plans._form_fwd_fast[key] = object()
     fsig = {"X": "*fp32", "W": "constexpr" if w is None else "*fp32", "Y": "*fp32", "RSTD": "*fp32",
             "G": "constexpr" if g is None else "*fp32", "n": "i32", "N": "i32", "eps": "fp32"}
-    R._launches._compiled[lkey] = _fn(fsig)
+    R.plans._launches._compiled[lkey] = _fn(fsig)
     fast_key = (key, x.stride(), x.dtype, 0)
-    R._form_bwd_fast[fast_key] = object()
+    R.plans._form_bwd_fast[fast_key] = object()
     bsig = {"DY": "*fp32", "X": "*fp32", "W": "constexpr" if w is None else "*fp32", "RSTD": "*fp32",
             "DX": "*fp32", "PART": "*fp32", "CNT": "*i32", "DW": "constexpr" if w is None else "*fp32",
             "G": "constexpr" if g is None else "*fp32", "DG": "constexpr" if g is None else "*fp32",
             "n": "i32", "N": "i32"}
-    bplan = (False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2, None, 0, None,
-             False, g is not None)
-    R._offer_native_form(fast_key, bplan, _fn(bsig))
+    bplan = R.plans.BwdPlan(False, x.dtype, False, False, False, True, x.device, None, (6, 8), 5, {}, 4, 1000, 2,
+                            None, 0, None, False, g is not None)
+    R.native._offer_native_form(fast_key, bplan, _fn(bsig))
     if case == "strided_gate":  # the node takes contiguous gates only: the Python node keeps the key
-        assert key not in R._native_plans and not ext.registered
+        assert key not in R.plans._native_plans and not ext.registered
         return
-    nat = R._native_plans[key]
-    assert nat[0] is ext.rms_norm_form and nat[1] == 0 and key not in R._native_pending
+    nat = R.plans._native_plans[key]
+    assert nat.apply is ext.rms_norm_form and nat.plan_id == 0 and key not in R.plans._native_pending
     args = ext.registered[0]
     n_ptr_f, n_ptr_b = (3, 6) if case == "unweighted" else (5, 10)
     assert args[4] == (_native.PTR,) * n_ptr_f + (_native.I32, _native.I32, _native.EPS_F32)

@@ -124,7 +124,7 @@ def dw_flip_allowance(x, w, eps, dy):
     xn_ours uses the rstd our forward computes: nonzero only where the two normalized values
     round to different neighbours in the input dtype. Every other difference must come from
     the FP32 sum alone."""
-    _, rstd = R._forward_impl(x.detach(), w.detach(), eps)
+    _, rstd = R.launch._forward_impl(x.detach(), w.detach(), eps)
     xn_ours = (x.detach().float() * rstd[..., None]).to(x.dtype)
     out = torch.promote_types(x.dtype, w.dtype)
     d = (dy.to(out) * xn_ours.to(out)).double() - (dy.to(out) * eager_normalized(x, eps).to(out)).double()
@@ -218,14 +218,14 @@ def test_wide_weight_gradient_sums(interpret, tune, loop, col):
     x, w, dy = make_inputs((67, 40), torch.float16, seed=9, device=interpret)
     one = fused_grads(x, w, EPS, dy)
     tune(**knobs)
-    assert not R._reduce_meta(3, 40, 67)[-1]
+    assert not R.plans._reduce_meta(3, 40, 67)[-1]
     two = check_against_eager(x, w, dy)
-    plan = next(iter(R._bwd_plans.values()))
-    assert plan[10]["FINISH"] == (2 if col else 0) and (plan[14] is None) == col
+    plan = next(iter(R.plans._bwd_plans.values()))
+    assert plan.const["FINISH"] == (2 if col else 0) and (plan.red is None) == col
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
     torch.testing.assert_close(one[2], two[2], rtol=0, atol=float(one[2].abs().max()) * 2 ** -10)
     dx, dw = torch.full_like(dy, float("nan")), torch.full_like(w, float("nan"))
-    R._backward_impl(dy, x, w, R._forward_impl(x, w, EPS)[1], dx=dx, dw=dw)
+    R.launch._backward_impl(dy, x, w, R.launch._forward_impl(x, w, EPS)[1], dx=dx, dw=dw)
     assert torch.equal(dx, two[1]) and torch.equal(dw, two[2])
 
 
@@ -259,7 +259,7 @@ def tune(monkeypatch):
     before and after (plans are cached per shape and would otherwise outlive the knobs)."""
     def set_knobs(**knobs):
         for name, value in knobs.items():
-            monkeypatch.setattr(R, name, value)
+            monkeypatch.setattr(R.plans, name, value)
         R.clear_plans()
 
     yield set_knobs
@@ -275,7 +275,7 @@ def loop_kernels(tune):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,rows", [(130, 7), (256, 5), (97, 1)])
 def test_wide_rows_loop(interpret, loop_kernels, dtype, n, rows):
-    assert not R._fwd_config(rows, n, 2, 1)[2] and not R._bwd_config(rows, n)[2]
+    assert not R.plans._fwd_config(rows, n, 2, 1)[2] and not R.plans._bwd_config(rows, n)[2]
     x, w, dy = make_inputs((rows, n), dtype, seed=n + rows, device=interpret)
     check_against_eager(x, w, dy)
 
@@ -286,16 +286,16 @@ def test_strided_rows_without_copy(interpret):
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(B, S, (H + 2 * KV) * hd, generator=g).to(interpret)
     q = qkv[..., : H * hd].view(B, S, H, hd)
-    assert not q.is_contiguous() and R._row_layout(q) is not None and R._row_layout(q)[1] == H
+    assert not q.is_contiguous() and R.plans._row_layout(q) is not None and R.plans._row_layout(q)[1] == H
     w = (1 + 0.1 * torch.randn(hd, generator=g)).to(interpret)
     # the gradient arrives transposed, as after `.transpose(1, 2)` in attention: 3 row groups
     dyt = torch.randn(B, H, S, hd, generator=g).to(interpret)
     dy = dyt.transpose(1, 2)
-    assert R._row_layout(dy) is not None and R._row_layout(dy)[0] > 1
+    assert R.plans._row_layout(dy) is not None and R.plans._row_layout(dy)[0] > 1
     check_against_eager(q, w, dy)
     # four groups cannot be addressed by one row formula: copied, still right
     x5 = torch.randn(2, 3, 2, 5, 16, generator=g).permute(3, 1, 0, 2, 4).to(interpret)
-    assert R._row_layout(x5) is None
+    assert R.plans._row_layout(x5) is None
     check_against_eager(x5, w, torch.randn(x5.shape, generator=g).to(interpret))
 
 
@@ -312,15 +312,15 @@ def test_poisoned_outputs_are_fully_written(interpret, tune, loop):
     if loop:
         tune(_MAX_FWD_BLOCK=32, _MAX_BWD_BLOCK=32, _LOOP_BLOCK=16)
     x, w, dy = make_inputs((37, 40), torch.float16, seed=8, device=interpret)
-    y0, r0 = R._forward_impl(x, w, EPS)
+    y0, r0 = R.launch._forward_impl(x, w, EPS)
     y = torch.full_like(y0, float("nan"))
     r = torch.full_like(r0, float("nan"))
-    R._forward_impl(x, w, EPS, y=y, rstd=r)
+    R.launch._forward_impl(x, w, EPS, y=y, rstd=r)
     assert torch.equal(y, y0) and torch.equal(r, r0)
-    dx0, dw0 = R._backward_impl(dy, x, w, r0)
+    dx0, dw0 = R.launch._backward_impl(dy, x, w, r0)
     dx = torch.full_like(dx0, float("nan"))
     dw = torch.full_like(dw0, float("nan"))
-    R._backward_impl(dy, x, w, r0, dx=dx, dw=dw)
+    R.launch._backward_impl(dy, x, w, r0, dx=dx, dw=dw)
     assert torch.equal(dx, dx0) and torch.equal(dw, dw0)
     assert not y.isnan().any() and not dx.isnan().any() and not dw.isnan().any()
 
@@ -372,10 +372,10 @@ def test_fallbacks_warn_once(interpret, monkeypatch):
 
 def test_custom_op_opcheck(interpret):
     x, w, dy = make_inputs((5, 24), torch.float32, seed=4, device=interpret)
-    torch.library.opcheck(R._rms_norm_fwd, (x, w.requires_grad_(), EPS),
+    torch.library.opcheck(R.api._rms_norm_fwd, (x, w.requires_grad_(), EPS),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    rstd = R._forward_impl(x, w, EPS)[1]
-    torch.library.opcheck(R._rms_norm_bwd, (dy, x, w.detach(), rstd),
+    rstd = R.launch._forward_impl(x, w, EPS)[1]
+    torch.library.opcheck(R.api._rms_norm_bwd, (dy, x, w.detach(), rstd),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -754,8 +754,8 @@ def test_column_finish_never_waits_on_more_programs_than_can_run():
     """The column-parallel finish: at most 64 finishers, never more than the programs or half the
     SMs (they wait for the last programs), strips covering every column; one under the interpreter."""
     for progs, N, sms in [(264, 2048, 132), (396, 4096, 132), (40, 8192, 132), (264, 2048, 14), (3, 100, 2)]:
-        sw, rb_p = R._col_finish_meta(progs, N, True, sms)
+        sw, rb_p = R.plans._col_finish_meta(progs, N, True, sms)
         n_fin = -(-N // sw)
         assert n_fin <= min(64, progs, max(1, sms // 2)) and n_fin * sw >= N and rb_p * sw <= 4096
-    sw, _ = R._col_finish_meta(264, 2048, False)
+    sw, _ = R.plans._col_finish_meta(264, 2048, False)
     assert -(-2048 // sw) == 1

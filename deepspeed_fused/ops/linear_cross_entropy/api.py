@@ -1,20 +1,19 @@
 """The public entry point :func:`linear_cross_entropy`: checks, then dispatch.
 
-After :func:`.checks._prepare`, the call goes to the torch reference (:mod:`.reference`) where
-the kernels cannot run (device, dtype, no tokens), else to the tensor-parallel autograd
-functions (:mod:`.parallel`) with a ``tp_group`` of more than one rank, else to the
-single-GPU custom ops and autograd function (:mod:`.single`).
+:func:`.checks.prepare` checks the arguments and builds the call's one
+:class:`.options.LCEOptions`; then the call goes to the torch reference
+(:func:`.reference.run_reference`, on the rows already checked) where the kernels cannot run
+(device, dtype, no tokens), else to the tensor-parallel form (:func:`.parallel.run_tp`) with a
+``tp_group`` of more than one rank, else to the single-GPU op (:func:`.single.run_single`).
 """
 import torch
 
 from .._common import kernel_device_ok, warn_fallback
-from .checks import _prepare
-from .kernels import _KERNEL_DTYPES
-from .parallel import (_TPConfig, _TPPerToken, _TPScalarLoss, _sp_gather, _sp_local, _tp_apply, _tp_layout,
-                       _tp_meta_rows)
-from .reference import DEFAULT_WORKSPACE_BYTES, auto_chunk_tokens, linear_cross_entropy_reference
-from .single import _FusedScalarLoss, _lce_forward_op, _lce_fused_op, chunk_bytes_per_logit
-from .stats import _pack
+from .checks import prepare
+from .parallel import run_tp
+from .reference import run_reference
+from .row_kernel import _KERNEL_DTYPES
+from .single import run_single
 
 
 _OP = "linear_cross_entropy"
@@ -88,108 +87,28 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
     Note: the scalar-loss path ("mean"/"sum" without entropy/lse) forms the gradients in the
     forward and scales them in place in backward: do not backward through it twice.
     """
-    accum_fp32, h, t, temp, tp, check = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature,
-                                                 z_loss, label_smoothing, softcap, accum_dtype, chunk_tokens,
-                                                 validate_targets, tp_group, vocab_start, sequence_parallel, defer=True)
+    opts, h, t, temp, check = prepare(
+        hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction, temperature=temperature,
+        return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss, label_smoothing=label_smoothing,
+        softcap=softcap, accum_dtype=accum_dtype, chunk_tokens=chunk_tokens, validate_targets=validate_targets,
+        tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel, defer=True)
     M = h.shape[0]
-    V = weight.shape[0]
     ok, reason = kernel_device_ok(hidden)
     if ok and hidden.dtype not in _KERNEL_DTYPES:
         ok, reason = False, f"dtype {hidden.dtype} (kernels take float16/bfloat16/float32)"
     if not ok or M == 0:
         if M:
             warn_fallback(_OP, reason)
-        _finish(check)  # the reference computes eagerly: check first
-        return linear_cross_entropy_reference(
-            hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
-            temperature=temperature, return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss,
-            label_smoothing=label_smoothing, softcap=softcap, chunk_tokens=chunk_tokens,
-            accum_dtype=torch.float32 if accum_fp32 else None,
-            # TP: the targets are checked against the global vocabulary after the gather
-            validate_targets=validate_targets and tp is not None,
-            tp_group=None if tp is None else tp.group, vocab_start=None if tp is None else tp.start,
-            sequence_parallel=sequence_parallel)
+        if check is not None:
+            check.finish()  # the reference computes eagerly: check first
+        # TP: the targets are checked against the global vocabulary by the layout exchange
+        return run_reference(h, weight, bias, t, temp, opts, target.shape)
     h = h.contiguous()
     if t.dtype not in (torch.int32, torch.int64):
         t = t.long()
     t = t.contiguous()
     if temp is not None:
         temp = temp.detach().float().contiguous()
-    inv_temp = 1.0 if temp is not None else 1.0 / float(temperature)
-    cap = float(softcap) if softcap else 0.0
-    z_loss, smoothing = float(z_loss), float(label_smoothing)
-    need_dh = h.requires_grad
-    need_dw = weight.requires_grad
-    need_db = bias is not None and bias.requires_grad
-    grads = torch.is_grad_enabled() and (need_dh or need_dw or need_db)
-    if tp is not None:
-        meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, smoothing, softcap,
-                             return_entropy, return_lse, bias, accum_fp32, chunk_tokens)
-        # the layout (and the checks) before any other collective: a bad call raises on every rank
-        V_total, V_max = _tp_layout(tp, meta, bool(validate_targets), t, temp, ignore_index, h.device)
-        if sequence_parallel:
-            h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
-            M = h.shape[0]
-        fused = grads and reduction != "none" and not (return_entropy or return_lse)
-        chunk = _chunk(chunk_tokens, V_max, hidden.dtype, M, fused, cap, grads)
-        cfg = _TPConfig(tp, V_total, inv_temp, ignore_index, z_loss, smoothing, cap, accum_fp32, chunk,
-                        reduction == "mean", bool(return_entropy), sequence_parallel)
-        if fused:
-            return _tp_apply(_TPScalarLoss, h, weight, bias, t, temp, cfg)
-        loss, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, cfg)
-        if sequence_parallel:
-            loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
-        return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
-    chunk = _chunk(chunk_tokens, V, hidden.dtype, M, False, cap, grads)
-    if grads and reduction != "none" and not (return_entropy or return_lse):
-        args = (h, weight, t, bias, temp, inv_temp, ignore_index, reduction == "mean", z_loss, smoothing, cap,
-                accum_fp32, chunk, need_dh, need_dw, need_db)
-        if torch.compiler.is_compiling():
-            return _finish(check, _lce_fused_op(*args)[0])
-        return _finish(check, _FusedScalarLoss.apply(*args))
-    vchunk = _vocab_chunk(chunk_tokens, chunk, V, hidden.dtype, M, cap, grads)
-    loss, lse, ent = _lce_forward_op(h, weight, t, bias, temp, inv_temp, ignore_index, z_loss, smoothing, cap,
-                                     accum_fp32, chunk, vchunk, bool(return_entropy))
-    _finish(check)  # the targets were checked on the device while the kernels were queued
-    return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
-
-
-def _finish(check, out=None):
-    """Read a deferred target check (raises ValueError on a bad target or temperature); ``out``."""
-    if check is not None:
-        check.finish()
-    return out
-
-
-def _vocab_chunk(chunk_tokens, chunk, V, dtype, M, cap, grads):
-    """Vocabulary rows per chunk for the per-token path (0: token chunks of ``chunk``). With the
-    automatic size, more than one chunk needed and fewer tokens than vocabulary rows, the work
-    is split over the vocabulary instead: each chunk then re-reads ``hidden`` ([M, H]) rather
-    than the whole ``weight`` ([V, H]), and each dweight row is written once by one GEMM over
-    all tokens instead of being summed over token chunks. Same workspace budget as ``_chunk``."""
-    if isinstance(chunk_tokens, int) or chunk >= M or M >= V:
-        return 0
-    # auto_chunk_tokens balances a split of V rows of M elements as it does one of M rows of V
-    return auto_chunk_tokens(M, dtype, V, _budget(dtype, cap, grads))
-
-
-def _budget(dtype, cap, grads):
-    """The default workspace budget in ``auto_chunk_tokens``'s units (elements of ``dtype``'s size):
-    fewer logits when each takes more bytes (fp32 logits, see ``single.chunk_bytes_per_logit``)."""
-    return DEFAULT_WORKSPACE_BYTES * dtype.itemsize // chunk_bytes_per_logit(dtype, cap, grads)
-
-
-def _chunk(chunk_tokens, V, dtype, M, double, cap, grads):
-    """Tokens per chunk: ``chunk_tokens`` as given, else sized so the ``chunk x V`` workspace stays
-    within the default budget, counted in bytes per logit (more when the logits are fp32: a soft
-    cap on half inputs, with gradients also a dlogits buffer, see ``single._ChunkBuffers``). Under
-    a tp_group ``V`` is the largest shard's, so every rank gets the same chunk, and the TP
-    scalar-loss path (``double``) alternates two workspaces once there is more than one chunk:
-    the automatic size then keeps the two within the one-workspace budget."""
-    if isinstance(chunk_tokens, int):
-        return min(chunk_tokens, M)
-    budget = _budget(dtype, cap, grads)
-    chunk = auto_chunk_tokens(V, dtype, M, budget)
-    if double and chunk < M:
-        chunk = auto_chunk_tokens(V, dtype, M, budget // 2)
-    return min(chunk, M)
+    if opts.tp is not None:
+        return run_tp(h, weight, bias, t, temp, opts, target.shape)
+    return run_single(h, weight, bias, t, temp, opts, target.shape, check)

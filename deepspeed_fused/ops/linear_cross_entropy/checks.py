@@ -1,23 +1,26 @@
-"""Argument checks of the linear cross-entropy op and the flattening of its inputs.
+"""Argument checks of the linear cross-entropy op, the options record and the flattening of its inputs.
 
-:func:`_prepare` is the first step of both entry points (:mod:`.api` and :mod:`.reference`):
-it checks the arguments (:func:`_check`: types, shapes, dtypes, options; :class:`_ValueCheck`:
-targets and temperatures, one host sync, unless ``validate_targets=False``; the kernel entry
-point reads its result after queuing the kernels), resolves the
-tensor-parallel group (:func:`.parallel._tp_setup`) and flattens hidden/target to rows.
+:func:`prepare` is the first step of both public entry points (:mod:`.api` and
+:mod:`.reference`): it checks the arguments (:func:`_check`: types, shapes, dtypes, options;
+:class:`_ValueCheck`: targets and temperatures, one host sync, unless ``validate_targets=False``;
+the kernel entry point reads its result after queuing the kernels), resolves the
+tensor-parallel group (:func:`.group._tp_setup`), builds the call's one
+:class:`.options.LCEOptions` and flattens hidden/target to rows.
 """
 import math
 
 import torch
 
-from .parallel import _tp_setup
+from .group import _tp_setup
+from .options import LCEOptions, LossOptions
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
-           accum_dtype, chunk_tokens, tp_group):
+def _check(hidden, weight, target, bias, temperature, *, ignore_index, reduction, z_loss, label_smoothing, softcap,
+           accum_dtype, chunk_tokens):
+    """Raise TypeError / ValueError naming the first wrong argument; whether ``accum_dtype`` asks for fp32."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise TypeError("linear_cross_entropy: `hidden` must be a tensor [..., H]")
     if hidden.dtype not in _FLOATS:
@@ -84,7 +87,7 @@ def _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z
 
 class _ValueCheck:
     """The target/temperature check, computed on the device when started and read by
-    :meth:`finish`. On CUDA (outside graph capture and torch.compile) the flags are copied to
+    :meth:`_ValueCheck.finish`. On CUDA (outside graph capture and torch.compile) the flags are copied to
     pinned host memory behind an event, so the caller can queue its kernels first and read them
     afterwards: the host then waits for the work queued before the op and the check, never with
     the device idle for lack of the op's launches. Invalid targets are memory-safe in the kernels
@@ -121,14 +124,18 @@ class _ValueCheck:
             raise ValueError("linear_cross_entropy: `temperature` tensor has values <= 0")
 
 
-def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing, softcap,
-             accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start=None, sequence_parallel=False,
-             defer=False):
-    """``(accum_fp32, h, t, temp, tp, check)``; ``check`` is a started :class:`_ValueCheck` for the
-    caller to finish after queuing its kernels (``defer``, no tensor-parallel group: those are
-    checked against the global vocabulary later), else None (checked here, or not asked for)."""
-    accum_fp32 = _check(hidden, weight, target, bias, ignore_index, reduction, temperature, z_loss, label_smoothing,
-                        softcap, accum_dtype, chunk_tokens, tp_group)
+def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperature, return_entropy, return_lse,
+            z_loss, label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start,
+            sequence_parallel, defer=False):
+    """Check one call's arguments (those of :func:`.api.linear_cross_entropy`); returns
+    ``(opts, h, t, temp, check)``: the call's :class:`.options.LCEOptions`, hidden as rows
+    ``[M, H]``, target ``[M]``, the per-token temperature ``[M]`` or None, and ``check``: a started
+    :class:`_ValueCheck` for the caller to finish after queuing its kernels (``defer``, no
+    tensor-parallel group: those are checked against the global vocabulary later), else None
+    (checked here, or not asked for)."""
+    accum_fp32 = _check(hidden, weight, target, bias, temperature, ignore_index=ignore_index, reduction=reduction,
+                        z_loss=z_loss, label_smoothing=label_smoothing, softcap=softcap, accum_dtype=accum_dtype,
+                        chunk_tokens=chunk_tokens)
     tp = _tp_setup(tp_group, vocab_start, weight.shape[0])
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"linear_cross_entropy: `sequence_parallel` must be a bool, got {sequence_parallel!r}")
@@ -144,5 +151,15 @@ def _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature,
             check = None
     h = hidden.reshape(-1, H)
     t = target.reshape(-1)
-    temp = temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else None
-    return accum_fp32, h, t, temp, tp, check
+    per_token = isinstance(temperature, torch.Tensor)
+    temp = temperature.reshape(-1) if per_token else None
+    # built positionally, in the records' field order: a class called with keywords builds a dict
+    # (the host cost of a call counts)
+    loss = LossOptions(1.0 if per_token else 1.0 / float(temperature),  # inv_temp
+                       ignore_index, float(z_loss), float(label_smoothing),  # ignore_index, z_loss, smoothing
+                       float(softcap) if softcap else 0.0, accum_fp32)  # softcap, accum_fp32
+    opts = LCEOptions(loss, None if per_token else float(temperature), reduction,  # loss, temperature, reduction
+                      bool(return_entropy), bool(return_lse),  # return_entropy, return_lse
+                      chunk_tokens if isinstance(chunk_tokens, int) else None,  # chunk_tokens
+                      bool(validate_targets), tp, sequence_parallel)  # validate_targets, tp, sequence_parallel
+    return opts, h, t, temp, check

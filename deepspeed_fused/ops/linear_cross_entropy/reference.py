@@ -1,61 +1,83 @@
-"""The plain torch reference of the linear cross-entropy, and the token chunk sizing.
+"""The plain torch reference of the linear cross-entropy.
 
 :func:`linear_cross_entropy_reference` has the API and semantics of the fused op: chunked
 over tokens (each chunk checkpointed when gradients are on), math in fp32 (float64 for float64
 inputs), autograd does the gradients. Over a tensor-parallel group it computes the kernel's
-partial statistics in torch and exchanges them with the collectives of :mod:`.parallel`. The
-fused op (:mod:`.api`) falls back to it where the kernels cannot run.
-:func:`auto_chunk_tokens` sizes the token chunks of both.
+partial statistics in torch and exchanges them with the group's collectives (:mod:`.group`,
+the same as the kernels' TP form). The fused op (:mod:`.api`) falls back to it where the kernels
+cannot run: :func:`run_reference` on the inputs the op has already checked. Its token chunks
+are sized by :func:`.sizing._reference_chunk`.
 """
 import torch
 
-from .checks import _prepare
-from .parallel import _CopyToGroup, _sp_gather, _sp_local, _stats_gather, _tp_layout, _tp_meta_rows
+from .checks import prepare
+from .group import _CopyToGroup, _sp_gather, _sp_local, _stats_gather, _tp_layout, _tp_meta_rows
+from .sizing import _reference_chunk
 from .stats import _finalize_stats, _pack, merge_partial_stats
 
 
-# Logits chunk budget: with the per-token statistics and cuBLAS workspace the total extra
-# memory stays under 512 MiB.
-DEFAULT_WORKSPACE_BYTES = 480 * 1024 * 1024
+def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
+                                   temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
+                                   label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
+                                   validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False):
+    """Plain torch version of :func:`.api.linear_cross_entropy` (same API and semantics).
 
-
-def auto_chunk_tokens(V: int, dtype: torch.dtype, tokens: int, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> int:
-    """Tokens per chunk so the ``chunk x V`` logits workspace fits ``workspace_bytes``.
-
-    Balanced: the fewest chunks, of near-equal size (no small ragged last chunk for the GEMMs),
-    each a multiple of 128 tokens where that still fits, else of 16. Every chunk re-reads the
-    whole weight, so one chunk fewer matters more than a round size (at H=2048 and V=151936, 8192
-    tokens in 5 chunks of 1648 rather than 6 of 1408).
+    Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
+    (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored
+    (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32).
+    With a ``tp_group`` it computes the same partial statistics of the local vocabulary
+    shard as the kernels and combines them with an all-gather and the same merge
+    (``sequence_parallel``: after the same all-gather of the token shards as the kernels), after
+    the kernels' layout exchange and checks.
     """
-    cmax = max(1, workspace_bytes // max(1, V * dtype.itemsize))
-    tokens = max(tokens, 1)
-    if tokens <= cmax:
-        return int(tokens)
-    n = -(-tokens // cmax)
-    c = -(-tokens // n)
-    for step in (128, 16):
-        up = -(-c // step) * step
-        if up <= cmax:
-            return int(up)
-    return int(c)
+    opts, h, t, temp, _ = prepare(
+        hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction, temperature=temperature,
+        return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss, label_smoothing=label_smoothing,
+        softcap=softcap, accum_dtype=accum_dtype, chunk_tokens=chunk_tokens, validate_targets=validate_targets,
+        tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel)
+    return run_reference(h, weight, bias, t, temp, opts, target.shape)
 
 
-def _ref_logits(h, weight, bias, temp, temperature, softcap):
+def run_reference(h, weight, bias, t, temp, opts, shape):
+    """The reference on checked rows (from :func:`.checks.prepare`: ``h`` [M, H], ``t`` [M], ``temp``
+    [M] or None, the call's :class:`.options.LCEOptions`; ``shape``: the target's). Over a group the
+    layout exchange (and, with ``validate_targets``, the target checks against the global
+    vocabulary) comes first; on one GPU the targets were checked by ``prepare``."""
+    tp = opts.tp
+    temp = None if temp is None else temp.detach()
+    if tp is not None:
+        V_total, _ = _tp_layout(opts, _tp_meta_rows(weight, h, bias, temp, opts), t, temp, h.device)
+        if opts.sequence_parallel:
+            h, t, temp = _sp_gather(h, t, temp, tp, opts.loss.accum_fp32)
+        chunk = _reference_chunk(opts.chunk_tokens, weight.shape[0], h.shape[0])
+        loss_tok, lse, ent = _reference_tp(h, weight, bias, t, temp, opts, chunk, V_total)
+        if opts.sequence_parallel:
+            loss_tok, lse, ent = _sp_local(opts, loss_tok, lse, ent)
+    else:
+        chunk = _reference_chunk(opts.chunk_tokens, weight.shape[0], h.shape[0])
+        loss_tok, lse, ent = _reference_impl(h, weight, bias, t, temp, opts, chunk)
+    return _pack(loss_tok, lse, ent, t != opts.loss.ignore_index, shape, opts)
+
+
+def _ref_logits(h, weight, bias, temp, opts):
     """The chunk's logits in FP32 (FP64 for FP64 inputs), divided by the temperature (per row or
     one value) and soft-capped: what every reference pass starts from."""
+    softcap = opts.loss.softcap
     logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     z = logits.to(cdt)
-    z = z / temp.to(cdt)[:, None] if temp is not None else z / temperature
+    z = z / temp.to(cdt)[:, None] if temp is not None else z / opts.temperature
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     return z
 
 
-def _ref_chunk(h, weight, bias, t, temp, temperature, ignore_index, z_loss, smoothing, softcap, need_ent):
-    z = _ref_logits(h, weight, bias, temp, temperature, softcap)
+def _ref_chunk(h, weight, bias, t, temp, opts):
+    loss_opts = opts.loss
+    smoothing, z_loss = loss_opts.smoothing, loss_opts.z_loss
+    z = _ref_logits(h, weight, bias, temp, opts)
     lse = torch.logsumexp(z, dim=-1)
-    valid = t != ignore_index
+    valid = t != loss_opts.ignore_index
     # a target outside [0, V) (unchecked with validate_targets=False) has no target logit: 0, as in the kernels
     has_zt = valid & (t >= 0) & (t < z.shape[1])
     zt = z.gather(1, torch.where(has_zt, t, torch.zeros_like(t)).long()[:, None]).squeeze(1)
@@ -66,63 +88,59 @@ def _ref_chunk(h, weight, bias, t, temp, temperature, ignore_index, z_loss, smoo
     if z_loss:
         loss = loss + z_loss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
-    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if need_ent else lse.new_empty(0)
+    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if opts.return_entropy else lse.new_empty(0)
     return loss, lse, ent
 
 
-def _reference_impl(h, weight, t, bias, temp, temperature, ignore_index, z_loss, smoothing, softcap, chunk,
-                    need_ent):
+def _reference_impl(h, weight, bias, t, temp, opts, chunk):
     M = h.shape[0]
     outs = []
     ckpt = torch.is_grad_enabled() and M > chunk and not torch.compiler.is_compiling()
     for s in range(0, max(M, 1), chunk):
         e = min(M, s + chunk)
-        args = (h[s:e], weight, bias, t[s:e], None if temp is None else temp[s:e], temperature, ignore_index,
-                z_loss, smoothing, softcap, need_ent)
+        args = (h[s:e], weight, bias, t[s:e], None if temp is None else temp[s:e], opts)
         if ckpt:
             outs.append(torch.utils.checkpoint.checkpoint(_ref_chunk, *args, use_reentrant=False))
         else:
             outs.append(_ref_chunk(*args))
     loss, lse, ent = (torch.cat([o[i] for o in outs]) for i in range(3))
-    return loss, lse, (ent if need_ent else None)
+    return loss, lse, (ent if opts.return_entropy else None)
 
 
-def _ref_partial_chunk(h, weight, bias, t, temp, temperature, ignore_index, softcap, vocab_start, need_ent,
-                       need_sumz):
-    """Torch version of the kernel's partial statistics [rows, 5] for a vocabulary shard.
+def _ref_partial_chunk(h, weight, bias, t, temp, opts):
+    """Torch version of the kernel's partial statistics [rows, 5] for this rank's vocabulary shard.
 
     The running max m is detached: (m, d, a) represent the same values for any m, so the
     gradient is exact without flowing through the max."""
-    z = _ref_logits(h, weight, bias, temp, temperature, softcap)
+    z = _ref_logits(h, weight, bias, temp, opts)
     m = z.amax(-1).detach()
     zm = z - m[:, None]
     e = torch.exp(zm)
     d = e.sum(-1)
-    a = (e * zm).sum(-1) if need_ent else torch.zeros_like(d)
-    sz = z.sum(-1) if need_sumz else torch.zeros_like(d)
-    lt = t.long() - vocab_start
-    ins = (t != ignore_index) & (lt >= 0) & (lt < z.shape[1])
+    a = (e * zm).sum(-1) if opts.return_entropy else torch.zeros_like(d)
+    sz = z.sum(-1) if opts.loss.smoothing else torch.zeros_like(d)
+    lt = t.long() - opts.tp.start
+    ins = (t != opts.loss.ignore_index) & (lt >= 0) & (lt < z.shape[1])
     zt = z.gather(1, torch.where(ins, lt, torch.zeros_like(lt))[:, None]).squeeze(1)
     zt = torch.where(ins, zt, torch.zeros_like(zt))
     return torch.stack([m, d, a, sz, zt], dim=-1)
 
 
-def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, smoothing, softcap, chunk, need_ent,
-                  tp, V_total, accum_fp32, sp=False):
+def _reference_tp(h, weight, bias, t, temp, opts, chunk, V_total):
     """Reference over a tensor-parallel group: local partial statistics (autograd), one
     all-gather of them (of all the tokens at once) and the kernels' merge; the other ranks'
     statistics are constants here, and dhidden is summed over the group by _CopyToGroup (by
     _SeqGather's reduce-scatter under sequence parallelism, where ``h`` is already the group's
     gathered tokens)."""
+    tp, loss = opts.tp, opts.loss
     M = h.shape[0]
-    if h.requires_grad and not sp:
-        h = _CopyToGroup.apply(h, tp.group, accum_fp32)
+    if h.requires_grad and not opts.sequence_parallel:
+        h = _CopyToGroup.apply(h, tp.group, loss.accum_fp32)
     ckpt = torch.is_grad_enabled() and M > chunk and not torch.compiler.is_compiling()
     parts = []
     for s in range(0, max(M, 1), chunk):
         e = min(M, s + chunk)
-        args = (h[s:e], weight, bias, t[s:e], None if temp is None else temp[s:e], temperature, ignore_index,
-                softcap, tp.start, need_ent, bool(smoothing))
+        args = (h[s:e], weight, bias, t[s:e], None if temp is None else temp[s:e], opts)
         if ckpt:
             parts.append(torch.utils.checkpoint.checkpoint(_ref_partial_chunk, *args, use_reentrant=False))
         else:
@@ -134,46 +152,5 @@ def _reference_tp(h, weight, t, bias, temp, temperature, ignore_index, z_loss, s
         gathered, _ = _stats_gather(stats.detach().contiguous(), tp)
     shards = list(gathered.unbind(0))
     shards[tp.rank] = stats  # the local shard, differentiable (bitwise the gathered values)
-    return _finalize_stats(merge_partial_stats(torch.stack(shards)), t != ignore_index, V_total, z_loss, smoothing,
-                           need_ent)
-
-
-def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
-                                   temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
-                                   label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
-                                   validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False):
-    """Plain torch version of :func:`linear_cross_entropy` (same API and semantics).
-
-    Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
-    (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored
-    (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32).
-    With a ``tp_group`` it computes the same partial statistics of the local vocabulary
-    shard as the kernels and combines them with an all-gather and the same merge
-    (``sequence_parallel``: after the same all-gather of the token shards as the kernels), after
-    the kernels' layout exchange and checks.
-    """
-    accum_fp32, h, t, temp, tp, _ = _prepare(hidden, weight, target, bias, ignore_index, reduction, temperature,
-                                             z_loss, label_smoothing, softcap, accum_dtype, chunk_tokens,
-                                             validate_targets, tp_group, vocab_start, sequence_parallel)
-    temperature_f = None if temp is not None else float(temperature)
-    if tp is not None:
-        meta = _tp_meta_rows(tp, weight, h, reduction, temp, temperature, ignore_index, z_loss, label_smoothing,
-                             softcap, return_entropy, return_lse, bias, accum_fp32, chunk_tokens)
-        temp = None if temp is None else temp.detach()
-        V_total, _ = _tp_layout(tp, meta, bool(validate_targets), t, temp, ignore_index, h.device)
-        if sequence_parallel:
-            h, t, temp = _sp_gather(h, t, temp, tp, accum_fp32)
-        chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
-                                                                                     h.shape[0])
-        loss, lse, ent = _reference_tp(h, weight, t, bias, temp, temperature_f, ignore_index, float(z_loss),
-                                       float(label_smoothing), softcap, chunk, bool(return_entropy), tp, V_total,
-                                       accum_fp32, sequence_parallel)
-        if sequence_parallel:
-            loss, lse, ent = _sp_local(tp, loss, lse, ent, reduction, return_entropy, return_lse)
-        return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
-    chunk = chunk_tokens if isinstance(chunk_tokens, int) else auto_chunk_tokens(weight.shape[0], torch.float32,
-                                                                                 h.shape[0])
-    loss, lse, ent = _reference_impl(h, weight, t, bias, None if temp is None else temp.detach(), temperature_f,
-                                     ignore_index, float(z_loss), float(label_smoothing), softcap, chunk,
-                                     return_entropy)
-    return _pack(loss, lse, ent, t != ignore_index, target.shape, reduction, return_entropy, return_lse)
+    return _finalize_stats(merge_partial_stats(torch.stack(shards)), t != loss.ignore_index, V_total, loss.z_loss,
+                           loss.smoothing, opts.return_entropy)

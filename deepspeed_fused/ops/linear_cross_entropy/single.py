@@ -1,237 +1,82 @@
-"""Single-GPU fused linear cross-entropy: chunked cuBLAS GEMMs around the row kernel, the
-``torch.library`` custom ops (``deepspeed_fused::lce_fused``, ``lce_forward``, ``lce_backward``)
-and the eager autograd function.
+"""Single-GPU fused linear cross-entropy: the token-chunk passes, the ``torch.library`` custom
+ops (``deepspeed_fused::lce_fused``, ``lce_forward``, ``lce_backward``) and the eager autograd
+function; :func:`run_single` picks the path for one call.
 
-The tokens are processed in chunks (:func:`_logit_chunks`): per chunk, cuBLAS writes the
-chunk's logits into one reused workspace and the row kernel (:mod:`.kernels`) walks each row.
-Two gradient strategies:
+The tokens are processed in chunks (:func:`.chunks._logit_chunks`): per chunk, cuBLAS writes
+the chunk's logits into one reused workspace and the row kernel (:mod:`.row_kernel`) walks each
+row. Two gradient strategies:
 
 * **Scalar loss** (``reduction`` "mean"/"sum", no entropy/lse output) while gradients are
   needed: the same kernel makes a second pass over the row and overwrites the logits with
   ``dL/dlogits`` (or writes them to a second buffer when the logits are fp32, see
-  :func:`fp32_logits`; already weighted by ``1/n_valid`` for "mean"); two more chunk GEMMs give
-  ``dhidden`` and accumulate ``dweight``. Backward only multiplies these by ``grad_output``
-  (:func:`_scale_formed_grads`: ignored rows stay exact zeros, whatever it is): 3 GEMMs in all.
+  :func:`.sizing.fp32_logits`; already weighted by ``1/n_valid`` for "mean"); two more chunk
+  GEMMs give ``dhidden`` and accumulate ``dweight``. Backward only multiplies these by
+  ``grad_output`` (:func:`.chunks._scale_formed_grads`: ignored rows stay exact zeros, whatever
+  it is): 3 GEMMs in all.
 * **Per-token upstream gradients** (reduction "none", entropy or lse returned): forward keeps
   per-token ``lse`` and entropy (fp32); backward recomputes the chunk logits and the kernel
   turns them in place (or into the second buffer) into ``dlogits`` from the per-token upstream
   gradients: 4 GEMMs. With ``vchunk`` > 0 this path runs over vocabulary chunks instead
-  (:func:`_vocab_chunks`: all tokens against a slice of the vocabulary; partial statistics per
-  slice merged by :func:`.stats.merge_partial_stats`; each slice's dweight rows from one GEMM,
-  dhidden summed over the slices).
+  (:func:`.chunks._vocab_chunks`: all tokens against a slice of the vocabulary; partial
+  statistics per slice merged by :func:`.stats.merge_partial_stats`; each slice's dweight rows
+  from one GEMM, dhidden summed over the slices).
 
-The chunk drivers (:func:`_logit_chunks`, :class:`_ChunkBuffers`, :func:`_logits_into`,
-:func:`_dhidden_into`, :class:`_ParamGrads`, :func:`_kw`) are shared with the tensor-parallel
-form (:mod:`.parallel`). The public entry point is in :mod:`.api`.
+The options travel as the call's :class:`.options.LCEOptions`; the custom ops take its
+:class:`.options.LossOptions` as flat scalars, after their tensors and sizes
+(:meth:`~.options.LossOptions.to_args` / :meth:`~.options.LossOptions.from_args`, nowhere else).
 """
-import warnings
-from typing import Optional
-
 import torch
 
-from .kernels import (_launch_rows, _scale_masked_torch_, _scale_unless_one_, gemm_grad, gemm_grad_supported,
-                      gemm_stats, gemm_stats_supported)
-from .stats import _NSTAT, _finalize_stats, merge_partial_stats
+from .chunks import (_backward_vocab_chunks, _dhidden_into, _fused_stats, _logit_chunks, _ParamGrads,
+                     _scale_formed_grads, _Upstream, _vocab_chunks)
+from .options import LossOptions
+from .row_kernel import _launch_rows
+from .sizing import _token_chunk, _vocab_chunk
+from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
+
+
+def run_single(h, weight, bias, t, temp, opts, shape, check):
+    """One call of the single-GPU op on checked rows (from :func:`.api.linear_cross_entropy`:
+    ``h`` [M, H] contiguous, ``t`` [M] int32/int64, ``temp`` [M] fp32 or None; ``shape``: the
+    target's). The scalar loss with gradients forms them in the forward (the ``lce_fused`` custom
+    op under torch.compile, :class:`_FusedScalarLoss` in eager mode); everything else runs the
+    per-token ``lce_forward`` op. ``check``: a started target check (or None), read once the
+    kernels are queued."""
+    M, V = h.shape[0], weight.shape[0]
+    loss = opts.loss
+    needs = (h.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    grads = torch.is_grad_enabled() and (needs[0] or needs[1] or needs[2])
+    chunk = _token_chunk(opts.chunk_tokens, V, h.dtype, M, False, loss.softcap, grads)
+    if grads and opts.scalar_loss:
+        if torch.compiler.is_compiling():
+            out = _lce_fused_op(h, weight, t, bias, temp, opts.mean, chunk, *needs, *loss.to_args())[0]
+        else:
+            out = _FusedScalarLoss.apply(h, weight, t, bias, temp, loss, opts.mean, chunk, needs)
+        return _finish(check, out)
+    vchunk = _vocab_chunk(opts.chunk_tokens, chunk, V, h.dtype, M, loss.softcap, grads)
+    loss_tok, lse, ent = _lce_forward_op(h, weight, t, bias, temp, opts.return_entropy, chunk, vchunk,
+                                         *loss.to_args())
+    _finish(check)  # the targets were checked on the device while the kernels were queued
+    return _pack(loss_tok, lse, ent, t != loss.ignore_index, shape, opts)
+
+
+def _finish(check, out=None):
+    """Read a deferred target check (raises ValueError on a bad target or temperature); ``out``."""
+    if check is not None:
+        check.finish()
+    return out
 
 
 # ----------------------------------------------------------------------------------------
-# Chunk drivers (cuBLAS GEMMs + the row kernel)
+# The passes over token chunks (cuBLAS GEMMs + the row kernel, or the fused GEMMs)
 # ----------------------------------------------------------------------------------------
 
-def fp32_logits(dtype: torch.dtype, softcap) -> bool:
-    """Whether the chunk logits are formed in fp32 rather than in the input dtype: with a soft cap
-    and half-precision inputs. Eager PyTorch rounds the logits to the input dtype and applies the
-    cap in that dtype (more roundings); our row kernel applies it in fp32, but starting from the
-    rounded logits it can still land farther from the fp32 result than eager on some rows. From
-    fp32 logits (cuBLAS accumulates in fp32 anyway) our lse is never less accurate than eager's.
-    Without a cap the rounded logits are eager's own (``F.linear``, the bias added in the GEMM's
-    epilogue), so the input dtype keeps the workspace small. False once the fp32-output GEMM
-    has failed in this process (see :func:`_logits_fp32_into`)."""
-    return bool(softcap) and dtype in (torch.float16, torch.bfloat16) and _FP32_LOGITS_OK[0]
-
-
-def chunk_bytes_per_logit(dtype: torch.dtype, softcap, grad: bool) -> int:
-    """Workspace bytes per element of a ``chunk x V`` logits block (see :class:`_ChunkBuffers`)."""
-    if fp32_logits(dtype, softcap):
-        return 4 + (dtype.itemsize if grad else 0)
-    return dtype.itemsize
-
-
-class _ChunkBuffers:
-    """A chunk's workspace: the logits ``[rows, cols]`` (fp32 when :func:`fp32_logits`, else the
-    input dtype) and where the row kernel writes dlogits for the GEMMs that follow: the logits
-    themselves (in place), or, for fp32 logits, a second ``[rows, cols]`` buffer in the input dtype.
-    Flat storage: :meth:`views` gives contiguous ``[n, c]`` blocks of it (a smaller last chunk of
-    tokens or of the vocabulary), so cuBLAS writes them in place."""
-
-    __slots__ = ("logits", "grad")
-
-    def __init__(self, hidden, rows, cols, softcap, grad):
-        fp32 = fp32_logits(hidden.dtype, softcap)
-        self.logits = hidden.new_empty(rows * cols, dtype=torch.float32 if fp32 else hidden.dtype)
-        self.grad = hidden.new_empty(rows * cols) if (fp32 and grad) else self.logits
-
-    def views(self, n, c):
-        return self.logits[:n * c].view(n, c), self.grad[:n * c].view(n, c)
-
-
-def _logits_into(h, weight, bias, out):
-    if out.dtype != h.dtype:  # fp32 logits of half inputs
-        _logits_fp32_into(h, weight, bias, out)
-    elif bias is None:
-        torch.mm(h, weight.t(), out=out)
-    else:
-        torch.addmm(bias, h, weight.t(), out=out)
-
-
-# whether cuBLAS may write the logits of half inputs in fp32 (``mm`` with ``out_dtype``); set to
-# False, with one warning, the first time it raises (a torch without it, TunableOp): later calls
-# then form the logits in the input dtype, as without a soft cap
-_FP32_LOGITS_OK = [True]
-
-
-def _logits_fp32_into(h, weight, bias, out):
-    """out (fp32) = h @ weight.T (+ bias), the GEMM accumulating in fp32 and writing fp32."""
-    if not out.is_cuda:  # CPU (the Triton interpreter's tests): fp32 copies, small shapes
-        torch.mm(h.float(), weight.t().float(), out=out)
-    else:
-        try:
-            torch.mm(h, weight.t(), torch.float32, out=out)
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, TypeError) as e:
-            # this call's buffers are already fp32: rounded logits in them (eager's accuracy)
-            _FP32_LOGITS_OK[0] = False
-            warnings.warn("deepspeed_fused.linear_cross_entropy: cuBLAS could not write fp32 logits of "
-                          f"{h.dtype} inputs ({type(e).__name__}: {str(e).splitlines()[0][:200]}); with a soft "
-                          "cap the logits are now rounded to the input dtype first, as in eager PyTorch",
-                          RuntimeWarning, stacklevel=2)
-            out.copy_(torch.mm(h, weight.t()))
-    if bias is not None:
-        out.add_(bias)
-
-
-_FP32_LOGITS_PROBED = [False]
-
-
-def _fp32_logits_probed(hidden, weight, softcap) -> bool:
-    """:func:`fp32_logits`, after trying the fp32-output GEMM once in this process (a 1 x 1 product)
-    when it would be used: a forward that forms its statistics without cuBLAS (the fused GEMM)
-    must take the logits as the backward's cuBLAS GEMM will, and a torch without ``mm``'s
-    ``out_dtype`` is found (one warning) before the forward rather than in the backward."""
-    if fp32_logits(hidden.dtype, softcap) and hidden.is_cuda and not _FP32_LOGITS_PROBED[0]:
-        _FP32_LOGITS_PROBED[0] = True
-        _logits_fp32_into(hidden[:1], weight[:1], None, hidden.new_empty((1, 1), dtype=torch.float32))
-    return fp32_logits(hidden.dtype, softcap)
-
-
-def _dhidden_into(dlogits, weight, out):
-    torch.mm(dlogits, weight, out=out)
-
-
-_FP32_OUT_DTYPE_OK = [True]
-
-
-def _addmm_fp32_(acc, a, b):
-    """acc (fp32) += a @ b with half inputs, accumulating in fp32 inside the GEMM."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-        return
-    if _FP32_OUT_DTYPE_OK[0] and acc.is_cuda:
-        try:
-            torch.addmm(acc, a, b, torch.float32, out=acc)
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, TypeError):
-            _FP32_OUT_DTYPE_OK[0] = False
-    acc.add_(torch.mm(a, b))
-
-
-def _mm_sum(acc, a, b, fp32):
-    """``acc + a @ b``, with ``acc`` None for the first term of a sum over chunks: in fp32
-    (``fp32``: a zero-started fp32 accumulator, each product formed in fp32 by cuBLAS) or in the
-    operands' dtype (the first product one GEMM, the next ones added by ``addmm_``)."""
-    if fp32:
-        if acc is None:
-            acc = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
-        _addmm_fp32_(acc, a, b)
-        return acc
-    return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
-
-
-class _ParamGrads:
-    """dweight / dbias accumulated over token chunks."""
-
-    def __init__(self, weight, bias, accum_fp32, need_dw, need_db):
-        self.weight, self.bias = weight, bias
-        self.fp32 = accum_fp32 and weight.dtype != torch.float32
-        self.need_dw, self.need_db = need_dw, need_db
-        self.dw = self.db = None
-
-    def add(self, dlogits, h):
-        if self.need_dw:
-            self.dw = _mm_sum(self.dw, dlogits.t(), h, self.fp32)
-        if self.need_db:
-            s = dlogits.sum(0, dtype=torch.float32)
-            self.db = s if self.db is None else self.db.add_(s)
-
-    def result(self, like_h):
-        w = self.weight
-        if not self.need_dw:
-            dw = like_h.new_empty(0)
-        elif self.dw is None:
-            dw = torch.zeros_like(w)
-        else:
-            dw = self.dw.to(w.dtype)
-        if not self.need_db:
-            db = like_h.new_empty(0)
-        elif self.db is None:
-            db = torch.zeros_like(self.bias)
-        else:
-            db = self.db.to(self.bias.dtype)
-        return dw, db
-
-
-def _logit_chunks(hidden, weight, bias, chunk, softcap, grad):
-    """Yield ``(s, e, logits, dlogits, hidden[s:e])`` per token chunk; the chunk logits are written
-    into one reused workspace (:class:`_ChunkBuffers`, the op's whole workspace; ``dlogits`` is
-    where the row kernel writes the gradient when ``grad``), freed when the loop ends."""
-    M, V = hidden.shape[0], weight.shape[0]
-    buf = _ChunkBuffers(hidden, min(chunk, M), V, softcap, grad)
-    for s in range(0, M, chunk):
-        e = min(M, s + chunk)
-        (x, g), h = buf.views(e - s, V), hidden[s:e]
-        _logits_into(h, weight, bias, x)
-        yield s, e, x, g, h
-
-
-def _vocab_chunks(hidden, weight, bias, vchunk, softcap, grad):
-    """Yield ``(v0, v1, logits, dlogits)`` per vocabulary chunk ``[v0, v1)``: the logits of every
-    token against those vocabulary rows, ``[M, v1 - v0]``, in one reused workspace (as
-    :func:`_logit_chunks`). Each chunk reads all of ``hidden`` and its own rows of ``weight``, so
-    the weight is read once in all (token chunks read all of it per chunk): the better split
-    when there are fewer tokens than vocabulary rows (see ``api._vocab_chunk``)."""
-    M, V = hidden.shape[0], weight.shape[0]
-    buf = _ChunkBuffers(hidden, M, min(vchunk, V), softcap, grad)
-    for v0 in range(0, V, vchunk):
-        v1 = min(V, v0 + vchunk)
-        x, g = buf.views(M, v1 - v0)
-        _logits_into(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], x)
-        yield v0, v1, x, g
-
-
-def _kw(temp_c, inv_temp, ignore_index, z_loss, smoothing, softcap):
-    return dict(temp=temp_c, inv_temp=inv_temp, ignore_index=ignore_index, z_loss=z_loss,
-                smoothing=smoothing, softcap=softcap)
-
-
-def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean, z_loss, smoothing,
-                softcap, accum_fp32, chunk, need_dh, need_dw, need_db):
-    """Scalar loss with its gradient formed in the forward (3 GEMMs)."""
+def _fused_impl(hidden, weight, target, bias, temp, loss, mean, chunk, needs):
+    """Scalar loss with its gradient formed in the forward (3 GEMMs): ``(loss, dh, dw, db)``."""
+    need_dh, need_dw, need_db = needs
     M = hidden.shape[0]
     V = weight.shape[0]
-    valid = target != ignore_index
+    valid = target != loss.ignore_index
     if mean:
         w = 1.0 / valid.sum().clamp(min=1).to(torch.float32)
     else:
@@ -239,81 +84,58 @@ def _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean
     w1 = w.reshape(1)
     stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
-    pg = _ParamGrads(weight, bias, accum_fp32, need_dw, need_db)
-    for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, softcap, True):
+    pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
+    for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, loss.softcap, True):
         _launch_rows(x, target[s:e], stats=stats[s:e], g_loss=w1, per_token=False, out=g,
-                     **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
+                     **loss.kernel_kw(None if temp is None else temp[s:e]))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
         pg.add(g, h)
-    loss_tok, _, _ = _finalize_stats(stats, valid, V, z_loss, smoothing, False)
-    loss = loss_tok.sum() * w
+    loss_tok, _, _ = _finalize_stats(stats, valid, V, loss.z_loss, loss.smoothing, False)
+    out = loss_tok.sum() * w
     dw, db = pg.result(hidden)
-    return loss, dh, dw, db
+    return out, dh, dw, db
 
 
-def _fused_stats(hidden, weight, bias, target, temp, inv_temp, ignore_index, smoothing, softcap, need_ent,
-                 vocab_start=0):
-    """The row statistics [M, 5] of ``weight``'s vocabulary rows (a TP shard from ``vocab_start``)
-    from one fused GEMM, no logits in memory (:func:`.kernels.gemm_stats`: Hopper, fp16/bf16), the
-    logits taken as the backward's cuBLAS GEMM forms them; None where it cannot run or failed
-    (the caller then runs cuBLAS and the row kernel)."""
-    if not gemm_stats_supported(hidden, weight):
-        return None
-    return gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=inv_temp, softcap=softcap,
-                      ignore_index=ignore_index, need_ent=need_ent, need_sumz=smoothing != 0.0,
-                      fp32_logits=_fp32_logits_probed(hidden, weight, softcap), vocab_start=vocab_start)
-
-
-def _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap,
-                  chunk, vchunk, need_ent):
+def _forward_impl(hidden, weight, target, bias, temp, loss, chunk, vchunk, need_ent):
     """Per-token (loss, lse, entropy) in fp32; one GEMM: the fused GEMM with the statistics in its
-    epilogue where it runs (:func:`.kernels.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and the
-    row kernel over token chunks of ``chunk`` rows or, with ``vchunk`` > 0, vocabulary chunks of
-    that many columns (partial statistics per chunk, merged)."""
+    epilogue where it runs (:func:`.gemm_kernels.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and
+    the row kernel over token chunks of ``chunk`` rows or, with ``vchunk`` > 0, vocabulary chunks
+    of that many columns (partial statistics per chunk, merged)."""
     M = hidden.shape[0]
     V = weight.shape[0]
-    stats = _fused_stats(hidden, weight, bias, target, temp, inv_temp, ignore_index, smoothing, softcap, need_ent)
+    stats = _fused_stats(hidden, weight, bias, target, temp, loss, need_ent)
     if stats is None and vchunk:
         n_v = -(-V // vchunk)
         parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
-        kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
-        for j, (v0, _, x, _) in enumerate(_vocab_chunks(hidden, weight, bias, vchunk, softcap, False)):
+        kw = loss.kernel_kw(temp)
+        for j, (v0, _, x, _) in enumerate(_vocab_chunks(hidden, weight, bias, vchunk, loss.softcap, False)):
             _launch_rows(x, target, stats=parts[j], need_ent=need_ent, vocab_start=v0, vocab_total=V, **kw)
         stats = merge_partial_stats(parts) if n_v > 1 else parts[0]
     elif stats is None:
         stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
-        for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, softcap, False):
+        for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, loss.softcap, False):
             _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
-                         **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing,
-                               softcap))
-    valid = target != ignore_index
-    loss, lse, ent = _finalize_stats(stats, valid, V, z_loss, smoothing, need_ent)
-    return loss, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32)
+                         **loss.kernel_kw(None if temp is None else temp[s:e]))
+    valid = target != loss.ignore_index
+    loss_tok, lse, ent = _finalize_stats(stats, valid, V, loss.z_loss, loss.smoothing, need_ent)
+    return loss_tok, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32)
 
 
-def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp, ignore_index,
-                   z_loss, smoothing, softcap, accum_fp32, chunk, vchunk, need_dh, need_dw, need_db):
-    """Recompute the chunk logits, turn them into dlogits from per-token upstream gradients."""
+def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, needs):
+    """Recompute the chunk logits, turn them into dlogits from the per-token upstream gradients
+    (``up``, an :class:`.chunks._Upstream`); ``(dh, dw, db)``."""
     M = hidden.shape[0]
-    if g_loss is None:
-        g_loss = torch.zeros(M, dtype=torch.float32, device=hidden.device)
-    g_loss = g_loss.float().contiguous()
-    g_ent = None if g_ent is None else g_ent.float().contiguous()
-    g_lse = None if g_lse is None else g_lse.float().contiguous()
     if not vchunk and chunk >= M:
         vchunk = weight.shape[0]  # one chunk: the whole vocabulary as one slice (the same GEMMs)
     if vchunk:
-        return _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
-                                      ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh,
-                                      need_dw, need_db)
+        return _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, needs)
+    need_dh, need_dw, need_db = needs
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
-    pg = _ParamGrads(weight, bias, accum_fp32, need_dw, need_db)
-    for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, softcap, True):
-        _launch_rows(x, target[s:e], lse=lse[s:e], ent=None if g_ent is None else ent[s:e],
-                     g_loss=g_loss[s:e], g_ent=None if g_ent is None else g_ent[s:e],
-                     g_lse=None if g_lse is None else g_lse[s:e], per_token=True, out=g,
-                     **_kw(None if temp is None else temp[s:e], inv_temp, ignore_index, z_loss, smoothing, softcap))
+    pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
+    for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, loss.softcap, True):
+        _launch_rows(x, target[s:e], per_token=True, out=g, **up.rows_kw(s, e),
+                     **loss.kernel_kw(None if temp is None else temp[s:e]))
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
         pg.add(g, h)
@@ -321,82 +143,31 @@ def _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, 
     return dh, dw, db
 
 
-def _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw, base=0, total=None):
-    """Yield ``(v0, v1, dlogits)`` per vocabulary chunk for the per-token backward (``weight``: the
-    vocabulary from column ``base`` of ``total``, a TP shard, or all of it): from the fused
-    GEMM with the gradient in its epilogue where it runs (one input-dtype workspace, no logits in
-    memory), else from cuBLAS's logits and the row kernel (:func:`_vocab_chunks`). If the fused GEMM
-    fails (compile, launch; one warning), every chunk is yielded again from the first by the
-    second way: the consumer's first chunk starts its sums, so nothing is counted twice."""
-    M, V = hidden.shape[0], weight.shape[0]
-    total = total or V
-    if gemm_grad_supported(hidden, weight):
-        f32 = _fp32_logits_probed(hidden, weight, softcap)
-        ld = -(-min(vchunk, V) // 8) * 8  # rows padded to 16 bytes: vector stores, aligned GEMM operands
-        buf = hidden.new_empty(M * ld)
-        for v0 in range(0, V, vchunk):
-            v1 = min(V, v0 + vchunk)
-            g = buf.view(M, ld)[:, :v1 - v0]
-            if not gemm_grad(hidden, weight[v0:v1], None if bias is None else bias[v0:v1], target, g,
-                             vocab_start=base + v0, vocab_total=total, fp32_logits=f32, temp=kw["temp"],
-                             inv_temp=kw["inv_temp"], softcap=kw["softcap"], z_loss=kw["z_loss"],
-                             smoothing=kw["smoothing"], ignore_index=kw["ignore_index"], **grads):
-                break  # the loop below yields every chunk again, from the first (whose dhidden GEMM starts the sum)
-            yield v0, v1, g
-        else:
-            return
-        del buf, g  # the consumer drops its reference too: the fallback's workspace replaces this one
-    for v0, v1, x, g in _vocab_chunks(hidden, weight, bias, vchunk, softcap, True):
-        _launch_rows(x, target, out=g, vocab_start=base + v0, vocab_total=total, per_token=True, **grads, **kw)
-        yield v0, v1, g
-
-
-def _backward_vocab_chunks(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
-                           ignore_index, z_loss, smoothing, softcap, accum_fp32, vchunk, need_dh, need_dw, need_db,
-                           base=0, total=None):
-    """The per-token backward over vocabulary chunks: each chunk's dweight (and dbias) rows are
-    final after one GEMM over all tokens (no accumulation); dhidden sums over the chunks, in
-    the hidden dtype (fp32 with ``accum_fp32``) with the sum of each chunk formed by cuBLAS in
-    fp32. ``base``/``total``: ``weight`` is the vocabulary shard from column ``base`` of
-    ``total`` (tensor parallel; dhidden is then this shard's partial sum)."""
-    V = weight.shape[0]
-    dh = None
-    dh32 = accum_fp32 and hidden.dtype != torch.float32 and vchunk < V  # an fp32 sum only where there is a sum
-    dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
-    db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
-    kw = _kw(temp, inv_temp, ignore_index, z_loss, smoothing, softcap)
-    grads = dict(lse=lse, ent=ent if g_ent is not None else None, g_loss=g_loss, g_ent=g_ent, g_lse=g_lse)
-    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, vchunk, softcap, grads, kw, base, total):
-        if need_dh:  # the first chunk starts the sum (also when a fallback yields the chunks again)
-            dh = _mm_sum(None if v0 == 0 else dh, g, weight[v0:v1], dh32)
-        if need_dw:
-            torch.mm(g.t(), hidden, out=dw[v0:v1])
-        if need_db:
-            torch.sum(g, 0, dtype=torch.float32, out=db[v0:v1])
-        del g  # (a fused chunk's workspace is freed if the generator falls back)
-    dh = hidden.new_empty(0) if dh is None else dh.to(hidden.dtype)
-    return dh, dw, db.to(bias.dtype) if need_db else hidden.new_empty(0)
-
-
 # ----------------------------------------------------------------------------------------
-# torch.library custom ops (opaque to torch.compile; no host sync inside)
+# torch.library custom ops (opaque to torch.compile; no host sync inside). Each takes its
+# tensors, its sizes and flags, then the loss options flattened (LossOptions.to_args()).
 # ----------------------------------------------------------------------------------------
 
-T = torch.Tensor
+def _custom_op(name, inputs, returns):
+    """Register the decorated function as ``deepspeed_fused::<name>``: the schema's arguments are
+    ``inputs`` then the fields of :class:`.options.LossOptions`, which the function takes as
+    ``*loss_args`` (for :meth:`~.options.LossOptions.from_args`)."""
+    schema = f"({inputs}, {LossOptions.SCHEMA}) -> {returns}"
+    return lambda fn: torch.library.custom_op(f"deepspeed_fused::{name}", fn, mutates_args=(), schema=schema)
 
 
-@torch.library.custom_op("deepspeed_fused::lce_fused", mutates_args=())
-def _lce_fused_op(hidden: T, weight: T, target: T, bias: Optional[T], temp: Optional[T], inv_temp: float,
-                  ignore_index: int, mean: bool, z_loss: float, smoothing: float, softcap: float,
-                  accum_fp32: bool, chunk: int, need_dh: bool, need_dw: bool, need_db: bool
-                  ) -> tuple[T, T, T, T]:
-    return _fused_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean, z_loss, smoothing,
-                       softcap, accum_fp32, chunk, need_dh, need_dw, need_db)
+_TENSORS = "Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? temp"
+
+
+@_custom_op("lce_fused", f"{_TENSORS}, bool mean, SymInt chunk, bool need_dh, bool need_dw, bool need_db",
+            "(Tensor, Tensor, Tensor, Tensor)")
+def _lce_fused_op(hidden, weight, target, bias, temp, mean, chunk, need_dh, need_dw, need_db, *loss_args):
+    return _fused_impl(hidden, weight, target, bias, temp, LossOptions.from_args(*loss_args), mean, chunk,
+                       (need_dh, need_dw, need_db))
 
 
 @_lce_fused_op.register_fake
-def _(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean, z_loss, smoothing, softcap,
-      accum_fp32, chunk, need_dh, need_dw, need_db):
+def _(hidden, weight, target, bias, temp, mean, chunk, need_dh, need_dw, need_db, *loss_args):
     return (hidden.new_empty((), dtype=torch.float32),
             torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
             torch.empty_like(weight) if need_dw else hidden.new_empty(0),
@@ -404,40 +175,18 @@ def _(hidden, weight, target, bias, temp, inv_temp, ignore_index, mean, z_loss, 
 
 
 def _fused_setup(ctx, inputs, output):
+    hidden, weight, target, bias, temp, mean, chunk, need_dh, need_dw, need_db, *loss_args = inputs
     _, dh, dw, db = output
-    ctx.needs = inputs[13:16]
-    ctx.ignore_index = inputs[6]
-    ctx.save_for_backward(inputs[2])  # the targets: which rows and sums the upstream gradient scales
+    ctx.n_inputs = len(inputs)
+    ctx.needs = (need_dh, need_dw, need_db)
+    ctx.ignore_index = LossOptions.from_args(*loss_args).ignore_index
+    ctx.save_for_backward(target)  # the targets: which rows and sums the upstream gradient scales
     # Held as plain attributes, not saved tensors: backward drops them, so the gradient it
     # returns has no other owner and autograd accumulates dweight without a second copy.
     ctx.grads = [dh, dw, db]
 
 
-def _scale_formed_grads(g, target, ignore_index, grads, needs, kernel):
-    """The scalar loss's forward-formed gradients ``(dh, dw, db)`` times the upstream gradient ``g``,
-    in place, with ignored tokens' rows exactly zero whatever ``g`` is (eager's cross_entropy
-    backward writes zeros there, so a loss divided by ``num_items_in_batch = 0`` gives an infinite
-    ``g`` and zero gradients, never 0 * inf): dhidden's rows of ignored targets are left as formed
-    (zeros), and so are dweight and dbias when no target is labelled (sums of nothing); a
-    labelled row takes ``g`` as it is (inf / NaN there propagate as in eager). ``kernel``: the
-    eager scaling kernel (nothing read or written when ``g == 1``), else torch ops (an autograd op
-    on ``g`` under ``create_graph``, and what torch.compile traces). None for what is not needed."""
-    scale = _scale_unless_one_ if kernel else _scale_masked_torch_
-    dh, dw, db = grads
-    need_dh, need_dw, need_db = needs
-    out = [None, None, None]
-    if need_dh:
-        out[0] = scale(dh, g, target=target, ignore_index=ignore_index)
-    if need_dw or need_db:
-        gate = (target != ignore_index).any()
-        if need_dw:
-            out[1] = scale(dw, g, gate=gate)
-        if need_db:
-            out[2] = scale(db, g, gate=gate)
-    return out
-
-
-def _fused_backward(ctx, g, _gdh, _gdw, _gdb, kernel=False):
+def _scaled_formed_grads(ctx, g, kernel):
     # The gradients were formed in the forward; scale them in place (no second copy of
     # dweight). They can be used once: a second backward through the same graph
     # (retain_graph=True) raises instead of reusing scaled values. ``kernel`` (eager): an in-place
@@ -449,8 +198,12 @@ def _fused_backward(ctx, g, _gdh, _gdw, _gdb, kernel=False):
     grads = ctx.grads
     ctx.grads = None
     (target,) = ctx.saved_tensors
-    dh, dw, db = _scale_formed_grads(g, target, ctx.ignore_index, grads, ctx.needs, kernel)
-    return (dh, dw, None, db) + (None,) * 12
+    return _scale_formed_grads(g, target, ctx.ignore_index, grads, ctx.needs, kernel)
+
+
+def _fused_backward(ctx, g, _gdh, _gdw, _gdb):
+    dh, dw, db = _scaled_formed_grads(ctx, g, kernel=False)
+    return (dh, dw, None, db) + (None,) * (ctx.n_inputs - 4)
 
 
 _lce_fused_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -463,62 +216,62 @@ class _FusedScalarLoss(torch.autograd.Function):
     without a second copy (the custom-op wrapper kept one on torch 2.11)."""
 
     @staticmethod
-    def forward(ctx, *args):
-        loss, dh, dw, db = _fused_impl(*args)
-        ctx.needs = args[13:16]
-        ctx.ignore_index = args[6]
-        ctx.save_for_backward(args[2])
+    def forward(ctx, hidden, weight, target, bias, temp, loss, mean, chunk, needs):
+        out, dh, dw, db = _fused_impl(hidden, weight, target, bias, temp, loss, mean, chunk, needs)
+        ctx.needs = needs
+        ctx.ignore_index = loss.ignore_index
+        ctx.save_for_backward(target)
         ctx.grads = [dh, dw, db]
-        return loss
+        return out
 
     @staticmethod
     def backward(ctx, g):
         # under create_graph the scaling must be an autograd op on g (torch ops)
-        return _fused_backward(ctx, g, None, None, None, kernel=not torch.is_grad_enabled())
+        dh, dw, db = _scaled_formed_grads(ctx, g, kernel=not torch.is_grad_enabled())
+        return dh, dw, None, db, None, None, None, None, None
 
 
-@torch.library.custom_op("deepspeed_fused::lce_forward", mutates_args=())
-def _lce_forward_op(hidden: T, weight: T, target: T, bias: Optional[T], temp: Optional[T], inv_temp: float,
-                    ignore_index: int, z_loss: float, smoothing: float, softcap: float, accum_fp32: bool,
-                    chunk: int, vchunk: int, need_ent: bool) -> tuple[T, T, T]:
-    return _forward_impl(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap,
-                         chunk, vchunk, need_ent)
+@_custom_op("lce_forward", f"{_TENSORS}, bool need_ent, SymInt chunk, SymInt vchunk", "(Tensor, Tensor, Tensor)")
+def _lce_forward_op(hidden, weight, target, bias, temp, need_ent, chunk, vchunk, *loss_args):
+    return _forward_impl(hidden, weight, target, bias, temp, LossOptions.from_args(*loss_args), chunk, vchunk,
+                         need_ent)
 
 
 @_lce_forward_op.register_fake
-def _(hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk,
-      vchunk, need_ent):
+def _(hidden, weight, target, bias, temp, need_ent, chunk, vchunk, *loss_args):
     M = hidden.shape[0]
     f = dict(dtype=torch.float32)
     return hidden.new_empty(M, **f), hidden.new_empty(M, **f), hidden.new_empty(M if need_ent else 0, **f)
 
 
-@torch.library.custom_op("deepspeed_fused::lce_backward", mutates_args=())
-def _lce_backward_op(hidden: T, weight: T, target: T, bias: Optional[T], temp: Optional[T], lse: T, ent: T,
-                     g_loss: Optional[T], g_ent: Optional[T], g_lse: Optional[T], inv_temp: float,
-                     ignore_index: int, z_loss: float, smoothing: float, softcap: float, accum_fp32: bool,
-                     chunk: int, vchunk: int, need_dh: bool, need_dw: bool, need_db: bool) -> tuple[T, T, T]:
-    return _backward_impl(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp,
-                          ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk, vchunk, need_dh, need_dw,
-                          need_db)
+@_custom_op("lce_backward", f"{_TENSORS}, Tensor lse, Tensor ent, Tensor? g_loss, Tensor? g_ent, Tensor? g_lse, "
+            "SymInt chunk, SymInt vchunk, bool need_dh, bool need_dw, bool need_db", "(Tensor, Tensor, Tensor)")
+def _lce_backward_op(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, chunk, vchunk, need_dh,
+                     need_dw, need_db, *loss_args):
+    if g_loss is None:
+        g_loss = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    up = _Upstream.of(lse, ent, g_loss.float().contiguous(), None if g_ent is None else g_ent.float().contiguous(),
+                      None if g_lse is None else g_lse.float().contiguous())
+    return _backward_impl(hidden, weight, target, bias, temp, up, LossOptions.from_args(*loss_args), chunk, vchunk,
+                          (need_dh, need_dw, need_db))
 
 
 @_lce_backward_op.register_fake
-def _(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, inv_temp, ignore_index, z_loss,
-      smoothing, softcap, accum_fp32, chunk, vchunk, need_dh, need_dw, need_db):
+def _(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, chunk, vchunk, need_dh, need_dw, need_db,
+      *loss_args):
     return (torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
             torch.empty_like(weight) if need_dw else hidden.new_empty(0),
             torch.empty_like(bias) if need_db else hidden.new_empty(0))
 
 
 def _forward_setup(ctx, inputs, output):
-    hidden, weight, target, bias, temp, inv_temp, ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk, \
-        vchunk, need_ent = inputs
+    hidden, weight, target, bias, temp, need_ent, chunk, vchunk, *loss_args = inputs
     _, lse, ent = output
+    ctx.n_inputs = len(inputs)
     ctx.has_bias = bias is not None
-    ctx.has_temp = temp is not None
-    ctx.args = (inv_temp, ignore_index, z_loss, smoothing, softcap, accum_fp32, chunk, vchunk)
     ctx.need_ent = need_ent
+    ctx.sizes = (chunk, vchunk)
+    ctx.loss_args = loss_args  # passed on to the backward op as they came
     ctx.save_for_backward(hidden, weight, target, bias, temp, lse, ent)
 
 
@@ -526,13 +279,14 @@ def _forward_backward(ctx, g_loss, g_lse, g_ent):
     hidden, weight, target, bias, temp, lse, ent = ctx.saved_tensors
     need_dh, need_dw, _, need_db = ctx.needs_input_grad[:4]
     if not (need_dh or need_dw or need_db):
-        return (None,) * 14
+        return (None,) * ctx.n_inputs
     if not ctx.need_ent:
         g_ent = None
-    dh, dw, db = _lce_backward_op(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse,
-                                  *ctx.args, need_dh, need_dw, bool(need_db and ctx.has_bias))
+    chunk, vchunk = ctx.sizes
+    dh, dw, db = _lce_backward_op(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, chunk, vchunk,
+                                  need_dh, need_dw, bool(need_db and ctx.has_bias), *ctx.loss_args)
     return (dh if need_dh else None, dw if need_dw else None, None,
-            db if need_db and ctx.has_bias else None) + (None,) * 10
+            db if need_db and ctx.has_bias else None) + (None,) * (ctx.n_inputs - 4)
 
 
 _lce_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)

@@ -1,6 +1,6 @@
 """Per-token partial statistics: merge over vocabulary shards, finalize, pack the outputs.
 
-The row kernel (:mod:`.kernels`) emits per-token *partial statistics* [tokens, 5]: running max
+The row kernel (:mod:`.row_kernel`) emits per-token *partial statistics* [tokens, 5]: running max
 ``m``, ``d = sum exp(z-m)``, ``a = sum exp(z-m)(z-m)``, ``sum z`` and the target logit if the
 target falls in the ``[vocab_start, vocab_start + V)`` shard. :func:`_finalize_stats` turns
 them into loss, lse and entropy. :func:`merge_partial_stats` combines the statistics of
@@ -44,18 +44,21 @@ def _finalize_stats(stats, valid, vocab_total, z_loss, smoothing, need_ent):
     return loss, lse, ent
 
 
-def _pack(loss_tok, lse, ent, valid, shape, reduction, return_entropy, return_lse):
-    if reduction == "none":
+def _pack(loss_tok, lse, ent, valid, shape, opts):
+    """The returned value from per-token outputs: the reduction of ``opts`` (an
+    :class:`.options.LCEOptions`) applied, then ``(loss, entropy, lse)`` restricted to what it asks
+    for (or the loss alone), shaped like the target (``shape``)."""
+    if opts.reduction == "none":
         loss = loss_tok.reshape(shape)
     else:
         loss = loss_tok.sum()
-        if reduction == "mean":
+        if opts.mean:
             loss = loss / valid.sum().clamp(min=1).to(loss.dtype)
-    if not (return_entropy or return_lse):
+    if not (opts.return_entropy or opts.return_lse):
         return loss
     out = [loss]
-    if return_entropy:
+    if opts.return_entropy:
         out.append(ent.reshape(shape))
-    if return_lse:
+    if opts.return_lse:
         out.append(lse.reshape(shape))
     return tuple(out)

@@ -1,0 +1,344 @@
+"""The example training job: a Hugging Face causal LM through deepspeed.initialize, with the plugin.
+
+    deepspeed --module deepspeed_fused.train --deepspeed_config configs/fused_all.json --model qwen3-moe-tiny --steps 20
+    deepspeed examples/train.py ...   # the same job from a clone (a wrapper of this module)
+
+``--deepspeed_config`` is a file; a path that does not exist but names one of the configs shipped
+with the package (``configs/fused_all.json``, ``baseline.json``, ...: ``deepspeed_fused/configs/``)
+runs that one, so the command above works from any directory once the package is installed.
+
+The model is built from a named config with random weights (no hub access) and fed synthetic
+token batches (a learnable bigram-like stream, the same for every run with the same seed). Each
+step prints the loss, step time, tokens/s and peak GPU memory; the feature report is shown once,
+by the plugin's hook, after initialisation. On a CPU-only machine bf16 is turned off and the fused
+paths fall back to eager (the report says so); the first CPU run waits a few minutes, silent,
+while DeepSpeed compiles its shm_comm op (said before it starts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import deepspeed
+import torch
+
+import deepspeed_fused  # noqa: F401  (installs the deepspeed.initialize hook)
+from deepspeed_fused.models import MODELS, build_model
+
+# the ready ds_configs, shipped inside the package (in a clone: a link to the top-level configs/)
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def find_config(path: str) -> str:
+    """``path`` if it exists, else the shipped config of that name (``configs/fused_all.json``,
+    ``fused_all.json`` or ``fused_all``); SystemExit naming the shipped ones otherwise."""
+    if os.path.exists(path):
+        return path
+    name = os.path.basename(path)
+    for candidate in (name, name + ".json"):
+        shipped = os.path.join(CONFIGS_DIR, candidate)
+        if os.path.isfile(shipped):
+            return shipped
+    names = ", ".join(sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".json")))
+    raise SystemExit(f"--deepspeed_config {path}: no such file, nor a shipped config of that name ({names})")
+
+
+def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, device) -> torch.Tensor:
+    """Token ids where each next token is a fixed function of the last one 3 times out of 4."""
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    ids = torch.empty(batch, seq, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+    noise = torch.randint(0, vocab, (batch, seq), generator=g)
+    keep = torch.rand(batch, seq, generator=g) < 0.75
+    for t in range(1, seq):
+        nxt = (ids[:, t - 1] * 7 + 3) % vocab
+        ids[:, t] = torch.where(keep[:, t], nxt, noise[:, t])
+    return ids.to(device)
+
+
+def profile_step(engine, ids, trace_out=None) -> dict:
+    """One training step under the torch profiler: kernel time per category, each kernel once
+    (``deepspeed_fused.bench.breakdown``: ranges around the modules the features replace and
+    around DeepSpeed's work, our kernels by name). On CPU, leaf CPU ops stand for kernels."""
+    from deepspeed_fused.bench.breakdown import profile_step as run
+
+    def step():
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+
+    return run(step, engine, device=torch.cuda.is_available(), trace_out=trace_out)
+
+
+def apply_liger(model_name: str, swiglu: bool) -> str:
+    """Liger-Kernel's patches for the model's type, before the model is built: RoPE, RMSNorm and
+    the fused linear cross-entropy; its SwiGLU/experts only with ``swiglu``. Returns a description."""
+    from importlib.metadata import version
+
+    from liger_kernel.transformers import monkey_patch
+
+    from deepspeed_fused.models import model_config
+
+    model_type = model_config(model_name).model_type
+    fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        raise SystemExit(f"liger-kernel {version('liger_kernel')} has no patch for {model_type}")
+    kw = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, swiglu=swiglu)
+    fn(**kw)
+    return f"liger-kernel {version('liger_kernel')}: {fn.__name__}({', '.join(f'{k}={v}' for k, v in kw.items())})"
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-moe-tiny", choices=sorted(MODELS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=0, help="steps excluded from the timing summary")
+    p.add_argument("--batch-size", type=int, default=2, help="micro-batch size per rank")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-out", default=None, help="write per-step metrics as JSON here")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--profile-out", default=None,
+                   help="after the timed steps, profile one more step and write its GPU time per category here")
+    p.add_argument("--trace-out", default=None, help="keep the profiled step's Chrome trace here")
+    p.add_argument("--liger", action="store_true",
+                   help="apply Liger-Kernel (RoPE, RMSNorm, fused linear cross-entropy) before building the model")
+    p.add_argument("--liger-swiglu", action="store_true", help="with --liger: also Liger's SwiGLU/experts")
+    p.add_argument("--batch-sizes", default=None,
+                   help="search mode: comma-separated ascending micro-batch sizes, each run for --steps steps "
+                        "(--warmup of them untimed) in this process; the first that runs out of memory is "
+                        "recorded and ends the run (exit code 0)")
+    p.add_argument("--dump-stacks-after", type=float, default=None,
+                   help="print every thread's Python stack to stderr after this many seconds (for a job that "
+                        "may hang under a time limit)")
+    p = deepspeed.add_config_arguments(p)
+    return p.parse_args(argv)
+
+
+def load_config(path: str, batch_size: int, cuda: bool) -> dict:
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.pop("train_batch_size", None)
+    cfg["train_micro_batch_size_per_gpu"] = batch_size
+    if not cuda:
+        for key in ("bf16", "fp16"):
+            if cfg.get(key, {}).get("enabled"):
+                print(f"[train] no GPU: turning {key} off (CPU run in fp32)")
+                cfg[key]["enabled"] = False
+    return cfg
+
+
+def note_cpu_op_build() -> None:
+    """On CPU, ``deepspeed.init_distributed`` compiles DeepSpeed's shm_comm op the first time
+    (about 2.5 minutes without any output): say so before it starts."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        name = "deepspeed_shm_comm"
+        built = os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+    except Exception:
+        built = False
+    if not built and int(os.environ.get("RANK", "0")) == 0:
+        print("[train] first CPU run: DeepSpeed now compiles its shm_comm op (about 2-3 minutes without output; "
+              "later runs reuse it)", flush=True)
+
+
+def run_steps(engine, args, batch: int, steps: int, rank: int, device, vocab: int, bar=None) -> list:
+    """``steps`` training steps of micro-batch ``batch``; one record per step."""
+    cuda = device.type == "cuda"
+    world = deepspeed.comm.get_world_size()
+    tokens_per_step = batch * args.seq_len * world
+    history = []
+    for step in range(steps):
+        ids = synthetic_batch(step * world + rank, batch, args.seq_len, vocab, args.seed, device)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        loss = float(out.loss.detach().float())
+        del out, ids
+        rec = dict(step=step, loss=loss, step_s=dt, tokens_per_s=tokens_per_step / dt,
+                   peak_alloc_mib=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+                   peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if cuda else None)
+        history.append(rec)
+        if rank == 0:
+            mem = f", peak {rec['peak_alloc_mib']:.0f} MiB" if cuda else ""
+            msg = (f"[train] step {step:4d}  loss {loss:.4f}  {dt * 1e3:8.1f} ms  {rec['tokens_per_s']:9.0f} tok/s{mem}"
+                   + (f"  (micro-batch {batch})" if args.batch_sizes else ""))
+            (bar.write(msg) if bar is not None else print(msg, flush=True))
+            if bar is not None:
+                bar.update(1)
+    return history
+
+
+def summarize(history: list, warmup: int) -> dict:
+    timed = history[warmup:] or history
+    cuda = history and history[0]["peak_alloc_mib"] is not None
+    return dict(median_step_s=statistics.median(r["step_s"] for r in timed),
+                median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+                peak_alloc_mib=max((r["peak_alloc_mib"] or 0) for r in history) if cuda else None,
+                peak_reserved_mib=max((r["peak_reserved_mib"] or 0) for r in history) if cuda else None)
+
+
+def free_memory(engine) -> None:
+    """What a step that ran out of memory left behind: gradients and cached blocks."""
+    import gc
+
+    try:
+        engine.zero_grad()
+    except Exception:
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def search(engine, args, rank: int, device, vocab: int, write=None) -> dict:
+    """Search mode: the listed micro-batch sizes in ascending order, in this process, until one
+    runs out of memory (recorded, memory freed, the run ends) or fails otherwise (recorded).
+    ``write(trials)`` is called after each size, so a crash still leaves the sizes before it."""
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    trials = []
+    for b in sizes:
+        if write is not None:
+            write(trials)
+        if hasattr(engine, "set_train_micro_batch_size"):
+            engine.set_train_micro_batch_size(b)
+        try:
+            history = run_steps(engine, args, b, args.steps, rank, device, vocab)
+        except Exception as e:  # noqa: BLE001 - an OOM is a result of the search, not an error
+            oom = is_oom(e)
+            trials.append(dict(batch=b, status="oom" if oom else "error",
+                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"))
+            if rank == 0:
+                print(f"[train] micro-batch {b}: {'out of memory' if oom else 'failed'} ({trials[-1]['error']})",
+                      flush=True)
+            del e
+            free_memory(engine)
+            break
+        total = torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else None
+        trials.append(dict(batch=b, status="ok", **summarize(history, args.warmup),
+                           final_loss=history[-1]["loss"], device_total_mib=total, history=history))
+        if rank == 0:
+            t = trials[-1]
+            print(f"[train] micro-batch {b}: median {t['median_step_s'] * 1e3:.1f} ms, "
+                  f"{t['median_tokens_per_s']:.0f} tok/s", flush=True)
+        free_memory(engine)
+    if write is not None:
+        write(trials)
+    return dict(trials=trials)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.dump_stacks_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_stacks_after, exit=False)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(args.local_rank)
+    device = torch.device("cuda", args.local_rank) if cuda else torch.device("cpu")
+    if not args.deepspeed_config:
+        raise SystemExit("pass --deepspeed_config configs/fused_all.json (or another file in configs/)")
+    config_path = find_config(args.deepspeed_config)
+    if config_path != args.deepspeed_config and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[train] {args.deepspeed_config}: the shipped {config_path}", flush=True)
+    sizes = [int(x) for x in args.batch_sizes.split(",")] if args.batch_sizes else None
+    ds_config = load_config(config_path, sizes[0] if sizes else args.batch_size, cuda)
+    bf16 = ds_config.get("bf16", {}).get("enabled", False)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    liger = apply_liger(args.model, args.liger_swiglu) if args.liger else None
+    if not cuda:
+        note_cpu_op_build()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    rank = deepspeed.comm.get_rank()
+    if liger and rank == 0:
+        print(f"[train] {liger}", flush=True)
+    with torch.device(device):
+        model = build_model(args.model, dtype=dtype, seed=args.seed)
+    vocab = model.config.vocab_size
+    opt_kw = dict(lr=args.lr, weight_decay=0.0, **({"fused": True} if cuda else {}))
+    if ds_config.get("expert_parallel", {}).get("enabled"):
+        # AutoEP replaces the MoE blocks inside initialize: build the optimizer afterwards, from
+        # the new parameters, with the MoE parameter groups ZeRO asks for.
+        from deepspeed.moe.utils import configure_moe_param_groups
+
+        optimizer = lambda params: torch.optim.AdamW(configure_moe_param_groups(list(params)), **opt_kw)  # noqa: E731
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **opt_kw)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    report = getattr(engine, "deepspeed_fused_report", None)
+    if rank == 0:
+        n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+        print(f"[train] model {args.model}: {n_params / 1e6:.1f} M parameters, dtype {dtype}, device {device}, "
+              f"ZeRO stage {engine.zero_optimization_stage()}, world size {deepspeed.comm.get_world_size()}",
+              flush=True)
+        if report is None:  # the hook showed the report (unless the section's show_report is false)
+            print("[train] deepspeed_fused hook did not run")
+    engine.train()
+    common = dict(model=args.model, config=args.deepspeed_config, liger=liger, seq_len=args.seq_len,
+                  world_size=deepspeed.comm.get_world_size(), report=report.to_dict() if report is not None else None)
+
+    if sizes:
+        def write(trials):
+            if rank == 0 and args.metrics_out:
+                with open(args.metrics_out + ".tmp", "w") as f:
+                    json.dump(dict(common, steps=args.steps, warmup=args.warmup, trials=trials), f, indent=1,
+                              default=str)
+                os.replace(args.metrics_out + ".tmp", args.metrics_out)
+
+        return dict(common, steps=args.steps, warmup=args.warmup, **search(engine, args, rank, device, vocab, write))
+
+    tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size()
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, disable=args.no_progress or rank != 0, desc="train", dynamic_ncols=True)
+    except ImportError:  # pragma: no cover
+        bar = None
+    history = run_steps(engine, args, args.batch_size, args.steps, rank, device, vocab, bar)
+    if bar is not None:
+        bar.close()
+    breakdown = None
+    if args.profile_out:  # every rank steps (collectives), rank 0's profile is written
+        breakdown = profile_step(engine, synthetic_batch(args.steps * deepspeed.comm.get_world_size() + rank,
+                                                         args.batch_size, args.seq_len, vocab, args.seed, device),
+                                 args.trace_out if rank == 0 else None)
+        if rank == 0:
+            with open(args.profile_out, "w") as f:
+                json.dump(breakdown, f, indent=1)
+    summary = dict(common, steps=args.steps, warmup=args.warmup, tokens_per_step=tokens_per_step,
+                   **summarize(history, args.warmup), history=history, breakdown=breakdown)
+    if report is not None:
+        summary["report"] = report.to_dict()  # with the call counts of the run
+    if rank == 0:
+        print(f"[train] done: median step {summary['median_step_s'] * 1e3:.1f} ms, "
+              f"{summary['median_tokens_per_s']:.0f} tok/s, final loss {history[-1]['loss']:.4f}")
+        counted = [f"{f.name} {f.calls}" for f in (report.features if report is not None else [])
+                   if f.applied and f.calls is not None]
+        if counted:  # the fused paths really ran (eager: the model's own code ran instead)
+            print(f"[train] deepspeed_fused calls: {'; '.join(counted)}")
+        if args.metrics_out:
+            with open(args.metrics_out, "w") as f:
+                json.dump(summary, f, indent=1, default=str)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

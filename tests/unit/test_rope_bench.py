@@ -1,0 +1,38 @@
+"""The rope suite on CPU (tiny shapes, kernels under the interpreter): every implementation that
+runs here gives a record with both timings, and the files are written."""
+import argparse
+import json
+
+import pytest
+
+from deepspeed_fused.bench import rope as suite
+from deepspeed_fused.bench.common import write_results
+
+
+def test_rope_suite_records(interpret, tmp_path):
+    recs = suite.run(argparse.Namespace(extra=[], quick=True))
+    shapes = [sh[0] for sh in suite.CPU_SHAPES]
+    for shape in shapes:
+        rs = {r.impl: r for r in recs if r.shape == shape}
+        assert {"deepspeed_fused", "deepspeed_fused op", "HF eager"} <= set(rs), rs.keys()
+        for r in rs.values():
+            assert r.fwd_ms and r.fwd_bwd_ms and "failed" not in r.note, r
+            assert r.unit == "TB/s" and r.fwd_rate > 0
+        assert rs["deepspeed_fused"].ours and not rs["HF eager"].ours
+    paths = write_results(suite.SUITE, recs, str(tmp_path), title=suite.TITLE, notes=suite.NOTES)
+    assert len(json.load(open(paths["json"]))) == len(recs)
+    assert "deepspeed_fused" in open(paths["md"]).read()
+
+
+def test_breakdown_counts_the_rope_kernel_as_attention():
+    """The e2e breakdown attributes our rotary kernel to attention by its name, wherever it is
+    launched (the backward's launch has no enclosing range)."""
+    from deepspeed_fused.bench.breakdown import attribute
+    from unit.test_e2e_breakdown import Trace
+
+    t = Trace()
+    t.kernel("_rope_kernel", 100, 40)
+    t.range("e2e::attention", 1000, 500)
+    t.kernel("_rope_kernel", 1010, 60)
+    b = attribute(t.events)
+    assert b["categories"]["attention"] == pytest.approx(0.1)

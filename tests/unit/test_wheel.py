@@ -1,0 +1,123 @@
+"""The package as a user installs it: a wheel built from the tree, installed into a fresh
+virtualenv and run from a directory outside the clone. Every command the README documents for an
+installed package runs there (the report, the config reference, the benchmark suites' entry point
+and a CPU suite, the e2e suite, which runs the example job under the deepspeed launcher), and none
+writes into the installed package.
+
+Offline and quick: ``pip wheel --no-deps --no-build-isolation`` with this environment's setuptools,
+``pip install --no-deps --no-index`` into a venv made without pip, which then sees this
+environment's packages (torch, DeepSpeed, transformers, ...) through a ``.pth`` file listing their
+folders, added after the install (a plain folder line: the ``.pth`` files inside those folders,
+such as an editable install of this clone, are not run, so ``deepspeed_fused`` is the wheel's).
+"""
+import glob
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# what setup.py reads: the build's inputs, copied so that the build writes nothing into the clone
+BUILD_INPUTS = ["setup.py", "README.md", "requirements.txt", "deepspeed_fused", "configs"]
+
+
+def _run(cmd, cwd, env, timeout=600):
+    p = subprocess.run([str(c) for c in cmd], cwd=str(cwd), env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout + p.stderr
+
+
+def _files(folder) -> dict:
+    return {os.path.relpath(os.path.join(d, f), folder): os.path.getmtime(os.path.join(d, f))
+            for d, _, fs in os.walk(folder) for f in fs if "__pycache__" not in d}
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(python of the venv, the installed package's folder, an environment, a working folder outside the clone)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in BUILD_INPUTS:
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(path, src / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
+          tmp / "dist", src], tmp, env)
+    (wheel, ) = glob.glob(str(tmp / "dist" / "deepspeed_fused-*.whl"))
+    venv = tmp / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp, env)
+    py = venv / "bin" / "python"
+    _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-index", "-q", wheel], tmp, env)
+    purelib = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp, env).strip()
+    with open(os.path.join(purelib, "_test_environment.pth"), "w") as f:
+        f.write("\n".join(site.getsitepackages()) + "\n")
+    work = tmp / "elsewhere"
+    work.mkdir()
+    pkg = _run([py, "-c", "import deepspeed_fused, os; print(os.path.dirname(deepspeed_fused.__file__))"],
+               work, env).strip().splitlines()[-1]
+    return py, pkg, env, work
+
+
+def test_the_wheel_is_what_runs(installed):
+    py, pkg, env, work = installed
+    assert pkg.startswith(str(work.parent / "venv")) and not pkg.startswith(ROOT)
+    # every file of the package's tree is in the wheel (sources, the C++ node's source, the configs)
+    tree = os.path.join(ROOT, "deepspeed_fused")
+    parts = sorted(os.path.relpath(os.path.join(d, f), tree) for d, _, fs in os.walk(tree, followlinks=True)
+                   for f in fs if "__pycache__" not in d and not f.endswith(".pyc"))
+    for part in ["bench/__init__.py", "bench/e2e.py", "train.py", "docs.py", "configs/fused_all.json",
+                 "ops/moe_reorder/route.py"] + parts:
+        assert os.path.isfile(os.path.join(pkg, part)), part
+    assert any(p.startswith("ops/csrc/") and p.endswith(".cpp") for p in parts)
+    assert not os.path.islink(os.path.join(pkg, "configs"))
+
+
+def test_report_docs_and_bench_entry_points(installed):
+    py, pkg, env, work = installed
+    before = _files(pkg)
+    out = _run([py, "-m", "deepspeed_fused", "report"], work, env)
+    assert "torch:" in out and "AutoEP:" in out
+    shutil.copy(os.path.join(pkg, "configs", "fused_all.json"), work / "ds_config.json")
+    out = _run([os.path.join(os.path.dirname(py), "deepspeed-fused"), "report", "--config", "ds_config.json",
+                "--model", "qwen3-moe-tiny"], work, env)
+    assert "enabled features: rms_norm, linear_cross_entropy, moe_reorder" in out
+    assert "model qwen3-moe-tiny (Qwen3MoeForCausalLM)" in out
+    out = _run([py, "-m", "deepspeed_fused.docs"], work, env)
+    assert "| `deepspeed_fused.moe_reorder.validate` | bool |" in out
+    out = _run([py, "-m", "deepspeed_fused.bench", "--help"], work, env)
+    for suite in ("ceilings", "e2e", "multi_gpu", "tp_cross_entropy", "moe_reorder"):
+        assert suite in out
+    out = _run([py, "-m", "deepspeed_fused.bench", "ceilings", "--quick"], work, env)
+    assert os.path.isfile(work / "docs" / "benchmarks" / "ceilings.json")  # here, not in the package
+    assert _files(pkg) == before
+
+
+def test_e2e_suite_runs_the_example_job_from_the_wheel(installed):
+    """The e2e suite on the tiny model, one arm: it launches the installed example job
+    (``deepspeed_fused.train``) through the deepspeed launcher with a config shipped in the
+    package, as ``deepspeed --module deepspeed_fused.train`` does."""
+    py, pkg, env, work = installed
+    before = _files(pkg)
+    out = _run([py, "-m", "deepspeed_fused.bench", "e2e", "--quick", "--out", work / "e2e", "--model",
+                "qwen3-moe-tiny", "--pairs", "zero2", "--arms", "fused", "--arm-timeout", "400"], work, env, timeout=900)
+    assert "--module deepspeed_fused.train" in out and "[train] done" in out
+    d = json.loads((work / "e2e" / "e2e.json").read_text())
+    arm = d["results"]["zero2"]["fused"]
+    assert "error" not in arm, arm.get("error")
+    assert arm["config"] == os.path.join(pkg, "configs", "fused_all.json") and len(arm["history"]) == 4
+    feats = arm["report"]["features"]
+    assert [f["name"] for f in feats][:3] == ["rms_norm", "linear_cross_entropy", "moe_reorder"]
+    assert all(f["enabled"] for f in feats[:3])
+    if not torch.cuda.is_available():
+        assert arm["breakdown"]["categories"]["rms_norm"] > 0
+    assert _files(pkg) == before
