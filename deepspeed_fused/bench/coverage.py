@@ -1213,15 +1213,25 @@ _PRELOAD = ["torch", "transformers", "deepspeed_fused", "deepspeed_fused.bench.c
 
 
 def prepare_environment() -> None:
-    """Offline, and kernels under the interpreter when there is no GPU (set before the ops load)."""
+    """Offline, and kernels under the interpreter when there is no GPU. Triton reads
+    TRITON_INTERPRET when the kernels are defined (``import deepspeed_fused`` defines them), so on
+    a machine without a GPU it must be in the environment before that: raises if it was not (the
+    command line re-executes itself with it, see :func:`main`)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if "deepspeed_fused.ops._common" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
+    if torch.cuda.is_available():
+        return
+    if "deepspeed_fused.ops._common" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return
+    from ..ops import _common
+
+    if not _common._INTERPRET_AT_IMPORT:
+        raise RuntimeError(f"coverage on a machine without a GPU runs the kernels under Triton's interpreter: "
+                           f"{_common.LATE_INTERPRET}")
 
 
 class _Slot:
@@ -1602,6 +1612,23 @@ def _env_extra() -> dict:
     return dict(transformers=transformers.__version__, interpreter=interpreter_active())
 
 
+def _reexec_with_interpreter() -> bool:
+    """On a machine without a GPU, run again with TRITON_INTERPRET=1 from the start when it was
+    not set before ``deepspeed_fused`` defined its kernels (``python -m deepspeed_fused.bench``
+    imports the package first). Only for the command line; False when nothing was done."""
+    import torch
+
+    from ..ops import _common
+
+    if torch.cuda.is_available() or _common._INTERPRET_AT_IMPORT or os.environ.get("TRITON_INTERPRET") not in (
+            None, "", "0") or not sys.argv or not sys.argv[0].endswith(os.path.join("bench", "__main__.py")):
+        return False
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "deepspeed_fused.bench"] + sys.argv[1:], env)
+    return True  # pragma: no cover
+
+
 def main(args) -> int:
     p = argparse.ArgumentParser(prog="python -m deepspeed_fused.bench coverage")
     p.add_argument("--families", default="", help="comma-separated model types or model_type/Class ids")
@@ -1613,6 +1640,8 @@ def main(args) -> int:
                    help="write the outputs from earlier runs' JSON files (records merged: a later file's "
                         "record of the same family and run replaces an earlier one)")
     opts = p.parse_args(getattr(args, "extra", []) or [])
+    if not opts.render and _reexec_with_interpreter():
+        return 0  # not reached: the process was replaced
     if opts.render:
         docs = []
         for path in opts.render:
