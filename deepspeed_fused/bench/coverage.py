@@ -856,23 +856,22 @@ def _record_norm_calls(model):
 
 
 class GatherCounter:
-    """Counts calls of the row gathers (``deepspeed_fused.ops.row_gather``) during one forward and
+    """Counts calls of the row gathers (``deepspeed_fused.ops.moe_reorder``) during one forward and
     backward: evidence that the gathers themselves ran, next to the experts-forward count the
     feature reports. Instrumentation of this harness (a worker process): the feature looks the
     gathers up as module attributes at call time, so a counting wrapper there sees every call."""
 
-    GATHERS = ("gather_dispatch", "gather_combine", "permute_rows", "unpermute_rows", "route_dispatch",
-               "route_combine")
+    GATHERS = ("permute_rows", "unpermute_rows", "route_dispatch", "route_combine")
 
     def __init__(self):
         self.counts = collections.Counter()
         self._undo = []
 
     def __enter__(self):
-        from ..ops import row_gather
+        from ..ops import moe_reorder as reorder_ops
 
         for name in self.GATHERS:
-            fn = getattr(row_gather, name, None)
+            fn = getattr(reorder_ops, name, None)
             if fn is None:
                 continue
 
@@ -880,8 +879,8 @@ class GatherCounter:
                 self.counts[_name] += 1
                 return _fn(*a, **k)
 
-            setattr(row_gather, name, counted)
-            self._undo.append((row_gather, name, fn))
+            setattr(reorder_ops, name, counted)
+            self._undo.append((reorder_ops, name, fn))
         return self
 
     def __exit__(self, *exc):
@@ -1197,7 +1196,7 @@ def _worker(conn, persistent: bool) -> None:
 
 _PRELOAD = ["torch", "transformers", "deepspeed_fused", "deepspeed_fused.features.rms_norm",
             "deepspeed_fused.features.linear_cross_entropy", "deepspeed_fused.features.moe_reorder",
-            "deepspeed_fused.ops.rms_norm", "deepspeed_fused.ops.row_gather",
+            "deepspeed_fused.ops.rms_norm", "deepspeed_fused.ops.moe_reorder",
             "deepspeed_fused.ops.linear_cross_entropy", "deepspeed_fused.bench.coverage"]
 
 

@@ -258,7 +258,7 @@ def test_subset_patched_equals_unpatched_and_coverage_is_as_expected(tmp_path):
         if r["loss_fused"]["fused"]:
             assert r["loss_fused"]["fused_calls"] == 1
         if r["moe"]["gathers"]:
-            assert r["moe"]["gather_calls"].get("gather_dispatch", 0) > 0
+            assert r["moe"]["gather_calls"].get("route_dispatch", 0) > 0
     paths = coverage.write(records, str(tmp_path), command="test")
     md = open(paths["md"]).read()
     for fam in CI_FAMILIES:
