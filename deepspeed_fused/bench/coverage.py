@@ -1200,6 +1200,22 @@ _PRELOAD = ["torch", "transformers", "deepspeed_fused", "deepspeed_fused.feature
             "deepspeed_fused.ops.linear_cross_entropy", "deepspeed_fused.bench.coverage"]
 
 
+
+def _interpreter_or_reexec() -> None:
+    """On a machine without CUDA the kernels must be defined under Triton's interpreter, which is
+    read when they are defined: ``python -m deepspeed_fused.bench`` imports the package (and its
+    ops) before this suite runs, so without ``TRITON_INTERPRET`` set the command runs itself again
+    with it (the features would otherwise report "needs a CUDA GPU" for every family)."""
+    if "TRITON_INTERPRET" in os.environ or "deepspeed_fused.ops._common" not in sys.modules:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "deepspeed_fused.bench"] + sys.argv[1:])
+
 def prepare_environment() -> None:
     """Offline, and kernels under the interpreter when there is no GPU (set before the ops load)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -1600,6 +1616,7 @@ def main(args) -> int:
         paths = write(records, out, opts.md, " + ".join(dict.fromkeys(d.get("command", "") for d in docs)), envs)
         print("wrote", ", ".join(paths.values()))
         return 0
+    _interpreter_or_reexec()
     prepare_environment()
     import torch
 
