@@ -9,17 +9,20 @@ distinct kind of layer the full config has (2 at least, so hybrid patterns stay 
 layer drop and router jitter are zeroed. The model is built in fp32 from a fixed seed, deep-copied,
 and both copies run one training step's forward and backward on the same random batch (2 x 16
 tokens, a right-padded row, some labels -100; image-text models get text only: no pixels): the
-unpatched one as it is, the other after ``patch_model`` with ``rms_norm``, ``linear_cross_entropy``
-and ``moe_reorder`` on. Recorded per family: which RMSNorm modules were replaced out of those
-present (by class and by form, the form read from what each module computes, not its name),
-whether the loss ran fused (fused calls counted) or why not, whether the experts ran the gathers
-(gather calls counted) or why not, and the loss and gradient differences (loss relative to its
-value, each parameter's gradient relative to its norm).
+unpatched one as it is, the other after ``patch_model`` with every registered feature on
+(``rms_norm``, ``linear_cross_entropy``, ``moe_reorder``, ``rope``, ...). Recorded per family:
+which RMSNorm modules were replaced out of those present (by class and by form, the form read from
+what each module computes, not its name), whether the loss ran fused (the feature's own call
+count) or why not, whether the experts ran the gathers (counted) or why not, every feature's
+report and call counts, and the loss and gradient differences (loss relative to its value, each
+parameter's gradient relative to its norm).
 
-Each family runs in its own process (forked from a server that imported torch, transformers and
-deepspeed_fused once), under a time limit, so a family that fails, crashes or hangs is recorded,
-never fatal. A family whose tiny model cannot be built or run is listed with the error: a limit
-of this harness's generic shrinking, not a verdict on the features.
+Each family runs in a process of its own under a time limit (on CPU a fork of the suite's process,
+made after it imported torch, transformers and deepspeed_fused once; on a GPU spawned workers that
+import them once and run family after family, a fresh one after any family that did not run
+cleanly), so a family that fails, crashes or hangs is recorded, never fatal. A family whose tiny
+model cannot be built or run is listed with the error: a limit of this harness, not a verdict on
+the features.
 
 Modes: ``fp32`` (CPU: kernels under Triton's interpreter; GPU: real kernels; target: loss within
 1e-5 relative, every gradient within 1e-3 relative to its norm) and ``bf16`` (GPU only: both runs
@@ -71,8 +74,12 @@ BATCH, SEQ = 2, 16
 HIDDEN, FFN, MOE_FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 32, 4, 2, 16, 256
 EXPERTS, TOP_K = 4, 2
 MAX_LAYERS = 6  # at most this many layers even when the full config has more kinds of layer
-FEATURES = {"rms_norm": {"enabled": True}, "linear_cross_entropy": {"enabled": True},
-            "moe_reorder": {"enabled": True}}
+# the features turned on: every registered feature (rms_norm, linear_cross_entropy, moe_reorder,
+# rope, ... as the registry holds them), each with its default options
+def features_config() -> dict:
+    from ..features.registry import all_features
+
+    return {f.name: {"enabled": True} for f in all_features()}
 
 # RMSNorm forms (as read from what a module computes; see norm_form)
 RMS_FORMS = ("llama", "weight_before_cast", "offset", "gated", "gated_pre", "unweighted", "torch")
@@ -139,7 +146,8 @@ LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder
               "depth", "num_blocks", "layers", "text_layers")
 ENCODER_LAYER_KEYS = ("encoder_layers", "num_encoder_layers", "encoder_num_layers")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "model_dim", "dim", "word_embed_proj_dim",
-               "embedding_size", "out_hidden_size", "codebook_dim", "embedding_dim", "projection_dim", "text_hidden_size", "vision_hidden_size",
+               "embedding_size", "out_hidden_size", "codebook_dim", "embedding_dim", "projection_dim",
+               "text_hidden_size", "vision_hidden_size",
                "projector_hidden_size", "hidden_dim", "emb_dim")
 FFN_KEYS = ("ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim", "mlp_dim",
             "intermediate_dim", "inner_hidden_size", "hidden_act_dim", "dense_intermediate_size")
@@ -187,11 +195,13 @@ def _layer_plan(d: dict, n0: int, min_layers: int = 2) -> tuple:
     # {layer index: settings} (keys int or digit strings)
     index_dicts = {k: v for k, v in d.items()
                    if isinstance(v, dict) and v and k not in ("id2label", "label2id")
-                   and all(_layer_key(i) is not None and _layer_key(i) < n0 and isinstance(x, dict) for i, x in v.items())}
+                   and all(_layer_key(i) is not None and _layer_key(i) < n0 and isinstance(x, dict)
+                           for i, x in v.items())}
     keep, kinds = [], set()
     for i in range(n0):
         kind = (tuple(repr(v[i]) for v in per_layer.values()) + tuple(i in v for v in index_lists.values())
-                + tuple(repr(next((x for j, x in v.items() if _layer_key(j) == i), None)) for v in index_dicts.values()))
+                + tuple(repr(next((x for j, x in v.items() if _layer_key(j) == i), None))
+                        for v in index_dicts.values()))
         if kind not in kinds:
             kinds.add(kind)
             keep.append(i)
@@ -361,7 +371,8 @@ def _relations(d: dict, original: dict) -> None:
     mh = next((k for k in ("mamba_n_heads", "mamba_num_heads") if _is_int(d.get(k))), None)
     md = next((k for k in ("mamba_d_head", "mamba_head_dim", "mamba_headdim") if _is_int(d.get(k))), None)
     if mh is None and md is None and expand is not None and _is_int(d.get("state_size")):
-        mh, md = ("num_heads", "head_dim") if _is_int(d.get("num_heads")) and _is_int(d.get("head_dim")) else (None, None)
+        if _is_int(d.get("num_heads")) and _is_int(d.get("head_dim")):
+            mh, md = "num_heads", "head_dim"
     if expand is not None and mh and md:
         inner = int(expand * d.get("hidden_size", HIDDEN))
         d[md] = 16
@@ -451,7 +462,8 @@ def _source_mrope_default(model_type: str) -> Optional[list]:
     pat = re.compile(r"""get\(\s*["']mrope_section["']\s*,\s*\[([0-9,\s]+)\]""")
     try:
         cfg_mod = CONFIG_MAPPING[model_type].__module__
-        mod = importlib.import_module(cfg_mod.rsplit(".", 1)[0] + ".modeling_" + cfg_mod.rsplit(".configuration_", 1)[1])
+        package, name = cfg_mod.rsplit(".configuration_", 1)
+        mod = importlib.import_module(f"{package}.modeling_{name}")
     except Exception:
         return None
     mods = [mod] + sorted({sys.modules[c.__module__] for c in vars(mod).values() if isinstance(c, type)
@@ -476,7 +488,7 @@ def _fill_mrope(d: dict) -> None:
         if not (_is_int(t.get("hidden_size")) or _is_int(t.get("qk_rope_head_dim"))):
             continue
         rp = t.get("rope_parameters")
-        if not (isinstance(rp, dict) and "mrope_section" not in rp and all(not isinstance(x, dict) for x in rp.values())):
+        if not isinstance(rp, dict) or "mrope_section" in rp or any(isinstance(x, dict) for x in rp.values()):
             continue
         default = _source_mrope_default(t.get("model_type") or "") or (
             _source_mrope_default(d.get("model_type") or "") if t is not d else None)
@@ -538,11 +550,14 @@ OVERRIDES: dict = {
                        "attn_layer_offset": 1},
                   why="the shared attention block is tied across hybrid layers: at least two are needed"),
     "deepseek_ocr2": dict(set={"text_config.mlp_layer_types": lambda d: ["dense"] + ["sparse"] * (
-        d["text_config"]["num_hidden_layers"] - 1)}, why="the default mlp_layer_types is None, which the model indexes"),
+        d["text_config"]["num_hidden_layers"] - 1)},
+        why="the default mlp_layer_types is None, which the model indexes"),
     "qwen4_exp_text": dict(set={"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
                                 "indexer_budget": 8, "indexer_compress_ratio": 2},
-                           why="the default leaves the sparse-attention indexer unset (None), which the model divides by"),
-    "reformer": dict(set={"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4], "lsh_attn_chunk_length": 8,
+                           why="the default leaves the sparse-attention indexer unset (None), which the model "
+                               "divides by"),
+    "reformer": dict(set={"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4],
+                          "lsh_attn_chunk_length": 8,
                           "local_attn_chunk_length": 8, "num_buckets": 2},
                      why="the axial position widths must add up to the width and the axial shape multiply to the "
                          "sequence; chunks no longer than it; ReformerModelWithLMHead requires is_decoder"),
@@ -856,22 +871,22 @@ def _record_norm_calls(model):
 
 
 class GatherCounter:
-    """Counts calls of the row gathers (``deepspeed_fused.ops.moe_reorder``) during one forward and
-    backward: evidence that the gathers themselves ran, next to the experts-forward count the
+    """Counts calls of the MoE row gathers (``deepspeed_fused.ops.moe_reorder``) during one forward
+    and backward: evidence that the gathers themselves ran, next to the experts-forward count the
     feature reports. Instrumentation of this harness (a worker process): the feature looks the
     gathers up as module attributes at call time, so a counting wrapper there sees every call."""
 
-    GATHERS = ("permute_rows", "unpermute_rows", "route_dispatch", "route_combine")
+    GATHERS = ("route_maps", "route_dispatch", "route_combine", "permute_rows", "unpermute_rows")
 
     def __init__(self):
         self.counts = collections.Counter()
         self._undo = []
 
     def __enter__(self):
-        from ..ops import moe_reorder as reorder_ops
+        from ..ops import moe_reorder as reorder
 
         for name in self.GATHERS:
-            fn = getattr(reorder_ops, name, None)
+            fn = getattr(reorder, name, None)
             if fn is None:
                 continue
 
@@ -879,8 +894,8 @@ class GatherCounter:
                 self.counts[_name] += 1
                 return _fn(*a, **k)
 
-            setattr(reorder_ops, name, counted)
-            self._undo.append((reorder_ops, name, fn))
+            setattr(reorder, name, counted)
+            self._undo.append((reorder, name, fn))
         return self
 
     def __exit__(self, *exc):
@@ -1098,7 +1113,7 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
         rec["stage"] = "patch"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report = patch_model(patched, FEATURES)
+            report = patch_model(patched, features_config())
             reports = {f.name: f for f in report.features}
             rec["stage"] = "patched run"
             with GatherCounter() as counter:
@@ -1194,38 +1209,29 @@ def _worker(conn, persistent: bool) -> None:
             return
 
 
-_PRELOAD = ["torch", "transformers", "deepspeed_fused", "deepspeed_fused.features.rms_norm",
-            "deepspeed_fused.features.linear_cross_entropy", "deepspeed_fused.features.moe_reorder",
-            "deepspeed_fused.ops.rms_norm", "deepspeed_fused.ops.moe_reorder",
-            "deepspeed_fused.ops.linear_cross_entropy", "deepspeed_fused.bench.coverage"]
+_PRELOAD = ["torch", "transformers", "deepspeed_fused", "deepspeed_fused.bench.coverage"]
 
 
-
-def _interpreter_or_reexec() -> None:
-    """On a machine without CUDA the kernels must be defined under Triton's interpreter, which is
-    read when they are defined: ``python -m deepspeed_fused.bench`` imports the package (and its
-    ops) before this suite runs, so without ``TRITON_INTERPRET`` set the command runs itself again
-    with it (the features would otherwise report "needs a CUDA GPU" for every family)."""
-    if "TRITON_INTERPRET" in os.environ or "deepspeed_fused.ops._common" not in sys.modules:
-        return
+def prepare_environment() -> None:
+    """Offline, and kernels under the interpreter when there is no GPU. Triton reads
+    TRITON_INTERPRET when the kernels are defined (``import deepspeed_fused`` defines them), so on
+    a machine without a GPU it must be in the environment before that: raises if it was not (the
+    command line re-executes itself with it, see :func:`main`)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
     if torch.cuda.is_available():
         return
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "deepspeed_fused.bench"] + sys.argv[1:])
+    if "deepspeed_fused.ops._common" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return
+    from ..ops import _common
 
-def prepare_environment() -> None:
-    """Offline, and kernels under the interpreter when there is no GPU (set before the ops load)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if "deepspeed_fused.ops._common" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
+    if not _common._INTERPRET_AT_IMPORT:
+        raise RuntimeError(f"coverage on a machine without a GPU runs the kernels under Triton's interpreter: "
+                           f"{_common.LATE_INTERPRET}")
 
 
 class _Slot:
@@ -1301,6 +1307,9 @@ def run_many(fams: list, modes: list, timeout: float = 300.0, jobs: int = 1, pro
     else:
         for name in _PRELOAD:
             importlib.import_module(name)
+        from ..features.registry import all_features
+
+        all_features()  # every feature and the ops it calls, imported once before the forks
         ctx, persistent = mp.get_context("fork"), False
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pending = [(f, m) for f in fams for m in modes]
@@ -1361,7 +1370,8 @@ def run_label(rec: dict) -> str:
 
 
 def summarize(records: list) -> dict:
-    """Counts per run ("cpu fp32", "cuda bf16", ...): families built and run, covered per feature, left eager, differing."""
+    """Counts per run ("cpu fp32", "cuda bf16", ...): families built and run, covered per feature,
+    left eager, differing."""
     out = {}
     for run in sorted({run_label(r) for r in records}):
         rs = [r for r in records if run_label(r) == run]
@@ -1387,10 +1397,15 @@ def summarize(records: list) -> dict:
                                     if any(row["form"] == form for r in with_rms for row in r["norms"]["left_eager"])},
             loss_fused=sum(r["loss_fused"]["fused"] for r in ran),
             loss_eager=sorted(r["id"] for r in ran if not r["loss_fused"]["fused"]),
-            loss_eager_kinds=dict(collections.Counter(_reason_kind(r["loss_fused"].get("why") or r["loss_fused"]["reason"])
-                                                      for r in ran if not r["loss_fused"]["fused"]).most_common()),
+            loss_eager_kinds=dict(collections.Counter(
+                _reason_kind(r["loss_fused"].get("why") or r["loss_fused"]["reason"])
+                for r in ran if not r["loss_fused"]["fused"]).most_common()),
             vlm_ran=sum(r["kind"] == "image-text-to-text" for r in ran),
             vlm_loss_fused=sum(r["kind"] == "image-text-to-text" and r["loss_fused"]["fused"] for r in ran),
+            features={name: dict(applied=sum(bool(r["reports"].get(name, {}).get("applied")) for r in ran),
+                                 fused=sum(bool((r["reports"].get(name, {}).get("calls") or {}).get("fused"))
+                                           for r in ran))
+                      for name in dict.fromkeys(n for r in ran for n in r.get("reports", {}))},
             with_experts=len(moe), experts_gathers=sum(r["moe"]["gathers"] for r in moe),
             experts_eager=sorted(r["id"] for r in moe if not r["moe"]["gathers"]),
         )
@@ -1440,8 +1455,8 @@ def render_markdown(doc: dict) -> str:
              "(norm weights, zero biases, learned scales) get noise, so that a patch that drops one shows in "
              "the loss. The model is deep-copied and both copies run one training forward and backward on the "
              "same batch (2 x 16 random tokens, one row right-padded, some labels -100; image-text models "
-             "get text only, no pixels): the unpatched model, and the copy after `patch_model` with "
-             "`rms_norm`, `linear_cross_entropy` and `moe_reorder` on.", "",
+             "get text only, no pixels): the unpatched model, and the copy after `patch_model` with every "
+             "registered feature on (" + ", ".join(f"`{n}`" for n in doc.get("features", [])) + ").", "",
              f"Target in fp32: the loss within {tol.get('fp32_loss_rtol', FP32_LOSS_RTOL):g} relative and every "
              f"parameter's gradient within {tol.get('fp32_grad_rtol', FP32_GRAD_RTOL):g} of its norm. A gradient "
              "past that is checked against an fp64 run of the unpatched model: it is fp32 noise (and passes) "
@@ -1483,6 +1498,11 @@ def render_markdown(doc: dict) -> str:
                   f"| with transformers experts modules | {s['with_experts']} |",
                   f"| moe_reorder: experts ran the gathers | {s['experts_gathers']} of {s['with_experts']} |",
                   ""]
+        lines += ["Every feature: families where it applied, and where its patched code ran fused (its own call "
+                  "count):", "", "| feature | applied | ran fused |", "|---|---:|---:|"]
+        for name, c in s.get("features", {}).items():
+            lines.append(f"| `{name}` | {c['applied']} of {s['ran']} | {c['fused']} |")
+        lines.append("")
         if s["differs"]:
             lines += ["Beyond tolerance: " + ", ".join(f"`{x}`" for x in s["differs"]) + ".", ""]
         lines += ["RMSNorm forms: families where the form is present, and where its modules are replaced:", "",
@@ -1572,7 +1592,7 @@ def write(records: list, out_dir: Optional[str] = None, md_path: Optional[str] =
                           else os.path.join(out_dir, "coverage.md"))
     here = env_fields()
     envs = {run: (envs or {}).get(run, here) for run in sorted({run_label(r) for r in records})}
-    doc = dict(command=command, envs=envs, tolerances=dict(
+    doc = dict(command=command, envs=envs, features=list(features_config()), tolerances=dict(
         fp32_loss_rtol=FP32_LOSS_RTOL, fp32_grad_rtol=FP32_GRAD_RTOL, bf16_factor=BF16_FACTOR,
         bf16_loss_floor=BF16_LOSS_FLOOR, bf16_grad_floor=BF16_GRAD_FLOOR, noise_factor=NOISE_FACTOR),
         summary=summarize(records), overrides=_overrides_doc(), records=records)
@@ -1592,6 +1612,23 @@ def _env_extra() -> dict:
     return dict(transformers=transformers.__version__, interpreter=interpreter_active())
 
 
+def _reexec_with_interpreter() -> bool:
+    """On a machine without a GPU, run again with TRITON_INTERPRET=1 from the start when it was
+    not set before ``deepspeed_fused`` defined its kernels (``python -m deepspeed_fused.bench``
+    imports the package first). Only for the command line; False when nothing was done."""
+    import torch
+
+    from ..ops import _common
+
+    if torch.cuda.is_available() or _common._INTERPRET_AT_IMPORT or os.environ.get("TRITON_INTERPRET") not in (
+            None, "", "0") or not sys.argv or not sys.argv[0].endswith(os.path.join("bench", "__main__.py")):
+        return False
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "deepspeed_fused.bench"] + sys.argv[1:], env)
+    return True  # pragma: no cover
+
+
 def main(args) -> int:
     p = argparse.ArgumentParser(prog="python -m deepspeed_fused.bench coverage")
     p.add_argument("--families", default="", help="comma-separated model types or model_type/Class ids")
@@ -1603,6 +1640,8 @@ def main(args) -> int:
                    help="write the outputs from earlier runs' JSON files (records merged: a later file's "
                         "record of the same family and run replaces an earlier one)")
     opts = p.parse_args(getattr(args, "extra", []) or [])
+    if not opts.render and _reexec_with_interpreter():
+        return 0  # not reached: the process was replaced
     if opts.render:
         docs = []
         for path in opts.render:
@@ -1616,7 +1655,6 @@ def main(args) -> int:
         paths = write(records, out, opts.md, " + ".join(dict.fromkeys(d.get("command", "") for d in docs)), envs)
         print("wrote", ", ".join(paths.values()))
         return 0
-    _interpreter_or_reexec()
     prepare_environment()
     import torch
 
