@@ -99,7 +99,10 @@ def test_cuda_graph_and_direct_launches():
     R.clear_plans()
 
     def step():
-        yq, yk = R.fused_rope(q, k, cos, sin)
+        # the [B, H, S, D] views are taken inside the step: an autograd node keeps the stream it
+        # was built on, and a view built on the default stream before capture would run its
+        # backward there (pytorch/pytorch#164302), which no kernel of ours can avoid
+        yq, yk = R.fused_rope(qb.transpose(1, 2), kb.transpose(1, 2), cos, sin)
         return (yq, yk) + torch.autograd.grad((yq, yk), (qb, kb), (gq, gk))
 
     first = step()
