@@ -295,7 +295,8 @@ struct RmsNormFormFn : public torch::autograd::Function<RmsNormFormFn> {
     dy = as_planned(dy, plan.out_dtype);
     const int64_t n = x.dim() >= 1 ? x.size(-1) : 0;
     TORCH_CHECK(x.dim() >= 1 && dy.sizes() == x.sizes() && rstd.numel() * n == x.numel() &&
-                    (!plan.has_w || w.numel() == n) && (!plan.gated || g.sizes() == x.sizes()),
+                    // a grouped norm: x [..., group_size], its weight w.numel() / n groups wide
+                    (!plan.has_w || (n > 0 && w.numel() % n == 0)) && (!plan.gated || g.sizes() == x.sizes()),
                 "deepspeed_fused rms_norm: saved tensors or gradient of unexpected shape (x ", x.sizes(), ", rstd ",
                 rstd.sizes(), ", grad ", dy.sizes(), ")");
     TORCH_CHECK(x.device() == rstd.device() && x.device() == dy.device() && (!plan.has_w || x.device() == w.device()) &&

@@ -4,6 +4,7 @@ key goes straight to its fast closure or C++ node). ``NATIVE`` (here): whether c
 C++ node (the benchmark and tests switch it off to time or check the Python node)."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -319,10 +320,75 @@ def _needs_grad(hidden, weight, gate) -> bool:
                                         or (gate is not None and gate.requires_grad))
 
 
+def _check_group_size(group_size, hidden: torch.Tensor) -> Optional[int]:
+    """The group size of a call with grouped statistics, or None where the statistics span the
+    whole row (``group_size`` None or the row's width); a wrong one raises."""
+    if group_size is None:
+        return None
+    if isinstance(group_size, bool):
+        raise TypeError("fused_rms_norm: group_size must be an int or None, got bool")
+    try:
+        gs = operator.index(group_size)
+    except TypeError:
+        raise TypeError(f"fused_rms_norm: group_size must be an int or None, got {type(group_size).__name__}") \
+            from None
+    n = hidden.shape[-1]
+    if gs <= 0 or n % gs:
+        raise ValueError(f"fused_rms_norm: group_size must be a positive divisor of the last dimension {n} of "
+                         f"hidden {tuple(hidden.shape)}, got {gs}")
+    return None if gs == n else gs
+
+
+def _try_grouped(hidden, weight, eps, form, gate, group_size):
+    """:func:`try_fused_rms_norm_form` with statistics over groups of ``group_size`` columns: the
+    norm of ``hidden`` viewed as ``[..., N // group_size, group_size]`` (the gate too) with the
+    weight spanning all N columns (the kernels' weight rows, ``WG``; see ``plans._weight_rows``)."""
+    form = _check_form(form)
+    _validate_form(hidden, weight, eps, form, gate)
+    gs = _check_group_size(group_size, hidden)
+    if gs is None:
+        return try_fused_rms_norm_form(hidden, weight, eps, form, gate)
+    if not rms_norm_form_kernel_ok(hidden, weight, gate)[0]:
+        return None
+    groups = (hidden.shape[-1] // gs, gs)
+    x = hidden.unflatten(-1, groups)
+    g = gate.unflatten(-1, groups) if gate is not None else None
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return _rms_norm_form_fwd(x, weight, g, eps, _form_code(form))[0].flatten(-2)
+    grad = _needs_grad(x, weight, g)
+    return _run_keyed(x, weight, g, eps, form, grad, _form_key(x, weight, g, form, grad)).flatten(-2)
+
+
+def _run_keyed(x, w, g, eps: float, form: RMSForm, grad: bool, key):
+    """The form's forward of checked inputs with launch-plan key ``key``: its fast closure or C++
+    node where it has one, else its plan (made now if needed)."""
+    run = _form_fwd_fast.get(key)
+    if run is not None:
+        if grad:
+            nat = (_native_plans.get(key) or (_register_native_form(key) if key in _native_pending else None)
+                   if NATIVE else None)
+            if nat is not None:
+                apply, plan_id, ndev = nat
+                if _current_device() == ndev and not _launch_hooks():
+                    return apply(x, w, g, eps, plan_id)
+            return _FusedRMSNormFormFn.apply(x, w, g, eps, form, key, run)
+        out = run(x, w, g, eps)
+        if out is not None:
+            return out[0]
+    plan = _form_fwd_plans.get(key)
+    if plan is None and x.numel():
+        plan = _remember(_form_fwd_plans, key, _form_fwd_plan(x, w, g, form, grad, key))
+    return _run_form(x, w, g, eps, form, key, plan, grad)
+
+
 def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor], eps: float, form,
-                            gate: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                            gate: Optional[torch.Tensor] = None, group_size: Optional[int] = None
+                            ) -> Optional[torch.Tensor]:
     """:func:`fused_rms_norm_form`, or None (no warning) when the kernels cannot take these valid
     inputs; wrong inputs raise. Inputs whose launch plan exists go straight to the kernels."""
+    if group_size is not None:
+        return _try_grouped(hidden, weight, eps, form, gate, group_size)
     if type(form) is not RMSForm:
         form = _check_form(form)
     if torch.compiler.is_compiling():
@@ -378,16 +444,19 @@ def _run_form(hidden, weight, gate, eps, form, key, plan, grad: bool):
 
 
 def fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor], eps: float, form,
-                        gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        gate: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
     """RMSNorm of ``hidden`` ([..., N]) in ``form`` (an :class:`RMSForm` or a name in
     :data:`FORMS`), with ``weight`` ([N], or None for forms without one) and, for gated forms,
-    ``gate`` (hidden's shape). The result is what the form's eager forward returns, rounding
-    included (dtype :func:`form_output_dtype`). Differentiable in ``hidden``, ``weight`` and
-    ``gate`` (first order). Forms that round as the Llama form does at these dtypes run
-    :func:`fused_rms_norm`. Inputs the kernels cannot take run :func:`rms_norm_form_reference`
-    with a one-time warning per reason; wrong inputs raise."""
-    y = try_fused_rms_norm_form(hidden, weight, eps, form, gate)
+    ``gate`` (hidden's shape). ``group_size`` (a divisor of N, or None): the statistics (and
+    ``rstd``) are taken per group of ``group_size`` consecutive columns, the weight still spanning
+    all N (Mamba2's gated norm, Qwen4's grouped norm, Falcon-H1's ``n_groups``). The result is
+    what the form's eager forward returns, rounding included (dtype :func:`form_output_dtype`).
+    Differentiable in ``hidden``, ``weight`` and ``gate`` (first order). Forms that round as the
+    Llama form does at these dtypes run :func:`fused_rms_norm` (ungrouped). Inputs the kernels
+    cannot take run :func:`rms_norm_form_reference` with a one-time warning per reason; wrong
+    inputs (a group size that does not divide N included) raise."""
+    y = try_fused_rms_norm_form(hidden, weight, eps, form, gate, group_size)
     if y is None:
         warn_fallback(_OP, rms_norm_form_kernel_ok(hidden, weight, gate)[1])
-        return rms_norm_form_reference(hidden, weight, eps, form, gate)
+        return rms_norm_form_reference(hidden, weight, eps, form, gate, group_size)
     return y

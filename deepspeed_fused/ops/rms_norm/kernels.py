@@ -369,8 +369,10 @@ if HAS_TRITON:
                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
                              STATS64: tl.constexpr, WRITE_RSTD: tl.constexpr, NRND: tl.constexpr,
                              WMODE: tl.constexpr, PRND: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
-                             RSTD_RND: tl.constexpr):
-        # _rms_fwd_kernel for the other forms; the gate (if any) is contiguous like Y
+                             RSTD_RND: tl.constexpr, WG: tl.constexpr):
+        # _rms_fwd_kernel for the other forms; the gate (if any) is contiguous like Y. WG > 1:
+        # grouped statistics, each row one group of a wider row whose weight spans WG groups (row r
+        # takes weight row r % WG, of N elements)
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
@@ -395,7 +397,11 @@ if HAS_TRITON:
             rstd = _rstd(ss, N, eps)
             a = rstd
             if WMODE != 0:
-                a = _wfac(tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
+                if WG > 1:
+                    wrow = (rows % WG).to(tl.int64)[:, None] * N
+                    a = _wfac(tl.load(W + wrow + cols[None, :], mask=m, other=0.0).to(tl.float32), WMODE, X, W)
+                else:
+                    a = _wfac(tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
             y = _form_out(h, g, rstd[:, None], a, X, W, NRND, WMODE, PRND, GATE, ACT, RSTD_RND)
             tl.store(Y + yrow + cols[None, :], y.to(out_ty), mask=m)
         else:
@@ -421,7 +427,11 @@ if HAS_TRITON:
                     h = h * _act(g, ACT)
                 a = rstd
                 if WMODE != 0:
-                    a = _wfac(tl.load(W + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
+                    if WG > 1:
+                        wrow = (rows % WG).to(tl.int64)[:, None] * N
+                        a = _wfac(tl.load(W + wrow + c[None, :], mask=m, other=0.0).to(tl.float32), WMODE, X, W)
+                    else:
+                        a = _wfac(tl.load(W + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
                 y = _form_out(h, g, rstd[:, None], a, X, W, NRND, WMODE, PRND, GATE, ACT, RSTD_RND)
                 tl.store(Y + yrow + c[None, :], y.to(out_ty), mask=m)
         if WRITE_RSTD:
@@ -447,8 +457,10 @@ if HAS_TRITON:
                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
                              GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr, FINISH: tl.constexpr,
                              NRND: tl.constexpr, WMODE: tl.constexpr, PRND: tl.constexpr, QRND: tl.constexpr,
-                             GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr):
-        # _rms_bwd_kernel for the other forms (persistent; rows fit one block); DG like DX
+                             GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr, WG: tl.constexpr):
+        # _rms_bwd_kernel for the other forms (persistent; rows fit one block); DG like DX. WG > 1:
+        # grouped statistics (see _rms_fwd_form_kernel); BLOCK_R is then a multiple of WG, so row
+        # i of every tile takes weight row i % WG, and the partial PART[pid] has WG * N columns
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         in_ty = X.dtype.element_ty
@@ -456,7 +468,12 @@ if HAS_TRITON:
         cmask = cols < N
         a = cols.to(tl.float32)[None, :]
         if WMODE != 0:
-            a = _wfac(tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
+            if WG > 1:  # the weight rows of a tile's rows (the same for every tile)
+                wrow = (tl.arange(0, BLOCK_R) % WG).to(tl.int64)[:, None] * N
+                a = _wfac(tl.load(W + wrow + cols[None, :], mask=cmask[None, :], other=0.0).to(tl.float32),
+                          WMODE, X, W)
+            else:
+                a = _wfac(tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
         acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
         if PREFETCH:
             x_nx, dy_nx, g_nx, rstd_nx = _bwd_form_load_tile(DY, X, G, RSTD, pid, n_rows, N, cols, cmask, XD1, XD2,
@@ -499,11 +516,17 @@ if HAS_TRITON:
                     acc += term
             tl.store(DX + orow, dx.to(in_ty), mask=m)
         if WMODE != 0:
-            tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+            if WG > 1:  # tile row i * WG + q holds weight row q's terms
+                q = tl.arange(0, WG)
+                part = tl.sum(tl.reshape(acc, [BLOCK_R // WG, WG, BLOCK_N]), axis=0)
+                tl.store(PART + pid.to(tl.int64) * (WG * N) + q.to(tl.int64)[:, None] * N + cols[None, :], part,
+                         mask=cmask[None, :])
+            else:
+                tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
             if FINISH == 1:
-                _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+                _dw_finish(PART, CNT, DW, pid, nprog, WG * N, GROUP, RB_P, RB_N)
             if FINISH == 2:
-                _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
+                _dw_finish_cols(PART, CNT, DW, pid, nprog, WG * N, RB_N, RB_P)
 
     @triton.jit
     def _rms_bwd_loop_form_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, G, DG, n_rows, N,
@@ -511,14 +534,27 @@ if HAS_TRITON:
                                   BLOCK_N: tl.constexpr, GROUP: tl.constexpr, RB_P: tl.constexpr,
                                   RB_N: tl.constexpr, FINISH: tl.constexpr, NRND: tl.constexpr,
                                   WMODE: tl.constexpr, PRND: tl.constexpr, QRND: tl.constexpr,
-                                  GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr):
-        # _rms_bwd_loop_kernel for the other forms: one row at a time, two passes over column blocks
+                                  GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr, WG: tl.constexpr):
+        # _rms_bwd_loop_kernel for the other forms: one row at a time, two passes over column blocks.
+        # WG > 1: grouped statistics (row r takes weight row r % WG, see _rms_fwd_form_kernel); the
+        # partial PART[pid] has WG * N columns, zeroed first (a program's rows need not reach every
+        # weight row), and row r adds into its weight row's N columns
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         in_ty = X.dtype.element_ty
         cols = tl.arange(0, BLOCK_N)
-        prow = PART + pid.to(tl.int64) * N
+        prow0 = PART + pid.to(tl.int64) * (WG * N)
+        if WMODE != 0 and WG > 1:
+            for c0 in range(0, WG * N, BLOCK_N):
+                c = c0 + cols
+                tl.store(prow0 + c, tl.zeros([BLOCK_N], dtype=tl.float32), mask=c < WG * N)
+            tl.debug_barrier()  # the zeros stored before other threads add to them
         for row in range(pid, n_rows, nprog):
+            wb = W
+            prow = prow0
+            if WG > 1:
+                wb = W + tl.cast(row % WG, tl.int64) * N
+                prow = prow0 + tl.cast(row % WG, tl.int64) * N
             xb = X + _row_offsets(row, XD1, XD2, XS0, XS1, XS2)
             gb = DY + _row_offsets(row, GD1, GD2, GS0, GS1, GS2)
             ob = tl.cast(row, tl.int64) * N
@@ -537,7 +573,7 @@ if HAS_TRITON:
                         g = tl.load(G + ob + c, mask=cm, other=0.0).to(tl.float32)
                     a = x
                     if WMODE != 0:
-                        a = _wfac(tl.load(W + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)
+                        a = _wfac(tl.load(wb + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)
                     h, gn, term, s = _form_grads(x, g, dy, rstd, a, X, W, NRND, WMODE, PRND, QRND, GATE, ACT)
                     dacc += gn * h
             if RSTD_RND:
@@ -558,7 +594,7 @@ if HAS_TRITON:
                         g = tl.load(G + ob + c, mask=cm, other=0.0).to(tl.float32)
                     a = x
                     if WMODE != 0:
-                        a = _wfac(tl.load(W + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)
+                        a = _wfac(tl.load(wb + c, mask=cm, other=0.0).to(tl.float32), WMODE, X, W)
                     h, gn, term, s = _form_grads(x, g, dy, rstd, a, X, W, NRND, WMODE, PRND, QRND, GATE, ACT)
                     dx, dg = _form_dx(x, g, h, gn, s, rstd, dvar, N, GATE, ACT)
                     if GATE == 1:
@@ -566,14 +602,17 @@ if HAS_TRITON:
                     if GATE != 0:
                         tl.store(DG + ob + c, dg.to(DG.dtype.element_ty), mask=cm)
                     if WMODE != 0:
-                        p = tl.where(row > pid, tl.load(prow + c, mask=cm, other=0.0), 0.0)
+                        if WG > 1:
+                            p = tl.load(prow + c, mask=cm, other=0.0)
+                        else:
+                            p = tl.where(row > pid, tl.load(prow + c, mask=cm, other=0.0), 0.0)
                         tl.store(prow + c, p + term, mask=cm)
                 tl.store(DX + ob + c, dx.to(in_ty), mask=cm)
         if WMODE != 0:
             if FINISH == 1:
-                _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+                _dw_finish(PART, CNT, DW, pid, nprog, WG * N, GROUP, RB_P, RB_N)
             if FINISH == 2:
-                _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
+                _dw_finish_cols(PART, CNT, DW, pid, nprog, WG * N, RB_N, RB_P)
 
 else:  # pragma: no cover - without Triton every call runs the torch reference
     _rms_fwd_kernel = _rms_bwd_kernel = _rms_bwd_loop_kernel = _dw_reduce_kernel = None

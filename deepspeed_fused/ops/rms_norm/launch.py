@@ -287,7 +287,7 @@ def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=N
                 fn(stream, dy.data_ptr(), x.data_ptr(), _ptr(w), rstd.data_ptr(), dx.data_ptr(), part.data_ptr(),
                    cnt.data_ptr(), _ptr(dw), _ptr(gk), _ptr(dgk), *ints)
                 if red is not None:
-                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, x.shape[-1])
+                    fn_red(stream, part.data_ptr(), dw.data_ptr(), progs, dw.shape[0])
                 if fast_key is not None and fast_key not in _form_bwd_fast:
                     _form_bwd_fast[fast_key] = _make_form_bwd_fast(plan, fn)
                     if native and _native.enabled():
@@ -300,11 +300,11 @@ def _form_backward_impl(dy, x, w, g, rstd, form: RMSForm, dx=None, dw=None, dg=N
         if given:
             kernel[(progs,)](*args, **const, num_warps=num_warps)
             if red is not None:
-                _dw_reduce_kernel[red.grid](part, dw, progs, x.shape[-1], **red.const, num_warps=4)
+                _dw_reduce_kernel[red.grid](part, dw, progs, dw.shape[0], **red.const, num_warps=4)
         else:
             _launches.launch(kernel, lkey, (progs,), args, const, num_warps, dev)
             if red is not None:
-                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, x.shape[-1]),
+                _launches.launch(_dw_reduce_kernel, ("red",) + lkey, red.grid, (part, dw, progs, dw.shape[0]),
                                  red.const, 4, dev)
     if g is not None and not gated:  # a gate the form did not use ("before" forms never get here without one)
         dg = torch.zeros_like(g) if dg is None else dg.zero_()

@@ -116,7 +116,28 @@ def _fwd_config(n_rows: int, N: int, elem: int, cap_rows: int) -> tuple:
     return block_r, block_n, single, num_warps
 
 
-def _bwd_config(n_rows: int, N: int) -> tuple:
+def _weight_rows(x: torch.Tensor, w: Optional[torch.Tensor]) -> int:
+    """WG: the weight rows of a grouped call (x [..., group_size], w [WG * group_size]; see
+    ``api._grouped``), 1 otherwise."""
+    N = x.shape[-1]
+    return w.shape[0] // N if w is not None and N and w.shape[0] != N else 1
+
+
+_MAX_GROUPED_TILE = 16384  # elements of a grouped backward tile (BLOCK_R, a multiple of WG, times BLOCK_N)
+
+
+def _bwd_config(n_rows: int, N: int, wg: int = 1) -> tuple:
+    """(BLOCK_R, BLOCK_N, single, num_warps) of the backward. Grouped (``wg`` weight rows): the
+    persistent kernel's tiles hold a multiple of ``wg`` rows (``wg`` a power of two, the tile at most
+    _MAX_GROUPED_TILE elements); otherwise the looping kernel, with column blocks no wider than the
+    group."""
+    if wg > 1:
+        block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
+        if single and wg & (wg - 1) == 0 and wg * block_n <= _MAX_GROUPED_TILE:
+            block_r = max(block_r, wg)
+            return block_r, block_n, True, min(16, max(1, (block_r * block_n) // _BWD_ELEMS_PER_WARP))
+        block_n = min(_LOOP_BLOCK, triton.next_power_of_2(N))
+        return 1, block_n, False, min(16, max(4, block_n // 512))
     if N <= _MAX_BWD_BLOCK:
         block_n = triton.next_power_of_2(N)
         block_r = max(1, _BWD_TILE_ELEMS // block_n)
@@ -470,6 +491,7 @@ def _fwd_plan(x: torch.Tensor, w: Optional[torch.Tensor], write_rstd: bool, key,
         out_dtype = torch.promote_types(x.dtype, w.dtype)
     else:  # the forward kernel's constexprs of the form (QRND is the backward's alone)
         const.update((k, form.consts[k]) for k in _FWD_FORM_CONSTS)
+        const.update(WG=_weight_rows(x, w))
         out_dtype = form.out_dtype
     like = out_dtype == x.dtype and (copy or x.is_contiguous())
     wcopy = w is not None and N > 1 and w.stride(0) != 1
@@ -502,6 +524,8 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     there is no weight-gradient sum)."""
     N = x.shape[-1]
     n_rows = x.numel() // N
+    wg = 1 if form is None else _weight_rows(x, w)
+    NW = wg * N  # the weight's width (the partials' row)
     out_dtype = torch.promote_types(x.dtype, w.dtype) if form is None else form.out_dtype
     convert = dy.dtype != out_dtype
     xl, gl = _row_layout(x), (None if convert else _row_layout(dy))
@@ -509,14 +533,14 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     xl = (1, 1, N, 0, 0) if xcopy else xl
     gl = (1, 1, N, 0, 0) if gcopy else gl
     wcopy = w is not None and N > 1 and w.stride(0) != 1
-    block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
+    block_r, block_n, single, num_warps = _bwd_config(n_rows, N, wg)
     # the call's own arguments (and stand-in outputs) probe the compiled kernel's occupancy,
     # which sizes the grid; the reduction knobs do not change the register use much, so the
     # probe uses those of the largest grid
     gs, xs = _bwd_inputs(dy, x, convert, out_dtype, xcopy, gcopy)
     ws = w.contiguous() if w is not None else None
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    probe = _reduce_meta(2048, N)
+    probe = _reduce_meta(2048, NW)
     probe_ws = (torch.empty(1, dtype=_F32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
     red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2], FINISH=1)
     pargs = (gs, xs, ws, rstd, dx) + probe_ws + (ws,)
@@ -524,7 +548,7 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     if form is not None:
         gate = form.gate.contiguous() if form.gate is not None else None
         pargs += (gate, None if gate is None else torch.empty_like(gate))
-        kernels, fconst = (_rms_bwd_form_kernel, _rms_bwd_loop_form_kernel), form.consts
+        kernels, fconst = (_rms_bwd_form_kernel, _rms_bwd_loop_form_kernel), dict(form.consts, WG=wg)
     if single:
         n_tiles = triton.cdiv(n_rows, block_r)
         kernel = kernels[0]
@@ -539,25 +563,25 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
         # partial buffer, which stays in L2) small
         progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, **fconst, num_warps=num_warps), x, n_rows,
                                  per_sm=2)
-    group, rb_p, rb_n, ws_rows, n_cnt, finish = _reduce_meta(progs, N, n_rows)
+    group, rb_p, rb_n, ws_rows, n_cnt, finish = _reduce_meta(progs, NW, n_rows // wg)
     dx_like = xcopy or x.is_contiguous()
     red = None
     if finish:
         const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=1)
     elif _COL_FINISH:
-        sw, rb_p = _col_finish_meta(progs, N, x.is_cuda, _sm_count(_device_index(x)) if x.is_cuda else 0)
+        sw, rb_p = _col_finish_meta(progs, NW, x.is_cuda, _sm_count(_device_index(x)) if x.is_cuda else 0)
         const.update(GROUP=group, RB_P=rb_p, RB_N=sw, FINISH=2)
         ws_rows, n_cnt = progs, 2
     else:  # a second launch; narrow column strips so the partial buffer is read by many programs at once
         const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=0)
-        rn = min(triton.next_power_of_2(N), 32)
-        red = ReducePlan((triton.cdiv(N, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
+        rn = min(triton.next_power_of_2(NW), 32)
+        red = ReducePlan((triton.cdiv(NW, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
     if form is not None:
         const.update(fconst)  # after the reduction's: the kernels' parameter order
         if w is None:  # no weight gradient: no second launch
             red = None
     return BwdPlan(convert, out_dtype, xcopy, gcopy, wcopy, dx_like, x.device, kernel, ints, progs, const, num_warps,
-                   ws_rows * N, n_cnt, red, _cuda_index(x), ("bwd",) + key)
+                   ws_rows * NW, n_cnt, red, _cuda_index(x), ("bwd",) + key)
 
 
 # the form constexprs _rms_fwd_form_kernel takes (Triton on the GPU refuses an unknown keyword; its
@@ -566,9 +590,10 @@ _FWD_FORM_CONSTS = ("NRND", "WMODE", "PRND", "GATE", "ACT", "RSTD_RND")
 
 
 @functools.lru_cache(maxsize=None)
-def _form_consts(form: RMSForm, xd: torch.dtype, wd: Optional[torch.dtype], gated: bool):
+def _form_consts(form: RMSForm, xd: torch.dtype, wd: Optional[torch.dtype], gated: bool, grouped: bool = False):
     """(constexprs of the form kernels, output dtype), or None where the form, at these dtypes and
-    without a gate, rounds exactly as the Llama form does (the Llama op runs it)."""
+    without a gate, rounds exactly as the Llama form does (the Llama op runs it; never for grouped
+    statistics, which only the form kernels take)."""
     nd, dp, dq, out = _form_dtypes(form, xd, wd)
 
     def code(d):
@@ -578,7 +603,7 @@ def _form_consts(form: RMSForm, xd: torch.dtype, wd: Optional[torch.dtype], gate
     consts = dict(NRND=code(nd), WMODE=("none", "plain", "offset", "offset_w").index(
         "plain" if form.weight == "fp32" else form.weight) if not form.rstd_cast else 0,
         PRND=code(dp), QRND=code(dq), GATE=gate, ACT=_ACTS.index(form.act), RSTD_RND=bool(form.rstd_cast))
-    if wd is not None and not form.rstd_cast and gate == 0 and consts["WMODE"] == 1 and consts["NRND"] == 1 \
+    if not grouped and wd is not None and not form.rstd_cast and gate == 0 and consts["WMODE"] == 1 and consts["NRND"] == 1 \
             and out == torch.promote_types(xd, wd) and dq == out and dp == out:
         return None  # the Llama form: w * n.to(x.dtype) in the promoted dtype
     return tuple(consts.items()), out
@@ -600,7 +625,8 @@ def _ptr(t: Optional[torch.Tensor]):
 
 def _form_fwd_plan(x, w, g, form: RMSForm, write_rstd: bool, key):
     """The form's forward plan (an :class:`FwdPlan`), or :data:`AS_LLAMA`."""
-    spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none")
+    spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none",
+                        _weight_rows(x, w) > 1)
     if spec is None:
         return AS_LLAMA
     consts, out_dtype = spec
@@ -615,7 +641,8 @@ def _form_bwd_key(dy, x, w, g, rstd, form) -> tuple:
 
 
 def _form_bwd_plan(dy, x, w, g, rstd, form: RMSForm, key) -> tuple:
-    spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none")
+    spec = _form_consts(form, x.dtype, None if w is None else w.dtype, g is not None and form.gate != "none",
+                        _weight_rows(x, w) > 1)
     if spec is None:
         return AS_LLAMA
     consts, out_dtype = spec

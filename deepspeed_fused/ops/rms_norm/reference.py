@@ -123,9 +123,23 @@ def _gate_act(g: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def rms_norm_form_reference(hidden: torch.Tensor, weight: Optional[torch.Tensor], eps: float, form,
-                            gate: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``form`` written as the eager modules write it (same rounding points)."""
-    return _form_eager(hidden, weight, eps, _check_form(form), gate)
+                            gate: Optional[torch.Tensor] = None, group_size: Optional[int] = None) -> torch.Tensor:
+    """``form`` written as the eager modules write it (same rounding points). ``group_size``:
+    statistics per group of that many columns (a divisor of the width), as the grouped modules take
+    them: the norm of ``hidden`` (and the gate) viewed ``[..., N // group_size, group_size]`` with
+    the weight viewed ``[N // group_size, group_size]`` (every other step is elementwise, so its
+    rounding is the modules')."""
+    form = _check_form(form)
+    n = hidden.shape[-1] if hidden.dim() else 0
+    if group_size is None or group_size == n:
+        return _form_eager(hidden, weight, eps, form, gate)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or n % group_size:
+        raise ValueError(f"fused_rms_norm: group_size must be a positive divisor of the last dimension {n}, "
+                         f"got {group_size!r}")
+    groups = (n // group_size, group_size)
+    y = _form_eager(hidden.unflatten(-1, groups), None if weight is None else weight.view(groups), eps, form,
+                    None if gate is None else gate.unflatten(-1, groups))
+    return y.flatten(-2)
 
 
 def _form_eager(hidden, weight, eps, form: RMSForm, gate=None, rstd=None):
