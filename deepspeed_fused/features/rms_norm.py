@@ -31,7 +31,7 @@ import torch
 from pydantic import Field, StrictBool
 
 from ..ops._common import warn_fallback
-from ..ops.rms_norm import (FORMS, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
+from ..ops.rms_norm import (FORMS, RMSForm, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                              try_fused_rms_norm_form)
 from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, OptIn
 
@@ -80,8 +80,9 @@ _NOT_FUSED = object()
 
 def _make_form_dispatcher(original, spec):
     """The dispatcher of a class whose forward is another form (``spec``, see :func:`recognise`):
-    the same structure as the Llama form's; the module's form, weight and epsilon come from
-    ``spec.resolve`` (a reason string where this instance or call must run eager)."""
+    the same structure as the Llama form's; the module's form, weight, epsilon and group size (None:
+    statistics over the whole row) come from ``spec.resolve`` (a reason string where this instance
+    or call must run eager)."""
     resolve, gated = spec.resolve, spec.gated
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -91,8 +92,11 @@ def _make_form_dispatcher(original, spec):
             if gate is not _NOT_FUSED:
                 got = resolve(self, hidden_states, gate)
                 if type(got) is tuple:
-                    form, weight, eps = got
-                    y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate)
+                    form, weight, eps, group_size = got
+                    if group_size is None:
+                        y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate)
+                    else:
+                        y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate, group_size)
                     if y is not None:
                         if calls is not None:
                             calls.fused += 1
@@ -138,13 +142,25 @@ _SKIP_OPS = {"CACHE", "RESUME", "NOP", "EXTENDED_ARG", "PUSH_NULL"}
 def _normalized_ops(fn, eps_attr: str = "variance_epsilon", argcount: int = 2) -> Optional[tuple]:
     """The instructions of ``fn`` with local variables by slot, names and constants by value,
     ``LOAD_METHOD`` read as ``LOAD_ATTR`` (CPython picks one or the other depending on whether
-    the module imported ``torch``), and attribute ``eps_attr`` read as ``variance_epsilon``."""
+    the module imported the name the attribute is read from), jumps by the index of their target
+    among the kept instructions (the two spellings above differ in their inline caches, hence in
+    byte offsets), and attribute ``eps_attr`` read as ``variance_epsilon``."""
     code = getattr(fn, "__code__", None)
     if code is None or code.co_argcount != argcount or code.co_kwonlyargcount or code.co_flags & 0x0C:
         return None
+    instructions = list(dis.get_instructions(code))
+    index, kept = {}, 0  # byte offset -> index of the first kept instruction at or after it
+    for ins in instructions:
+        index[ins.offset] = kept
+        if ins.opname not in _SKIP_OPS:
+            kept += 1
+    jumps = set(dis.hasjrel) | set(dis.hasjabs)
     ops = []
-    for ins in dis.get_instructions(code):
+    for ins in instructions:
         if ins.opname in _SKIP_OPS:
+            continue
+        if ins.opcode in jumps:
+            ops.append((ins.opname, ("to", index.get(ins.argval, ins.argval))))
             continue
         op = "LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname
         if op == "KW_NAMES":  # the keyword names of the next call (dis shows no argval for them)
@@ -174,8 +190,15 @@ def _norm(self, hidden_states):
     mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
     return hidden_states * torch.pow(mean_squared, -0.5)
 '''
+_NORM_GROUPED = '''
+def _norm(self, x):
+    if self.group_size is not None:
+        x = x.reshape(*x.shape[:-1], -1, self.group_size)
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    return out.flatten(-2) if self.group_size is not None else out
+'''
 _TEMPLATE_SOURCES = [
-    # (name, kind, op form, forward source, _norm source or None)
+    # (name, kind, op form, forward source, helpers: None, the ``_norm`` source, or {name: source})
     ("llama4", "llama", "llama", '''
 def forward(self, x):
     output = self._norm(x.float()).type_as(x)
@@ -202,6 +225,12 @@ def forward(self, x):
     output = output * (1.0 + self.weight).float()
     return output.type_as(x)
 ''', _NORM_RSQRT),
+    ("grouped_offset", "grouped", "offset", '''
+def forward(self, x):
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+''', _NORM_GROUPED),
     ("olmo2", "weighted", "weight_first", '''
 def forward(self, hidden_states):
     input_dtype = hidden_states.dtype
@@ -288,6 +317,56 @@ def forward(self, hidden_states, gate):
     hidden_states = hidden_states_group.view(*prefix_dims, group_count * self.group_size)
     return self.weight * hidden_states.to(input_dtype)
 ''', None),
+    ("n_groups_gated", "n_groups_gated", "weight_first", '''
+def forward(self, hidden_states, gate=None):
+    input_dtype = hidden_states.dtype
+    input_ndim = hidden_states.ndim
+
+    if not self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+
+    if len(hidden_states.shape) == 3:
+        batch_size, seq_len, dim = hidden_states.shape
+    else:
+        batch_size, dim = hidden_states.shape
+        seq_len = 1
+    hidden_states = hidden_states.to(torch.float32)
+
+    hidden_states = hidden_states.view(batch_size, seq_len, self.n_groups, int(dim // self.n_groups))
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+    hidden_states = self.weight.view(self.n_groups, int(dim // self.n_groups)) * hidden_states
+    hidden_states = hidden_states.view(batch_size, seq_len, dim)
+
+    if input_ndim == 2:
+        hidden_states = hidden_states.squeeze(1)
+
+    if self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    return hidden_states.to(input_dtype)
+''', None),
+    ("optional_weight_bias", "optional_weight_bias", "llama", '''
+def forward(self, x):
+    x = self._rms_normalize(x)
+    x = self._apply_weight_bias(x)
+    return x
+''', {"_rms_normalize": '''
+def _rms_normalize(self, x):
+    in_dtype = x.dtype
+    if self.force_float32_reductions:
+        x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+    return x.to(in_dtype)
+''', "_apply_weight_bias": '''
+def _apply_weight_bias(self, x):
+    if self.weight is not None:
+        x = x * self.weight
+    if self.bias is not None:
+        x = x + self.bias
+    return x
+'''}),
 ]
 
 
@@ -297,7 +376,7 @@ class _Template(NamedTuple):
     form: str
     argcount: int
     ops: dict  # eps attribute -> normalized forward instructions
-    norm_ops: Optional[dict]  # same for _norm
+    helpers: tuple  # ((helper name, {eps attribute -> its normalized instructions}), ...): the methods it calls
 
 
 def _compile_template(src: str):
@@ -307,21 +386,27 @@ def _compile_template(src: str):
 
 
 def _build_templates() -> list:
-    out = [_Template("llama", "llama", "llama", 2, {a: _normalized_ops(_llama_form, a) for a in _EPS_ATTRS}, None)]
-    for name, kind, form, fwd_src, norm_src in _TEMPLATE_SOURCES:
+    out = [_Template("llama", "llama", "llama", 2, {a: _normalized_ops(_llama_form, a) for a in _EPS_ATTRS}, ())]
+    for name, kind, form, fwd_src, helper_src in _TEMPLATE_SOURCES:
         fwd = _compile_template(fwd_src)
         argc = fwd.__code__.co_argcount
-        norm = _compile_template(norm_src) if norm_src else None
+        if isinstance(helper_src, str):
+            helper_src = {"_norm": helper_src}
+        helpers = []
+        for hname, src in sorted((helper_src or {}).items()):
+            h = _compile_template(src)
+            helpers.append((hname, {a: _normalized_ops(h, a) for a in _EPS_ATTRS}))
         ops = {a: _normalized_ops(fwd, a, argc) for a in _EPS_ATTRS}
-        nops = {a: _normalized_ops(norm, a) for a in _EPS_ATTRS} if norm else None
-        out.append(_Template(name, kind, form, argc, ops, nops))
+        out.append(_Template(name, kind, form, argc, ops, tuple(helpers)))
     return out
 
 
 _TEMPLATES = _build_templates()
+# the methods the templates' forwards call (read off a candidate class by these names)
+_HELPER_NAMES = tuple(sorted({h for t in _TEMPLATES for h, _ in t.helpers}))
 _TEMPLATE = _TEMPLATES[0].ops["variance_epsilon"]
 # names a candidate forward must use for any template to match (a cheap first filter)
-_HINTS = ("rsqrt", "_norm")
+_HINTS = ("rsqrt",) + _HELPER_NAMES
 
 
 def _globals_ok(fn) -> bool:
@@ -331,6 +416,8 @@ def _globals_ok(fn) -> bool:
         return False
     names = fn.__code__.co_names
     if "nn" in names and glb.get("nn") is not torch.nn:
+        return False
+    if "F" in names and glb.get("F") is not torch.nn.functional:
         return False
     if "ACT2FN" in names:
         acts = sys.modules.get("transformers.activations")
@@ -355,25 +442,27 @@ class FormSpec(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _match(fwd, norm) -> Optional[FormSpec]:
+def _match(fwd, helpers: tuple = ()) -> Optional[FormSpec]:
+    """``helpers``: ((name, the class's method of that name or None), ...)."""
     code = getattr(fwd, "__code__", None)
     if code is None or not any(h in code.co_names for h in _HINTS) or not _globals_ok(fwd):
         return None
+    have = {name: fn for name, fn in helpers if getattr(fn, "__code__", None) is not None}
     try:
         for t in _TEMPLATES:
             if code.co_argcount != t.argcount:
                 continue
+            if any(h not in have or not _globals_ok(have[h]) for h, _ in t.helpers):
+                continue
             names = set(code.co_names)
-            if t.norm_ops is not None:
-                if norm is None or not _globals_ok(norm):
-                    continue
-                names |= set(norm.__code__.co_names)
+            for h, _ in t.helpers:
+                names |= set(have[h].__code__.co_names)
             for attr in _EPS_ATTRS:
                 # the epsilon attribute: the one the code reads (``eps`` only where it reads no
                 # ``variance_epsilon``); both spellings of the template count
                 if attr not in names or (attr == "eps" and "variance_epsilon" in names):
                     continue
-                if t.norm_ops is not None and _normalized_ops(norm, attr) not in t.norm_ops.values():
+                if any(_normalized_ops(have[h], attr) not in hops.values() for h, hops in t.helpers):
                     continue
                 if _normalized_ops(fwd, attr, t.argcount) in t.ops.values():
                     return FormSpec(t.name, t.kind, t.form, attr, t.argcount == 3)
@@ -383,19 +472,22 @@ def _match(fwd, norm) -> Optional[FormSpec]:
 
 
 def recognise(cls) -> Optional[FormSpec]:
-    """The form of ``cls.forward`` (with its ``_norm`` helper), or None: exact instruction match
-    against the templates; ``torch.nn.RMSNorm`` (its own forward) by class."""
+    """The form of ``cls.forward`` (with the helpers it calls, such as ``_norm``), or None: exact
+    instruction match against the templates; ``torch.nn.RMSNorm`` (its own forward) by class."""
     fwd = cls.forward
     if _TORCH_RMSNORM is not None and issubclass(cls, _TORCH_RMSNORM) and fwd is _TORCH_RMSNORM.forward:
         return FormSpec("torch.nn.RMSNorm", "torch", "weight_first_fp32", "eps", False)
-    norm = getattr(cls, "_norm", None)
-    return _match(fwd, norm if callable(norm) else None)
+    helpers = []
+    for name in _HELPER_NAMES:
+        fn = getattr(cls, name, None)
+        helpers.append((name, fn if callable(fn) else None))
+    return _match(fwd, tuple(helpers))
 
 
 @functools.lru_cache(maxsize=512)
 def llama_form_eps_attr(fn) -> Optional[str]:
     """If ``fn`` (a forward) compiles to the Llama form, the name of its epsilon attribute."""
-    spec = _match(fn, None)
+    spec = _match(fn)
     return spec.eps_attr if spec is not None and spec.template == "llama" else None
 
 
@@ -403,25 +495,47 @@ _TORCH_RMSNORM = getattr(torch.nn, "RMSNorm", None)
 _F32_EPS = torch.finfo(torch.float32).eps
 
 
-# ---- per-call resolution of a recognised class's form (a reason string: run eager) ---------------
+# ---- per-call resolution of a recognised class's form: (form, weight, eps, group size or None), or
+# a reason string (run eager) -------------------------------------------------------------------------
 def _resolve_weighted(spec, module, hidden, gate):
-    return FORMS[spec.form], module.weight, getattr(module, spec.eps_attr)
+    return FORMS[spec.form], module.weight, getattr(module, spec.eps_attr), None
 
 
 def _resolve_unweighted(spec, module, hidden, gate):
-    return FORMS[spec.form], None, getattr(module, spec.eps_attr)
+    return FORMS[spec.form], None, getattr(module, spec.eps_attr), None
 
 
 def _resolve_cpmant(spec, module, hidden, gate):
     if hidden.shape[-1] != getattr(module, "dim_norm", None):
         return "the input width is not dim_norm (the module raises)"
-    return FORMS["llama"], module.weight, module.eps
+    return FORMS["llama"], module.weight, module.eps, None
 
 
 def _resolve_with_scale(spec, module, hidden, gate):
     if module.with_scale:
-        return FORMS["weight_first_fp32"], module.weight, module.eps
-    return FORMS["unweighted"], None, module.eps
+        return FORMS["weight_first_fp32"], module.weight, module.eps, None
+    return FORMS["unweighted"], None, module.eps, None
+
+
+_NOT_DIVIDED = "the input width is not a multiple of the group size (the module raises)"
+
+
+def _group_size(hidden, size) -> Optional[int]:
+    """``size`` where it divides the input width (None: the whole width), else -1."""
+    n = hidden.shape[-1] if hidden.dim() else 0
+    if n == 0 or n % size:
+        return -1
+    return None if size == n else size
+
+
+def _resolve_grouped(spec, module, hidden, gate):
+    # statistics over groups of group_size columns (None: the whole row), the weight spanning the row
+    size = module.group_size
+    if size is not None:
+        size = _group_size(hidden, size)
+        if size == -1:
+            return _NOT_DIVIDED
+    return FORMS[spec.form], module.weight, getattr(module, spec.eps_attr), size
 
 
 _ACT_NAMES = {"silu": "silu", "swish": "silu", "sigmoid": "sigmoid"}
@@ -434,25 +548,60 @@ def _resolve_gated(spec, module, hidden, gate):
     if gate is None:
         return "a gated norm called without a gate"
     form = FORMS[spec.form]
-    return (form if form.act == act else form._replace(act=act)), module.weight, getattr(module, spec.eps_attr)
+    return ((form if form.act == act else form._replace(act=act)), module.weight, getattr(module, spec.eps_attr),
+            None)
 
 
 def _resolve_gate_first(spec, module, hidden, gate):
-    if module.group_size != hidden.shape[-1]:
-        return "statistics over groups (group_size smaller than the width)"
-    return FORMS["gate_first"], module.weight, getattr(module, spec.eps_attr)
+    # Mamba2's gated norm: silu(gate) before the statistics, which are over groups of group_size
+    size = _group_size(hidden, module.group_size)
+    if size == -1:
+        return _NOT_DIVIDED
+    return FORMS["gate_first"], module.weight, getattr(module, spec.eps_attr), size
+
+
+# Falcon-H1's gated norm: the weight product stays FP32 (weight * FP32 value), the gate after it
+# (norm_before_gate) or before the statistics, the result cast to the input's dtype
+_N_GROUPS_AFTER = RMSForm(norm_cast="none", weight="plain", gate="after", out_cast=True)
+_N_GROUPS_BEFORE = RMSForm(norm_cast="none", weight="plain", gate="before", out_cast=True)
+
+
+def _resolve_n_groups_gated(spec, module, hidden, gate):
+    if hidden.dim() not in (2, 3):
+        return "the input is not [batch, width] or [batch, seq, width] (the module raises)"
+    n = hidden.shape[-1]
+    if n == 0 or n % module.n_groups:
+        return "the input width is not a multiple of n_groups (the module raises)"
+    if gate is None:
+        form = FORMS["weight_first"]
+    else:
+        form = _N_GROUPS_AFTER if module.norm_before_gate else _N_GROUPS_BEFORE
+    size = n // module.n_groups
+    return form, module.weight, getattr(module, spec.eps_attr), (None if size == n else size)
+
+
+def _resolve_optional_weight_bias(spec, module, hidden, gate):
+    # xLSTM's norm: FP32 statistics (force_float32_reductions; else in the input's dtype, the same
+    # only for FP32 inputs), the normalized value cast back, then times the weight where there is one
+    if not module.force_float32_reductions and hidden.dtype != torch.float32:
+        return "statistics in the input dtype (force_float32_reductions is False)"
+    if module.weight is None:
+        return FORMS["unweighted"], None, module.eps, None
+    return FORMS["llama"], module.weight, module.eps, None
 
 
 def _resolve_torch(spec, module, hidden, gate):
     eps = module.eps if module.eps is not None else _F32_EPS
     if module.weight is None:
-        return FORMS["unweighted"], None, eps
-    return FORMS["weight_first_fp32"], module.weight, eps
+        return FORMS["unweighted"], None, eps, None
+    return FORMS["weight_first_fp32"], module.weight, eps, None
 
 
 _RESOLVERS = {"weighted": _resolve_weighted, "unweighted": _resolve_unweighted, "cpmant": _resolve_cpmant,
               "with_scale": _resolve_with_scale, "gated": _resolve_gated, "gate_first": _resolve_gate_first,
-              "torch": _resolve_torch, "llama": _resolve_weighted}
+              "grouped": _resolve_grouped, "n_groups_gated": _resolve_n_groups_gated,
+              "optional_weight_bias": _resolve_optional_weight_bias, "torch": _resolve_torch,
+              "llama": _resolve_weighted}
 
 
 def _qualname(cls) -> str:
@@ -516,16 +665,28 @@ def _module_reason(module, spec: FormSpec) -> str:
             return "with_scale is not a bool"
         if module.with_scale and _weight_reason(module):
             return _weight_reason(module)
+    elif kind == "optional_weight_bias":
+        if getattr(module, "bias", None) is not None:
+            return "a bias added after the weight (x * w + b is not a form of the op)"
+        if not isinstance(getattr(module, "force_float32_reductions", None), bool):
+            return "force_float32_reductions is not a bool"
+        if getattr(module, "weight", None) is not None and _weight_reason(module):
+            return _weight_reason(module)
     elif kind != "unweighted":
         reason = _weight_reason(module)
         if reason:
             return reason
     if kind == "gated" and getattr(module, "activation", None) not in _ACT_NAMES:
         return f"gate activation {getattr(module, 'activation', None)!r} (the op takes silu and sigmoid)"
-    if kind == "gate_first":
+    if kind in ("gate_first", "grouped", "n_groups_gated"):
         n = getattr(module.weight, "ds_shape", module.weight.shape)[0]
-        if getattr(module, "group_size", None) != n:
-            return "statistics over groups (group_size smaller than the width)"
+        attr = "n_groups" if kind == "n_groups_gated" else "group_size"
+        size = getattr(module, attr, None)
+        if not (kind == "grouped" and size is None):
+            if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or n % size:
+                return f"{attr} is not a positive divisor of the weight's width {n}"
+        if kind == "n_groups_gated" and not isinstance(getattr(module, "norm_before_gate", None), bool):
+            return "norm_before_gate is not a bool"
     return _eps_reason(module, spec.eps_attr)
 
 
