@@ -32,8 +32,13 @@ def form_inputs(form, shape, dtype, wdtype=None, gdtype=None, seed=0, device="cp
     return to(x), to(w), to(gt), to(dy)
 
 
-def oracle_form(x, w, g, eps, form):
-    """The form in float64 with no rounding anywhere (float64 leaves keep their graph)."""
+def oracle_form(x, w, g, eps, form, group_size=None):
+    """The form in float64 with no rounding anywhere (float64 leaves keep their graph); with
+    ``group_size``, the statistics per group of that many columns."""
+    if group_size is not None:
+        groups = (x.shape[-1] // group_size, group_size)
+        return oracle_form(x.unflatten(-1, groups), None if w is None else w.view(groups), None if g is None else
+                           g.unflatten(-1, groups), eps, form).flatten(-2)
     h = x
     if form.gate == "before" and g is not None:
         h = h * _ACT[form.act](g)
@@ -70,11 +75,13 @@ def _assert_y(y, y_ref, y64):
         assert (err == 0).double().mean() >= 0.9, "forward: fewer than 90% of outputs equal eager's"
 
 
-def check_form(form, x, w, g, dy, eps=EPS):
-    """Forward, dx, dw and the gate's gradient against eager (its own rounding) and float64."""
-    y, dx, dw, dg = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, eps, form, c), x, w, g, dy)
-    yr, dxr, dwr, dgr = _grads(lambda a, b, c: R.rms_norm_form_reference(a, b, eps, form, c), x, w, g, dy)
-    y64, dx64, dw64, dg64 = _grads(lambda a, b, c: oracle_form(a, b, c, eps, form), x, w, g, dy, torch.float64)
+def check_form(form, x, w, g, dy, eps=EPS, group_size=None):
+    """Forward, dx, dw and the gate's gradient against eager (its own rounding) and float64;
+    ``group_size``: statistics per group of that many columns."""
+    gs = group_size
+    y, dx, dw, dg = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, eps, form, c, group_size=gs), x, w, g, dy)
+    yr, dxr, dwr, dgr = _grads(lambda a, b, c: R.rms_norm_form_reference(a, b, eps, form, c, gs), x, w, g, dy)
+    y64, dx64, dw64, dg64 = _grads(lambda a, b, c: oracle_form(a, b, c, eps, form, gs), x, w, g, dy, torch.float64)
     _assert_y(y, yr, y64)
     assert_dx_close(dx, dxr, x.dtype, dx64)
     if g is not None:
@@ -83,12 +90,20 @@ def check_form(form, x, w, g, dy, eps=EPS):
     if w is not None:
         # dw against eager's own formula given our rstd (the same rounded terms; only the FP32
         # summation order differs): within 1 ULP + 4 eps32 * sum |terms|
-        _, rstd = R.launch._form_forward_impl(x, w, g, eps, form)
-        eager = R.reference._form_eager
-        _, _, dw_inj, _ = _grads(lambda a, b, c: eager(a, b, eps, form, c, rstd[..., None]), x, w, g, dy)
-        h = x.double() * (_ACT[form.act](g.double()) if form.gate == "before" and g is not None else 1)
-        s = _ACT[form.act](g.double()).abs() if form.gate == "after" else 1
-        terms = (dy.double().abs() * s * (h * rstd[..., None].double()).abs()).reshape(-1, x.shape[-1]).sum(0)
+        groups = (x.shape[-1] // (gs or x.shape[-1]), gs or x.shape[-1])
+        xv, gv = x.unflatten(-1, groups), None if g is None else g.unflatten(-1, groups)
+        _, rstd = R.launch._form_forward_impl(xv, w, gv, eps, form)
+        assert rstd.shape == xv.shape[:-1]  # one per (row, group)
+
+        def eager(a, b, c):
+            return R.reference._form_eager(a.unflatten(-1, groups), b.view(groups), eps, form,
+                                           None if c is None else c.unflatten(-1, groups), rstd[..., None]).flatten(-2)
+
+        _, _, dw_inj, _ = _grads(eager, x, w, g, dy)
+        h = xv.double() * (_ACT[form.act](gv.double()) if form.gate == "before" and g is not None else 1)
+        s = _ACT[form.act](gv.double()).abs() if form.gate == "after" else 1
+        terms = (dy.unflatten(-1, groups).double().abs() * s * (h * rstd[..., None].double()).abs())
+        terms = terms.reshape(-1, x.shape[-1]).sum(0)
         assert dw.dtype == w.dtype
         bound = ulp(torch.maximum(dw.double().abs(), dw_inj.double().abs()), w.dtype) + 4 * 2.0 ** -24 * terms
         d = (dw.double() - dw_inj.double()).abs()
@@ -193,6 +208,149 @@ def test_form_strided_rows_without_copy(interpret):
     check_form(f, q, w, None, dy)
     key = next(iter(R.plans._form_fwd_plans))
     assert not R.plans._form_fwd_plans[key].copy  # no copy of x
+
+
+# ---- grouped statistics (group_size): Mamba2's gated norm, Qwen4's grouped norm, Falcon-H1's n_groups ----
+_GROUPED_FORMS = ["gate_first", "offset", "weight_first", "gated_weight_first", "llama", "unweighted", "t5",
+                  "unweighted_rstd_cast"]
+_FALCON_BEFORE = R.RMSForm(norm_cast="none", weight="plain", gate="before", out_cast=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", _GROUPED_FORMS + ["falcon_before"])
+@pytest.mark.parametrize("shape,gs", [((7, 32), 8), ((3, 5, 48), 16), ((6, 24), 8), ((9, 40), 4), ((4, 16), 16)])
+def test_grouped_form_matches_eager(interpret, form, dtype, shape, gs):
+    # powers of two (4 or 2 groups: the persistent backward) and not (3, 10 groups: the looping
+    # backward); gs == width: the ungrouped path
+    f = _FALCON_BEFORE if form == "falcon_before" else R.FORMS[form]
+    x, w, g, dy = form_inputs(f, shape, dtype, seed=11, device=interpret)
+    check_form(f, x, w, g, dy, group_size=gs)
+    if gs < shape[-1]:
+        assert all(p is not R.plans.AS_LLAMA for p in R.plans._form_fwd_plans.values())  # the form kernels ran
+        plan = next(p for k, p in R.plans._form_bwd_plans.items())
+        assert plan.const["WG"] == (shape[-1] // gs if w is not None else 1)
+        if w is not None:
+            assert plan.ws_numel % shape[-1] == 0  # partial rows span the weight's width
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", ["gate_first", "offset", "falcon_before"])
+def test_grouped_form_wide_groups_loop(interpret, tune, form, dtype):
+    # groups wider than a block: the looping kernels (forward and backward), several programs
+    tune(_MAX_FWD_BLOCK=16, _MAX_BWD_BLOCK=16, _LOOP_BLOCK=16)
+    f = _FALCON_BEFORE if form == "falcon_before" else R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (11, 160), dtype, seed=12, device=interpret)
+    check_form(f, x, w, g, dy, group_size=40)
+    plan = next(iter(R.plans._form_bwd_plans.values()))
+    assert plan.kernel is R.kernels._rms_bwd_loop_form_kernel and plan.progs > 1
+
+
+@pytest.mark.parametrize("col", [True, False])
+def test_grouped_weight_gradient_sums(interpret, tune, col):
+    # the weight-gradient sum over the full width by the last programs' column strips, or by its own
+    # launch (many programs, a tail too long for the two-level sum)
+    tune(_MAX_TAIL_BYTES=0, _SMALL_ELEMS=0, _COL_FINISH=col, _INTERPRET_PROGRAMS=5, _BWD_TILE_ELEMS=64)
+    f = R.FORMS["gate_first"]
+    x, w, g, dy = form_inputs(f, (40, 64), torch.float32, seed=13, device=interpret)
+    check_form(f, x, w, g, dy, group_size=16)
+    plan = next(iter(R.plans._form_bwd_plans.values()))
+    assert plan.const["FINISH"] == (2 if col else 0) and (plan.red is None) == col and plan.progs == 5
+    assert plan.const["WG"] == 4 and plan.ws_numel % 64 == 0 and (not col or plan.ws_numel == 5 * 64)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("form", ["gate_first", "offset", "falcon_before", "unweighted"])
+def test_grouped_poisoned_outputs_are_fully_written(interpret, tune, form, loop):
+    if loop:
+        tune(_MAX_FWD_BLOCK=8, _MAX_BWD_BLOCK=8, _LOOP_BLOCK=8)
+    f = _FALCON_BEFORE if form == "falcon_before" else R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (37, 40), torch.float16, seed=14, device=interpret)
+    groups = (4, 10)
+    x, g, dy = (None if t is None else t.unflatten(-1, groups) for t in (x, g, dy))
+    y0, r0 = R.launch._form_forward_impl(x, w, g, EPS, f)
+    assert r0.shape == (37, 4)
+    y, r = torch.full_like(y0, float("nan")), torch.full_like(r0, float("nan"))
+    R.launch._form_forward_impl(x, w, g, EPS, f, y=y, rstd=r)
+    assert torch.equal(y, y0) and torch.equal(r, r0) and not y.isnan().any()
+    dx0, dw0, dg0 = R.launch._form_backward_impl(dy, x, w, g, r0, f)
+    nan = (lambda t: None if t is None else torch.full_like(t, float("nan")))
+    dx, dw, dg = nan(dx0), nan(dw0), nan(dg0)
+    R.launch._form_backward_impl(dy, x, w, g, r0, f, dx=dx, dw=dw, dg=dg)
+    for a, b in ((dx, dx0), (dw, dw0), (dg, dg0)):
+        assert (a is None and b is None) or (torch.equal(a, b) and not a.isnan().any())
+    if w is not None:
+        assert dw.shape == (40,)
+
+
+def test_grouped_strided_inputs(interpret):
+    # x and the gate as slices of one fused projection ([B, S, 2 * N]), rows strided: no copy of x;
+    # a transposed incoming gradient
+    B, S, N, gs = 2, 3, 48, 16
+    gen = torch.Generator().manual_seed(15)
+    zx = torch.randn(B, S, 2 * N, generator=gen).to(interpret)
+    g, x = zx[..., :N], zx[..., N:]
+    assert not x.is_contiguous()
+    w = (1.0 + 0.1 * torch.randn(N, generator=gen)).to(interpret)
+    dy = torch.randn(S, B, N, generator=gen).to(interpret).transpose(0, 1)
+    f = R.FORMS["gate_first"]
+    check_form(f, x, w, g, dy, group_size=gs)  # the numerics (on contiguous copies)
+    R.clear_plans()
+    zl, wl = zx.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y = R.fused_rms_norm_form(zl[..., N:], wl, EPS, f, zl[..., :N], group_size=gs)
+    fplan = next(iter(R.plans._form_fwd_plans.values()))
+    assert not fplan.copy and fplan.gate_copy  # x addressed in place; the gate (read like y) copied
+    y.backward(dy)
+    yc, dxc, dwc, dgc = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, EPS, f, c, group_size=gs),
+                               x.contiguous(), w, g.contiguous(), dy.contiguous())
+    assert torch.equal(y, yc) and torch.equal(zl.grad[..., N:], dxc) and torch.equal(zl.grad[..., :N], dgc)
+    assert torch.equal(wl.grad, dwc)
+    # a strided weight (every other element of a buffer)
+    wbuf = torch.randn(2 * N, generator=gen).to(interpret)
+    check_form(R.FORMS["offset"], x, wbuf[::2], None, dy, group_size=gs)
+
+
+def test_grouped_bad_group_sizes_raise(interpret):
+    f = R.FORMS["gate_first"]
+    x, w, g, _ = form_inputs(f, (3, 24), torch.float32, device=interpret)
+    for bad, err in ((0, ValueError), (-8, ValueError), (5, ValueError), (48, ValueError), (8.0, TypeError),
+                     (True, TypeError), ("8", TypeError)):
+        with pytest.raises(err, match="group_size"):
+            R.fused_rms_norm_form(x, w, EPS, f, g, group_size=bad)
+        with pytest.raises(err, match="group_size"):
+            R.try_fused_rms_norm_form(x, w, EPS, f, g, group_size=bad)
+    with pytest.raises(ValueError, match="group_size"):
+        R.rms_norm_form_reference(x, w, EPS, f, g, group_size=5)
+    with pytest.raises(ValueError, match="weight must have shape"):  # the weight spans the whole width
+        R.fused_rms_norm_form(x, w[:8], EPS, f, g, group_size=8)
+    with pytest.raises(ValueError, match="gate must have"):
+        R.fused_rms_norm_form(x, w, EPS, f, g[:, :8], group_size=8)
+
+
+def test_grouped_fallback_warns_and_runs_reference(interpret):
+    reset_fallback_warnings()
+    f = R.FORMS["gate_first"]
+    x, w, g, _ = form_inputs(f, (3, 24), torch.float64, device=interpret)
+    with pytest.warns(RuntimeWarning, match="float64"):
+        y = R.fused_rms_norm_form(x, w, EPS, f, g, group_size=8)
+    torch.testing.assert_close(y, R.rms_norm_form_reference(x, w, EPS, f, g, 8), rtol=0, atol=0)
+    assert R.try_fused_rms_norm_form(x, w, EPS, f, g, group_size=8) is None
+    # the reference takes the statistics per group
+    y1 = R.rms_norm_form_reference(x, w, EPS, f, g, 24)
+    assert not torch.allclose(y, y1)
+
+
+def test_grouped_custom_op_and_compile(interpret):
+    f = R.FORMS["gate_first"]
+    x, w, g, dy = form_inputs(f, (4, 32), torch.float32, seed=16, device=interpret)
+
+    def fn(a, b, c):
+        return R.fused_rms_norm_form(a, b, EPS, f, c, group_size=8)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    y, dx, dw, dg = _grads(compiled, x, w, g, dy)
+    y_r, dx_r, dw_r, dg_r = _grads(fn, x, w, g, dy)
+    for a, b in ((y, y_r), (dx, dx_r), (dw, dw_r), (dg, dg_r)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_forms_that_round_as_llama_run_the_llama_op(interpret, monkeypatch):
