@@ -466,13 +466,15 @@ RECOGNISED = [
     ("kimi_linear", "KimiLinearRMSNormGated", "gated_weight_first"),
     ("bailing_hybrid", "BailingHybridRMSNormGated", "gated_weight_first"),
     ("mamba2", "MambaRMSNormGated", "gate_first"), ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", "gate_first"),
-    ("nemotron_h", "NemotronHRMSNormGated", "gate_first"),
+    ("nemotron_h", "NemotronHRMSNormGated", "gate_first"), ("bamba", "BambaRMSNormGated", "gate_first"),
+    ("zamba2", "Zamba2RMSNormGated", "gate_first"),
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm", "grouped_offset"),  # optional group statistics in its _norm
+    ("falcon_h1", "FalconH1RMSNormGated", "n_groups_gated"),  # n_groups, the gate's place set by a flag
+    ("xlstm", "xLSTMRMSNorm", "optional_weight_bias"),  # optional weight and bias, two helper methods
 ]
 # RMSNorm-like classes whose math is none of the forms: left eager
 NOT_RECOGNISED = [
     ("dory", "DoryL2Norm"),  # a sum, not a mean
-    ("qwen4_exp", "Qwen4ExpTextRMSNorm"),  # optional group statistics in its _norm
-    ("falcon_h1", "FalconH1RMSNormGated"),  # groups, and the gate's place set by a flag
     ("gradium_phonon_tts", "GradiumPhononTTSTimestepNorm"),  # statistics in the input's dtype
     ("muse_spark", "MuseSparkTextInputScaledRMSNorm"),  # the weight before the statistics
     ("hy_v4", "HYV4UnweightedRMSNorm"),  # returns rstd only
@@ -553,7 +555,7 @@ def _close(a, b, dtype):
         assert rel < 2e-3, f"relative error {rel.item():.3g}"
 
 
-_GATED = {"gated", "gated_weight_first", "gate_first"}
+_GATED = {"gated", "gated_weight_first", "gate_first", "n_groups_gated"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -603,7 +605,7 @@ def test_torch_rmsnorm_modules(interpret, monkeypatch):
 
 def test_per_instance_conditions_run_eager_with_a_reason(interpret, monkeypatch):
     reset_fallback_warnings()
-    grouped = _instance("mamba2", "MambaRMSNormGated", 32, group_size=16).to(interpret)
+    grouped = _instance("mamba2", "MambaRMSNormGated", 32, group_size=12).to(interpret)  # does not divide 32
     one = _instance("mamba2", "MambaRMSNormGated", 32).to(interpret)
     gated = _instance("qwen3_next", "Qwen3NextRMSNormGated", 32).to(interpret)
     gelu = _instance("qwen3_next", "Qwen3NextRMSNormGated", 32).to(interpret)
@@ -613,7 +615,7 @@ def test_per_instance_conditions_run_eager_with_a_reason(interpret, monkeypatch)
     rep = F.RmsNormFeature().apply(mods, None, F.RmsNormConfig(enabled=True))
     assert rep.details["replaced"] == {"MambaRMSNormGated": 1, "Qwen3NextRMSNormGated": 1}
     assert rep.details["skipped"] == {
-        "statistics over groups (group_size smaller than the width)": {"MambaRMSNormGated": 1},
+        "group_size is not a positive divisor of the weight's width 32": {"MambaRMSNormGated": 1},
         "gate activation 'gelu' (the op takes silu and sigmoid)": {"Qwen3NextRMSNormGated": 1}}
     calls = []
     real = F.try_fused_rms_norm_form
@@ -626,11 +628,95 @@ def test_per_instance_conditions_run_eager_with_a_reason(interpret, monkeypatch)
             y = one(x, *args, **kw)
         torch.testing.assert_close(y, ref[1](x, *args, **kw), rtol=1e-5, atol=1e-6)
     assert calls == [R.FORMS["gate_first"]] * 3
-    torch.testing.assert_close(grouped(x, gt), ref[0](x, gt), rtol=0, atol=0)  # not replaced: eager
+    with pytest.raises(RuntimeError):  # not replaced: eager (which cannot view 32 columns as groups of 12)
+        grouped(x, gt)
     gated.activation = "relu"  # changed after installation: eager, with a warning
     with pytest.warns(RuntimeWarning, match="gate activation 'relu'"):
         gated(x, gt)
     assert len(calls) == 3
+
+
+# grouped norms and xLSTM's: (model, class, constructor keywords, input shape, gated)
+GROUPED_INSTANCES = [
+    ("mamba2", "MambaRMSNormGated", dict(group_size=8), (2, 3, 32), True),  # 4 groups: the persistent kernels
+    ("mamba2", "MambaRMSNormGated", dict(group_size=8), (5, 24), True),  # 3 groups: the looping backward
+    ("nemotron_h", "NemotronHRMSNormGated", dict(group_size=16), (2, 3, 64), True),
+    ("bamba", "BambaRMSNormGated", dict(group_size=8), (4, 32), False),  # called without a gate
+    ("zamba2", "Zamba2RMSNormGated", dict(group_size=4), (3, 16), True),
+    ("granitemoehybrid", "GraniteMoeHybridRMSNormGated", dict(group_size=8), (3, 32), True),
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm", dict(group_size=8), (2, 3, 32), False),
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm", dict(group_size=None), (2, 3, 32), False),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4), (2, 3, 32), True),  # the gate after
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=4, norm_before_gate=False), (2, 3, 32), True),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=2, norm_before_gate=False), (5, 24), True),  # 2-D
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=3), (2, 3, 24), False),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=1, norm_before_gate=False), (2, 3, 24), True),
+    ("xlstm", "xLSTMRMSNorm", {}, (2, 3, 24), False),
+    ("xlstm", "xLSTMRMSNorm", dict(use_weight=False), (2, 3, 24), False),
+    ("xlstm", "xLSTMRMSNorm", dict(force_float32_reductions=False), (2, 3, 24), False),  # the same at FP32
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", range(len(GROUPED_INSTANCES)))
+def test_grouped_and_xlstm_classes_match_their_eager_forward(interpret, monkeypatch, case, dtype):
+    model, name, kw, shape, gated = GROUPED_INSTANCES[case]
+    if dtype == torch.float16 and kw.get("force_float32_reductions") is False:
+        pytest.skip("FP16 statistics: eager (test_grouped_and_xlstm_conditions)")
+    m = _randomize(_cls(model, name)(shape[-1], **kw)).to(interpret, dtype)
+    ref = copy.deepcopy(m)
+    rep = F.RmsNormFeature().apply(torch.nn.ModuleList([m]), None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {name: 1}, rep
+    calls = []
+    real = F.try_fused_rms_norm_form
+    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape, generator=g).to(interpret, dtype)
+    gate = torch.randn(shape, generator=g).to(interpret, dtype) if gated else None
+    y_r = ref(x) if gate is None else ref(x, gate)
+    dy = torch.randn(y_r.shape, generator=g).to(interpret, y_r.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback: the kernels ran
+        y, grads = _module_step(m, x, gate, dy)
+    assert len(calls) == 1 and m.__dict__[F.CALLS].fused == 1
+    size = kw.get("group_size", shape[-1] // kw.get("n_groups", 1))
+    assert (calls[0][5] if len(calls[0]) > 5 else None) == (None if size in (None, shape[-1]) else size)
+    y_r, grads_r = _module_step(ref, x, gate, dy)
+    _close(y, y_r, dtype)
+    assert len(grads) == len(grads_r) == 1 + gated + len(list(m.parameters()))
+    for a, b in zip(grads, grads_r):
+        _close(a, b, dtype)
+
+
+def test_grouped_and_xlstm_conditions(interpret):
+    reset_fallback_warnings()
+    x_lstm = _cls("xlstm", "xLSTMRMSNorm")
+    falcon = _cls("falcon_h1", "FalconH1RMSNormGated")
+    qwen4 = _cls("qwen4_exp", "Qwen4ExpTextRMSNorm")
+    mods = torch.nn.ModuleList([x_lstm(16, use_bias=True), x_lstm(16, force_float32_reductions=False),
+                                falcon(16, n_groups=3), falcon(16, n_groups=4), qwen4(16, group_size=8)])
+    mods[4].group_size = 3  # changed after construction (the constructor checks it)
+    mods = mods.to(interpret)
+    _randomize(mods)
+    rep = F.RmsNormFeature().apply(mods, None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {"xLSTMRMSNorm": 1, "FalconH1RMSNormGated": 1}
+    assert rep.details["skipped"] == {
+        "a bias added after the weight (x * w + b is not a form of the op)": {"xLSTMRMSNorm": 1},
+        "n_groups is not a positive divisor of the weight's width 16": {"FalconH1RMSNormGated": 1},
+        "group_size is not a positive divisor of the weight's width 16": {"Qwen4ExpTextRMSNorm": 1}}
+    x16 = torch.randn(2, 3, 16, device=interpret).half()
+    m = mods[1].half()
+    ref = copy.deepcopy(m)
+    ref.__dict__.pop(F.MARKER)
+    with pytest.warns(RuntimeWarning, match="statistics in the input dtype"):
+        y = m(x16)
+    torch.testing.assert_close(y, ref(x16), rtol=0, atol=0)  # eager's own FP16 statistics
+    assert m.__dict__[F.CALLS].eager == 1
+    # Falcon-H1 takes [batch, width] or [batch, seq, width]: other inputs run its forward (which raises)
+    fal = mods[3]
+    with pytest.warns(RuntimeWarning, match="the module raises"):
+        with pytest.raises(ValueError):
+            fal(torch.randn(2, 2, 3, 16, device=interpret))
 
 
 def test_match_forms_off_and_deprecated_key():
