@@ -748,6 +748,19 @@ FORM_MODELS = {
     "llama4": ("Llama4TextConfig", dict(head_dim=16, num_local_experts=2, intermediate_size_mlp=128),
                {"Llama4TextL2Norm": 2, "Llama4TextRMSNorm": 5}),
     "deepseek_v4": ("DeepseekV4Config", {}, {"DeepseekV4RMSNorm": 11, "DeepseekV4UnweightedRMSNorm": 7}),
+    # grouped statistics: 4 groups of 32 columns in the gated norms, Qwen4's hyper-connection norms
+    # (groups of hidden_size); xLSTM's norm
+    "mamba2": ("Mamba2Config", dict(num_heads=8, head_dim=16, expand=2, n_groups=4, state_size=16, chunk_size=8),
+               {"Mamba2RMSNorm": 3, "MambaRMSNormGated": 2}),
+    "nemotron_h": ("NemotronHConfig", dict(mamba_num_heads=8, mamba_head_dim=16, n_groups=4, ssm_state_size=16,
+                                           chunk_size=8, hybrid_override_pattern="M*", head_dim=16),
+                   {"NemotronHRMSNorm": 3, "NemotronHRMSNormGated": 1}),
+    "falcon_h1": ("FalconH1Config", dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=4, mamba_d_state=16,
+                                         mamba_chunk_size=8, mamba_rms_norm=True, head_dim=16, mamba_d_ssm=128,
+                                         mamba_expand=2),
+                  {"FalconH1RMSNormGated": 2, "FalconH1RMSNorm": 5}),
+    "qwen4_exp": ("Qwen4ExpTextConfig", dict(head_dim=16, use_cache=False), {"Qwen4ExpTextRMSNormGated": 2, "Qwen4ExpTextRMSNorm": 5}),
+    "xlstm": ("xLSTMConfig", dict(embedding_dim=64, num_heads=4, num_blocks=2, use_cache=False), {"xLSTMRMSNorm": 5}),
 }
 
 
