@@ -212,3 +212,102 @@ def test_form_family_bf16_training_step(family):
         a, b = grads[k].float(), grads_r[k].float()
         rel = (a - b).norm() / b.norm().clamp_min(1e-12)
         assert rel < 5e-2, (k, rel.item())
+
+
+# ---- grouped statistics (group_size) at real widths: Mamba2 / NemotronH (d_inner 4096..8192 in 8
+# groups), Falcon-H1 (its gate after or before), Qwen4's hyper-connection norm (4 groups of hidden) ----
+_FALCON_BEFORE = R.RMSForm(norm_cast="none", weight="plain", gate="before", out_cast=True)
+GROUPED_FORMS = {"gate_first": R.FORMS["gate_first"], "offset": R.FORMS["offset"],
+                 "falcon_after": R.RMSForm(norm_cast="none", weight="plain", gate="after", out_cast=True),
+                 "falcon_before": _FALCON_BEFORE, "weight_first": R.FORMS["weight_first"]}
+# (width, group size): 8 groups of 512 / 1024 (persistent backward), 8 of 768 (not a power of two
+# wide), 4 of 2048, 4 of 4096 (the looping backward), 3 of 512 (a group count not a power of two)
+GROUPED_SHAPES = [(4096, 512), (8192, 1024), (6144, 768), (8192, 2048), (16384, 4096), (1536, 512)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,gs", GROUPED_SHAPES)
+@pytest.mark.parametrize("rows", [1, 67, 1025])
+@pytest.mark.parametrize("form", sorted(GROUPED_FORMS))
+def test_grouped_matrix(form, dtype, n, gs, rows):
+    f = GROUPED_FORMS[form]
+    x, w, g, dy = form_inputs(f, (rows, n), dtype, seed=n + rows + gs, device="cuda")
+    check_form(f, x, w, g, dy, group_size=gs)
+
+
+@pytest.mark.parametrize("form", sorted(GROUPED_FORMS))
+@pytest.mark.parametrize("shape,gs", [((2, 2048, 8192), 1024), ((4099, 4096), 512), ((67, 16384), 4096)])
+def test_grouped_large_shapes_and_poison(form, shape, gs):
+    f = GROUPED_FORMS[form]
+    x, w, g, dy = form_inputs(f, shape, torch.bfloat16, seed=len(shape) + gs, device="cuda")
+    check_form(f, x, w, g, dy, group_size=gs)
+    groups = (shape[-1] // gs, gs)
+    x, g, dy = (None if t is None else t.unflatten(-1, groups) for t in (x, g, dy))
+    y0, r0 = R.launch._form_forward_impl(x, w, g, EPS, f)
+    y, r = torch.full_like(y0, float("nan")), torch.full_like(r0, float("nan"))
+    R.launch._form_forward_impl(x, w, g, EPS, f, y=y, rstd=r)
+    assert torch.equal(y, y0) and torch.equal(r, r0)
+    dx0, dw0, dg0 = R.launch._form_backward_impl(dy, x, w, g, r0, f)
+    nan = (lambda t: None if t is None else torch.full_like(t, float("nan")))
+    dx, dw, dg = nan(dx0), nan(dw0), nan(dg0)
+    R.launch._form_backward_impl(dy, x, w, g, r0, f, dx=dx, dw=dw, dg=dg)
+    for a, b in ((dx, dx0), (dw, dw0), (dg, dg0)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _call_grouped(f, x, w, g, dy, gs):
+    ins = [None if t is None else t.detach().clone().requires_grad_() for t in (x, w, g)]
+    y = R.fused_rms_norm_form(ins[0], ins[1], EPS, f, ins[2], group_size=gs)
+    node = y.grad_fn.next_functions[0][0].name()  # below the view back to [..., N]
+    y.backward(dy)
+    return (y.detach(),) + tuple(None if t is None else t.grad for t in ins), node
+
+
+@pytest.mark.parametrize("form", sorted(GROUPED_FORMS))
+@pytest.mark.parametrize("shape,gs", [((1025, 8192), 1024), ((8192, 4096), 512), ((67, 16384), 4096)])
+def test_grouped_native_node_equals_python_node(form, shape, gs):
+    assert _native.get(wait=True) is not None, _native.error()
+    f = GROUPED_FORMS[form]
+    x, w, g, dy = form_inputs(f, shape, torch.bfloat16, seed=sum(shape), device="cuda")
+    R.clear_plans()
+    first, n1 = _call_grouped(f, x, w, g, dy, gs)
+    _, n2 = _call_grouped(f, x, w, g, dy, gs)
+    second, n3 = _call_grouped(f, x, w, g, dy, gs)
+    R.api.NATIVE = False
+    try:
+        third, n4 = _call_grouped(f, x, w, g, dy, gs)
+    finally:
+        R.api.NATIVE = True
+    assert ["RmsNormFormFn" in n for n in (n1, n2, n3, n4)] == [False, False, True, False], (n1, n2, n3, n4)
+    for a, b, c in zip(first, second, third):
+        assert (a is None and b is None and c is None) or (torch.equal(a, b) and torch.equal(b, c))
+
+
+@pytest.mark.parametrize("model,name,kw,gated", [
+    ("mamba2", "MambaRMSNormGated", dict(group_size=1024), True),
+    ("nemotron_h", "NemotronHRMSNormGated", dict(group_size=1024), True),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=8), True),
+    ("falcon_h1", "FalconH1RMSNormGated", dict(n_groups=8, norm_before_gate=False), True),
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm", dict(group_size=2048), False),
+    ("xlstm", "xLSTMRMSNorm", {}, False),
+])
+def test_grouped_classes_bf16_match_their_cuda_forward(model, name, kw, gated):
+    from unit.test_rms_norm_forms import _cls
+
+    n = 8192
+    m = _randomize(_cls(model, name)(n, **kw)).to("cuda", torch.bfloat16)
+    ref = copy.deepcopy(m)
+    assert F.replace_rms_norm(torch.nn.ModuleList([m])) == 1
+    x = torch.randn(2, 513, n, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn_like(x) if gated else None
+    dy = torch.randn_like(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        y, grads = _module_step(m, x, gate, dy)
+    assert m.__dict__.get(F.CALLS) is None or m.__dict__[F.CALLS].eager == 0
+    y_r, grads_r = _module_step(ref, x, gate, dy)
+    assert y.dtype == y_r.dtype
+    assert (y.float() - y_r.float()).abs().max() <= 2 * 2.0 ** -8 * y_r.float().abs().max()
+    for a, b in zip(grads, grads_r):
+        rel = (a.double() - b.double()).norm() / b.double().norm()
+        assert rel < 1e-2, rel.item()

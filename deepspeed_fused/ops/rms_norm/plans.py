@@ -123,7 +123,7 @@ def _weight_rows(x: torch.Tensor, w: Optional[torch.Tensor]) -> int:
     return w.shape[0] // N if w is not None and N and w.shape[0] != N else 1
 
 
-_MAX_GROUPED_TILE = 16384  # elements of a grouped backward tile (BLOCK_R, a multiple of WG, times BLOCK_N)
+_MAX_GROUPED_TILE = 8192  # elements of a grouped backward tile (BLOCK_R, a multiple of WG, times BLOCK_N)
 
 
 def _bwd_config(n_rows: int, N: int, wg: int = 1) -> tuple:
