@@ -11,12 +11,13 @@ touched.
 
 Which modules qualify: the exact classes of :data:`SUPPORTED_CLASSES` (by qualified name) while
 their class still runs its own forward, plus (``match_forms``) any other class whose forward (and
-the ``_norm`` helper it calls) compiles to the same bytecode as one of the known forms'
-templates (only the epsilon attribute name, ``variance_epsilon`` or ``eps``, may differ; see
-:func:`recognise`), and ``torch.nn.RMSNorm`` modules. Llama-form classes get the Llama
-dispatcher (the op's hot path); the other forms (Gemma's ``1 + w``, the weight before the cast,
-T5's, unweighted, gated) get a form dispatcher that resolves the module's form per call. Norms
-with other math do not match. Modules already replaced by DeepSpeed's own ``replace_rms_norm``
+the helpers it calls: ``_norm``, xLSTM's ``_rms_normalize`` and ``_apply_weight_bias``) compiles
+to the same bytecode as one of the known forms' templates (only the epsilon attribute name,
+``variance_epsilon`` or ``eps``, may differ; see :func:`recognise`), and ``torch.nn.RMSNorm``
+modules. Llama-form classes get the Llama dispatcher (the op's hot path); the other forms (Gemma's
+``1 + w``, the weight before the cast, T5's, unweighted, gated, and the grouped norms, whose group
+size is read from the module at every call) get a form dispatcher that resolves the module's form
+per call. Norms with other math do not match. Modules already replaced by DeepSpeed's own ``replace_rms_norm``
 are left to it and reported.
 """
 from __future__ import annotations
@@ -801,11 +802,13 @@ class RmsNormConfig(FeatureConfig):
 
     match_forms: StrictBool = True
     """Also replace RMSNorm classes outside the built-in list (Llama, Mistral, Mixtral, Phi3,
-    Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3) whose forward (and its ``_norm`` helper)
-    compiles to exactly the bytecode of one of the known forms (the Llama form and its Llama 4
-    spelling, Gemma's ``1 + w``, the weight multiplied before the cast (OLMo 2, GPT-OSS, Helium),
-    T5's, unweighted norms, the gated norms of Qwen3-Next, Kimi-Linear and Mamba2; only the epsilon
-    attribute name may differ), and ``torch.nn.RMSNorm`` modules."""
+    Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, DeepSeek-V2/V3) whose forward (and the helpers it calls,
+    such as ``_norm``) compiles to exactly the bytecode of one of the known forms (the Llama form
+    and its Llama 4 spelling, Gemma's ``1 + w``, the weight multiplied before the cast (OLMo 2,
+    GPT-OSS, Helium), T5's, unweighted norms, xLSTM's, the gated norms of Qwen3-Next, Kimi-Linear,
+    Mamba2 and Falcon-H1, and the norms with statistics over groups of columns (Mamba2's
+    ``group_size``, Falcon-H1's ``n_groups``, Qwen4's grouped norm); only the epsilon attribute name
+    may differ), and ``torch.nn.RMSNorm`` modules."""
 
     match_llama_form: StrictBool = Field(True, json_schema_extra=dict(deprecated=True, new_param="match_forms"))
     """Deprecated: the earlier name of ``match_forms`` (a value given here is taken as ``match_forms``)."""
