@@ -195,7 +195,11 @@ FORM_SHAPES = [("offset", "Gemma 3 4B", 8192, 2560), ("offset", "Gemma 3 12B", 8
                ("offset", "Gemma 3 27B", 8192, 5376), ("offset", "Gemma 3 q/k norm", 65536, 256),
                ("gated", "Qwen3.5 linear-attention output norm", 8192 * 32, 128),
                ("gated", "Qwen3.5 linear-attention output norm", 8192 * 16, 128),
-               ("weight_first", "GPT-OSS", 8192, 2880)]
+               ("weight_first", "GPT-OSS", 8192, 2880),
+               # grouped statistics (the group size last): Mamba2 / NemotronH's gated norm (d_inner 8192,
+               # 8 groups), Qwen4's hyper-connection norm (4 groups of the hidden size)
+               ("gate_first", "Mamba2 / NemotronH gated norm, 8 groups", 8192, 8192, 1024),
+               ("offset", "Qwen4 hyper-connection norm, 4 groups", 8192, 8192, 2048)]
 
 
 def _form_fns(impl, x, w, g, dy):
@@ -221,11 +225,13 @@ def run_forms(dev: str, dtype, rep: int, native: bool, quick: bool) -> list:
     recs = []
     gen = torch.Generator().manual_seed(1)
     shapes = FORM_SHAPES if dev == "cuda" else [("offset", "smoke", 64, 256), ("gated", "smoke", 64, 128),
-                                                ("weight_first", "smoke", 16, 256)]
+                                                ("weight_first", "smoke", 16, 256),
+                                                ("gate_first", "smoke, 4 groups", 16, 128, 32)]
     if quick and dev == "cuda":
-        shapes = [FORM_SHAPES[0], FORM_SHAPES[4], FORM_SHAPES[6]]
-    for fname, model, rows, width in shapes:
+        shapes = [FORM_SHAPES[0], FORM_SHAPES[4], FORM_SHAPES[6], FORM_SHAPES[7]]
+    for fname, model, rows, width, *groups in shapes:
         form = FORMS[fname]
+        gs = groups[0] if groups else None
         x = (0.5 * torch.randn(rows, width, generator=gen)).to(dev, dtype)
         w = ((0.0 if fname == "offset" else 1.0) + 0.02 * torch.randn(width, generator=gen)).to(dev, dtype)
         g = torch.randn(rows, width, generator=gen).to(dev, dtype) if form.gate != "none" else None
@@ -235,13 +241,13 @@ def run_forms(dev: str, dtype, rep: int, native: bool, quick: bool) -> list:
         # x, dy (and the gate), writes dx (and the gate's gradient)
         n_in = 2 if g is not None else 1
         b_fwd, b_fwd_bwd = (n_in + 1) * e, (n_in + 1 + n_in + 1 + n_in) * e
-        shape = f"{rows}x{width} {fname} ({model})"
+        shape = f"{rows}x{width} {fname}{f' groups of {gs}' if gs else ''} ({model})"
         torch._dynamo.reset()
-        compiled = torch.compile(lambda a, b, c: rms_norm_form_reference(a, b, EPS, form, c), dynamic=False)
-        impls = [(f"deepspeed_fused {fname}", lambda a, b, c: fused_rms_norm_form(a, b, EPS, form, c), True,
+        compiled = torch.compile(lambda a, b, c: rms_norm_form_reference(a, b, EPS, form, c, gs), dynamic=False)
+        impls = [(f"deepspeed_fused {fname}", lambda a, b, c: fused_rms_norm_form(a, b, EPS, form, c, gs), True,
                   "C++ autograd node" if native else "Python node", b_fwd, b_fwd_bwd),
-                 (f"eager {fname} (HF form)", lambda a, b, c: rms_norm_form_reference(a, b, EPS, form, c), False, "",
-                  b_fwd, b_fwd_bwd),
+                 (f"eager {fname} (HF form)", lambda a, b, c: rms_norm_form_reference(a, b, EPS, form, c, gs), False,
+                  "", b_fwd, b_fwd_bwd),
                  (f"torch.compile {fname}", compiled, False, "", b_fwd, b_fwd_bwd),
                  ("deepspeed_fused llama form (same shape)", lambda a, b, c: fused_rms_norm(a, b, EPS), False,
                   "the Llama form's op at this shape (no gate): its device time is the form's target", 2 * e, 5 * e)]

@@ -815,10 +815,11 @@ def test_bench_forms_smoke(interpret):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         recs = B.run_forms("cpu", torch.float32, rep=2, native=False, quick=True)
-    assert len(recs) == 12 and all(r.fwd_bwd_ms for r in recs), [(r.impl, r.note) for r in recs]
-    assert {r.extra["form"] for r in recs} == {"offset", "gated", "weight_first"}
+    assert len(recs) == 16 and all(r.fwd_bwd_ms for r in recs), [(r.impl, r.note) for r in recs]
+    assert {r.extra["form"] for r in recs} == {"offset", "gated", "weight_first", "gate_first"}
+    assert sum("groups of 32" in r.shape for r in recs) == 4
     text = B._forms_summary(recs)
-    assert text.count("\n| ") == 4  # the header's separator and one row per shape
+    assert text.count("\n| ") == 5  # the header's separator and one row per shape
 
 
 def test_form_dispatcher_counts_fused_and_eager_calls(interpret):
