@@ -4,7 +4,6 @@ key goes straight to its fast closure or C++ node). ``NATIVE`` (here): whether c
 C++ node (the benchmark and tests switch it off to time or check the Python node)."""
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
@@ -16,8 +15,8 @@ from .native import _register_native, _register_native_form
 from .plans import (AS_LLAMA, _bwd_fast, _form_bwd_fast, _form_consts, _form_fwd_fast, _form_fwd_plan,
                     _form_fwd_plans, _form_key, _fwd_fast, _fwd_key, _fwd_plans, _native_pending, _native_plans,
                     _remember)
-from .reference import (RMSForm, _check_form, _form_code, _form_of, form_output_dtype, rms_norm_form_reference,
-                        rms_norm_reference)
+from .reference import (RMSForm, _check_form, _check_group_size, _form_code, _form_of, form_output_dtype,
+                        rms_norm_form_reference, rms_norm_reference)
 
 
 _OP = "rms_norm"
@@ -318,25 +317,6 @@ def rms_norm_form_kernel_ok(hidden, weight, gate=None) -> tuple[bool, str]:
 def _needs_grad(hidden, weight, gate) -> bool:
     return torch.is_grad_enabled() and (hidden.requires_grad or (weight is not None and weight.requires_grad)
                                         or (gate is not None and gate.requires_grad))
-
-
-def _check_group_size(group_size, hidden: torch.Tensor) -> Optional[int]:
-    """The group size of a call with grouped statistics, or None where the statistics span the
-    whole row (``group_size`` None or the row's width); a wrong one raises."""
-    if group_size is None:
-        return None
-    if isinstance(group_size, bool):
-        raise TypeError("fused_rms_norm: group_size must be an int or None, got bool")
-    try:
-        gs = operator.index(group_size)
-    except TypeError:
-        raise TypeError(f"fused_rms_norm: group_size must be an int or None, got {type(group_size).__name__}") \
-            from None
-    n = hidden.shape[-1]
-    if gs <= 0 or n % gs:
-        raise ValueError(f"fused_rms_norm: group_size must be a positive divisor of the last dimension {n} of "
-                         f"hidden {tuple(hidden.shape)}, got {gs}")
-    return None if gs == n else gs
 
 
 def _try_grouped(hidden, weight, eps, form, gate, group_size):

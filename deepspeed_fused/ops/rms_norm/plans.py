@@ -603,7 +603,8 @@ def _form_consts(form: RMSForm, xd: torch.dtype, wd: Optional[torch.dtype], gate
     consts = dict(NRND=code(nd), WMODE=("none", "plain", "offset", "offset_w").index(
         "plain" if form.weight == "fp32" else form.weight) if not form.rstd_cast else 0,
         PRND=code(dp), QRND=code(dq), GATE=gate, ACT=_ACTS.index(form.act), RSTD_RND=bool(form.rstd_cast))
-    if not grouped and wd is not None and not form.rstd_cast and gate == 0 and consts["WMODE"] == 1 and consts["NRND"] == 1 \
+    if not grouped and wd is not None and not form.rstd_cast and gate == 0 and consts["WMODE"] == 1 \
+            and consts["NRND"] == 1 \
             and out == torch.promote_types(xd, wd) and dq == out and dp == out:
         return None  # the Llama form: w * n.to(x.dtype) in the promoted dtype
     return tuple(consts.items()), out

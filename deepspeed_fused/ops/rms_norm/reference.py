@@ -4,6 +4,7 @@ eager modules write it (what the kernels are tested against and what unsupported
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -130,13 +131,10 @@ def rms_norm_form_reference(hidden: torch.Tensor, weight: Optional[torch.Tensor]
     the weight viewed ``[N // group_size, group_size]`` (every other step is elementwise, so its
     rounding is the modules')."""
     form = _check_form(form)
-    n = hidden.shape[-1] if hidden.dim() else 0
-    if group_size is None or group_size == n:
+    gs = _check_group_size(group_size, hidden) if hidden.dim() else None
+    if gs is None:
         return _form_eager(hidden, weight, eps, form, gate)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or n % group_size:
-        raise ValueError(f"fused_rms_norm: group_size must be a positive divisor of the last dimension {n}, "
-                         f"got {group_size!r}")
-    groups = (n // group_size, group_size)
+    groups = (hidden.shape[-1] // gs, gs)
     y = _form_eager(hidden.unflatten(-1, groups), None if weight is None else weight.view(groups), eps, form,
                     None if gate is None else gate.unflatten(-1, groups))
     return y.flatten(-2)
@@ -168,6 +166,25 @@ def _form_eager(hidden, weight, eps, form: RMSForm, gate=None, rstd=None):
     if form.gate == "after":
         h = h * _gate_act(gate.to(torch.float32), form.act)
     return h.to(input_dtype) if form.out_cast else h
+
+
+def _check_group_size(group_size, hidden: torch.Tensor) -> Optional[int]:
+    """The group size of a call with grouped statistics, or None where the statistics span the
+    whole row (``group_size`` None or the row's width); a wrong one raises."""
+    if group_size is None:
+        return None
+    if isinstance(group_size, bool):
+        raise TypeError("fused_rms_norm: group_size must be an int or None, got bool")
+    try:
+        gs = operator.index(group_size)
+    except TypeError:
+        raise TypeError(f"fused_rms_norm: group_size must be an int or None, got {type(group_size).__name__}") \
+            from None
+    n = hidden.shape[-1]
+    if gs <= 0 or n % gs:
+        raise ValueError(f"fused_rms_norm: group_size must be a positive divisor of the last dimension {n} of "
+                         f"hidden {tuple(hidden.shape)}, got {gs}")
+    return None if gs == n else gs
 
 
 # ---- autograd and custom ops ----------------------------------------------------------------------
