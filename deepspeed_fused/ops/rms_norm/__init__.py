@@ -31,7 +31,11 @@ slice of a fused QKV projection viewed as ``[B, S, heads, head_dim]``): no copy 
 The other forms of transformers' RMSNorms (:class:`RMSForm`, :data:`FORMS`: Gemma's ``1 + w``, the
 weight multiplied before the cast, T5's, unweighted, gated by ``act(gate)`` after the weight or
 before the statistics) run :func:`fused_rms_norm_form`: one more kernel family with the form's
-rounding points as constexprs, the same tiling, plans, fast closures and C++ node.
+rounding points as constexprs, the same tiling, plans, fast closures and C++ node. With
+``group_size`` the statistics are taken over groups of that many columns while the weight spans the
+row (Mamba2's gated norm, Falcon-H1's, Qwen4's grouped norm): the kernels see rows of one group each,
+row ``r`` taking weight row ``r % (N / group_size)``, and the weight gradient is summed over the
+whole width as before.
 
 Files (the kernels know nothing of the plans, the plans nothing of autograd):
 
