@@ -1514,6 +1514,8 @@ def render_markdown(doc: dict) -> str:
         lines += ["", "Families with RMSNorm modules left eager, by form:", ""]
         for form, fams in s.get("rms_left_eager_by_form", {}).items():
             lines.append(f"- {form} ({len(fams)}): " + ", ".join(fams))
+        if not s.get("rms_left_eager_by_form"):
+            lines.append("- none")
         lines += ["", "Why the loss stays eager (families):", "", "| reason | families |", "|---|---:|"]
         for why, n in s.get("loss_eager_kinds", {}).items():
             lines.append(f"| {_short(why, 140)} | {n} |")
