@@ -843,3 +843,60 @@ def test_direct_launch_key_follows_triton_specialization():
     t = torch.zeros(8)
     assert _spec(t) == (torch.float32, True, False) and _spec(t[1:]) == (torch.float32, False, False)
     assert _spec(2.5) == _spec(0.5) and _spec(True) != _spec(False)
+
+
+def test_direct_kernel_launches_with_the_one_launcher_layout(monkeypatch):
+    """DirectKernel's later calls of a key go straight to the C launcher, laid out as
+    ``launch_binding`` spells it (with this call's grid), exactly as ``direct_launcher``'s own
+    closure would call it; the first call goes through the JIT. CUDA state and the launcher are
+    faked here (on CPU no real launcher exists)."""
+    from deepspeed_fused.ops import _common
+
+    calls = []
+
+    def launch(*a):
+        calls.append(a)
+
+    class Dev:
+        index = 0
+
+    class Arg:  # what DirectKernel reads of its first argument
+        is_cuda = True
+        device = Dev()
+
+    class Kernel:
+        jit = []
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                self.jit.append((grid, args, kw))
+                return "compiled"
+            return run
+
+    def fake_direct_launcher(compiled, grid, constexpr_values):
+        assert compiled == "compiled"
+        parts = (launch, 9, 9, 9, "FUNCTION", False, True, "META", constexpr_values)
+
+        def fn(stream, *args):
+            launch, grid3, fixed, tail = _common.launch_binding(parts)
+            launch(*grid3, stream, *fixed, *args, *tail)
+
+        fn.parts = parts
+        return fn
+
+    monkeypatch.setattr(_common, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(_common, "_current_device", lambda: 0)
+    monkeypatch.setattr(_common, "_raw_stream", lambda dev: 1234)
+    monkeypatch.setattr(_common, "direct_launcher", fake_direct_launcher)
+    k = _common.DirectKernel(Kernel())
+    a = Arg()
+    k((4,), (a, 7), dict(BLOCK=64, W=2), 4)
+    assert len(Kernel.jit) == 1 and not calls  # first call: the JIT
+    k((5, 3), (a, 7), dict(BLOCK=64, W=2), 4)
+    assert len(Kernel.jit) == 1 and len(calls) == 1
+    assert calls[0] == (5, 3, 1, 1234, "FUNCTION", False, True, None, None, "META", None, None, None, a, 7, 64, 2)
+    # the same layout direct_launcher's closure makes for a fixed grid
+    fake_direct_launcher("compiled", (9,), (64, 2))(1234, a, 7)
+    assert calls[1][3:] == calls[0][3:] and calls[1][:3] == (9, 9, 9)
+    k((4,), (a, 7), dict(BLOCK=32, W=2), 4)  # another key: the JIT again
+    assert len(Kernel.jit) == 2 and len(calls) == 2
