@@ -37,15 +37,11 @@ from typing import Any
 
 import torch
 
-from ..base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport
-from .patch import (CALLS, MARKER, OPT_IN, PREFIX, _analyse_forward, _copy_forward, _innermost,  # noqa: F401
-                    _commit, _make_call, _plan, is_replaced, replace_rope, restore_rope)
+from ..base import Environment, FeatureConfig, FeatureReport, ReplacementFeature
+from .patch import (CALLS, MARKER, OPT_IN, OPT_IN_MARKER, PREFIX, _analyse_forward, _commit,  # noqa: F401
+                    _copy_forward, _innermost, _make_call, _plan, is_replaced, replace_rope, restore_rope)
 from .recognise import Form, coverage, pair_rotation_kind, recognise, rotation_kind  # noqa: F401
 from .templates import _rh_half  # noqa: F401
-
-
-def _fmt(counter) -> str:
-    return ", ".join(f"{n} x {c}" for c, n in sorted(counter.items()))
 
 
 class RopeConfig(FeatureConfig):
@@ -53,9 +49,12 @@ class RopeConfig(FeatureConfig):
     their bytecode)."""
 
 
-class RopeFeature(Feature):
+class RopeFeature(ReplacementFeature):
     name = "rope"
     config_model = RopeConfig
+    opt_in = OPT_IN_MARKER
+    is_replaced = staticmethod(is_replaced)
+    none_found = "no attention module calls a recognised rotary embedding"
 
     def is_supported(self, env: Environment) -> tuple[bool, str]:
         if not env.kernels_available:
@@ -71,24 +70,5 @@ class RopeFeature(Feature):
             skipped.setdefault(reason, {}).update(c)
         total = collections.Counter(replaced) + already
         forms = sorted(f"{c}.{n}: {d}" for (c, n), d in plan["forms"].items() if c in total)
-        notes = [f"skipped {_fmt(collections.Counter(c))}: {reason}" for reason, c in skipped.items()]
-        notes += [f"{c} also calls {n}, left eager: {r}" for (c, n), r in sorted(plan["refused"].items())]
-        if already:
-            notes.insert(0, f"already replaced: {_fmt(already)}")
-        rep = FeatureReport(name=self.name, enabled=True, applied=bool(total), where=_fmt(total),
-                            details=dict(replaced=dict(replaced), already=dict(already), skipped=skipped,
-                                         forms=forms))
-        if total:  # fused and eager rotary calls of this model's patched modules, counted from now on
-            rep.calls = CallCounts()
-            for module in model.modules():
-                if is_replaced(module):
-                    module.__dict__[CALLS] = rep.calls
-        rep.reason = "; ".join(notes) if total else \
-            "; ".join(["no attention module calls a recognised rotary embedding"] + notes)
-        return rep
-
-    def revert(self, model: torch.nn.Module) -> int:
-        return restore_rope(model)
-
-    def is_applied(self, model: torch.nn.Module) -> bool:
-        return any(is_replaced(m) for m in model.modules())
+        refused = [f"{c} also calls {n}, left eager: {r}" for (c, n), r in sorted(plan["refused"].items())]
+        return self.replacement_report(model, replaced, already, skipped, refused, forms=forms)

@@ -15,7 +15,7 @@ import torch
 
 from ...ops._common import warn_fallback
 from ...ops.rope import RopeInputError, rope_kernel_ok, try_fused_rope
-from ..base import OptIn
+from ..base import OptInMarker
 from .recognise import Form, _GlobalsCache, recognise
 
 
@@ -24,7 +24,8 @@ CALLS = "_ds_fused_rope_calls"  # instance attribute: the CallCounts of the appl
 PREFIX = "__deepspeed_fused_rope__"  # the private global the forward's copy calls
 
 
-OPT_IN = OptIn("rope")
+OPT_IN_MARKER = OptInMarker("rope", MARKER, CALLS)
+OPT_IN = OPT_IN_MARKER.value  # read by the dispatchers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,7 +309,7 @@ def _classify(module) -> tuple:
             return "skip", "the rotary function recognised earlier was replaced in its module"
         if "forward" in module.__dict__:
             return "skip", "forward patched on the instance"
-        if module.__dict__.get(MARKER) is OPT_IN:
+        if OPT_IN_MARKER.holds(module):
             return "already", live
         return "replace", (None, live, {})
     kind, info = _analyse_forward(fwd)
@@ -371,7 +372,7 @@ def _commit(plan: dict) -> tuple:
         if why is not None:
             failed.setdefault(why, collections.Counter())[cls.__name__] += 1
             continue
-        module.__dict__[MARKER] = OPT_IN
+        OPT_IN_MARKER.mark(module)
         replaced[cls.__name__] += 1
     return replaced, failed
 
@@ -384,18 +385,12 @@ def replace_rope(model: torch.nn.Module) -> int:
 
 def restore_rope(model: torch.nn.Module) -> int:
     """Opt the modules of ``model`` out again (they run their eager forward). Returns the count."""
-    n = 0
-    for module in model.modules():
-        module.__dict__.pop(CALLS, None)
-        if module.__dict__.get(MARKER) is OPT_IN:
-            del module.__dict__[MARKER]
-            n += 1
-    return n
+    return OPT_IN_MARKER.clear(model)
 
 
 def is_replaced(module: torch.nn.Module) -> bool:
     """Whether ``module`` runs the fused rotary embedding now (opted in, its class's dispatcher
     installed, the recognised function still its module's)."""
     fwd = type(module).forward
-    return (module.__dict__.get(MARKER) is OPT_IN and "forward" not in module.__dict__ and _is_our_dispatcher(fwd)
+    return (OPT_IN_MARKER.holds(module) and "forward" not in module.__dict__ and _is_our_dispatcher(fwd)
             and bool(_live_forms(fwd)))
