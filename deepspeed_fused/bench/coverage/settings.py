@@ -22,12 +22,15 @@ BATCH, SEQ = 2, 16
 HIDDEN, FFN, MOE_FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 32, 4, 2, 16, 256
 EXPERTS, TOP_K = 4, 2
 MAX_LAYERS = 6  # at most this many layers even when the full config has more kinds of layer
+
+
 # the features turned on: every registered feature (rms_norm, linear_cross_entropy, moe_reorder,
 # rope, ... as the registry holds them), each with its default options
 def features_config() -> dict:
     from ...features.registry import all_features
 
     return {f.name: {"enabled": True} for f in all_features()}
+
 
 # RMSNorm forms (as read from what a module computes; see norm_form)
 RMS_FORMS = ("llama", "weight_before_cast", "offset", "gated", "gated_pre", "unweighted", "torch")
