@@ -81,6 +81,16 @@ def _assert_y(y, y_ref, y64, roundings=2):
         assert (err == 0).double().mean() >= 0.9, "forward: fewer than 90% of outputs equal eager's"
 
 
+def _near_midpoint(v64, dtype, window=16 * 2.0 ** -24):
+    """(ULP of ``dtype`` at |v|, where |v| lies within ``window`` (relative) of a rounding midpoint
+    of ``dtype``): the elements whose rounding flips to the other neighbour when an FP32 value
+    before it moves by a few ULP (our activation's exp against CUDA's, our statistics' order)."""
+    a = v64.abs()
+    u = ulp(a, dtype)
+    mid = torch.floor(a / u) * u + u / 2
+    return u, (a - mid).abs() <= window * a
+
+
 def check_form(form, x, w, g, dy, eps=EPS):
     """Forward, dx, dw and the gate's gradient against eager (its own rounding) and float64."""
     y, dx, dw, dg = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, eps, form, c), x, w, g, dy)
@@ -95,6 +105,18 @@ def check_form(form, x, w, g, dy, eps=EPS):
         s64 = (dy.double() * x.double()).sum(-1, keepdim=True)
         t2 = (s64 * r64.pow(3) / x.shape[-1]) * x.double()
         floor = ulp(dy.double() * r64, x.dtype) + ulp(t2, x.dtype)
+    half = (torch.float16, torch.bfloat16)
+    pd = R.reference._form_dtypes(form, x.dtype, None if w is None else w.dtype)[1]
+    flip_dp = None
+    if form.gate == "after" and w is not None and pd in half:
+        # eager rounds the gradient of the weighted value, dy * act(gate), to its dtype; our act
+        # differs from CUDA's in the last FP32 bits, so near a midpoint that rounding flips: one
+        # ULP of it, times the weight and rstd in dx, times the normalized value in dw
+        r64 = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+        u, close = _near_midpoint(dy.double() * _ACT[form.act](g.double()), pd)
+        flip_dp = u * close
+        extra = r64 * w.double().abs() * flip_dp
+        floor = extra if floor is None else floor + extra
     assert_dx_close(dx, dxr, x.dtype, dx64, floor)
     if g is not None:
         assert dg.dtype == g.dtype
@@ -113,14 +135,14 @@ def check_form(form, x, w, g, dy, eps=EPS):
         k = 8 if form.gate != "none" else 4
         bound = ulp(torch.maximum(dw.double().abs(), dw_inj.double().abs()), w.dtype) + k * 2.0 ** -24 * terms
         nd = R.reference._form_dtypes(form, x.dtype, w.dtype)[0]
+        n64 = h * rstd[..., None].double()
         if form.gate == "before" and nd != torch.float32:
             # the gated input differs in its last FP32 bits (the activation), so the normalized
             # value rounds to the other neighbour where it lies that close to a rounding midpoint
-            n64 = h * rstd[..., None].double()
-            u = ulp(n64, nd)
-            mid = torch.floor(n64.abs() / u) * u + u / 2
-            close = (n64.abs() - mid).abs() <= 8 * 2.0 ** -24 * n64.abs()
+            u, close = _near_midpoint(n64, nd)
             bound = bound + (dy.double().abs() * u * close).reshape(-1, x.shape[-1]).sum(0)
+        if flip_dp is not None:
+            bound = bound + (n64.abs() * flip_dp).reshape(-1, x.shape[-1]).sum(0)
         d = (dw.double() - dw_inj.double()).abs()
         assert (d <= bound).all(), f"dw off by {(d / bound).max().item()} of the bound"
         rel = (dw.double() - dw64).norm() / dw64.norm().clamp_min(1e-30)
