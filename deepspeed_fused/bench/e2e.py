@@ -473,8 +473,7 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
         bad = min(higher) if higher else None
         chain = (_next_chain(trials, good, bad) if bad is not None else
                  [b for b in doubling if b > good and not any(t["batch"] == b for t in trials)])
-        if not chain:
-            break
+        # (an empty chain: the next failed size is adjacent; it is confirmed in the next round)
     best = next((t for t in reversed(trials) if t["status"] == "ok" and t["batch"] == good), None)
     return dict(trials=trials, largest=good, smallest_failed=bad, capped=bad is None and good is not None,
                 stopped=stopped, processes=proc, confirmed_alone=sorted(confirmed),
