@@ -727,7 +727,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
         lines += ["![loss](e2e_loss.png)", "", "![speed and memory](e2e_speed_memory.png)", "",
                   "Step: one optimizer step (all its micro-steps and the optimizer), wall time; tokens/s: the tokens of "
                   "all its micro-batches per second; fwd+bwd: one micro-step's forward and `engine.backward` (CUDA "
-                  "events, median over the timed steps' micro-steps).", "",
+                  "events on a GPU, median over the timed steps' micro-steps).", "",
                   "| pair | arm | features | accum | median step ms | p10-p90 ms | tokens/s | fwd+bwd ms per micro-step "
                   "| peak alloc GiB | peak reserved GiB | final loss |", "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
         for k, v in results.items():
@@ -893,9 +893,11 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
             sizes = ", ".join(f"{a} {_f(s['arms'][a].get('largest'), '{}', 'none')}"
                               + (" (cap)" if s["arms"][a].get("capped") else "")
                               for a in ARM_ORDER if a in s.get("arms", {}))
-            floor = " (fused at the cap: a floor)" if c.get("fused_capped") else ""
-            lines.append(f"| {k} | {sizes} | {_f(c.get('fused_vs_baseline'))}{floor} | {_f(c.get('fused_vs_liger'))}"
-                         f"{floor} | {_f(c.get('liger_vs_baseline'))} |")
+            def floor(v):  # a ratio with the fused arm at the cap is a lower bound
+                return _f(v) + (" (fused at the cap: a floor)" if c.get("fused_capped") and v is not None else "")
+
+            lines.append(f"| {k} | {sizes} | {floor(c.get('fused_vs_baseline'))} | {floor(c.get('fused_vs_liger'))} | "
+                         f"{_f(c.get('liger_vs_baseline'))} |")
     return "\n".join(lines) + "\n"
 
 
