@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import deepspeed
 import torch
@@ -255,10 +256,17 @@ def free_memory(engine) -> None:
         torch.cuda.empty_cache()
 
 
+def _allocated_mib(device) -> Optional[float]:
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
 def search(engine, args, rank: int, device, vocab: int, write=None) -> dict:
     """Search mode: the listed micro-batch sizes in ascending order, in this process, until one
     runs out of memory (recorded, memory freed, the run ends) or fails otherwise (recorded).
-    ``write(trials)`` is called after each size, so a crash still leaves the sizes before it."""
+    Each trial records ``allocated_after_mib``, the GPU memory still allocated once its memory
+    was freed (the model and optimizer state: no more after an out-of-memory size than after
+    one that ran). ``write(trials)`` is called after each size, so a crash still leaves the sizes
+    before it."""
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     accum = accumulation_steps(engine)
     trials = []
@@ -277,6 +285,7 @@ def search(engine, args, rank: int, device, vocab: int, write=None) -> dict:
             # outside the except block: the exception, its frames and their tensors are gone now
             trials.append(failed)
             free_memory(engine)
+            failed["allocated_after_mib"] = _allocated_mib(device)
             if rank == 0:
                 print(f"[train] micro-batch {b}: {'out of memory' if failed['status'] == 'oom' else 'failed'} "
                       f"({failed['error']})", flush=True)
@@ -290,6 +299,7 @@ def search(engine, args, rank: int, device, vocab: int, write=None) -> dict:
             print(f"[train] micro-batch {b}: median {t['median_step_s'] * 1e3:.1f} ms, "
                   f"{t['median_tokens_per_s']:.0f} tok/s", flush=True)
         free_memory(engine)
+        trials[-1]["allocated_after_mib"] = _allocated_mib(device)
     if write is not None:
         write(trials)
     return dict(trials=trials)

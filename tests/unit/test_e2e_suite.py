@@ -642,4 +642,5 @@ def test_train_search_catches_out_of_memory_and_frees_it(monkeypatch):
             raise RuntimeError("shape mismatch")
 
     r = train.search(Broken(accum=1), _train_args(batch_sizes="1,2"), 0, torch.device("cpu"), 50)
-    assert r["trials"] == [dict(batch=1, status="error", error="RuntimeError: shape mismatch")]
+    assert r["trials"] == [dict(batch=1, status="error", error="RuntimeError: shape mismatch",
+                                allocated_after_mib=None)]  # (None: no GPU memory on CPU)
