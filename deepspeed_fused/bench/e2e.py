@@ -618,9 +618,11 @@ def plots(results: dict, search: dict, out_dir: str) -> None:
         for i, arm in enumerate(arms):
             xs = [j + i * w for j in range(len(pairs))]
             ok = [results[k].get(arm) if _ok(results[k].get(arm)) else None for k in pairs]
-            axes[0].bar(xs, [a["median_step_s"] * 1e3 if a else 0 for a in ok], w, label=arm)
+            axes[0].bar(xs, [a["median_tokens_per_s"] / 1e3 if a else 0 for a in ok], w, label=arm)
             axes[1].bar(xs, [(a["peak_alloc_mib"] or 0) / 1024 if a else 0 for a in ok], w, label=arm)
-        for ax, lab in ((axes[0], "median step time (ms)"), (axes[1], "peak allocated GPU memory (GiB)")):
+        # tokens/s per optimizer step: comparable across pairs of different accumulation
+        for ax, lab in ((axes[0], "tokens/s (thousands, median optimizer step)"),
+                        (axes[1], "peak allocated GPU memory (GiB)")):
             ax.set_xticks([j + w * (len(arms) - 1) / 2 for j in range(len(pairs))])
             ax.set_xticklabels(pairs)
             ax.set_ylabel(lab)
