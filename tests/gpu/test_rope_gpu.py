@@ -98,7 +98,7 @@ def test_cuda_graph_and_direct_launches():
     gk = torch.randn(k.shape, generator=gen).cuda().bfloat16()
     R.clear_plans()
 
-    def step():
+    def step(qb=qb, kb=kb):
         # the [B, H, S, D] views are taken inside the step: an autograd node keeps the stream it
         # was built on, and a view built on the default stream before capture would run its
         # backward there (pytorch/pytorch#164302), which no kernel of ours can avoid
@@ -114,9 +114,13 @@ def test_cuda_graph_and_direct_launches():
     with torch.cuda.stream(s):
         step()
     torch.cuda.current_stream().wait_stream(s)
+    # leaves whose gradient edges are first built inside the capture: the eager steps above built
+    # qb's and kb's on the default stream, and the end-of-backward sync with a leaf's stream would
+    # tie that legacy stream to the capture (the same holds for any autograd graph, kernels aside)
+    qc, kc = qb.detach().clone().requires_grad_(), kb.detach().clone().requires_grad_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        captured = step(qc, kc)
     graph.replay()
     torch.cuda.synchronize()
     ref = R.rope_reference(q, k, cos, sin)

@@ -55,7 +55,18 @@ def _grads(fn, x, w, g, dy, dtype=None):
     return (y.detach(),) + tuple(None if t is None else t.grad for t in leaves)
 
 
-def _assert_y(y, y_ref, y64):
+def _half_roundings(form, x_dtype, w_dtype) -> int:
+    """How many times the form's forward rounds to a half-precision dtype on the way to its output
+    (the normalized value, the weight product, the final cast). Our FP32 statistics and activation
+    differ from eager CUDA's in the last bits (another summation order, another exp), so each of
+    those roundings can land on the neighbouring value: one output ULP each at most."""
+    nd, dp, dq, out = R.reference._form_dtypes(form, x_dtype, w_dtype)
+    half = (torch.float16, torch.bfloat16)
+    n = int(nd in half) + int(form.weight != "none" and dp in half) + int(out in half and dq != out)
+    return max(2, n)
+
+
+def _assert_y(y, y_ref, y64, roundings=2):
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
     if not y.numel():
         return
@@ -66,7 +77,7 @@ def _assert_y(y, y_ref, y64):
         assert e_f <= 2 * e_e + 2.0 ** -21, f"forward {e_f.item():.3g} off float64, eager {e_e.item():.3g}"
     else:
         err = ulp_err(y, y_ref, y.dtype)
-        assert err.max() <= 2, f"forward {err.max().item()} ULP off eager"
+        assert err.max() <= roundings + 1e-6, f"forward {err.max().item()} ULP off eager ({roundings} roundings)"
         assert (err == 0).double().mean() >= 0.9, "forward: fewer than 90% of outputs equal eager's"
 
 
@@ -75,8 +86,16 @@ def check_form(form, x, w, g, dy, eps=EPS):
     y, dx, dw, dg = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, eps, form, c), x, w, g, dy)
     yr, dxr, dwr, dgr = _grads(lambda a, b, c: R.rms_norm_form_reference(a, b, eps, form, c), x, w, g, dy)
     y64, dx64, dw64, dg64 = _grads(lambda a, b, c: oracle_form(a, b, c, eps, form), x, w, g, dy, torch.float64)
-    _assert_y(y, yr, y64)
-    assert_dx_close(dx, dxr, x.dtype, dx64)
+    _assert_y(y, yr, y64, _half_roundings(form, x.dtype, None if w is None else w.dtype))
+    floor = None
+    if form.rstd_cast and x.dtype != torch.float32:
+        # eager rounds dy * rstd and the statistics' term to the input dtype and adds them there:
+        # where they cancel, a last-bit flip of either term is one ULP of that term, not of dx
+        r64 = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+        s64 = (dy.double() * x.double()).sum(-1, keepdim=True)
+        t2 = (s64 * r64.pow(3) / x.shape[-1]) * x.double()
+        floor = ulp(dy.double() * r64, x.dtype) + ulp(t2, x.dtype)
+    assert_dx_close(dx, dxr, x.dtype, dx64, floor)
     if g is not None:
         assert dg.dtype == g.dtype
         assert_dx_close(dg, dgr, g.dtype, dg64)
@@ -90,7 +109,18 @@ def check_form(form, x, w, g, dy, eps=EPS):
         s = _ACT[form.act](g.double()).abs() if form.gate == "after" else 1
         terms = (dy.double().abs() * s * (h * rstd[..., None].double()).abs()).reshape(-1, x.shape[-1]).sum(0)
         assert dw.dtype == w.dtype
-        bound = ulp(torch.maximum(dw.double().abs(), dw_inj.double().abs()), w.dtype) + 4 * 2.0 ** -24 * terms
+        # a gate's activation: our exp and CUDA's differ by a few FP32 ULP per term
+        k = 8 if form.gate != "none" else 4
+        bound = ulp(torch.maximum(dw.double().abs(), dw_inj.double().abs()), w.dtype) + k * 2.0 ** -24 * terms
+        nd = R.reference._form_dtypes(form, x.dtype, w.dtype)[0]
+        if form.gate == "before" and nd != torch.float32:
+            # the gated input differs in its last FP32 bits (the activation), so the normalized
+            # value rounds to the other neighbour where it lies that close to a rounding midpoint
+            n64 = h * rstd[..., None].double()
+            u = ulp(n64, nd)
+            mid = torch.floor(n64.abs() / u) * u + u / 2
+            close = (n64.abs() - mid).abs() <= 8 * 2.0 ** -24 * n64.abs()
+            bound = bound + (dy.double().abs() * u * close).reshape(-1, x.shape[-1]).sum(0)
         d = (dw.double() - dw_inj.double()).abs()
         assert (d <= bound).all(), f"dw off by {(d / bound).max().item()} of the bound"
         rel = (dw.double() - dw64).norm() / dw64.norm().clamp_min(1e-30)

@@ -271,12 +271,14 @@ struct RmsNormFormFn : public torch::autograd::Function<RmsNormFormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& g,
                             double eps, int64_t plan_id) {
     const RmsPlan& plan = plan_at(plan_id);
-    TORCH_CHECK(w.defined() == plan.has_w && g.defined() == plan.gated,
+    // an absent weight or gate arrives as an empty placeholder (see rms_norm_form)
+    TORCH_CHECK(x.dim() >= 1 && (!plan.has_w || (w.dim() == 1 && w.size(0) == x.size(-1))) &&
+                    (!plan.gated || g.sizes() == x.sizes()),
                 "deepspeed_fused rms_norm: weight or gate do not match the launch plan");
     at::Tensor y = plan.y_like ? at::empty_like(x) : at::empty(x.sizes(), x.options().dtype(plan.out_dtype));
     at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-    const void* ptrs[5] = {x.data_ptr(), w.defined() ? w.data_ptr() : nullptr, y.data_ptr(), rstd.data_ptr(),
-                           g.defined() ? g.data_ptr() : nullptr};
+    const void* ptrs[5] = {x.data_ptr(), plan.has_w ? w.data_ptr() : nullptr, y.data_ptr(), rstd.data_ptr(),
+                           plan.gated ? g.data_ptr() : nullptr};
     plan.fwd.run(current_stream(x.device()), ptrs, eps);
     ctx->save_for_backward({x, w, g, rstd});
     ctx->saved_data["plan"] = plan_id;
@@ -312,7 +314,7 @@ struct RmsNormFormFn : public torch::autograd::Function<RmsNormFormFn> {
                             plan.gated ? g.data_ptr() : nullptr, plan.gated ? dg.data_ptr() : nullptr};
     plan.bwd.run(stream, ptrs, 0.0);
     bool again = grads[0].requires_grad() || saved[0].requires_grad() ||
-                 (saved[1].defined() && saved[1].requires_grad()) || (saved[2].defined() && saved[2].requires_grad());
+                 (plan.has_w && saved[1].requires_grad()) || (plan.gated && saved[2].requires_grad());
     if (at::GradMode::is_enabled() && again) {  // first order only (see RmsNormFn)
       dx = first_order(dx);
       dw = first_order(dw);
@@ -380,7 +382,10 @@ int64_t register_rms_form_plan(int64_t f_function, std::vector<int64_t> f_grid, 
 
 at::Tensor rms_norm_form(const at::Tensor& x, const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& g,
                          double eps, int64_t plan_id) {
-  return RmsNormFormFn::apply(x, w.has_value() ? *w : at::Tensor(), g.has_value() ? *g : at::Tensor(), eps, plan_id);
+  // autograd's C++ Function records every tensor input's device and layout, so an absent weight or
+  // gate cannot be an undefined tensor: an empty one (no gradient) stands in for it
+  at::Tensor none = at::empty({0}, x.options());
+  return RmsNormFormFn::apply(x, w.has_value() ? *w : none, g.has_value() ? *g : none, eps, plan_id);
 }
 
 }  // namespace
