@@ -9,7 +9,9 @@ runs that one, so the command above works from any directory once the package is
 
 The model is built from a named config with random weights (no hub access) and fed synthetic
 token batches (a learnable bigram-like stream, the same for every run with the same seed). Each
-step prints the loss, step time, tokens/s and peak GPU memory; the feature report is shown once,
+step prints the loss, step time, tokens/s and peak GPU memory (with ``gradient_accumulation_steps``
+above 1 in the config, a step is one optimizer step of that many micro-steps: the mean of their
+losses, the tokens of all of them, and the median forward+backward time of one); the feature report is shown once,
 by the plugin's hook, after initialisation. On a CPU-only machine bf16 is turned off and the fused
 paths fall back to eager (the report says so); the first CPU run waits a few minutes, silent,
 while DeepSpeed compiles its shm_comm op (said before it starts).
