@@ -497,6 +497,98 @@ def test_transformers_sentinels(interpret):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class _NaNTailOut(torch.autograd.Function):
+    """grouped_mm on CUDA leaves output rows past offsets[-1] unwritten: NaN there, on CPU too."""
+
+    @staticmethod
+    def forward(ctx, y, end):
+        y = y.clone()
+        y[end:] = float("nan")
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _NaNTailGrad(torch.autograd.Function):
+    """... and rows of the input's gradient past offsets[-1] too."""
+
+    @staticmethod
+    def forward(ctx, x, end):
+        ctx.end = end
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[ctx.end:] = float("nan")
+        return g, None
+
+
+def _tiny_gpt_oss_experts():
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                    vocab_size=257, sliding_window=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    return experts
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_sentinel_rows_unwritten_by_grouped_mm(interpret, monkeypatch, family):
+    """With experts of other ranks (sentinels) the dispatch needs no masks around the GEMMs: rows
+    grouped_mm leaves unwritten (NaN here, outputs and input gradients past offsets[-1]) never
+    reach the outputs or any gradient; experts with biases (GPT-OSS) keep transformers' masks,
+    since a per-row bias's gradient gathers every row."""
+    import transformers.integrations.moe as hf_moe
+
+    if family == "gpt_oss":
+        experts = _tiny_gpt_oss_experts()
+    else:
+        experts = next(m for m in build_model("qwen3-moe-tiny", torch.float32, seed=0).modules()
+                       if hasattr(m, "gate_up_proj"))
+    experts._is_expert_parallel = True
+    orig = hf_moe._grouped_linear
+
+    def poisoned(x, weight, offs, bias=None, is_transposed=False):
+        end = int(offs[-1])
+        x = _NaNTailGrad.apply(x, end)
+        return _NaNTailOut.apply(orig(x, weight, offs, bias=bias, is_transposed=is_transposed), end)
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, experts.num_experts + 2, (12, 2), generator=gen)
+    assert (ids >= experts.num_experts).any()
+    w = torch.rand(12, 2, generator=gen).masked_fill(ids >= experts.num_experts, 0.0)
+    h = torch.randn(12, experts.gate_up_proj.shape[1 if experts.is_transposed else 2], generator=gen)
+    results = []
+    row_masks = []
+    masked_fill = torch.Tensor.masked_fill
+
+    def counting(t, *a, **k):  # masks over activation rows (not the int positions)
+        row_masks.append(t.is_floating_point() and t.dim() == 2)
+        return masked_fill(t, *a, **k)
+
+    for fn, grouped in ((grouped_mm_experts_forward, orig), (moe_reorder.deepspeed_fused_experts_forward, poisoned)):
+        monkeypatch.setattr(hf_moe, "_grouped_linear", grouped)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        experts.zero_grad()
+        row_masks.clear()
+        monkeypatch.setattr(torch.Tensor, "masked_fill", counting)
+        out = fn(experts, hh, ids, ww)
+        monkeypatch.setattr(torch.Tensor, "masked_fill", masked_fill)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), hh.grad, ww.grad] + [p.grad.clone() for p in experts.parameters()])
+    assert sum(row_masks) == (2 if family == "gpt_oss" else 0)
+    for a, b in zip(*results):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_experts_forward_compiles_whole(interpret):
     """The experts implementation compiles in one graph (fullgraph, aot_eager), as grouped_mm does,
     and gives eager's outputs and gradients (sentinel experts included)."""
