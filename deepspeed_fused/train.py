@@ -9,7 +9,9 @@ runs that one, so the command above works from any directory once the package is
 
 The model is built from a named config with random weights (no hub access) and fed synthetic
 token batches (a learnable bigram-like stream, the same for every run with the same seed). Each
-step prints the loss, step time, tokens/s and peak GPU memory; the feature report is shown once,
+step prints the loss, step time, tokens/s and peak GPU memory (with ``gradient_accumulation_steps``
+above 1 in the config, a step is one optimizer step of that many micro-steps: the mean of their
+losses, the tokens of all of them, and the median forward+backward time of one); the feature report is shown once,
 by the plugin's hook, after initialisation. On a CPU-only machine bf16 is turned off and the fused
 paths fall back to eager (the report says so); the first CPU run waits a few minutes, silent,
 while DeepSpeed compiles its shm_comm op (said before it starts).
@@ -21,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from typing import Optional
 
 import deepspeed
 import torch
@@ -59,18 +62,36 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, devi
     return ids.to(device)
 
 
-def profile_step(engine, ids, trace_out=None) -> dict:
-    """One training step under the torch profiler: kernel time per category, each kernel once
+def profile_step(engine, batches, trace_out=None) -> dict:
+    """One optimizer step under the torch profiler (``batches``: its micro-batches, one per
+    gradient-accumulation micro-step): kernel time per category, each kernel once
     (``deepspeed_fused.bench.breakdown``: ranges around the modules the features replace and
-    around DeepSpeed's work, our kernels by name). On CPU, leaf CPU ops stand for kernels."""
+    around DeepSpeed's work, our kernels by name), and per micro-step the kernel time launched
+    during its forward+backward. On CPU, leaf CPU ops stand for kernels."""
+    from deepspeed_fused.bench.breakdown import micro_step_range
     from deepspeed_fused.bench.breakdown import profile_step as run
 
     def step():
-        out = engine(input_ids=ids, labels=ids)
-        engine.backward(out.loss)
-        engine.step()
+        for ids in batches:
+            with micro_step_range():
+                out = engine(input_ids=ids, labels=ids)
+                engine.backward(out.loss)
+            engine.step()
 
     return run(step, engine, device=torch.cuda.is_available(), trace_out=trace_out)
+
+
+def accumulation_steps(engine) -> int:
+    """The engine's ``gradient_accumulation_steps`` (micro-steps per optimizer step)."""
+    fn = getattr(engine, "gradient_accumulation_steps", None)
+    return int(fn()) if callable(fn) else 1
+
+
+def micro_batches(step: int, accum: int, batch: int, args, world: int, rank: int, vocab: int, device) -> list:
+    """The ``accum`` micro-batches of optimizer step ``step`` on this rank: micro-batch index
+    ``(step * accum + m) * world + rank`` (with one micro-step, the index each step always had)."""
+    return [synthetic_batch((step * accum + m) * world + rank, batch, args.seq_len, vocab, args.seed, device)
+            for m in range(accum)]
 
 
 def apply_liger(model_name: str, swiglu: bool) -> str:
@@ -153,33 +174,57 @@ def note_cpu_op_build() -> None:
 
 
 def run_steps(engine, args, batch: int, steps: int, rank: int, device, vocab: int, bar=None) -> list:
-    """``steps`` training steps of micro-batch ``batch``; one record per step."""
+    """``steps`` optimizer steps of micro-batch ``batch``, each ``gradient_accumulation_steps``
+    micro-steps (forward, ``engine.backward``, ``engine.step``: DeepSpeed steps the optimizer at
+    the last); one record per optimizer step: its wall time (synchronized at both ends), the
+    tokens/s of all its micro-batches, the mean loss of its micro-steps and, per micro-step, the
+    loss and the forward+backward time (on a GPU: CUDA events on the current stream around the
+    forward and ``engine.backward``, no synchronization between micro-steps)."""
     cuda = device.type == "cuda"
     world = deepspeed.comm.get_world_size()
-    tokens_per_step = batch * args.seq_len * world
+    accum = accumulation_steps(engine)
+    tokens_per_step = batch * args.seq_len * world * accum
     history = []
     for step in range(steps):
-        ids = synthetic_batch(step * world + rank, batch, args.seq_len, vocab, args.seed, device)
+        batches = micro_batches(step, accum, batch, args, world, rank, vocab, device)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        marks, losses = [], []
         t0 = time.perf_counter()
-        out = engine(input_ids=ids, labels=ids)
-        engine.backward(out.loss)
-        engine.step()
+        for ids in batches:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                start = time.perf_counter()
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            if cuda:
+                end.record()
+            else:
+                end = time.perf_counter()
+            marks.append((start, end))
+            losses.append(out.loss.detach())
+            del out
+            engine.step()
         if cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        loss = float(out.loss.detach().float())
-        del out, ids
+        fb = [s.elapsed_time(e) / 1e3 if cuda else e - s for s, e in marks]
+        micro_losses = [float(x.float()) for x in losses]
+        loss = sum(micro_losses) / len(micro_losses)
+        del batches, losses
         rec = dict(step=step, loss=loss, step_s=dt, tokens_per_s=tokens_per_step / dt,
                    peak_alloc_mib=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
-                   peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if cuda else None)
+                   peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
+                   micro_fb_s=fb, micro_losses=micro_losses)
         history.append(rec)
         if rank == 0:
             mem = f", peak {rec['peak_alloc_mib']:.0f} MiB" if cuda else ""
+            acc = f"  ({accum} micro-steps, fwd+bwd {statistics.median(fb) * 1e3:.1f} ms each)" if accum > 1 else ""
             msg = (f"[train] step {step:4d}  loss {loss:.4f}  {dt * 1e3:8.1f} ms  {rec['tokens_per_s']:9.0f} tok/s{mem}"
-                   + (f"  (micro-batch {batch})" if args.batch_sizes else ""))
+                   + acc + (f"  (micro-batch {batch})" if args.batch_sizes else ""))
             (bar.write(msg) if bar is not None else print(msg, flush=True))
             if bar is not None:
                 bar.update(1)
@@ -187,10 +232,15 @@ def run_steps(engine, args, batch: int, steps: int, rank: int, device, vocab: in
 
 
 def summarize(history: list, warmup: int) -> dict:
+    """Medians over the timed steps (after ``warmup``): the optimizer step's time and tokens/s,
+    the forward+backward time of one micro-step (over every micro-step of those steps); peaks over
+    all steps."""
     timed = history[warmup:] or history
     cuda = history and history[0]["peak_alloc_mib"] is not None
+    fb = [x for r in timed for x in r.get("micro_fb_s") or []]
     return dict(median_step_s=statistics.median(r["step_s"] for r in timed),
                 median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+                median_micro_fb_s=statistics.median(fb) if fb else None,
                 peak_alloc_mib=max((r["peak_alloc_mib"] or 0) for r in history) if cuda else None,
                 peak_reserved_mib=max((r["peak_reserved_mib"] or 0) for r in history) if cuda else None)
 
@@ -208,37 +258,50 @@ def free_memory(engine) -> None:
         torch.cuda.empty_cache()
 
 
+def _allocated_mib(device) -> Optional[float]:
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
 def search(engine, args, rank: int, device, vocab: int, write=None) -> dict:
     """Search mode: the listed micro-batch sizes in ascending order, in this process, until one
     runs out of memory (recorded, memory freed, the run ends) or fails otherwise (recorded).
-    ``write(trials)`` is called after each size, so a crash still leaves the sizes before it."""
+    Each trial records ``allocated_after_mib``, the GPU memory still allocated once its memory
+    was freed (the model and optimizer state: no more after an out-of-memory size than after
+    one that ran). ``write(trials)`` is called after each size, so a crash still leaves the sizes
+    before it."""
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    accum = accumulation_steps(engine)
     trials = []
     for b in sizes:
         if write is not None:
             write(trials)
         if hasattr(engine, "set_train_micro_batch_size"):
             engine.set_train_micro_batch_size(b)
+        failed = None
         try:
             history = run_steps(engine, args, b, args.steps, rank, device, vocab)
         except Exception as e:  # noqa: BLE001 - an OOM is a result of the search, not an error
-            oom = is_oom(e)
-            trials.append(dict(batch=b, status="oom" if oom else "error",
-                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"))
-            if rank == 0:
-                print(f"[train] micro-batch {b}: {'out of memory' if oom else 'failed'} ({trials[-1]['error']})",
-                      flush=True)
-            del e
+            failed = dict(batch=b, status="oom" if is_oom(e) else "error",
+                          error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        if failed is not None:
+            # outside the except block: the exception, its frames and their tensors are gone now
+            trials.append(failed)
             free_memory(engine)
+            failed["allocated_after_mib"] = _allocated_mib(device)
+            if rank == 0:
+                print(f"[train] micro-batch {b}: {'out of memory' if failed['status'] == 'oom' else 'failed'} "
+                      f"({failed['error']})", flush=True)
             break
         total = torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else None
-        trials.append(dict(batch=b, status="ok", **summarize(history, args.warmup),
+        trials.append(dict(batch=b, status="ok", gradient_accumulation_steps=accum, **summarize(history, args.warmup),
                            final_loss=history[-1]["loss"], device_total_mib=total, history=history))
+        del history
         if rank == 0:
             t = trials[-1]
             print(f"[train] micro-batch {b}: median {t['median_step_s'] * 1e3:.1f} ms, "
                   f"{t['median_tokens_per_s']:.0f} tok/s", flush=True)
         free_memory(engine)
+        trials[-1]["allocated_after_mib"] = _allocated_mib(device)
     if write is not None:
         write(trials)
     return dict(trials=trials)
@@ -306,7 +369,8 @@ def main(argv=None) -> dict:
 
         return dict(common, steps=args.steps, warmup=args.warmup, **search(engine, args, rank, device, vocab, write))
 
-    tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size()
+    accum = accumulation_steps(engine)
+    tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size() * accum
     try:
         from tqdm import tqdm
         bar = tqdm(total=args.steps, disable=args.no_progress or rank != 0, desc="train", dynamic_ncols=True)
@@ -317,19 +381,22 @@ def main(argv=None) -> dict:
         bar.close()
     breakdown = None
     if args.profile_out:  # every rank steps (collectives), rank 0's profile is written
-        breakdown = profile_step(engine, synthetic_batch(args.steps * deepspeed.comm.get_world_size() + rank,
-                                                         args.batch_size, args.seq_len, vocab, args.seed, device),
-                                 args.trace_out if rank == 0 else None)
+        batches = micro_batches(args.steps, accum, args.batch_size, args, deepspeed.comm.get_world_size(), rank,
+                                vocab, device)
+        breakdown = profile_step(engine, batches, args.trace_out if rank == 0 else None)
         if rank == 0:
             with open(args.profile_out, "w") as f:
                 json.dump(breakdown, f, indent=1)
     summary = dict(common, steps=args.steps, warmup=args.warmup, tokens_per_step=tokens_per_step,
+                   gradient_accumulation_steps=accum,
                    **summarize(history, args.warmup), history=history, breakdown=breakdown)
     if report is not None:
         summary["report"] = report.to_dict()  # with the call counts of the run
     if rank == 0:
         print(f"[train] done: median step {summary['median_step_s'] * 1e3:.1f} ms, "
-              f"{summary['median_tokens_per_s']:.0f} tok/s, final loss {history[-1]['loss']:.4f}")
+              f"{summary['median_tokens_per_s']:.0f} tok/s, final loss {history[-1]['loss']:.4f}"
+              + (f"; {accum} micro-steps per optimizer step, fwd+bwd {summary['median_micro_fb_s'] * 1e3:.1f} ms "
+                 "each (median)" if accum > 1 else ""))
         counted = [f"{f.name} {f.calls}" for f in (report.features if report is not None else [])
                    if f.applied and f.calls is not None]
         if counted:  # the fused paths really ran (eager: the model's own code ran instead)

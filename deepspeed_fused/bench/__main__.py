@@ -42,8 +42,9 @@ def main(argv=None) -> int:
             mod.main(args)
             continue
         records = mod.run(args)
-        paths = write_results(name, records, args.out, title=getattr(mod, "TITLE", ""),
-                              notes=getattr(mod, "NOTES", ""))
+        # a suite run in a mode of its own names its files (rms_norm --forms: rms_norm_forms.*)
+        paths = write_results(getattr(mod, "RESULT", None) or name, records, args.out, title=getattr(mod, "TITLE", ""),
+                              notes=getattr(mod, "NOTES", ""), command=getattr(mod, "COMMAND", None))
         with open(paths["md"]) as f:
             print(f.read())
         print("wrote", ", ".join(str(v) for v in paths.values()))

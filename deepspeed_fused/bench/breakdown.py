@@ -34,6 +34,13 @@ Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two
   4. ``other``.
 
   So each kernel is counted once, and the categories add up exactly to the total kernel time.
+
+  With gradient accumulation the profiled optimizer step has several micro-steps; the job marks
+  the forward+backward of each with an ``e2e::micro_step`` range (:func:`micro_step_range`, on the
+  main thread; it is no category, so it changes no kernel's category). A kernel whose launch (on
+  any thread: autograd's backward runs while the main thread waits in ``engine.backward``) falls
+  inside such a range belongs to that micro-step, and :func:`attribute` also returns each
+  micro-step's categories and their mean.
 """
 from __future__ import annotations
 
@@ -56,6 +63,8 @@ RANGE_CATEGORIES = {
     "zero_backward": "zero: gradients",
     "zero_params": "zero: parameter fetch/release",
 }
+# the forward+backward of one gradient-accumulation micro-step (a window, not a category)
+MICRO_STEP = PREFIX + "micro_step"
 OPTIMIZER_PREFIX = "Optimizer.step#"
 OPTIMIZER = "optimizer step"
 GRADIENTS = "zero: gradients"
@@ -132,6 +141,7 @@ class _Trace:
         self.launch = {}  # correlation -> (tid, ts)
         self.kernels = []  # (name, dur_us, correlation or None, (tid, ts) or None, device (pid, tid, ts))
         self.device_ranges = collections.defaultdict(list)  # (pid, tid) -> device-side copies of our ranges
+        self.windows = []  # the micro-step ranges, (start, end), in time order
         flows_s, flows_f = {}, collections.defaultdict(list)
         fwd_seq = collections.defaultdict(list)  # sequence number -> [(tid, ts)] of forward ops
         cpu_ops = collections.defaultdict(list)
@@ -158,7 +168,9 @@ class _Trace:
                 if "correlation" in args:
                     self.launch[args["correlation"]] = (ev.get("tid"), float(ev["ts"]))
             elif cat == "user_annotation":
-                if name.startswith(PREFIX) or name.startswith(OPTIMIZER_PREFIX):
+                if name == MICRO_STEP:
+                    self.windows.append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
+                elif name.startswith(PREFIX) or name.startswith(OPTIMIZER_PREFIX):
                     self.ranges[ev.get("tid")].append(_Span(ev, "range"))
             elif cat == "cpu_op":
                 if name.startswith(EVALUATE):
@@ -187,7 +199,13 @@ class _Trace:
         for seq, v in fwd_seq.items():
             on_main = [p for p in v if p[0] == main]
             self.fwd_seq[seq] = max(on_main or v, key=lambda p: p[1])
+        self.windows.sort()
         self._cache = {}
+
+    def window_of(self, ts) -> Optional[int]:
+        """The index of the micro-step range around host time ``ts``, None if none."""
+        i = bisect.bisect_right(self.windows, (ts, float("inf"))) - 1
+        return i if i >= 0 and self.windows[i][0] <= ts <= self.windows[i][1] else None
 
     def enclosing(self, tid, ts) -> list:
         key = (tid, ts)
@@ -256,7 +274,10 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
     ``device=False`` (a CPU-only run) takes the leaf CPU ops as the kernels instead. Returns
     ``total_gpu_ms``, ``categories`` (ms, summing exactly to the total), ``how`` (ms per way of
     attribution: name, range, backward_link, accumulate_grad, none), ``n_kernels`` and the top
-    kernels with their category."""
+    kernels with their category. A trace with ``e2e::micro_step`` ranges also gets ``micro_steps``
+    (per range, in time order: ``total_gpu_ms``, ``categories``, ``n_kernels`` of the kernels
+    launched inside it), ``micro_step_mean`` (their mean) and ``outside_micro_steps`` (the rest:
+    the optimizer step at the accumulation boundary, kernels without a launch)."""
     tr = _Trace(_events(trace), device)
     points = []
     for name, dur, corr, at, _ in tr.kernels:
@@ -268,10 +289,13 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
     how = collections.Counter()
     per_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
     total = 0.0
+    windows = [dict(total_gpu_ms=0.0, categories={c: 0.0 for c in CATEGORIES}, n_kernels=0) for _ in tr.windows]
+    outside = dict(total_gpu_ms=0.0, categories={c: 0.0 for c in CATEGORIES}, n_kernels=0)
     for name, dur, corr, at, dev in tr.kernels:
         ms = dur / 1e3
         total += ms
         cat, via = None, "none"
+        launch = at if at is not None else tr.launch.get(corr)
         for pat, c in OUR_KERNELS:
             if pat.search(name):
                 cat, via = c, "name"
@@ -292,13 +316,27 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
             cat = OTHER
         cats[cat] = cats.get(cat, 0.0) + ms
         how[via] += ms
+        if windows:
+            w = tr.window_of(launch[1]) if launch is not None else None
+            part = windows[w] if w is not None else outside
+            part["total_gpu_ms"] += ms
+            part["categories"][cat] = part["categories"].get(cat, 0.0) + ms
+            part["n_kernels"] += 1
         k = per_kernel[(name, cat)]
         k[0] += ms
         k[1] += 1
     rows = sorted(({"name": n, "category": c, "ms": v[0], "calls": v[1]} for (n, c), v in per_kernel.items()),
                   key=lambda r: -r["ms"])
-    return dict(total_gpu_ms=total, categories=cats, how=dict(how), n_kernels=len(tr.kernels),
-                top_kernels=rows[:top], method="kernels once each, by name/range (deepspeed_fused.bench.breakdown)")
+    out = dict(total_gpu_ms=total, categories=cats, how=dict(how), n_kernels=len(tr.kernels),
+               top_kernels=rows[:top], method="kernels once each, by name/range (deepspeed_fused.bench.breakdown)")
+    if windows:
+        n = len(windows)
+        out.update(micro_steps=windows, outside_micro_steps=outside,
+                   micro_step_mean=dict(total_gpu_ms=sum(w["total_gpu_ms"] for w in windows) / n,
+                                        categories={c: sum(w["categories"].get(c, 0.0) for w in windows) / n
+                                                    for c in windows[0]["categories"]},
+                                        n_micro_steps=n))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +460,14 @@ def install_ranges(engine_or_model) -> Ranges:
     except Exception:
         pass
     return r
+
+
+def micro_step_range():
+    """The ``e2e::micro_step`` range around one micro-step's forward+backward (see the module
+    docstring): a ``record_function`` context."""
+    import torch
+
+    return torch.profiler.record_function(MICRO_STEP)
 
 
 def profile_step(step_fn, engine_or_model, device: bool, trace_out: Optional[str] = None) -> dict:

@@ -302,9 +302,14 @@ def _forms_summary(recs) -> str:
     return "\n".join(rows)
 
 
+RESULT = COMMAND = None  # the files' name and command when not the suite's: rms_norm_forms with --forms
+
+
 def run(args) -> list:
-    global NOTES
+    global NOTES, RESULT, COMMAND
     extra = getattr(args, "extra", None) or []
+    RESULT, COMMAND = ("rms_norm_forms", "python -m deepspeed_fused.bench rms_norm --forms") if "--forms" in extra \
+        else (None, None)
     if "--sweep" in extra:
         return sweep(args)
     if "--forms" in extra:

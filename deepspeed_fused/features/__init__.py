@@ -1,4 +1,4 @@
-"""Features: one file each. The package registers the built-in ones, in this order."""
+"""Features: one file (or package) each. The package registers the built-in ones, in this order."""
 from .base import Environment, Feature, FeatureConfig, FeatureReport  # noqa: F401
 from .registry import all_features, get_feature, register, unregister  # noqa: F401
 from .rms_norm import RmsNormFeature

@@ -9,6 +9,7 @@ registry.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, ClassVar, Optional
 
@@ -201,3 +202,86 @@ class OptIn:
 
     def __repr__(self):
         return f"<deepspeed_fused {self._feature} opt-in>"
+
+
+class OptInMarker:
+    """The per-instance opt-in of a feature that installs a dispatcher on a module class once (for
+    the life of the process) and runs its fused path only for the instances carrying the marker
+    (``rms_norm``, ``rope``): the marker attribute holding the feature's :class:`OptIn` value, and
+    the attribute holding the :class:`CallCounts` of the apply that opted the module in. Both are
+    instance attributes, so copies and ``nn.DataParallel`` replicas keep them and a pickle loads
+    the marker as ``False``."""
+
+    def __init__(self, feature: str, marker: str, calls: str):
+        self.value = OptIn(feature)
+        self.marker = marker
+        self.calls = calls
+
+    def holds(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` carries the marker (its class's dispatcher may still be gone)."""
+        return module.__dict__.get(self.marker) is self.value
+
+    def mark(self, module: torch.nn.Module) -> None:
+        module.__dict__[self.marker] = self.value
+
+    def clear(self, model: torch.nn.Module) -> int:
+        """Opt every module of ``model`` out (they run their eager forward) and drop their counts.
+        Returns how many were opted in."""
+        n = 0
+        for module in model.modules():
+            module.__dict__.pop(self.calls, None)
+            if module.__dict__.get(self.marker) is self.value:
+                del module.__dict__[self.marker]
+                n += 1
+        return n
+
+    def count_calls(self, model: torch.nn.Module, is_replaced) -> CallCounts:
+        """One fresh :class:`CallCounts` for the modules of ``model`` that ``is_replaced``: their
+        dispatchers add their calls to it from now on."""
+        calls = CallCounts()
+        for module in model.modules():
+            if is_replaced(module):
+                module.__dict__[self.calls] = calls
+        return calls
+
+
+def count_text(counter) -> str:
+    """``"2 x LlamaRMSNorm, 1 x Qwen3RMSNorm"`` of a class name -> count mapping (by name)."""
+    return ", ".join(f"{n} x {c}" for c, n in sorted(counter.items()))
+
+
+class ReplacementFeature(Feature):
+    """A feature that replaces module classes' forwards by dispatchers and opts instances in with
+    an :class:`OptInMarker` (``opt_in``): ``revert`` opts the model's modules out, ``is_applied``
+    asks ``is_replaced`` of each module, and :meth:`replacement_report` writes the report of an
+    apply. Subclasses set ``opt_in``, ``is_replaced`` (a staticmethod) and ``none_found`` (the
+    reason when nothing was replaced)."""
+
+    opt_in: ClassVar[OptInMarker] = None
+    none_found: ClassVar[str] = ""
+
+    @staticmethod
+    def is_replaced(module: torch.nn.Module) -> bool:
+        raise NotImplementedError
+
+    def replacement_report(self, model: torch.nn.Module, replaced, already, skipped: dict, notes=(),
+                           **details) -> FeatureReport:
+        """The report of an apply: ``replaced`` and ``already`` (class name -> count) in force,
+        ``skipped`` (reason -> {class name: count}), then ``notes``; ``details`` after the counts.
+        When anything is in force, its modules count their calls from now on (``calls``)."""
+        total = collections.Counter(replaced) + already
+        notes = [f"skipped {count_text(c)}: {reason}" for reason, c in skipped.items()] + list(notes)
+        if already:
+            notes.insert(0, f"already replaced: {count_text(already)}")
+        rep = FeatureReport(name=self.name, enabled=True, applied=bool(total), where=count_text(total),
+                            details=dict(replaced=dict(replaced), already=dict(already), skipped=skipped, **details))
+        if total:  # fused and eager calls of this model's replaced modules, counted from now on
+            rep.calls = self.opt_in.count_calls(model, self.is_replaced)
+        rep.reason = "; ".join(notes) if total else "; ".join([self.none_found] + notes)
+        return rep
+
+    def revert(self, model: torch.nn.Module) -> int:
+        return self.opt_in.clear(model)
+
+    def is_applied(self, model: torch.nn.Module) -> bool:
+        return any(self.is_replaced(m) for m in model.modules())

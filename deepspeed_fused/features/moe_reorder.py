@@ -370,11 +370,19 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
 
     expert_ids = top_k_index.reshape(-1)
     expert_ids_g, perm = torch.sort(expert_ids)
-    # transformers >= 5.2x masks sentinels only under its expert parallelism; older 5.x always.
-    masking = bool(getattr(self, "_is_expert_parallel", True))
+    # Sentinels exist only under transformers' expert parallelism (>= 5.2x says so; older 5.x
+    # does not, so they are assumed possible). Their slots are padding: the dispatch writes zero
+    # rows there, the combine never reads them and its backward writes zero gradients there, and
+    # grouped_mm leaves rows past offsets[-1] unwritten, which only the next grouped_mm (reading
+    # rows below offsets[-1]) consumes. So the outputs need no mask; only a per-row expert bias
+    # does (its gradient gathers every row, the sentinels' included), hence transformers' masks
+    # run only for experts with biases.
+    expert_parallel = bool(getattr(self, "_is_expert_parallel", True))
+    has_bias = getattr(self, "has_bias", False)
     sentinel_g = expert_ids_g >= num_experts
     # slot s holds sorted position s; a sentinel's slot is padding
-    positions = torch.arange(perm.numel(), device=device).masked_fill(sentinel_g, -1) if masking else None
+    positions = torch.arange(perm.numel(), device=device).masked_fill(sentinel_g, -1) if expert_parallel else None
+    masking = expert_parallel and has_bias
     maps = reorder.route_maps(perm, num_top_k, positions)
 
     selected = reorder.route_dispatch(hidden_states, maps)
@@ -386,7 +394,6 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     ids_for_bias = expert_ids_g.clamp(max=num_experts - 1)
     mask = sentinel_g.unsqueeze(-1) if masking else None
 
-    has_bias = getattr(self, "has_bias", False)
     if getattr(self, "has_gate", True):
         weight, bias = self.gate_up_proj, (self.gate_up_proj_bias[ids_for_bias] if has_bias else None)
     else:

@@ -34,7 +34,7 @@ from pydantic import Field, StrictBool
 from ..ops._common import warn_fallback
 from ..ops.rms_norm import (FORMS, RMSForm, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                              try_fused_rms_norm_form)
-from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, OptIn
+from .base import Environment, FeatureConfig, FeatureReport, OptInMarker, ReplacementFeature
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -47,7 +47,8 @@ CALLS = "_ds_fused_rms_calls"  # instance attribute: the CallCounts of the apply
 _EPS_ATTRS = ("variance_epsilon", "eps")
 
 
-OPT_IN = OptIn("rms_norm")
+OPT_IN_MARKER = OptInMarker("rms_norm", MARKER, CALLS)
+OPT_IN = OPT_IN_MARKER.value  # read by the dispatchers
 
 # class -> the dispatcher installed on it. Dispatchers stay installed for the life of the
 # process: for instances without the marker they only call the forward they wrap.
@@ -700,7 +701,7 @@ def _classify(module, match_forms: bool, ds) -> tuple[str, Any]:
     spec = recognise(cls) if not ours and (match_forms or qn in SUPPORTED_CLASSES) else None
     if not ours and spec is None and not _looks_like_norm(module):
         return "ignore", ""
-    if ours and module.__dict__.get(MARKER) is OPT_IN:
+    if ours and OPT_IN_MARKER.holds(module):
         return "already", ""
     if "forward" in module.__dict__:
         return "skip", "forward patched on the instance"
@@ -757,7 +758,7 @@ def _commit(plan: dict) -> collections.Counter:
             disp.__spec__ = spec
             _DISPATCHERS[cls] = disp
             cls.forward = disp
-        module.__dict__[MARKER] = OPT_IN
+        OPT_IN_MARKER.mark(module)
         replaced[cls.__name__] += 1
     return replaced
 
@@ -770,18 +771,12 @@ def replace_rms_norm(model: torch.nn.Module, match_forms: bool = True) -> int:
 
 def restore_rms_norm(model: torch.nn.Module) -> int:
     """Opt the modules of ``model`` out again (they run their eager forward). Returns the count."""
-    n = 0
-    for module in model.modules():
-        module.__dict__.pop(CALLS, None)
-        if module.__dict__.get(MARKER) is OPT_IN:
-            del module.__dict__[MARKER]
-            n += 1
-    return n
+    return OPT_IN_MARKER.clear(model)
 
 
 def is_replaced(module: torch.nn.Module) -> bool:
     """Whether ``module`` currently runs the fused op (opted in, dispatcher installed)."""
-    return module.__dict__.get(MARKER) is OPT_IN and _is_our_dispatcher(type(module).forward)
+    return OPT_IN_MARKER.holds(module) and _is_our_dispatcher(type(module).forward)
 
 
 def replaced_form(module: torch.nn.Module) -> Optional[str]:
@@ -791,10 +786,6 @@ def replaced_form(module: torch.nn.Module) -> Optional[str]:
         return None
     spec = getattr(type(module).forward, "__spec__", None)
     return spec.template if isinstance(spec, FormSpec) else "llama"
-
-
-def _fmt(counter) -> str:
-    return ", ".join(f"{n} x {c}" for c, n in sorted(counter.items()))
 
 
 class RmsNormConfig(FeatureConfig):
@@ -814,9 +805,12 @@ class RmsNormConfig(FeatureConfig):
     """Deprecated: the earlier name of ``match_forms`` (a value given here is taken as ``match_forms``)."""
 
 
-class RmsNormFeature(Feature):
+class RmsNormFeature(ReplacementFeature):
     name = "rms_norm"
     config_model = RmsNormConfig
+    opt_in = OPT_IN_MARKER
+    is_replaced = staticmethod(is_replaced)
+    none_found = "no supported RMSNorm modules found"
 
     def is_supported(self, env: Environment) -> tuple[bool, str]:
         if not env.kernels_available:
@@ -826,25 +820,5 @@ class RmsNormFeature(Feature):
     def apply(self, model: torch.nn.Module, engine: Any, cfg: Any) -> FeatureReport:
         plan = _plan(model, bool(getattr(cfg, "match_forms", True)))
         replaced = _commit(plan)
-        already = plan["already"]
         skipped = {reason: dict(c) for reason, c in plan["skipped"].items()}
-        total = collections.Counter(replaced) + already
-        notes = [f"skipped {_fmt(c)}: {reason}" for reason, c in plan["skipped"].items()]
-        if already:
-            notes.insert(0, f"already replaced: {_fmt(already)}")
-        rep = FeatureReport(name=self.name, enabled=True, applied=bool(total), where=_fmt(total),
-                            details=dict(replaced=dict(replaced), already=dict(already), skipped=skipped))
-        if total:  # fused and eager calls of this model's replaced modules, counted from now on
-            rep.calls = CallCounts()
-            for module in model.modules():
-                if is_replaced(module):
-                    module.__dict__[CALLS] = rep.calls
-        rep.reason = "; ".join(notes) if total else \
-            "; ".join(["no supported RMSNorm modules found"] + notes)
-        return rep
-
-    def revert(self, model: torch.nn.Module) -> int:
-        return restore_rms_norm(model)
-
-    def is_applied(self, model: torch.nn.Module) -> bool:
-        return any(is_replaced(m) for m in model.modules())
+        return self.replacement_report(model, replaced, plan["already"], skipped)

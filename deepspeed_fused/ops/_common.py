@@ -156,7 +156,8 @@ def launch_binding(parts: tuple) -> tuple:
     floats). The one spelling of the C launcher's argument layout (grid, stream, function,
     cooperative, PDL, two scratch pointers, the packed metadata, three hooks; then the arguments
     and the constexpr values): callers that make the launch in their own closure (the RMSNorm's
-    fast paths) bind these once and make one C call per launch, with no Python call between."""
+    fast paths) bind these once and make one C call per launch, with no Python call between;
+    :class:`DirectKernel` binds ``fixed`` and ``tail`` and passes each call's own grid."""
     launch, g0, g1, g2, function, coop, pdl, meta, tail = parts
     return launch, (g0, g1, g2), (function, coop, pdl, None, None, meta, None, None, None), tail
 
@@ -198,20 +199,19 @@ class DirectKernel:
                 key = (tuple(map(_spec, args)), tuple(constexprs.values()), num_warps, dev)
                 parts = self._parts.get(key)
                 if parts is not None:
-                    launch, function, coop, pdl, meta, tail = parts
+                    launch, fixed, tail = parts
                     g1 = grid[1] if len(grid) > 1 else 1
                     g2 = grid[2] if len(grid) > 2 else 1
-                    launch(grid[0], g1, g2, _raw_stream(dev), function, coop, pdl, None, None,
-                           meta, None, None, None, *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args],
-                           *tail)
+                    launch(grid[0], g1, g2, _raw_stream(dev), *fixed,
+                           *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *tail)
                     return
                 compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps)
                 fn = direct_launcher(compiled, grid, tuple(constexprs.values()))
                 if fn is not None:
                     if len(self._parts) >= self._MAX:
                         self._parts.clear()
-                    launch, _, _, _, function, coop, pdl, meta, tail = fn.parts
-                    self._parts[key] = (launch, function, coop, pdl, meta, tail)
+                    launch, _, fixed, tail = launch_binding(fn.parts)  # this call's grid is given per call
+                    self._parts[key] = (launch, fixed, tail)
                 return
         self.kernel[grid](*args, **constexprs, num_warps=num_warps)
 

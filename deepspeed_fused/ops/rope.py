@@ -39,11 +39,15 @@ plain torch reference (:func:`rope_reference`) with one warning per reason. Unde
 op ``deepspeed_fused::rope_fwd`` with ``rope_bwd`` as its backward; in eager mode the same kernels
 run behind an ``autograd.Function``, launched through the compiled kernel's C launcher once a
 shape has been seen.
+
+One kernel family, kept in one file on purpose (past the package's ~800-line guide): the spec,
+the reference, the kernel, its plans and launches, the autograd Function and the custom ops all
+serve the one rotation kernel, and its tuning knobs are this module's attributes (the benchmark's
+sweep sets them, and every launch reads them here).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch

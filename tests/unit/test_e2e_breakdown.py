@@ -190,3 +190,51 @@ def test_real_cpu_trace_of_a_tiny_moe_model():
     import transformers.models.qwen3_moe.modeling_qwen3_moe as mq
 
     assert not getattr(mq.load_balancing_loss_func, "_e2e_range", False)
+
+
+def test_micro_step_ranges_split_an_accumulated_step_without_changing_categories():
+    """Two micro-steps (``e2e::micro_step`` on the main thread, their backward kernels launched on
+    autograd's thread while the main thread waits) and the optimizer step after them: each
+    micro-step gets the kernels launched inside it, the rest is outside, and the categories of
+    the whole step are those without the windows."""
+    def build(windows):
+        t = Trace()
+        for i, t0 in enumerate((0, 10000)):
+            if windows:
+                t.range("e2e::micro_step", t0, 5000)
+            t.range("e2e::rms_norm", t0 + 10, 100)
+            t.op("aten::mul", t0 + 20, 5, **{"Sequence number": 50 + i, "Fwd thread id": 0})
+            t.kernel("mul_kernel", t0 + 21, 30 + i)
+            t.range("e2e::attention", t0 + 200, 100)
+            t.kernel("flash_fwd_kernel", t0 + 210, 300)
+            t.range("e2e::zero_backward", t0 + 1000, 3000)
+            t.op("autograd::engine::evaluate_function: MulBackward0", t0 + 1100, 50, tid=BWD,
+                 **{"Sequence number": 50 + i, "Fwd thread id": 1})
+            t.kernel("mul_kernel", t0 + 1110, 40, tid=BWD)
+            t.op("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", t0 + 1200, 50, tid=BWD)
+            t.kernel("add_kernel", t0 + 1210, 20, tid=BWD)
+        t.range("e2e::zero_step", 20000, 3000)
+        t.range("Optimizer.step#AdamW.step", 20100, 2000)
+        t.kernel("multi_tensor_apply_kernel", 20200, 900)
+        t.kernel("norm_kernel", 22500, 100)  # grad norm, in the ZeRO step outside the optimizer
+        return t.events
+
+    b = attribute(build(True))
+    plain = attribute(build(False))
+    assert b["categories"] == plain["categories"] and b["total_gpu_ms"] == plain["total_gpu_ms"]
+    assert "micro_steps" not in plain
+    w = b["micro_steps"]
+    assert len(w) == 2 and [x["n_kernels"] for x in w] == [4, 4]
+    assert w[0]["categories"]["rms_norm"] == pytest.approx(0.03 + 0.04)  # forward and its backward
+    assert w[1]["categories"]["rms_norm"] == pytest.approx(0.031 + 0.04)
+    assert w[0]["categories"]["attention"] == pytest.approx(0.3)
+    assert w[0]["categories"]["zero: gradients"] == pytest.approx(0.02)
+    assert w[0]["total_gpu_ms"] == pytest.approx(0.39) and w[1]["total_gpu_ms"] == pytest.approx(0.391)
+    out = b["outside_micro_steps"]
+    assert out["categories"]["optimizer step"] == pytest.approx(0.9) and out["n_kernels"] == 2
+    assert out["categories"]["zero: step (grad norm, clip, copies)"] == pytest.approx(0.1)
+    m = b["micro_step_mean"]
+    assert m["n_micro_steps"] == 2 and m["total_gpu_ms"] == pytest.approx(0.3905)
+    assert m["categories"]["rms_norm"] == pytest.approx(0.0705)
+    assert sum(x["total_gpu_ms"] for x in w) + out["total_gpu_ms"] == pytest.approx(b["total_gpu_ms"])
+    _sums_to_total(m)

@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from deepspeed_fused.bench import e2e
 
@@ -41,10 +42,72 @@ def test_search_finds_the_largest_size_that_fits(fits):
     assert calls[0] == [1, 2, 4, 8, 16, 32, 64]  # doubling first, one process
     for chain in calls:
         assert chain == sorted(chain)  # each process walks upwards
-    sizes = [t["batch"] for t in r["trials"]]
-    assert len(sizes) == len(set(sizes))  # no size twice
-    assert r["processes"] == len(calls) <= 1 + 6  # one per out-of-memory size at most
+    sizes = [t["batch"] for t in r["trials"] if not t.get("alone")]
+    assert len(sizes) == len(set(sizes))  # no size twice, but for the confirmation
+    # the smallest failed size ran out of memory first in a process: by itself, or tried once more
+    # alone after it failed behind other sizes
+    bound = [t for t in r["trials"] if t["batch"] == fits + 1]
+    assert all(t["status"] == "oom" for t in bound) and any(t["position"] == 0 for t in bound)
+    confirmed = bound[0]["position"] > 0
+    assert r["confirmed_alone"] == ([fits + 1] if confirmed else [])
+    if confirmed:
+        assert len(bound) == 2 and bound[1]["alone"] and calls[-1] == [fits + 1]
+    assert r["processes"] == len(calls) <= 1 + 6 + 1  # one per out-of-memory size at most, and the confirmation
     assert [t["process"] for t in r["trials"]] == sorted(t["process"] for t in r["trials"])
+    plain = e2e.search_largest(fake_runner(fits)[0], start=1, max_size=64, confirm=False)
+    assert plain["largest"] == fits and plain["processes"] == r["processes"] - confirmed
+    assert not any(t.get("alone") for t in plain["trials"])
+
+
+def fragmenting_runner(fits_alone: int, fits_after_others: int):
+    """run_sizes stand-in where memory left by earlier sizes of a process costs room: a size fits
+    up to ``fits_alone`` when it is the first of its process, up to ``fits_after_others`` after."""
+    calls = []
+
+    def run_sizes(chain):
+        calls.append(list(chain))
+        out = []
+        for i, b in enumerate(chain):
+            if b > (fits_alone if i == 0 else fits_after_others):
+                out.append(dict(batch=b, status="oom", error="torch.OutOfMemoryError: CUDA out of memory"))
+                break
+            out.append(dict(batch=b, status="ok", median_tokens_per_s=100.0 * b, median_step_s=0.1,
+                            peak_alloc_mib=1.0))
+        return out
+
+    return run_sizes, calls
+
+
+@pytest.mark.parametrize("alone, after", [(40, 31), (9, 8), (64, 20), (23, 22)])
+def test_the_smallest_failed_size_is_confirmed_alone_and_the_search_goes_on_above_it(alone, after):
+    run, calls = fragmenting_runner(alone, after)
+    r = e2e.search_largest(run, start=1, max_size=64)
+    assert r["largest"] == alone and r["stopped"] is None
+    assert r["smallest_failed"] == (None if alone == 64 else alone + 1) and r["capped"] == (alone == 64)
+    assert r["tokens_per_s"] == 100.0 * alone
+    for chain in calls:
+        assert chain == sorted(chain)
+    # every out-of-memory trial that bounds the answer ran first in its process
+    if alone < 64:
+        bound = [t for t in r["trials"] if t["batch"] == alone + 1 and t["status"] == "oom"]
+        assert any(t["position"] == 0 for t in bound)
+    # without the confirmation the fragmented answer stands
+    plain = e2e.search_largest(fragmenting_runner(alone, after)[0], start=1, max_size=64, confirm=False)
+    assert plain["largest"] < alone or alone == after + 1 and plain["largest"] in (after, alone)
+
+
+def test_a_confirmation_that_fails_otherwise_stops_the_search():
+    # fits 13: 16 out of memory after 1..8, then 12 fits and 14 does not after it, 13 fits: 14 is
+    # run again alone (the only chain [14])
+    def run(chain):
+        if chain == [14]:
+            return [dict(batch=14, status="error", error="RuntimeError: boom")]
+        return fake_runner(13)[0](chain)
+
+    r = e2e.search_largest(run, 1, 64)
+    assert r["largest"] == 13 and r["stopped"].startswith("error at micro-batch 14")
+    r = e2e.search_largest(lambda c: [] if c == [14] else fake_runner(13)[0](c), 1, 64)
+    assert r["largest"] == 13 and "ended before micro-batch 14" in r["stopped"]
 
 
 @pytest.mark.parametrize("static, per_sample", [(50000, 8000), (60000, 3000), (20000, 20000), (90000, 700)])
@@ -66,10 +129,12 @@ def test_search_with_the_memory_guess_takes_two_processes_and_finds_the_same_siz
         return out
 
     fits = int((total - static) // per_sample)
-    r = e2e.search_largest(run_sizes, 1, 256)
+    r = e2e.search_largest(run_sizes, 1, 256, confirm=False)
     assert r["largest"] == fits and r["smallest_failed"] == fits + 1 and r["processes"] <= 2
-    plain = e2e.search_largest(lambda c: run_sizes(c, False), 1, 256)
+    plain = e2e.search_largest(lambda c: run_sizes(c, False), 1, 256, confirm=False)
     assert plain["largest"] == fits and plain["processes"] >= r["processes"]
+    confirmed = e2e.search_largest(run_sizes, 1, 256)  # at most one more process
+    assert confirmed["largest"] == fits and confirmed["processes"] <= r["processes"] + 1
 
 
 def test_a_wrong_guess_costs_processes_not_the_answer(monkeypatch):
@@ -79,6 +144,13 @@ def test_a_wrong_guess_costs_processes_not_the_answer(monkeypatch):
     monkeypatch.setattr(e2e, "predict_largest", lambda trials: 1000)  # far too large
     run, _ = fake_runner(21)
     assert e2e.search_largest(run, 1, 64)["largest"] == 21
+
+
+def test_search_out_of_memory_first_in_its_process_is_not_run_again():
+    run, calls = fake_runner(0)
+    r = e2e.search_largest(run, start=1, max_size=16)
+    assert r["largest"] is None and r["smallest_failed"] == 1 and calls == [[1, 2, 4, 8, 16]]
+    assert r["confirmed_alone"] == []
 
 
 def test_search_capped_nothing_fits_and_other_failures():
@@ -136,11 +208,14 @@ def test_compare_targets():
     assert c["speedup"] == pytest.approx(0.2 / 0.15) and c["speedup_vs_liger"] == pytest.approx(0.19 / 0.15)
     assert c["liger_speedup"] == pytest.approx(0.2 / 0.19)
     assert c["peak_alloc_reduction"] == pytest.approx(0.2)
-    assert c["targets"] == {"loss_0_5pct": True, "speedup_1.22": True, "vs_liger_1.2": True}
+    # issue 27 at ZeRO-2 (1.30x the baseline, 1.3x Liger); issue 16 for ZeRO-2 on two GPUs
+    assert c["targets"] == {"loss_0_5pct": True, "speedup_1.3": True, "vs_liger_1.3": False}
+    assert e2e.compare("zero2_2gpu", arms)["targets"] == {"loss_0_5pct": True, "speedup_1.22": True,
+                                                          "vs_liger_1.2": True}
     arms["liger"] = dict(error="timeout: no result", timeout=True)
     c = e2e.compare("zero2", arms)
-    assert c["targets"]["vs_liger_1.2"] is None and "speedup_vs_liger" not in c
-    assert "speedup_1.22" not in e2e.compare("zero3", arms)["targets"]
+    assert c["targets"]["vs_liger_1.3"] is None and "speedup_vs_liger" not in c
+    assert set(e2e.compare("zero3", arms)["targets"]) == {"loss_0_5pct"}
     assert "error" in e2e.compare("zero2", dict(baseline=dict(error="exit 1"), fused=arms["fused"]))
 
 
@@ -175,7 +250,8 @@ def test_render_merges_parts_and_writes_every_output(tmp_path):
     assert d["search"]["zero2"]["compare"]["fused_vs_baseline"] == pytest.approx(1.5)
     assert d["meta"]["search_max"] == 32
     md = (out / "e2e.md").read_text()
-    assert "| zero2 | liger | 190.0 |" in md and "timeout" in md and "| zero2 | fused | 4 | 8 | 600 |" in md
+    assert "| zero2 | liger | none | 1 | 190.0 |" in md and "timeout" in md
+    assert "| zero2 | fused | not recorded | 4 | 8 | 600 |" in md
     for png in ("e2e_loss.png", "e2e_speed_memory.png", "e2e_breakdown.png", "e2e_throughput.png"):
         assert (out / png).stat().st_size > 0
 
@@ -202,14 +278,15 @@ def test_render_reads_the_earlier_format(tmp_path):
 
 def test_suite_smoke_on_cpu(tmp_path):
     """The suite end to end through the deepspeed launcher on the tiny model: two arms that run, a
-    Liger arm that fails here (its Triton kernels need a GPU) and is recorded, not raised, and a
+    Liger arm that fails here (its Triton kernels need a GPU) and is recorded, not raised, the
+    accumulation pair (8 micro-steps per optimizer step, each timed and profiled), and a
     micro-batch search that reaches its cap."""
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=e2e.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, "-m", "deepspeed_fused.bench", "e2e", "--quick", "--out", str(tmp_path),
-                        "--model", "qwen3-moe-tiny", "--pairs", "zero2", "--arms", "baseline,liger,fused",
+                        "--model", "qwen3-moe-tiny", "--pairs", "zero2,zero2_accum8", "--arms", "baseline,liger,fused",
                         "--search", "zero2", "--search-arms", "fused", "--search-max", "2", "--arm-timeout", "400",
                         "--search-timeout", "400"], cwd=e2e.ROOT, env=env, capture_output=True, text=True,
                        timeout=1500)
@@ -221,9 +298,349 @@ def test_suite_smoke_on_cpu(tmp_path):
         b = z[arm]["breakdown"]
         assert sum(b["categories"].values()) == pytest.approx(b["total_gpu_ms"])
         assert b["categories"]["rms_norm"] > 0 and b["categories"]["optimizer step"] > 0
-    if not __import__("torch").cuda.is_available():
+    if not torch.cuda.is_available():
         assert "error" in z["liger"]  # recorded, the suite went on
     assert z["compare"]["max_loss_rel_diff"] <= 0.005
+    assert z["fused"]["gradient_accumulation_steps"] == 1 and z["fused"]["median_micro_fb_s"] > 0
+    assert len(z["fused"]["breakdown"]["micro_steps"]) == 1
+    a = d["results"]["zero2_accum8"]
+    for arm in ("baseline", "fused"):
+        assert "error" not in a[arm], a[arm].get("error")
+        r = a[arm]
+        assert r["gradient_accumulation_steps"] == 8 and len(r["history"]) == 4  # 3 timed + 1 warm-up
+        assert all(len(h["micro_losses"]) == 8 and len(h["micro_fb_s"]) == 8 for h in r["history"])
+        assert r["tokens_per_step"] == 8 * 2 * 512 and r["median_micro_fb_s"] > 0
+        b = r["breakdown"]
+        assert len(b["micro_steps"]) == 8 and b["micro_step_mean"]["n_micro_steps"] == 8
+        assert b["outside_micro_steps"]["categories"]["optimizer step"] > 0  # the step at the boundary
+        assert b["micro_step_mean"]["categories"]["optimizer step"] == 0
+        assert sum(w["total_gpu_ms"] for w in b["micro_steps"]) + b["outside_micro_steps"]["total_gpu_ms"] == \
+            pytest.approx(b["total_gpu_ms"])
+    assert a["fused"]["report"]["features"][1]["calls"]["fused"] >= 4 * 8  # the fused loss in every micro-step
+    c = a["compare"]
+    assert c["gradient_accumulation_steps"] == 8 and c["max_loss_rel_diff"] <= 0.005 and c["fb_speedup"] > 0
+    assert {x["name"] for x in c["checks"]} >= {"loss_0_5pct", "speedup_1.5", "vs_liger_1.3"}
     s = d["search"]["zero2"]["arms"]["fused"]
     assert s["largest"] == 2 and s["capped"] and [t["batch"] for t in s["trials"]] == [1, 2]
-    assert (tmp_path / "e2e.md").exists()
+    assert s["features"].startswith("ours: linear_cross_entropy")  # on CPU only the loss applies
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| zero2_accum8 | fused | ours: linear_cross_entropy (torch reference: no GPU)" in md
+    assert "### Forward+backward of one micro-step (ms)" in md and "| zero2_accum8 | fused | 8 |" in md
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 27 part 3: the accumulation pair, the search cap, the features of each arm
+# ---------------------------------------------------------------------------------------------
+
+def _opts(*extra, quick=False):
+    import argparse
+
+    return e2e.parse_options(argparse.Namespace(extra=list(extra), quick=quick))
+
+
+def test_options_defaults_and_checks():
+    o = _opts()
+    assert o.pair_list == ["zero2", "zero2_accum8", "autoep", "zero3"]  # the accumulation pair beside the others
+    assert o.arm_list == ["baseline", "liger", "fused"] and o.search_list == []
+    assert o.search_max == 64 and o.search_confirm  # the cap: the fused arm runs out of memory below it
+    o = _opts("--pairs", "zero2_accum8", "--arms", "baseline,fused", "--search", "zero2,zero2_accum8",
+              "--search-arms", "fused", "--search-start", "2", "--no-search-confirm", quick=True)
+    assert o.pair_list == ["zero2_accum8"] and o.search_list == ["zero2", "zero2_accum8"]
+    assert o.search_arm_list == ["fused"] and o.search_start == 2 and not o.search_confirm
+    assert (o.steps, o.warmup, o.seq_len) == (3, 1, 512)
+    assert _opts("--pairs", "none").pair_list == []
+    for bad, msg in ((("--pairs", "zero2_accum4"), "unknown pair 'zero2_accum4'"),
+                     (("--arms", "fused,ours"), "unknown arm 'ours'"),
+                     (("--search", "zero2_2gpu"), "runs on one GPU"),
+                     (("--search", "zero2", "--search-start", "8", "--search-max", "4"), "1 <= start <= max"),
+                     (("--search", "zero2", "--search-start", "0"), "1 <= start <= max")):
+        with pytest.raises(SystemExit, match=msg):
+            _opts(*bad)
+
+
+def _config(path):
+    with open(e2e.config_file(path)) as f:
+        return json.load(f)
+
+
+def test_the_accumulation_pair_is_zero2_with_8_micro_steps_and_every_feature_on():
+    from deepspeed_fused.features import all_features
+
+    base, fused, gpus = e2e.PAIRS["zero2_accum8"]
+    z_base, z_fused, _ = e2e.PAIRS["zero2"]
+    assert gpus == 1
+    for acc, ref in ((base, z_base), (fused, z_fused)):
+        a, r = _config(acc), _config(ref)
+        assert a["gradient_accumulation_steps"] == 8 and r["gradient_accumulation_steps"] == 1
+        assert a["zero_optimization"]["stage"] == 2
+        a["gradient_accumulation_steps"] = 1
+        assert a == r  # nothing else differs from the ZeRO-2 pair
+    names = [f.name for f in all_features()]
+    assert "rope" in names
+    for pair, (b, f, _) in e2e.PAIRS.items():  # every fused config of the suite: every registered feature on
+        section = _config(f)["deepspeed_fused"]
+        assert all(section[n]["enabled"] for n in names), (pair, f)
+        assert not any(v.get("enabled") for v in _config(b)["deepspeed_fused"].values()), (pair, b)
+    # the shipped copies (the package's configs/) are the same files
+    from deepspeed_fused.train import find_config
+
+    assert os.path.samefile(find_config("configs/accum8_fused.json"), e2e.config_file(fused))
+
+
+def _feature_report(on: bool, rope_eager: int = 0):
+    feats = []
+    for n in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"):
+        calls = dict(fused=100, eager=rope_eager if n == "rope" else 0) if on else None
+        feats.append(dict(name=n, enabled=on, applied=on, where="x" if on else "", reason="", fallback="",
+                          calls=calls))
+    return dict(features=feats)
+
+
+def test_arm_features_say_what_ran():
+    assert e2e.arm_features(dict(report=_feature_report(False))) == "none"
+    assert e2e.arm_features(dict(report=_feature_report(True))) == \
+        "ours: rms_norm, linear_cross_entropy, moe_reorder, rope"
+    assert e2e.arm_features(dict(report=_feature_report(True, rope_eager=3))).endswith(
+        "rope (100 fused / 3 eager calls)")
+    rep = _feature_report(True)
+    rep["features"][3].update(applied=False, reason="no rotary embedding found")
+    rep["features"][0]["fallback"] = "torch reference: no GPU"
+    assert e2e.arm_features(dict(report=rep)) == ("ours: rms_norm (torch reference: no GPU), linear_cross_entropy, "
+                                                  "moe_reorder; rope enabled, not applied (no rotary embedding found)")
+    liger = ("liger-kernel 0.8.5: apply_liger_kernel_to_qwen3_moe(rope=True, rms_norm=True, "
+             "fused_linear_cross_entropy=True, swiglu=False)")
+    assert e2e.arm_features(dict(report=_feature_report(False), liger=liger)) == \
+        "Liger: rope, rms_norm, fused_linear_cross_entropy"
+    assert e2e.arm_features(dict(error="timeout")).startswith("n/a")
+
+
+def _accum_arm(step_s, fb_s, losses, accum=8, mem=1000.0, liger=None, on=False, breakdown=None):
+    """An arm's record as train.py writes it with ``accum`` micro-steps per optimizer step."""
+    h = [dict(step=i, loss=sum(ml) / len(ml), step_s=step_s, tokens_per_s=2 * 4096 * accum / step_s,
+              peak_alloc_mib=mem, peak_reserved_mib=mem, micro_fb_s=[fb_s] * accum, micro_losses=list(ml))
+         for i, ml in enumerate(losses)]
+    return dict(history=h, median_step_s=step_s, median_tokens_per_s=2 * 4096 * accum / step_s,
+                median_micro_fb_s=fb_s, gradient_accumulation_steps=accum, peak_alloc_mib=mem,
+                peak_reserved_mib=mem, step_s_p10=step_s, step_s_p90=step_s, breakdown=breakdown,
+                report=_feature_report(on), liger=liger)
+
+
+def test_compare_the_accumulation_pair_micro_step_losses_and_issue_27_targets():
+    ml = [[12.0 - 0.01 * m for m in range(8)], [11.9 - 0.01 * m for m in range(8)]]
+    off = [[x * 1.001 for x in s] for s in ml]
+    off[1][5] = ml[1][5] * 1.006  # one micro-step past 0.5%: the mean of its step is within
+    arms = dict(baseline=_accum_arm(1.2, 0.13, ml), liger=_accum_arm(1.15, 0.125, ml),
+                fused=_accum_arm(0.78, 0.085, off, on=True))
+    c = e2e.compare("zero2_accum8", arms)
+    assert c["gradient_accumulation_steps"] == 8
+    assert c["speedup"] == pytest.approx(1.2 / 0.78) and c["speedup_vs_liger"] == pytest.approx(1.15 / 0.78)
+    assert c["fb_speedup"] == pytest.approx(0.13 / 0.085) and c["fb_speedup_vs_liger"] == pytest.approx(0.125 / 0.085)
+    assert c["max_loss_rel_diff"] == pytest.approx(0.006)  # micro-step by micro-step
+    assert c["targets"] == {"loss_0_5pct": False, "speedup_1.5": True, "vs_liger_1.3": True}
+    checks = {x["name"]: x for x in c["checks"]}
+    assert checks["speedup_1.5"]["measured"] == pytest.approx(1.2 / 0.78) and checks["speedup_1.5"]["issue"] == 27
+    assert checks["loss_0_5pct"]["what"].endswith("every micro-step")
+    assert checks["liger_loss_0_5pct"]["met"]
+    arms["fused"] = _accum_arm(0.9, 0.09, ml, on=True)
+    c = e2e.compare("zero2_accum8", arms)
+    assert c["targets"] == {"loss_0_5pct": True, "speedup_1.5": False, "vs_liger_1.3": False}
+    # at accumulation 1 the issue-27 ZeRO-2 targets: 1.30x the baseline, 1.3x Liger
+    one = dict(baseline=_accum_arm(0.2, 0.12, [[12.0], [11.0]], accum=1),
+               liger=_accum_arm(0.19, 0.11, [[12.0], [11.0]], accum=1),
+               fused=_accum_arm(0.15, 0.08, [[12.0], [11.0]], accum=1, on=True))
+    assert e2e.compare("zero2", one)["targets"] == {"loss_0_5pct": True, "speedup_1.3": True, "vs_liger_1.3": False}
+    # arms of different accumulation do not line up: no loss comparison, the target not met
+    mixed = dict(baseline=one["baseline"], fused=arms["fused"])
+    assert e2e.compare("zero2", mixed)["max_loss_rel_diff"] is None
+
+
+def test_run_arm_launches_the_accumulation_configs(tmp_path, monkeypatch):
+    seen = []
+
+    def launch(train_args, num_gpus, timeout, tmp, env_extra=None):
+        a = {k: train_args[i + 1] for i, k in enumerate(train_args[:-1]) if k.startswith("--")}
+        seen.append(a)
+        fused = "fused" in os.path.basename(a["--deepspeed_config"])
+        accum = _config(a["--deepspeed_config"])["gradient_accumulation_steps"]
+        rec = _accum_arm(0.8 if fused else 1.2, 0.09 if fused else 0.13, [[12.0] * accum] * int(a["--steps"]),
+                         accum=accum, on=fused)
+        with open(a["--metrics-out"], "w") as f:
+            json.dump(rec, f)
+        return dict(rc=0, stdout="", stderr="", wall_s=1.0)
+
+    monkeypatch.setattr(e2e, "launch", launch)
+    o = _opts("--pairs", "zero2_accum8", "--arms", "baseline,fused", "--steps", "4", "--warmup", "1")
+    arms = {arm: e2e.run_arm("zero2_accum8", arm, o, str(tmp_path)) for arm in ("baseline", "fused")}
+    assert [os.path.basename(a["--deepspeed_config"]) for a in seen] == ["accum8_baseline.json", "accum8_fused.json"]
+    assert all(a["--steps"] == "5" and "--profile-out" in a for a in seen)  # optimizer steps, timed + warm-up
+    c = e2e.compare("zero2_accum8", arms)
+    assert c["speedup"] == pytest.approx(1.5) and c["fb_speedup"] == pytest.approx(0.13 / 0.09)
+
+
+def _bk(total, cats, micro=None, n=8, rest=0.0):
+    b = dict(total_gpu_ms=total, categories=cats, method="kernels once each", how={"range": total}, n_kernels=10)
+    if micro is not None:
+        b.update(micro_step_mean=dict(total_gpu_ms=sum(micro.values()), categories=micro, n_micro_steps=n),
+                 outside_micro_steps=dict(total_gpu_ms=rest, categories={}, n_kernels=1))
+    return b
+
+
+def test_render_the_accumulation_rows_targets_and_search_sizes(tmp_path):
+    meta = dict(date="d", gpu="g", torch="t", triton="tr", liger_kernel="0.8.5", model="m", batch=2, seq=4096,
+                steps=2, warmup=0, search_start=2, search_max=64, search_steps=5, search_warmup=2,
+                search_confirm=True)
+    ml = [[12.0] * 8, [11.9] * 8]
+    liger = "liger-kernel 0.8.5: apply_liger_kernel_to_qwen3_moe(rope=True, rms_norm=True, swiglu=False)"
+    results = dict(zero2_accum8=dict(
+        baseline=_accum_arm(1.2, 0.13, ml, breakdown=_bk(1150.0, {"rms_norm": 110.0, "other": 1040.0},
+                                                         {"rms_norm": 13.75, "other": 120.0}, rest=80.0)),
+        liger=_accum_arm(1.15, 0.125, ml, liger=liger),
+        fused=_accum_arm(0.78, 0.085, ml, on=True, breakdown=_bk(760.0, {"rms_norm": 8.0, "other": 752.0},
+                                                                 {"rms_norm": 1.0, "other": 84.0}, rest=80.0))))
+    fits = [dict(batch=b, status="ok", median_tokens_per_s=1000.0 * b, median_step_s=0.1, peak_alloc_mib=1.0,
+                 position=i, process=1) for i, b in enumerate((2, 4, 8, 16, 32))]
+    fused_s = dict(trials=fits + [dict(batch=64, status="oom", position=5, process=1),
+                                  dict(batch=37, status="ok", median_tokens_per_s=40000.0, median_step_s=0.1,
+                                       peak_alloc_mib=1.0, position=0, process=2),
+                                  dict(batch=38, status="oom", position=1, process=2),
+                                  dict(batch=38, status="oom", position=0, process=3, alone=True)],
+                   largest=37, smallest_failed=38, capped=False, tokens_per_s=40000.0, median_step_s=0.1,
+                   peak_alloc_mib=1.0, features="ours: rms_norm, linear_cross_entropy, moe_reorder, rope")
+    base_s = dict(trials=fits[:3] + [dict(batch=16, status="oom")], largest=8, smallest_failed=9, capped=False,
+                  tokens_per_s=8000.0, median_step_s=0.1, peak_alloc_mib=1.0, features="none")
+    p = tmp_path / "in.json"
+    p.write_text(json.dumps(dict(meta=meta, results=results,
+                                 search=dict(zero2=dict(arms=dict(baseline=base_s, fused=fused_s))))))
+    out = tmp_path / "out"
+    out.mkdir()
+    d = e2e.render([str(p)], str(out))
+    md = (out / "e2e.md").read_text()
+    assert ("| zero2_accum8 | fused | ours: rms_norm, linear_cross_entropy, moe_reorder, rope | 8 | 780.0 | "
+            "780.0-780.0 | 84021 | 85.0 |") in md
+    assert "| zero2_accum8 | baseline | none | 8 | 1200.0 |" in md
+    assert "| zero2_accum8 | liger | Liger: rope, rms_norm | 8 |" in md
+    assert "(`zero2_accum8`: 8 micro-steps each, gradient accumulation)" in md
+    assert "| zero2_accum8 | 8 | 1.54 | 1.47 | 1.04 | 1.53 / 1.47 |" in md
+    assert "| zero2_accum8 | optimizer step, fused vs baseline (issue 27) | 1.538x | >= 1.5 | yes |" in md
+    assert "| zero2_accum8 | max loss rel. diff fused vs baseline, every micro-step | 0.000% | <= 0.5% | yes |" in md
+    assert "`zero2_accum8` >= 1.5x the baseline's and >= 1.3x the Liger arm's" in md
+    assert "### Forward+backward of one micro-step (ms)" in md
+    assert "| zero2_accum8 | fused | 8 | 85.0 | 1.0 |" in md and "| 80.0 |" in md
+    assert "| zero2 | fused | ours: rms_norm, linear_cross_entropy, moe_reorder, rope | 37 | 38 | 40000 |" in md
+    assert "2 4 8 16 32 37 38x 38xa 64x" in md
+    assert "| zero2 | baseline 8, fused 37 | 5.00 |" in md and "a floor" not in md.split("| zero2 | baseline 8")[1]
+    assert d["search"]["zero2"]["compare"]["largest"] == dict(baseline=8, fused=37)
+    assert d["search"]["zero2"]["compare"]["fused_capped"] is False
+    # the fused arm still fitting at the cap: said, and its ratio marked as a floor
+    fused_s.update(largest=64, smallest_failed=None, capped=True)
+    p.write_text(json.dumps(dict(meta=meta, results={}, search=dict(zero2=dict(arms=dict(baseline=base_s,
+                                                                                         fused=fused_s))))))
+    e2e.render([str(p)], str(out))
+    md = (out / "e2e.md").read_text()
+    assert "| zero2 | baseline 8, fused 64 (cap) | 5.00 (fused at the cap: a floor) |" in md
+
+
+class _FakeEngine:
+    """Stands in for a DeepSpeed engine in train.py's loops: counts the micro-steps, the
+    optimizer steps (every ``accum``-th ``step()``, as DeepSpeed does) and the batches it saw."""
+
+    def __init__(self, accum, oom_above=None):
+        self.accum, self.oom_above = accum, oom_above
+        self.micro, self.optimizer_steps, self.seen, self.zeroed, self.sizes = 0, 0, [], 0, []
+
+    def gradient_accumulation_steps(self):
+        return self.accum
+
+    def set_train_micro_batch_size(self, b):
+        self.sizes.append(b)
+
+    def __call__(self, input_ids, labels):
+        import types
+
+        if self.oom_above is not None and input_ids.shape[0] > self.oom_above:
+            self.big = torch.empty(1000)  # what a failed step leaves behind
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.seen.append(input_ids.clone())
+        w = torch.ones((), requires_grad=True)
+        return types.SimpleNamespace(loss=w * (10.0 + 0.001 * len(self.seen)))
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.micro += 1
+        if self.micro % self.accum == 0:
+            self.optimizer_steps += 1
+
+    def zero_grad(self):
+        self.zeroed += 1
+
+
+def _train_args(**kw):
+    import argparse
+
+    d = dict(seq_len=8, seed=3, batch_sizes=None, steps=3, warmup=1)
+    d.update(kw)
+    return argparse.Namespace(**d)
+
+
+def test_train_steps_with_accumulation_time_each_micro_step(monkeypatch):
+    from deepspeed_fused import train
+
+    monkeypatch.setattr(train.deepspeed.comm, "get_world_size", lambda: 1)
+    eng = _FakeEngine(accum=4)
+    args = _train_args()
+    hist = train.run_steps(eng, args, batch=2, steps=3, rank=0, device=torch.device("cpu"), vocab=50)
+    assert eng.micro == 12 and eng.optimizer_steps == 3 and len(hist) == 3
+    for i, r in enumerate(hist):
+        assert len(r["micro_fb_s"]) == 4 and all(x > 0 for x in r["micro_fb_s"])
+        assert r["micro_losses"] == pytest.approx([10.0 + 0.001 * (4 * i + m + 1) for m in range(4)])
+        assert r["loss"] == pytest.approx(sum(r["micro_losses"]) / 4)
+        assert r["tokens_per_s"] == pytest.approx(2 * 8 * 4 / r["step_s"])  # every micro-batch's tokens
+        assert sum(r["micro_fb_s"]) <= r["step_s"]
+    # micro-batch k of the run is the synthetic batch with index k (world size 1): distinct data
+    for k, ids in enumerate(eng.seen):
+        assert torch.equal(ids, train.synthetic_batch(k, 2, 8, 50, 3, "cpu"))
+    s = train.summarize(hist, warmup=1)
+    import statistics
+
+    # over every micro-step of the timed steps (8 of them: the mean of the middle two)
+    assert s["median_micro_fb_s"] == statistics.median(x for r in hist[1:] for x in r["micro_fb_s"])
+    # one micro-step: the batch index each step always had
+    eng1 = _FakeEngine(accum=1)
+    train.run_steps(eng1, args, batch=2, steps=2, rank=0, device=torch.device("cpu"), vocab=50)
+    assert torch.equal(eng1.seen[1], train.synthetic_batch(1, 2, 8, 50, 3, "cpu"))
+
+
+def test_train_search_catches_out_of_memory_and_frees_it(monkeypatch):
+    import sys as _sys
+
+    from deepspeed_fused import train
+
+    monkeypatch.setattr(train.deepspeed.comm, "get_world_size", lambda: 1)
+    freed = []
+
+    def free_memory(engine):
+        freed.append(_sys.exc_info()[0])  # None: no exception (and its frames) alive any more
+        engine.zero_grad()
+
+    monkeypatch.setattr(train, "free_memory", free_memory)
+    eng = _FakeEngine(accum=2, oom_above=3)
+    written = []
+    r = train.search(eng, _train_args(batch_sizes="1,2,3,4,8", steps=2, warmup=1), 0, torch.device("cpu"), 50,
+                     write=lambda t: written.append(len(t)))
+    t = r["trials"]
+    assert [x["batch"] for x in t] == [1, 2, 3, 4] and [x["status"] for x in t] == ["ok"] * 3 + ["oom"]
+    assert t[-1]["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert all(x["gradient_accumulation_steps"] == 2 and x["median_micro_fb_s"] > 0 for x in t[:3])
+    assert t[0]["median_tokens_per_s"] > 0 and len(t[0]["history"]) == 2
+    assert eng.sizes == [1, 2, 3, 4]  # 8 never tried: the process ends at the first failure
+    assert freed == [None] * 4 and written[-1] == 4
+    # any other failure is recorded as one, not as out of memory
+    class Broken(_FakeEngine):
+        def __call__(self, input_ids, labels):
+            raise RuntimeError("shape mismatch")
+
+    r = train.search(Broken(accum=1), _train_args(batch_sizes="1,2"), 0, torch.device("cpu"), 50)
+    assert r["trials"] == [dict(batch=1, status="error", error="RuntimeError: shape mismatch",
+                                allocated_after_mib=None)]  # (None: no GPU memory on CPU)

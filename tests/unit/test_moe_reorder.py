@@ -497,6 +497,98 @@ def test_transformers_sentinels(interpret):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+class _NaNTailOut(torch.autograd.Function):
+    """grouped_mm on CUDA leaves output rows past offsets[-1] unwritten: NaN there, on CPU too."""
+
+    @staticmethod
+    def forward(ctx, y, end):
+        y = y.clone()
+        y[end:] = float("nan")
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _NaNTailGrad(torch.autograd.Function):
+    """... and rows of the input's gradient past offsets[-1] too."""
+
+    @staticmethod
+    def forward(ctx, x, end):
+        ctx.end = end
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[ctx.end:] = float("nan")
+        return g, None
+
+
+def _tiny_gpt_oss_experts():
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                    vocab_size=257, sliding_window=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    return experts
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_sentinel_rows_unwritten_by_grouped_mm(interpret, monkeypatch, family):
+    """With experts of other ranks (sentinels) the dispatch needs no masks around the GEMMs: rows
+    grouped_mm leaves unwritten (NaN here, outputs and input gradients past offsets[-1]) never
+    reach the outputs or any gradient; experts with biases (GPT-OSS) keep transformers' masks,
+    since a per-row bias's gradient gathers every row."""
+    import transformers.integrations.moe as hf_moe
+
+    if family == "gpt_oss":
+        experts = _tiny_gpt_oss_experts()
+    else:
+        experts = next(m for m in build_model("qwen3-moe-tiny", torch.float32, seed=0).modules()
+                       if hasattr(m, "gate_up_proj"))
+    experts._is_expert_parallel = True
+    orig = hf_moe._grouped_linear
+
+    def poisoned(x, weight, offs, bias=None, is_transposed=False):
+        end = int(offs[-1])
+        x = _NaNTailGrad.apply(x, end)
+        return _NaNTailOut.apply(orig(x, weight, offs, bias=bias, is_transposed=is_transposed), end)
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, experts.num_experts + 2, (12, 2), generator=gen)
+    assert (ids >= experts.num_experts).any()
+    w = torch.rand(12, 2, generator=gen).masked_fill(ids >= experts.num_experts, 0.0)
+    h = torch.randn(12, experts.gate_up_proj.shape[1 if experts.is_transposed else 2], generator=gen)
+    results = []
+    row_masks = []
+    masked_fill = torch.Tensor.masked_fill
+
+    def counting(t, *a, **k):  # masks over activation rows (not the int positions)
+        row_masks.append(t.is_floating_point() and t.dim() == 2)
+        return masked_fill(t, *a, **k)
+
+    for fn, grouped in ((grouped_mm_experts_forward, orig), (moe_reorder.deepspeed_fused_experts_forward, poisoned)):
+        monkeypatch.setattr(hf_moe, "_grouped_linear", grouped)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        experts.zero_grad()
+        row_masks.clear()
+        monkeypatch.setattr(torch.Tensor, "masked_fill", counting)
+        out = fn(experts, hh, ids, ww)
+        monkeypatch.setattr(torch.Tensor, "masked_fill", masked_fill)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), hh.grad, ww.grad] + [p.grad.clone() for p in experts.parameters()])
+    assert sum(row_masks) == (2 if family == "gpt_oss" else 0)
+    for a, b in zip(*results):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_experts_forward_compiles_whole(interpret):
     """The experts implementation compiles in one graph (fullgraph, aot_eager), as grouped_mm does,
     and gives eager's outputs and gradients (sentinel experts included)."""
@@ -843,3 +935,60 @@ def test_direct_launch_key_follows_triton_specialization():
     t = torch.zeros(8)
     assert _spec(t) == (torch.float32, True, False) and _spec(t[1:]) == (torch.float32, False, False)
     assert _spec(2.5) == _spec(0.5) and _spec(True) != _spec(False)
+
+
+def test_direct_kernel_launches_with_the_one_launcher_layout(monkeypatch):
+    """DirectKernel's later calls of a key go straight to the C launcher, laid out as
+    ``launch_binding`` spells it (with this call's grid), exactly as ``direct_launcher``'s own
+    closure would call it; the first call goes through the JIT. CUDA state and the launcher are
+    faked here (on CPU no real launcher exists)."""
+    from deepspeed_fused.ops import _common
+
+    calls = []
+
+    def launch(*a):
+        calls.append(a)
+
+    class Dev:
+        index = 0
+
+    class Arg:  # what DirectKernel reads of its first argument
+        is_cuda = True
+        device = Dev()
+
+    class Kernel:
+        jit = []
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                self.jit.append((grid, args, kw))
+                return "compiled"
+            return run
+
+    def fake_direct_launcher(compiled, grid, constexpr_values):
+        assert compiled == "compiled"
+        parts = (launch, 9, 9, 9, "FUNCTION", False, True, "META", constexpr_values)
+
+        def fn(stream, *args):
+            launch, grid3, fixed, tail = _common.launch_binding(parts)
+            launch(*grid3, stream, *fixed, *args, *tail)
+
+        fn.parts = parts
+        return fn
+
+    monkeypatch.setattr(_common, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(_common, "_current_device", lambda: 0)
+    monkeypatch.setattr(_common, "_raw_stream", lambda dev: 1234)
+    monkeypatch.setattr(_common, "direct_launcher", fake_direct_launcher)
+    k = _common.DirectKernel(Kernel())
+    a = Arg()
+    k((4,), (a, 7), dict(BLOCK=64, W=2), 4)
+    assert len(Kernel.jit) == 1 and not calls  # first call: the JIT
+    k((5, 3), (a, 7), dict(BLOCK=64, W=2), 4)
+    assert len(Kernel.jit) == 1 and len(calls) == 1
+    assert calls[0] == (5, 3, 1, 1234, "FUNCTION", False, True, None, None, "META", None, None, None, a, 7, 64, 2)
+    # the same layout direct_launcher's closure makes for a fixed grid
+    fake_direct_launcher("compiled", (9,), (64, 2))(1234, a, 7)
+    assert calls[1][3:] == calls[0][3:] and calls[1][:3] == (9, 9, 9)
+    k((4,), (a, 7), dict(BLOCK=32, W=2), 4)  # another key: the JIT again
+    assert len(Kernel.jit) == 2 and len(calls) == 2
