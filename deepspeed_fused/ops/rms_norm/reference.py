@@ -49,7 +49,8 @@ class RMSForm(NamedTuple):
       sum rounded to the weight's dtype), ``"none"`` (no weight);
     * ``gate``: ``"after"`` (the weighted value times ``act(gate.float())``: Qwen3-Next's gated
       norm), ``"before"`` (``h = x.float() * act(gate.float())`` before the statistics: Mamba2's,
-      its groups given by ``group_size``; a missing gate means no gating), ``"none"``; ``act``: ``"silu"`` or ``"sigmoid"``;
+      its groups given by ``group_size``; a missing gate means no gating), ``"none"``; ``act``:
+      ``"silu"`` or ``"sigmoid"``;
     * ``out_cast``: the result cast to the input's dtype (else it keeps the dtype of its last op);
     * ``rstd_cast``: ``x * rstd.to(x.dtype)``, both in the input's dtype (no weight: DeepSeek-V4's
       unweighted norm).
