@@ -292,7 +292,7 @@ SORT_MAX_EXPERTS = 8190  # NB <= 8192 buckets held per program
 
 def sort_buckets(num_experts: int) -> int:
     """Buckets of the counting sort: a power of two above the E experts and the sentinel bucket."""
-    return max(16, triton.next_power_of_2(num_experts + 2))
+    return max(32, triton.next_power_of_2(num_experts + 2))  # (a GPU tl.histogram counts into >= 32 bins)
 
 
 if HAS_TRITON:
@@ -390,5 +390,5 @@ def route_sort_into(expert_ids: torch.Tensor, num_experts: int, top_k: int, out:
                              dict(CHUNK=chunk, BLOCK=min(chunk, 1024), NB=nb), 4)
     _launch_route_sort((num_chunks, ), (ids, counts, order, tok, assign, slot, experts, offsets, n, num_experts,
                                         num_chunks),
-                       dict(TOP_K=top_k, CHUNK=chunk, SUB=SORT_SUB, NB=nb, CT=max(1, 8192 // nb)), 4)
+                       dict(TOP_K=top_k, CHUNK=chunk, SUB=SORT_SUB, NB=nb, CT=max(1, 8192 // nb)), 8)
     return out
