@@ -616,6 +616,22 @@ def test_bench_forms_smoke(interpret):
     assert text.count("\n| ") == 4  # the header's separator and one row per shape
 
 
+def test_bench_forms_writes_its_own_files(interpret, tmp_path):
+    """``bench rms_norm --forms`` names its files and command after the mode (the Llama suite's
+    rms_norm.* are left alone)."""
+    from deepspeed_fused.bench import rms_norm as B
+    from deepspeed_fused.bench.__main__ import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["rms_norm", "--forms", "--quick", "--out", str(tmp_path)]) == 0
+    names = {p.name for p in tmp_path.iterdir()}  # the plot only where matplotlib is installed
+    assert {"rms_norm_forms.json", "rms_norm_forms.md"} <= names <= {"rms_norm_forms.json", "rms_norm_forms.md",
+                                                                      "rms_norm_forms.png"}
+    assert "python -m deepspeed_fused.bench rms_norm --forms" in (tmp_path / "rms_norm_forms.md").read_text()
+    B.RESULT = B.COMMAND = None
+
+
 def test_form_dispatcher_counts_fused_and_eager_calls(interpret):
     from deepspeed_fused import patch_model
 
