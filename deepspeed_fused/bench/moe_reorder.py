@@ -246,8 +246,11 @@ def run_route_sort(dev, rep: int, quick: bool) -> list:
                 ("transformers sort+histc+cumsum", transformers_build, False, "order and offsets only, no maps"),
                 ("deepspeed_fused before route_sort", previous_build, False,
                  "sort, positions, route_maps, histc, cumsum")):
-            g = graph_ms(fn)
-            note = what + (f"; graph replay {g * 1e3:.1f} us" if g is not None else "")
+            try:
+                g, why = graph_ms(fn), ""
+            except Exception as e:  # a capture failure is reported, not fatal
+                g, why = None, f"; graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            note = what + (f"; graph replay {g * 1e3:.1f} us" if g is not None else "") + why
             if is_ours:
                 note += "; equal to the torch reference" if exact else "; DIFFERS from the torch reference"
             recs.append(measure(SUITE, impl, tag, torch.int32, fwd=fn, ours=is_ours, rep=rep, note=note,
