@@ -272,7 +272,8 @@ struct RmsNormFormFn : public torch::autograd::Function<RmsNormFormFn> {
                             double eps, int64_t plan_id) {
     const RmsPlan& plan = plan_at(plan_id);
     // an absent weight or gate arrives as an empty placeholder (see rms_norm_form)
-    TORCH_CHECK(x.dim() >= 1 && (!plan.has_w || (w.dim() == 1 && w.size(0) == x.size(-1))) &&
+    // a grouped norm: x [..., group_size], its weight a whole number of groups wide (backward alike)
+    TORCH_CHECK(x.dim() >= 1 && (!plan.has_w || (w.dim() == 1 && (x.size(-1) == 0 ? w.size(0) == 0 : w.size(0) % x.size(-1) == 0))) &&
                     (!plan.gated || g.sizes() == x.sizes()),
                 "deepspeed_fused rms_norm: weight or gate do not match the launch plan");
     at::Tensor y = plan.y_like ? at::empty_like(x) : at::empty(x.sizes(), x.options().dtype(plan.out_dtype));
