@@ -340,9 +340,9 @@ def _try_grouped(hidden, weight, eps, form, gate, group_size):
     return _run_keyed(x, weight, g, eps, form, grad, _form_key(x, weight, g, form, grad)).flatten(-2)
 
 
-def _run_keyed(x, w, g, eps: float, form: RMSForm, grad: bool, key):
-    """The form's forward of checked inputs with launch-plan key ``key``: its fast closure or C++
-    node where it has one, else its plan (made now if needed)."""
+def _run_known(x, w, g, eps: float, form: RMSForm, grad: bool, key):
+    """The form's forward with launch-plan key ``key`` when the key is known: its fast closure or
+    C++ node where it has one, else its plan; :data:`_NO_PLAN` when there is no plan yet."""
     run = _form_fwd_fast.get(key)
     if run is not None:
         if grad:
@@ -357,8 +357,21 @@ def _run_keyed(x, w, g, eps: float, form: RMSForm, grad: bool, key):
         if out is not None:
             return out[0]
     plan = _form_fwd_plans.get(key)
-    if plan is None and x.numel():
-        plan = _remember(_form_fwd_plans, key, _form_fwd_plan(x, w, g, form, grad, key))
+    if plan is not None:
+        return _run_form(x, w, g, eps, form, key, plan, grad)
+    return _NO_PLAN
+
+
+_NO_PLAN = object()
+
+
+def _run_keyed(x, w, g, eps: float, form: RMSForm, grad: bool, key):
+    """The form's forward of checked inputs with launch-plan key ``key`` (:func:`_run_known`, the
+    plan made now if needed)."""
+    out = _run_known(x, w, g, eps, form, grad, key)
+    if out is not _NO_PLAN:
+        return out
+    plan = _remember(_form_fwd_plans, key, _form_fwd_plan(x, w, g, form, grad, key)) if x.numel() else None
     return _run_form(x, w, g, eps, form, key, plan, grad)
 
 
@@ -385,23 +398,9 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
     if (type(eps) is float and isinstance(hidden, torch.Tensor) and (weight is None or isinstance(weight, torch.Tensor))
             and (gate is None or isinstance(gate, torch.Tensor))):
         grad = _needs_grad(hidden, weight, gate)
-        key = _form_key(hidden, weight, gate, form, grad)
-        run = _form_fwd_fast.get(key)
-        if run is not None:
-            if grad:
-                nat = (_native_plans.get(key) or (_register_native_form(key) if key in _native_pending else None)
-                       if NATIVE else None)
-                if nat is not None:
-                    apply, plan_id, ndev = nat
-                    if _current_device() == ndev and not _launch_hooks():
-                        return apply(hidden, weight, gate, eps, plan_id)
-                return _FusedRMSNormFormFn.apply(hidden, weight, gate, eps, form, key, run)
-            out = run(hidden, weight, gate, eps)
-            if out is not None:
-                return out[0]
-        plan = _form_fwd_plans.get(key)
-        if plan is not None:
-            return _run_form(hidden, weight, gate, eps, form, key, plan, grad)
+        out = _run_known(hidden, weight, gate, eps, form, grad, _form_key(hidden, weight, gate, form, grad))
+        if out is not _NO_PLAN:
+            return out
     _check_form(form)
     _validate_form(hidden, weight, eps, form, gate)
     if not rms_norm_form_kernel_ok(hidden, weight, gate)[0]:
