@@ -199,6 +199,13 @@ def _norm(self, x):
     out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
     return out.flatten(-2) if self.group_size is not None else out
 '''
+# Gemma's offset forward; Qwen4-Exp's is the same over a grouped ``_norm``
+_OFFSET_FORWARD = '''
+def forward(self, x):
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+'''
 _TEMPLATE_SOURCES = [
     # (name, kind, op form, forward source, helpers: None, the ``_norm`` source, or {name: source})
     ("llama4", "llama", "llama", '''
@@ -215,24 +222,14 @@ def forward(self, hidden_states):
     hidden_states = (hidden_states * torch.rsqrt(variance + self.eps)).to(old_dtype) * self.weight
     return hidden_states
 ''', None),
-    ("gemma", "weighted", "offset", '''
-def forward(self, x):
-    output = self._norm(x.float())
-    output = output * (1.0 + self.weight.float())
-    return output.type_as(x)
-''', _NORM_RSQRT),
+    ("gemma", "weighted", "offset", _OFFSET_FORWARD, _NORM_RSQRT),
     ("centered", "weighted", "offset_w", '''
 def forward(self, x):
     output = self._norm(x.float())
     output = output * (1.0 + self.weight).float()
     return output.type_as(x)
 ''', _NORM_RSQRT),
-    ("grouped_offset", "grouped", "offset", '''
-def forward(self, x):
-    output = self._norm(x.float())
-    output = output * (1.0 + self.weight.float())
-    return output.type_as(x)
-''', _NORM_GROUPED),
+    ("grouped_offset", "grouped", "offset", _OFFSET_FORWARD, _NORM_GROUPED),  # Qwen4-Exp
     ("olmo2", "weighted", "weight_first", '''
 def forward(self, hidden_states):
     input_dtype = hidden_states.dtype
