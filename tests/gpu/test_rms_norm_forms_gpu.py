@@ -15,6 +15,8 @@ from deepspeed_fused.ops import rms_norm as R
 from unit.test_rms_norm_forms import (EPS, FORM_MODELS, FORM_NAMES, _TINY, _module_step, _randomize, check_form,
                                       form_inputs)
 
+_TF_VERSION = tuple(int(p) for p in __import__("transformers").__version__.split(".")[:2])
+
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -196,8 +198,16 @@ def test_form_family_bf16_training_step(family):
         model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16)
     _randomize(torch.nn.ModuleList([m for m in model.modules() if F.recognise(type(m)) is not None]))
     ref = copy.deepcopy(model)
+    ref32 = copy.deepcopy(model).float()
     rep = F.RmsNormFeature().apply(model, None, F.RmsNormConfig(enabled=True))
-    assert rep.details["replaced"] == expected, rep
+    if _TF_VERSION >= (5, 24):
+        assert rep.details["replaced"] == expected, rep
+    else:
+        # the forms are recognised by their forward's bytecode as transformers 5.24 writes them; an
+        # older release's norm may be written otherwise (then skipped, with the reason) or be another
+        # class: every norm module is still either replaced or reported
+        skipped = sum(n for by in rep.details["skipped"].values() for n in by.values())
+        assert sum(rep.details["replaced"].values()) + skipped == sum(expected.values()), rep
     ids = torch.randint(0, 257, (2, 32), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
     def step(m):
@@ -209,6 +219,7 @@ def test_form_family_bf16_training_step(family):
         warnings.filterwarnings("error", message="deepspeed_fused", category=RuntimeWarning)
         loss, grads = step(model)
     loss_r, grads_r = step(ref)
+    _, grads32 = step(ref32)
     # an MoE router's weight: a last-bit difference of the normalized hidden state can flip a
     # bf16 top-k choice, which changes the router's gradient wholesale; the experts and everything
     # else are still compared
@@ -219,9 +230,13 @@ def test_form_family_bf16_training_step(family):
     for k in grads:
         if k in routers:
             continue
-        a, b = grads[k].float(), grads_r[k].float()
+        a, b, c = grads[k].float(), grads_r[k].float(), grads32[k].float()
         rel = (a - b).norm() / b.norm().clamp_min(1e-12)
-        assert rel < 5e-2, (k, rel.item())
+        # an ill-conditioned parameter (DeepSeek-V4's hyper-connection scales) moves far under any
+        # bf16 rounding: then ours must be no farther from the FP32 model's gradient than eager's
+        e_ours = (a - c).norm() / c.norm().clamp_min(1e-12)
+        e_eager = (b - c).norm() / c.norm().clamp_min(1e-12)
+        assert rel < 5e-2 or e_ours <= 2 * e_eager + 1e-2, (k, rel.item(), e_ours.item(), e_eager.item())
 
 
 # ---- grouped statistics (group_size) at real widths: Mamba2 / NemotronH (d_inner 4096..8192 in 8
