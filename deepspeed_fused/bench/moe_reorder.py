@@ -10,6 +10,13 @@ movement an exact implementation needs (rows moved, not index tensors):
 * dispatch fwd: S + S; backward (sum of the k slot gradients per token): S + T.
 * combine fwd: S + T; backward: S (gradient gathered) + S (rows, for the weight gradient) + S.
 
+Case ``route_sort`` (also ``--case=route_sort`` alone, files ``moe_reorder_route_sort.*``) times the
+transformers path's index build: our :func:`route_sort` (expert order, route maps, grouped_mm
+offsets, two launches) against transformers' own ``torch.sort`` + ``histc`` + ``cumsum`` (which
+builds no route maps) and against this path's build before ``route_sort`` (that, plus the
+sentinels' ``arange().masked_fill`` and ``route_maps``). Expert-parallel rows: the ids of the other
+ranks' experts are sentinels (``>= E``, what transformers' expert parallelism passes).
+
 Peers: DeepSpeed <= 0.19.7's vstack+index / zero+index_put (autograd backward: accumulating
 index_put / indexing), ``torch.index_select`` (a plain gather: for the permute it reads clamped
 indices and leaves padding rows unzeroed, a lower bound), DeepSpeed 0.19.8's Triton
@@ -181,8 +188,87 @@ def run_autoep_local(dev, dtype, rep: int, quick: bool) -> list:
     return recs
 
 
+ROUTE_SORT = [  # name, tokens, top_k, experts (of the model), expert-parallel degree
+    ("Qwen3-30B-A3B", 8192, 8, 128, 1),
+    ("Qwen3-30B-A3B", 16384, 8, 128, 1),
+    ("Qwen3-30B-A3B", 8192, 8, 128, 8),
+    ("DeepSeek-V3", 8192, 8, 256, 1),
+    ("DeepSeek-V3", 8192, 8, 256, 16),
+    ("Mixtral-8x7B", 8192, 2, 8, 1),
+    ("Kimi-K2", 16384, 8, 384, 1),
+]
+
+
+def run_route_sort(dev, rep: int, quick: bool) -> list:
+    """Case ``route_sort``: the index build of the transformers experts path, no grad (int only).
+    fwd_ms: do_bench (host launch costs included where they dominate); ``graph_ms`` in the note:
+    the same calls replayed from a CUDA graph (device time)."""
+    from .common import graph_ms
+
+    shapes = ROUTE_SORT if dev == "cuda" else [("tiny-cpu", 64, 2, 8, 1), ("tiny-cpu", 64, 2, 8, 2)]
+    if quick:
+        shapes = shapes[:1]
+    recs = []
+    gen = torch.Generator().manual_seed(2)
+    for name, tokens, top_k, experts, ep in shapes:
+        local = experts // ep
+        logits = torch.randn(tokens, experts, generator=gen)
+        ids = logits.topk(top_k, dim=-1).indices
+        if ep > 1:  # rank 0 of ep: its experts keep their ids, the others' become the sentinel
+            ids = torch.where(ids < local, ids, local)
+        flat = ids.reshape(-1).to(dev)
+        n = flat.numel()
+
+        def transformers_build():
+            vals, perm = torch.sort(flat)
+            hist_in = vals.float() if dev == "cpu" else vals.int()
+            counts = torch.histc(hist_in, bins=local, min=0, max=local - 1)
+            return perm, torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+        def previous_build():
+            vals, perm = torch.sort(flat)
+            positions = torch.arange(n, device=flat.device).masked_fill(vals >= local, -1)
+            maps = reorder.route_maps(perm, top_k, positions)
+            hist_in = vals.float() if dev == "cpu" else vals.int()
+            counts = torch.histc(hist_in, bins=local, min=0, max=local - 1)
+            return maps, torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+        def ours():
+            return reorder.route_sort(flat, local, top_k)
+
+        ref = reorder.route_sort_reference(flat, local, top_k)
+        got = ours()
+        exact = all(torch.equal(a, b) for a, b in zip((got.order, *got.maps[:3], got.offsets, got.experts),
+                                                       (ref.order, *ref.maps[:3], ref.offsets, ref.experts)))
+        tag = f"route_sort {name} T{tokens} k{top_k} E{local}" + (f" (of {experts}, EP{ep})" if ep > 1 else "")
+        for impl, fn, is_ours, what in (
+                ("deepspeed_fused route_sort", ours, True, "order, route maps, offsets, expert ids; two launches"),
+                ("transformers sort+histc+cumsum", transformers_build, False, "order and offsets only, no maps"),
+                ("deepspeed_fused before route_sort", previous_build, False,
+                 "sort, positions, route_maps, histc, cumsum")):
+            try:
+                g, why = graph_ms(fn), ""
+            except Exception as e:  # a capture failure is reported, not fatal
+                g, why = None, f"; graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            note = what + (f"; graph replay {g * 1e3:.1f} us" if g is not None else "") + why
+            if is_ours:
+                note += "; equal to the torch reference" if exact else "; DIFFERS from the torch reference"
+            recs.append(measure(SUITE, impl, tag, torch.int32, fwd=fn, ours=is_ours, rep=rep, note=note,
+                                assignments=n, graph_ms=g, exact=exact if is_ours else None))
+    return recs
+
+
+RESULT = COMMAND = None  # the files' name and command when not the suite's: with --case=route_sort
+
+
 def run(args) -> list:
+    global RESULT, COMMAND
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    RESULT = COMMAND = None
+    if "--case=route_sort" in (getattr(args, "extra", None) or []):
+        quick = getattr(args, "quick", False)
+        RESULT, COMMAND = "moe_reorder_route_sort", "python -m deepspeed_fused.bench moe_reorder --case=route_sort"
+        return run_route_sort(dev, 20 if quick else 100, quick)
     if "--case=autoep_local" in (getattr(args, "extra", None) or []):
         quick = getattr(args, "quick", False)
         return run_autoep_local(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
@@ -297,4 +383,5 @@ def run(args) -> list:
         if dev == "cuda":
             torch.cuda.empty_cache()
     recs += run_autoep_local(dev, dtype, rep, quick)
+    recs += run_route_sort(dev, rep, quick)
     return recs

@@ -351,8 +351,9 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts forward with gathers for the dispatch and the combine.
 
-    Assignments are sorted by expert exactly as ``grouped_mm`` sorts them (same call, same order)
-    and mapped to slots in one launch (:func:`~deepspeed_fused.ops.moe_reorder.route_maps`);
+    Assignments are sorted by expert, mapped to slots and counted into grouped_mm's offsets by
+    one op (:func:`~deepspeed_fused.ops.moe_reorder.route_sort`, two launches, where grouped_mm
+    runs a sort, a histogram and a cumsum);
     ``hidden[perm // top_k]`` is :func:`~deepspeed_fused.ops.moe_reorder.route_dispatch` (backward:
     a gather-sum per token, no scatter-add); the GEMMs are transformers' ``_grouped_linear``;
     weighting, the inverse permutation and the sum over ``top_k`` are one
@@ -364,35 +365,27 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     calls = self.__dict__.get(_CALLS_ATTR)
     if calls is not None:
         calls.fused += 1
-    device = hidden_states.device
     num_top_k = top_k_index.size(-1)
     num_experts = self.num_experts
 
-    expert_ids = top_k_index.reshape(-1)
-    expert_ids_g, perm = torch.sort(expert_ids)
-    # Sentinels exist only under transformers' expert parallelism (>= 5.2x says so; older 5.x
-    # does not, so they are assumed possible). Their slots are padding: the dispatch writes zero
-    # rows there, the combine never reads them and its backward writes zero gradients there, and
-    # grouped_mm leaves rows past offsets[-1] unwritten, which only the next grouped_mm (reading
-    # rows below offsets[-1]) consumes. So the outputs need no mask; only a per-row expert bias
-    # does (its gradient gathers every row, the sentinels' included), hence transformers' masks
-    # run only for experts with biases.
+    # One counting sort builds what grouped_mm's sort, histc and cumsum build, plus the route maps
+    # (two launches, no host sync). The order within an expert is the assignments' own (a stable
+    # sort; torch.sort's is unspecified), which changes no row's result.
+    sort = reorder.route_sort(top_k_index.reshape(-1), num_experts, num_top_k)
+    maps, offsets = sort.maps, sort.offsets
+    # Sentinels (ids >= num_experts) exist only under transformers' expert parallelism (>= 5.2x says
+    # so; older 5.x does not, so they are assumed possible). They sort after every expert and
+    # their slots are padding: the dispatch writes zero rows there, the combine never reads them
+    # and its backward writes zero gradients there, and grouped_mm leaves rows past offsets[-1]
+    # unwritten, which only the next grouped_mm (reading rows below offsets[-1]) consumes. So the
+    # outputs need no mask; only a per-row expert bias does (its gradient gathers every row, the
+    # sentinels' included), hence transformers' masks run only for experts with biases.
     expert_parallel = bool(getattr(self, "_is_expert_parallel", True))
     has_bias = getattr(self, "has_bias", False)
-    sentinel_g = expert_ids_g >= num_experts
-    # slot s holds sorted position s; a sentinel's slot is padding
-    positions = torch.arange(perm.numel(), device=device).masked_fill(sentinel_g, -1) if expert_parallel else None
     masking = expert_parallel and has_bias
-    maps = reorder.route_maps(perm, num_top_k, positions)
-
     selected = reorder.route_dispatch(hidden_states, maps)
-
-    # Group offsets exactly as grouped_mm computes them (histc drops the sentinel tail).
-    histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
-    tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
-    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-    ids_for_bias = expert_ids_g.clamp(max=num_experts - 1)
-    mask = sentinel_g.unsqueeze(-1) if masking else None
+    ids_for_bias = sort.experts  # clamped: a sentinel's bias row lands in a row grouped_mm skips
+    mask = (maps.token < 0).unsqueeze(-1) if masking else None
 
     if getattr(self, "has_gate", True):
         weight, bias = self.gate_up_proj, (self.gate_up_proj_bias[ids_for_bias] if has_bias else None)

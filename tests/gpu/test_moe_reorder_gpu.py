@@ -248,3 +248,97 @@ def test_dispatch_combine_double_backward(dtype):
             assert b.abs().sum() > 0, what
             rel = ((a - b).norm() / b.norm()).item()
             assert rel < (2e-5 if dtype == torch.float32 else 2e-2), f"{name} {what}: relative error {rel:.2e}"
+
+
+ROUTE_SORT_SHAPES = [  # name, tokens, top_k, experts, expert-parallel degree (ids of other ranks -> sentinels)
+    ("Qwen3-30B-A3B", 8192, 8, 128, 1), ("Qwen3-30B-A3B-EP8", 8192, 8, 128, 8), ("DeepSeek-V3", 8192, 8, 256, 1),
+    ("DeepSeek-V3-EP16", 8192, 8, 256, 16), ("Mixtral-8x7B", 8192, 2, 8, 1), ("Kimi-K2-16k", 16384, 8, 384, 1),
+    ("tiny", 3, 1, 1, 1), ("one-expert-hot", 4096, 8, 64, 1),
+]
+
+
+def _route_sort_ids(tokens, top_k, experts, ep, seed, hot=False):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randn(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    if hot:  # every token picks expert 5 first: one group of T rows
+        ids[:, 0] = 5
+        ids[:, 1:] = torch.where(ids[:, 1:] == 5, 6, ids[:, 1:])
+    local = experts // ep
+    if ep > 1:  # transformers' expert parallelism: other ranks' experts are ids >= local
+        ids = torch.where(ids < local, ids, local + ids % 3)
+    return ids.reshape(-1), local
+
+
+def _route_sort_tuple(s):
+    return (s.order, *s.maps[:3], s.offsets, s.experts)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", ROUTE_SORT_SHAPES, ids=lambda s: s[0])
+def test_route_sort_model_shapes(shape, index_dtype):
+    """route_sort on CUDA at model shapes equals the torch reference (torch.equal, every output),
+    its offsets equal transformers' histc + cumsum, and the call makes no host sync."""
+    name, tokens, top_k, experts, ep = shape
+    flat, local = _route_sort_ids(tokens, top_k, experts, ep, seed=tokens + experts, hot=name == "one-expert-hot")
+    ids = flat.to("cuda", index_dtype)
+    rg.route_sort(ids, local, top_k)  # compile outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = rg.route_sort(ids, local, top_k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = rg.route_sort_reference(ids.cpu(), local, top_k)
+    for what, a, b in zip(("order", "token", "assignment", "slot", "offsets", "experts"), _route_sort_tuple(got),
+                          _route_sort_tuple(ref)):
+        assert a.dtype == torch.int32 and torch.equal(a.cpu(), b), what
+    vals = torch.sort(ids.long()).values
+    hf = torch.cumsum(torch.histc(vals.int(), bins=local, min=0, max=local - 1), 0, dtype=torch.int32)
+    if local > 1:  # (histc at min == max == 0 takes its range from the data)
+        assert torch.equal(got.offsets, hf)
+    # the maps are route_maps of the order with the sentinels' positions (past offsets[-1]) as padding
+    positions = torch.arange(ids.numel(), device="cuda")
+    m = rg.route_maps(got.order, top_k, positions.masked_fill(positions >= got.offsets[-1], -1))
+    for a, b in zip(m[:3], got.maps[:3]):
+        assert torch.equal(a, b)
+
+
+def test_route_sort_poisoned_and_chunks():
+    """Poisoned outputs are written whole, for several chunk sizes (programs) at 131072 assignments."""
+    flat, local = _route_sort_ids(16384, 8, 384, 1, seed=9)
+    ids = flat.cuda()
+    ref = _route_sort_tuple(rg.route_sort_reference(flat, local, 8))
+    n = ids.numel()
+    for chunk in (128, 1024, 8192, 131072):
+        out = tuple(torch.full((n, ), 0x5A5A5A5A, dtype=torch.int32, device="cuda") for _ in range(4)) + (
+            torch.full((local, ), -7, dtype=torch.int32, device="cuda"),
+            torch.full((n, ), 0x5A5A5A5A, dtype=torch.int32, device="cuda"))
+        kernels.route_sort_into(ids, local, 8, out=out, chunk=chunk)
+        for a, b in zip(out, ref):
+            assert torch.equal(a.cpu(), b), chunk
+
+
+def test_route_sort_cuda_graph():
+    """route_sort captured in a CUDA graph: replays on new ids (same shape) give the reference's
+    outputs for those ids."""
+    top_k, experts = 8, 128
+    first, _ = _route_sort_ids(8192, top_k, experts, 1, seed=1)
+    static = first.cuda()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            rg.route_sort(static, experts, top_k)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = rg.route_sort(static, experts, top_k)
+    for seed, ep in ((2, 1), (3, 4), (4, 1)):
+        new, local = _route_sort_ids(8192, top_k, experts, ep, seed=seed)
+        new = torch.where(new < local, new, experts)  # sentinels, in the graph's E
+        static.copy_(new.cuda())
+        g.replay()
+        torch.cuda.synchronize()
+        ref = rg.route_sort_reference(new, experts, top_k)
+        for a, b in zip(_route_sort_tuple(out), _route_sort_tuple(ref)):
+            assert torch.equal(a.cpu(), b)

@@ -402,9 +402,7 @@ def test_both_paths_compile_whole_and_match_eager(interpret):
     ids = ids.to(interpret)
 
     def transformers_path(h, w):
-        vals, perm = torch.sort(ids.reshape(-1))
-        positions = torch.arange(perm.numel(), device=h.device).masked_fill(vals >= experts, -1)
-        maps = mr.route_maps(perm, top_k, positions)
+        maps = mr.route_sort(ids.reshape(-1), experts, top_k).maps
         return mr.route_combine(torch.tanh(mr.route_dispatch(h, maps)), maps, w)
 
     def autoep_path(h, w):  # scores before and after the experts, padding slots every third
@@ -426,6 +424,163 @@ def test_both_paths_compile_whole_and_match_eager(interpret):
         for a, b in zip(*res):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         assert res[0][2].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# route_sort: expert ids -> expert order, route maps and grouped_mm's offsets
+# ----------------------------------------------------------------------------------------------
+
+def _sort_expected(ids, num_experts, top_k):
+    """What the transformers path built before route_sort, with a stable sort: sentinels (ids
+    outside [0, E)) to the tail, their positions padding; grouped_mm's histc + cumsum offsets
+    (bincount at E=1: histc with min == max == 0 takes its range from the data, sentinels included)."""
+    flat = ids.reshape(-1).long()
+    bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    vals, order = torch.sort(bucket, stable=True)
+    positions = torch.arange(flat.numel()).masked_fill(vals >= num_experts, -1)
+    maps = mr.route_maps_reference(order, top_k, positions)
+    if num_experts > 1:
+        counts = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts - 1)
+    else:
+        counts = torch.bincount(bucket, minlength=2)[:1]
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    return order.int(), maps, offsets, vals.clamp(max=num_experts - 1).int()
+
+
+def _assert_sort_equal(got, want):
+    got = mr.RouteSort(got.order.cpu(), mr.RouteMaps(*(t.cpu() for t in got.maps[:3]), got.maps.top_k),
+                       got.offsets.cpu(), got.experts.cpu())
+    order, maps, offsets, experts = want
+    assert got.order.dtype == torch.int32 and torch.equal(got.order, order)
+    assert got.maps.top_k == maps.top_k
+    for name, a, b in zip(("token", "assignment", "slot"), got.maps[:3], maps[:3]):
+        assert a.dtype == torch.int32 and torch.equal(a, b), name
+    assert got.offsets.dtype == torch.int32 and torch.equal(got.offsets, offsets)
+    assert got.experts.dtype == torch.int32 and torch.equal(got.experts, experts)
+
+
+SORT_CASES = [  # (tokens, top_k, experts, sentinel ids, chunk: assignments per program, None: the default)
+    (37, 2, 6, 0, None), (29, 1, 5, 2, None), (50, 3, 7, 1, 128), (64, 4, 16, 3, None), (19, 5, 4, 2, None),
+    (41, 6, 9, 0, 128), (23, 7, 3, 1, None), (90, 8, 40, 4, 256), (33, 8, 1, 0, None), (40, 2, 1, 1, 128),
+    (130, 2, 126, 2, 128),  # E + 2 a power of two: the end-of-input bucket is the last one
+]
+
+
+@pytest.mark.parametrize("case", SORT_CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[2]}-s{c[3]}-c{c[4]}")
+def test_route_sort_matches_reference(interpret, case):
+    """The kernels and the torch reference against the sort + histc + cumsum + route_maps build,
+    int32 and int64 ids, several programs and several rank blocks per program."""
+    tokens, top_k, experts, sentinels, chunk = case
+    gen = torch.Generator().manual_seed(tokens * 7 + top_k)
+    ids = torch.randint(0, experts + sentinels, (tokens, top_k), generator=gen)
+    if sentinels:
+        ids.view(-1)[::11] = experts + sentinels + 5  # far past the experts
+        ids.view(-1)[3] = -1  # negative: a sentinel as well
+    want = _sort_expected(ids, experts, top_k)
+    for dtype in (torch.int32, torch.int64):
+        flat = ids.reshape(-1).to(dtype).to(interpret)
+        _assert_sort_equal(mr.route_sort_reference(flat, experts, top_k), want)
+        if chunk is None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message=".*route_sort")  # the kernels ran
+                _assert_sort_equal(mr.route_sort(flat, experts, top_k), want)
+        else:
+            o = kernels.route_sort_into(flat, experts, top_k, chunk=chunk)
+            _assert_sort_equal(mr.RouteSort(o[0], mr.RouteMaps(*o[1:4], top_k), o[4], o[5]), want)
+    # what the properties say: a permutation, experts nondecreasing, ascending within an expert
+    got = mr.route_sort(ids.reshape(-1).to(interpret), experts, top_k)
+    order = got.order.long().cpu()
+    assert torch.equal(torch.sort(order).values, torch.arange(order.numel()))
+    key = torch.where((ids.reshape(-1) >= 0) & (ids.reshape(-1) < experts), ids.reshape(-1), experts)[order]
+    assert bool((key[1:] >= key[:-1]).all())
+    same = key[1:] == key[:-1]
+    assert bool((order[1:][same] > order[:-1][same]).all())
+    n_real = int((key < experts).sum())
+    assert int(got.offsets[-1]) == n_real and bool((got.maps.token[n_real:] == -1).all())
+    assert bool((got.maps.token[:n_real] >= 0).all())
+
+
+def test_route_sort_poisoned_outputs(interpret):
+    """Every element of the six outputs is written (poisoned buffers), over several programs."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, top_k, experts = 70, 4, 12
+    ids = torch.randint(0, experts + 2, (tokens * top_k, ), generator=gen).to(interpret)
+    n = ids.numel()
+    out = tuple(torch.full((n, ), 12345, dtype=torch.int32, device=interpret) for _ in range(4)) + (
+        torch.full((experts, ), -999, dtype=torch.int32, device=interpret),
+        torch.full((n, ), 777, dtype=torch.int32, device=interpret))
+    res = kernels.route_sort_into(ids, experts, top_k, out=out, chunk=128)
+    assert all(a is b for a, b in zip(res, out))
+    _assert_sort_equal(mr.RouteSort(out[0], mr.RouteMaps(*out[1:4], top_k), out[4], out[5]),
+                       _sort_expected(ids.cpu(), experts, top_k))
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_route_sort_empty(interpret, top_k):
+    for dtype in (torch.int32, torch.int64):
+        got = mr.route_sort(torch.empty(0, dtype=dtype, device=interpret), 5, top_k)
+        assert got.order.shape == (0, ) and all(t.shape == (0, ) for t in got.maps[:3]) and got.experts.shape == (0, )
+        assert got.offsets.dtype == torch.int32 and not got.offsets.cpu().any() and got.offsets.shape == (5, )
+        _assert_sort_equal(got, _sort_expected(torch.empty(0, dtype=torch.long), 5, top_k))
+
+
+def test_route_sort_wrong_inputs():
+    ids = torch.tensor([0, 2, 1, 1])
+    with pytest.raises(TypeError, match="expert_ids: expected a torch.Tensor, got list"):
+        mr.route_sort([0, 1], 2, 1)
+    with pytest.raises(TypeError, match="expert_ids: expected an int32 or int64 tensor, got torch.float32"):
+        mr.route_sort(ids.float(), 3, 2)
+    with pytest.raises(TypeError, match="expert_ids: expected an int32 or int64 tensor, got torch.int16"):
+        mr.route_sort(ids.to(torch.int16), 3, 2)
+    with pytest.raises(ValueError, match=r"expert_ids: expected a 1-D tensor, got shape \(2, 2\)"):
+        mr.route_sort(ids.view(2, 2), 3, 2)
+    with pytest.raises(ValueError, match="expert_ids: expected T \\* top_k entries, got 4 \\(top_k=3\\)"):
+        mr.route_sort(ids, 3, 3)
+    for bad, err in ((0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError), (None, TypeError)):
+        with pytest.raises(err, match="num_experts: expected a positive int"):
+            mr.route_sort(ids, bad, 2)
+        with pytest.raises(err, match="top_k: expected a positive int"):
+            mr.route_sort(ids, 3, bad)
+
+
+def test_route_sort_falls_back(monkeypatch, interpret):
+    """Without the interpreter CPU ids run the reference (one warning per reason); so do more
+    experts than the kernel holds."""
+    from deepspeed_fused.ops.moe_reorder.kernels import SORT_MAX_EXPERTS
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 9, (60, ), generator=gen)
+    big = SORT_MAX_EXPERTS + 1
+    _common.reset_fallback_warnings()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        b = mr.route_sort(ids.to(interpret) * 1000, big, 3)
+        mr.route_sort(ids.to(interpret), big, 3)
+        with monkeypatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "0")
+            a = mr.route_sort(ids, 8, 3)
+            mr.route_sort(ids, 8, 3)
+    msgs = [str(x.message) for x in w if "moe_reorder.route_sort" in str(x.message)]
+    assert len(msgs) == 2 and f"num_experts above {SORT_MAX_EXPERTS}" in msgs[0] and "tensors on cpu" in msgs[1], msgs
+    _assert_sort_equal(a, _sort_expected(ids, 8, 3))
+    _assert_sort_equal(b, _sort_expected(ids * 1000, big, 3))
+
+
+def test_route_sort_opcheck_and_compile(interpret):
+    """The custom op (schema, fake implementation) and route_sort inside a fullgraph compile."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 7, (24, ), generator=gen).to(interpret)
+    torch.library.opcheck(torch.ops.deepspeed_fused.moe_route_sort.default, (ids, 6, 2))
+    torch.library.opcheck(torch.ops.deepspeed_fused.moe_route_sort.default, (ids.int()[:0], 3, 1))
+
+    def fn(ids):
+        s = mr.route_sort(ids, 6, 2)
+        return (s.order, *s.maps[:3], s.offsets, s.experts)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(ids)
+    for a, b in zip(got, fn(ids)):
+        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------

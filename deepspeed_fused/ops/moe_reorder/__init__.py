@@ -5,13 +5,14 @@ kind of kernel, a padded row gather (``out[i] = src[index[i]]``, a zero row wher
 padding), whose backward is again a gather: no scatter-add, no atomics. One module per part:
 
 * :mod:`.kernels`: the Triton kernels (one family: gather, combine, combine backward, route
-  maps) and their launches;
+  maps, and the expert sort that builds route maps from expert ids) and their launches;
 * :mod:`.checks`: argument checks and where the kernels run (:func:`kernels_take`);
 * :mod:`.reference`: the torch references (the eager formulations) and :class:`RouteMaps`;
 * :mod:`.permute`: DeepSpeed AutoEP's padded permute and its inverse (:func:`permute_rows`,
   :func:`unpermute_rows`, :func:`inverse_permutation`, :func:`validate_permutation`);
 * :mod:`.route`: the routed dispatch and combine of a top-k layer (:func:`route_maps`,
-  :func:`route_dispatch`, :func:`route_combine`), the one API of both integrations.
+  :func:`route_dispatch`, :func:`route_combine`), the one API of both integrations, and
+  :func:`route_sort` (expert ids -> expert order, route maps and grouped GEMM offsets).
 
 The kernels run on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``); anything
 else runs the torch reference with one warning per reason. Index validity is not checked on
@@ -21,13 +22,14 @@ same kernels. This module is the public API.
 """
 from .checks import kernels_take
 from .permute import inverse_permutation, permute_rows, permute_rows_with_inverse, unpermute_rows, validate_permutation
-from .reference import (RouteMaps, combine_reference, permute_rows_reference, route_combine_reference,
-                        route_dispatch_reference, route_maps_reference, unpermute_rows_reference)
-from .route import route_combine, route_dispatch, route_maps
+from .reference import (RouteMaps, RouteSort, combine_reference, permute_rows_reference, route_combine_reference,
+                        route_dispatch_reference, route_maps_reference, route_sort_reference,
+                        unpermute_rows_reference)
+from .route import route_combine, route_dispatch, route_maps, route_sort
 
 __all__ = [
     "permute_rows", "unpermute_rows", "permute_rows_with_inverse", "inverse_permutation", "validate_permutation",
-    "RouteMaps", "route_maps", "route_dispatch", "route_combine", "kernels_take", "permute_rows_reference",
-    "unpermute_rows_reference", "route_maps_reference", "route_dispatch_reference", "route_combine_reference",
-    "combine_reference",
+    "RouteMaps", "route_maps", "route_dispatch", "route_combine", "RouteSort", "route_sort", "kernels_take",
+    "permute_rows_reference", "unpermute_rows_reference", "route_maps_reference", "route_dispatch_reference",
+    "route_combine_reference", "combine_reference", "route_sort_reference",
 ]

@@ -281,3 +281,114 @@ def route_maps_into(order: torch.Tensor, positions: Optional[torch.Tensor], top_
         _launch_route_maps((triton.cdiv(num_slots, block), ), (perm, srt, assign, tok, slot, num_slots, n),
                            dict(TOP_K=top_k, HAS_PERM=positions is not None, BLOCK=block), 4)
     return tok, assign, slot
+
+
+# ---- the expert sort: a stable counting sort of the assignments, and the maps from it ---------------
+# Buckets: experts 0..E-1, then one sentinel bucket E (ids outside [0, E): experts of other ranks),
+# then the lanes past the end of the input in the last bucket NB - 1 > E (so no op needs a mask).
+SORT_SUB = 128  # assignments ranked at once (a [SUB, SUB] comparison tile)
+SORT_MAX_EXPERTS = 8190  # NB <= 8192 buckets held per program
+
+
+def sort_buckets(num_experts: int) -> int:
+    """Buckets of the counting sort: a power of two above the E experts and the sentinel bucket."""
+    return max(32, triton.next_power_of_2(num_experts + 2))  # (a GPU tl.histogram counts into >= 32 bins)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _sort_bucket(ids_ptr, a, n, num_experts, NB: tl.constexpr):
+        ok = a < n
+        e = tl.load(ids_ptr + a, mask=ok, other=0)
+        real = ok & (e >= 0) & (e < num_experts)
+        b = tl.where(real, e, num_experts).to(tl.int32)
+        return tl.where(ok, b, NB - 1), real, ok
+
+    @triton.jit
+    def _route_sort_count_kernel(ids_ptr, counts_ptr, n, num_experts, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                                 NB: tl.constexpr):
+        # counts[p, b]: the assignments of chunk p (CHUNK of them) in bucket b
+        pid = tl.program_id(0)
+        hist = tl.zeros((NB, ), dtype=tl.int32)
+        for start in range(0, CHUNK, BLOCK):
+            a = pid.to(tl.int64) * CHUNK + start + tl.arange(0, BLOCK)
+            b, _, _ = _sort_bucket(ids_ptr, a, n, num_experts, NB)
+            hist += tl.histogram(b, NB)
+        tl.store(counts_ptr + pid.to(tl.int64) * NB + tl.arange(0, NB), hist)
+
+    @triton.jit
+    def _route_sort_kernel(ids_ptr, counts_ptr, order_ptr, tok_ptr, assign_ptr, slot_ptr, experts_ptr, offsets_ptr,
+                           n, num_experts, num_chunks, TOP_K: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                           NB: tl.constexpr, CT: tl.constexpr):
+        # Sorted position of assignment a in bucket b: the assignments of buckets < b, plus those of
+        # bucket b in earlier chunks, plus those of bucket b earlier in this chunk (a stable sort).
+        pid = tl.program_id(0)
+        bins = tl.arange(0, NB)
+        total = tl.zeros((NB, ), dtype=tl.int32)
+        before = tl.zeros((NB, ), dtype=tl.int32)
+        for c0 in range(0, num_chunks, CT):
+            rows = c0 + tl.arange(0, CT)
+            c = tl.load(counts_ptr + rows.to(tl.int64)[:, None] * NB + bins[None, :],
+                        mask=(rows < num_chunks)[:, None], other=0)
+            total += tl.sum(c, axis=0)
+            before += tl.sum(tl.where((rows < pid)[:, None], c, 0), axis=0)
+        inclusive = tl.cumsum(total, axis=0)
+        if pid == 0:  # grouped_mm's offsets: the end of each expert's rows (the sentinels excluded)
+            tl.store(offsets_ptr + bins, inclusive, mask=bins < num_experts)
+        start = inclusive - total + before  # next sorted position of each bucket in this chunk
+        lane = tl.arange(0, SUB)
+        earlier = lane[None, :] < lane[:, None]
+        for s0 in range(0, CHUNK, SUB):
+            a = pid.to(tl.int64) * CHUNK + s0 + lane
+            b, real, ok = _sort_bucket(ids_ptr, a, n, num_experts, NB)
+            # rank among this block's assignments of the same bucket, in assignment order
+            rank = tl.sum(tl.where((b[:, None] == b[None, :]) & earlier, 1, 0), axis=1)
+            pos = tl.gather(start, b, 0) + rank
+            start += tl.histogram(b, NB)
+            a32 = a.to(tl.int32)
+            pos64 = pos.to(tl.int64)
+            tl.store(order_ptr + pos64, a32, mask=ok)
+            tl.store(experts_ptr + pos64, tl.minimum(b, num_experts - 1), mask=ok)
+            tl.store(assign_ptr + pos64, tl.where(real, a32, -1), mask=ok)
+            tl.store(tok_ptr + pos64, tl.where(real, a32 // TOP_K, -1), mask=ok)
+            tl.store(slot_ptr + a, tl.where(real, pos, -1), mask=ok)
+
+    _launch_route_sort_count = DirectKernel(_route_sort_count_kernel)
+    _launch_route_sort = DirectKernel(_route_sort_kernel)
+
+
+def _sort_chunk(n: int, device: torch.device) -> int:
+    """Assignments per program: a power of two (at least one comparison block), as few programs as
+    the work allows on the interpreter, about 128 on a GPU (each program reads every chunk's counts)."""
+    target = 128 if device.type == "cuda" else 4
+    return max(SORT_SUB, triton.next_power_of_2(triton.cdiv(max(n, 1), target)))
+
+
+def route_sort_into(expert_ids: torch.Tensor, num_experts: int, top_k: int, out: Optional[tuple] = None,
+                    chunk: Optional[int] = None) -> tuple:
+    """Launch the expert sort (two launches): for ``expert_ids`` (``[N]``, ``N = T * top_k``) the
+    int32 ``(order, token, assignment, slot, offsets, experts)``: sorted position -> assignment
+    (stable, ids outside ``[0, num_experts)`` last), the route maps with those as padding slots,
+    grouped_mm's ``offsets`` ``[num_experts]`` (cumulative counts of the real experts) and the
+    expert id per sorted position clamped to ``num_experts - 1``. ``out`` (tests) are the six
+    outputs to write; ``chunk`` (a power of two, at least ``SORT_SUB``) the assignments per program."""
+    ids = expert_ids.contiguous()
+    n, dev = ids.numel(), ids.device
+    if out is None:
+        out = tuple(torch.empty(n, dtype=torch.int32, device=dev) for _ in range(4)) + (
+            torch.empty(num_experts, dtype=torch.int32, device=dev), torch.empty(n, dtype=torch.int32, device=dev))
+    order, tok, assign, slot, offsets, experts = out
+    if n == 0:
+        offsets.zero_()
+        return out
+    nb = sort_buckets(num_experts)
+    chunk = chunk or _sort_chunk(n, dev)
+    num_chunks = triton.cdiv(n, chunk)
+    counts = torch.empty((num_chunks, nb), dtype=torch.int32, device=dev)
+    _launch_route_sort_count((num_chunks, ), (ids, counts, n, num_experts),
+                             dict(CHUNK=chunk, BLOCK=min(chunk, 1024), NB=nb), 4)
+    _launch_route_sort((num_chunks, ), (ids, counts, order, tok, assign, slot, experts, offsets, n, num_experts,
+                                        num_chunks),
+                       dict(TOP_K=top_k, CHUNK=chunk, SUB=SORT_SUB, NB=nb, CT=max(1, 8192 // nb)), 8)
+    return out

@@ -22,6 +22,20 @@ class RouteMaps(NamedTuple):
     top_k: int
 
 
+class RouteSort(NamedTuple):
+    """Assignments sorted by expert and what a grouped GEMM over them needs (int32), from
+    :func:`~deepspeed_fused.ops.moe_reorder.route_sort`. ``order``: sorted position -> assignment
+    (``[T * k]``; a stable sort, ids outside ``[0, E)``, the sentinels, after every expert);
+    ``maps``: the route maps of the sorted positions as slots, the sentinels' as padding;
+    ``offsets``: ``[E]``, the end of each expert's rows (``cumsum`` of the counts, as grouped_mm
+    takes them); ``experts``: the expert id per sorted position, clamped to ``E - 1`` (a
+    sentinel's slot is past ``offsets[-1]``)."""
+    order: torch.Tensor
+    maps: RouteMaps
+    offsets: torch.Tensor
+    experts: torch.Tensor
+
+
 def invert(index: torch.Tensor, size: int) -> torch.Tensor:
     """``inv[index[i]] = i`` for the entries of ``index`` in ``[0, size)``; ``-1`` where no entry
     points. Entries outside the range go to distinct scratch slots past ``size``, so no location
@@ -78,6 +92,21 @@ def route_maps_reference(token_indices_sorted: torch.Tensor, top_k: int,
     tok = torch.where(a >= 0, a // top_k, -1)
     slot = invert(a, n)
     return RouteMaps(tok.to(torch.int32), a.to(torch.int32), slot.to(torch.int32), top_k)
+
+
+def route_sort_reference(expert_ids: torch.Tensor, num_experts: int, top_k: int) -> RouteSort:
+    """:func:`~deepspeed_fused.ops.moe_reorder.route_sort` in torch: a stable ``torch.sort`` of the
+    ids with every sentinel mapped to ``num_experts``, and :func:`route_maps_reference`."""
+    ids = expert_ids.reshape(-1).to(torch.int64)
+    n = ids.numel()
+    bucket = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    sorted_bucket, order = torch.sort(bucket, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, bucket, torch.ones_like(bucket))
+    offsets = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    positions = torch.arange(n, device=ids.device).masked_fill(sorted_bucket == num_experts, -1)
+    maps = route_maps_reference(order, top_k, positions)
+    return RouteSort(order.to(torch.int32), maps, offsets, sorted_bucket.clamp(max=num_experts - 1).to(torch.int32))
 
 
 def route_dispatch_reference(x: torch.Tensor, maps: RouteMaps, scores: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -27,11 +27,11 @@ from typing import Optional
 
 import torch
 
-from .._common import kernel_device_ok
-from .checks import check_device, check_index, check_rows, kernel_ok, kernels_take
-from .kernels import combine_rows, gather_rows, route_maps_into, slot_pass
-from .reference import (RouteMaps, per_assignment, route_combine_reference, route_dispatch_reference,
-                        route_maps_reference, slot_dot_reference)
+from .._common import kernel_device_ok, warn_fallback
+from .checks import OP, check_device, check_index, check_rows, kernel_ok, kernels_take
+from .kernels import SORT_MAX_EXPERTS, combine_rows, gather_rows, route_maps_into, route_sort_into, slot_pass
+from .reference import (RouteMaps, RouteSort, per_assignment, route_combine_reference, route_dispatch_reference,
+                        route_maps_reference, route_sort_reference, slot_dot_reference)
 
 _NS = "deepspeed_fused"
 
@@ -59,6 +59,48 @@ def _route_maps_impl(order: torch.Tensor, positions: Optional[torch.Tensor], top
     if not kernel_device_ok(order)[0]:
         return route_maps_reference(order, top_k, positions)
     return RouteMaps(*route_maps_into(order, positions, top_k), top_k)
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return value
+
+
+def route_sort(expert_ids: torch.Tensor, num_experts: int, top_k: int) -> RouteSort:
+    """Assignments sorted by expert, their route maps and grouped_mm's offsets, in two launches
+    and no host sync. ``expert_ids`` (``[T * top_k]``, int32/int64): the expert of assignment
+    ``a = t * top_k + j``; ids outside ``[0, num_experts)`` are sentinels (experts of other ranks
+    under transformers' expert parallelism): sorted after every expert, their slots padding, left
+    out of ``offsets``. Within an expert the assignments keep their order (a stable counting
+    sort). The maps are :func:`route_maps` of ``order`` with the sentinels' positions as padding;
+    the slots are the sorted positions. See :class:`RouteSort`."""
+    check_index("expert_ids", expert_ids)
+    _check_count("num_experts", num_experts)
+    _check_count("top_k", top_k)
+    n = expert_ids.numel()
+    if n % top_k:
+        raise ValueError(f"expert_ids: expected T * top_k entries, got {n} (top_k={top_k})")
+    if n >= 2**31:
+        raise ValueError(f"expert_ids: expected fewer than 2**31 assignments (int32 maps), got {n}")
+    if torch.compiler.is_compiling():
+        order, tok, assign, slot, offsets, experts = _route_sort_op(expert_ids, num_experts, top_k)
+    else:
+        order, tok, assign, slot, offsets, experts = _route_sort_impl(expert_ids, num_experts, top_k)
+    return RouteSort(order, RouteMaps(tok, assign, slot, top_k), offsets, experts)
+
+
+def _route_sort_impl(expert_ids: torch.Tensor, num_experts: int, top_k: int) -> tuple:
+    ok, why = kernel_device_ok(expert_ids)
+    if ok and num_experts > SORT_MAX_EXPERTS:
+        ok, why = False, f"num_experts above {SORT_MAX_EXPERTS}"
+    if not ok:
+        warn_fallback(f"{OP}.route_sort", why)
+        r = route_sort_reference(expert_ids, num_experts, top_k)
+        return (r.order, *r.maps[:3], r.offsets, r.experts)
+    return route_sort_into(expert_ids, num_experts, top_k)
 
 
 def _dispatch_impl(x: torch.Tensor, m: RouteMaps, scores: Optional[torch.Tensor]) -> torch.Tensor:
@@ -193,6 +235,21 @@ def _(order, positions, top_k):
     num_slots = order.shape[0] if positions is None else positions.shape[0]
     return (order.new_empty((num_slots, ), dtype=torch.int32), order.new_empty((num_slots, ), dtype=torch.int32),
             order.new_empty((order.shape[0], ), dtype=torch.int32))
+
+
+@torch.library.custom_op(f"{_NS}::moe_route_sort", mutates_args=())
+def _route_sort_op(expert_ids: torch.Tensor, num_experts: int, top_k: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, token, assignment, slot, offsets, experts) of :func:`route_sort`."""
+    return tuple(_route_sort_impl(expert_ids, num_experts, top_k))
+
+
+@_route_sort_op.register_fake
+def _(expert_ids, num_experts, top_k):
+    n = expert_ids.shape[0]
+    per = [expert_ids.new_empty((n, ), dtype=torch.int32) for _ in range(4)]
+    return (*per, expert_ids.new_empty((num_experts, ), dtype=torch.int32),
+            expert_ids.new_empty((n, ), dtype=torch.int32))
 
 
 @torch.library.custom_op(f"{_NS}::moe_dispatch", mutates_args=())
