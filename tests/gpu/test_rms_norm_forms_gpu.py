@@ -320,7 +320,18 @@ def test_grouped_classes_bf16_match_their_cuda_forward(model, name, kw, gated):
     from unit.test_rms_norm_forms import _cls
 
     n = 8192
-    m = _randomize(_cls(model, name)(n, **kw)).to("cuda", torch.bfloat16)
+    cls = _cls(model, name)
+    if _TF_VERSION < (5, 24):
+        # the grouped classes as transformers 5.24 writes them; an older release's class may take
+        # other arguments or compute otherwise: it must then be left eager, never patched wrongly
+        try:
+            m = cls(n, **kw)
+        except TypeError as e:
+            pytest.skip(f"transformers {_TF_VERSION}: {name}(**{kw}): {e}")
+        if F.recognise(cls) is None:
+            assert F.replace_rms_norm(torch.nn.ModuleList([m])) == 0
+            pytest.skip(f"transformers {_TF_VERSION}: {name}'s forward is not a known form there (left eager)")
+    m = _randomize(cls(n, **kw)).to("cuda", torch.bfloat16)
     ref = copy.deepcopy(m)
     assert F.replace_rms_norm(torch.nn.ModuleList([m])) == 1
     x = torch.randn(2, 513, n, device="cuda", dtype=torch.bfloat16)

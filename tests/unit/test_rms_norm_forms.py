@@ -164,15 +164,17 @@ def check_form(form, x, w, g, dy, eps=EPS, group_size=None):
         assert dw.dtype == w.dtype
         # a gate's activation: our exp and CUDA's differ by a few FP32 ULP per term
         k = 8 if form.gate != "none" else 4
-        k = max(k, 2 * math.log2(max(2, x.numel() // x.shape[-1])))  # both sums' order over the rows
+        k = k + 2 * math.log2(max(2, x.numel() // x.shape[-1]))  # and both sums' order over the rows
         bound = ulp(torch.maximum(dw.double().abs(), dw_inj.double().abs()), w.dtype) + k * 2.0 ** -24 * terms
         nd = R.reference._form_dtypes(form, x.dtype, w.dtype)[0]
         n64 = h * rstd[..., None].double()
-        if form.gate == "before" and nd != torch.float32:
-            # the gated input differs in its last FP32 bits (the activation), so the normalized
-            # value rounds to the other neighbour where it lies that close to a rounding midpoint
+        if nd != torch.float32:
+            # the normalized value before its half-precision rounding differs in its last FP32 bits
+            # (rstd against eager's rsqrt; the gated input's activation), so it rounds to the other
+            # neighbour where it lies that close to a rounding midpoint: one ULP of it times the
+            # gradient it meets (dy, times act(gate) for a gate after the weight)
             u, close = _near_midpoint(n64, nd)
-            bound = bound + (dy.unflatten(-1, groups).double().abs() * u * close).reshape(-1, x.shape[-1]).sum(0)
+            bound = bound + (dy.unflatten(-1, groups).double().abs() * s * u * close).reshape(-1, x.shape[-1]).sum(0)
         if flip_dp is not None:
             bound = bound + (n64.abs() * flip_dp.unflatten(-1, groups)).reshape(-1, x.shape[-1]).sum(0)
         d = (dw.double() - dw_inj.double()).abs()

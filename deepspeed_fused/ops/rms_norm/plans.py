@@ -28,6 +28,10 @@ _BWD_PREFETCH = True  # persistent backward: load the next tile before processin
 # Gated forms at narrow widths (rows much shorter than a tile): the gate doubles what a tile holds
 # live, and smaller tiles with more warps per element were faster on the H200 (swept at 131072 and
 # 262144 rows of 128: forward 0.094 -> 0.068 ms, backward 0.127 -> 0.103 ms at 262144 x 128 bf16)
+# Grouped statistics' persistent backward (tiles of WG rows of a group each, up to 8192 elements):
+# prefetching the next tile costs registers there (H200, 8 groups of 1024, 8192 rows, bf16 gate
+# first: 0.47 ms with it, 0.34 ms without)
+_BWD_GROUPED_PREFETCH = False
 _FWD_GATED_TILE_BYTES = 2048
 _FWD_GATED_ELEMS_PER_WARP = 512
 _BWD_GATED_TILE_ELEMS = 2048
@@ -568,7 +572,7 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
         n_tiles = triton.cdiv(n_rows, block_r)
         kernel = kernels[0]
         ints = (n_rows, N, n_tiles) + xl + gl
-        const = dict(BLOCK_R=block_r, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH)
+        const = dict(BLOCK_R=block_r, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH if wg == 1 else _BWD_GROUPED_PREFETCH)
         progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, **fconst, num_warps=num_warps), x, n_tiles)
     else:
         kernel = kernels[1]
