@@ -17,6 +17,9 @@ builds no route maps) and against this path's build before ``route_sort`` (that,
 sentinels' ``arange().masked_fill`` and ``route_maps``). Expert-parallel rows: the ids of the other
 ranks' experts are sentinels (``>= E``, what transformers' expert parallelism passes).
 
+Case ``swiglu`` (``--case=swiglu``, files ``moe_reorder_swiglu.*``) times the experts' fused gate
+(:func:`swiglu`) against transformers' eager gate, ``torch.compile`` of it and Liger's SiLU-mul.
+
 Peers: DeepSpeed <= 0.19.7's vstack+index / zero+index_put (autograd backward: accumulating
 index_put / indexing), ``torch.index_select`` (a plain gather: for the permute it reads clamped
 indices and leaves padding rows unzeroed, a lower bound), DeepSpeed 0.19.8's Triton
@@ -258,7 +261,72 @@ def run_route_sort(dev, rep: int, quick: bool) -> list:
     return recs
 
 
-RESULT = COMMAND = None  # the files' name and command when not the suite's: with --case=route_sort
+# (name, slots = tokens x top_k, the experts' intermediate size): the gate-up projection's rows
+SWIGLU = [("Qwen3-30B-A3B", 8192 * 8, 768), ("Mixtral-8x7B", 8192 * 2, 14336), ("DeepSeek-V3", 8192 * 8, 2048)]
+
+
+def run_swiglu(dev, dtype, rep: int, quick: bool) -> list:
+    """Case ``swiglu``: the experts' gate ``silu(gate) * up`` of a ``[S, 2I]`` gate-up projection,
+    forward and forward+backward: ours (one kernel each way) against transformers' eager gate
+    (chunk, silu, multiply), ``torch.compile`` of it, and Liger's SiLU-mul where it imports. Bytes
+    an exact implementation moves: forward 2I read + I written per row; forward+backward adds 2I
+    + I read (the saved input and the gradient) and 2I written."""
+    from .common import graph_ms
+
+    shapes = SWIGLU if dev == "cuda" else [("tiny-cpu", 64, 48)]
+    if quick:
+        shapes = shapes[:1]
+    recs = []
+    gen = torch.Generator().manual_seed(3)
+    peers = [("transformers eager gate (chunk, silu, mul)", reorder.swiglu_reference, False, "")]
+    torch._dynamo.reset()
+    peers.append(("torch.compile of the eager gate", torch.compile(reorder.swiglu_reference, dynamic=False),
+                  False, ""))
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        peers.append(("Liger SiLU-mul", lambda x: LigerSiLUMulFunction.apply(*x.chunk(2, dim=-1)), False,
+                      "Liger's kernel on the two chunk views"))
+    except Exception as e:  # reported in the table's notes
+        peers.append(("Liger SiLU-mul", None, False, f"not imported: {type(e).__name__}"))
+    impls = [("deepspeed_fused swiglu", reorder.swiglu, True, "one kernel forward, one backward")] + peers
+    for name, rows, inter in shapes:
+        gu = torch.randn(rows, 2 * inter, generator=gen).to(dev, dtype)
+        dh = torch.randn(rows, inter, generator=gen).to(dev, dtype)
+        e = rows * inter * gu.element_size()
+        tag = f"swiglu {name} S{rows} I{inter}"
+        ref = reorder.swiglu_reference(gu)
+        for impl, fn, ours, note in impls:
+            if fn is None:
+                continue
+            leaf = gu.detach().clone().requires_grad_()
+
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    return fn(gu)
+
+            def fwd_bwd(fn=fn, leaf=leaf):
+                return torch.autograd.grad(fn(leaf), leaf, dh)
+
+            y = fwd()
+            same = float((y.float() - ref.float()).abs().max())
+            rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=3 * e, bytes_fwd_bwd=9 * e,
+                          ours=ours, rep=rep, note=note, max_abs_vs_eager=same)
+            if dev == "cuda":
+                try:
+                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
+                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4))
+                    rec.note = "; ".join(p for p in [rec.note, f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"]
+                                         if p)
+                except Exception as ex:  # reported, not fatal
+                    torch.cuda.synchronize()
+                    rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)
+            recs.append(rec)
+        del gu, dh, ref
+    return recs
+
+
+RESULT = COMMAND = None  # the files' name and command when not the suite's: with --case=route_sort or swiglu
 
 
 def run(args) -> list:
@@ -269,6 +337,10 @@ def run(args) -> list:
         quick = getattr(args, "quick", False)
         RESULT, COMMAND = "moe_reorder_route_sort", "python -m deepspeed_fused.bench moe_reorder --case=route_sort"
         return run_route_sort(dev, 20 if quick else 100, quick)
+    if "--case=swiglu" in (getattr(args, "extra", None) or []):
+        quick = getattr(args, "quick", False)
+        RESULT, COMMAND = "moe_reorder_swiglu", "python -m deepspeed_fused.bench moe_reorder --case=swiglu"
+        return run_swiglu(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
     if "--case=autoep_local" in (getattr(args, "extra", None) or []):
         quick = getattr(args, "quick", False)
         return run_autoep_local(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)

@@ -347,6 +347,34 @@ def _autoep_layers(model: torch.nn.Module) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def _silu_forwards() -> tuple:
+    fns = [torch.nn.SiLU.forward]
+    try:
+        from transformers.activations import SiLUActivation
+
+        fns.append(SiLUActivation.forward)
+    except ImportError:  # pragma: no cover - transformers without it
+        pass
+    return tuple(fns)
+
+
+def fused_gate(experts: torch.nn.Module) -> bool:
+    """Whether an experts module's gate is transformers' default, ``act_fn(gate) * up`` of the
+    chunked gate-up projection (the class keeps ``_default_apply_gate``: a family with its own
+    gate, GPT-OSS's clamped one or a soft-capped one, does not), with SiLU as ``act_fn`` (the
+    forward of ``torch.nn.SiLU`` or of transformers' ``SiLUActivation``, not a hub kernel's):
+    then :func:`~deepspeed_fused.ops.moe_reorder.swiglu` computes it."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover - transformers without the experts interface
+        return False
+    if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate or "_apply_gate" in experts.__dict__:
+        return False
+    act = getattr(experts, "act_fn", None)
+    return (isinstance(act, torch.nn.Module) and getattr(type(act), "forward", None) in _silu_forwards()
+            and not (act._forward_hooks or act._forward_pre_hooks))
+
+
 def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts forward with gathers for the dispatch and the combine.
@@ -356,6 +384,8 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     runs a sort, a histogram and a cumsum);
     ``hidden[perm // top_k]`` is :func:`~deepspeed_fused.ops.moe_reorder.route_dispatch` (backward:
     a gather-sum per token, no scatter-add); the GEMMs are transformers' ``_grouped_linear``;
+    the default gate with SiLU (:func:`fused_gate`) is one
+    :func:`~deepspeed_fused.ops.moe_reorder.swiglu` (one kernel each way, eager's rounding);
     weighting, the inverse permutation and the sum over ``top_k`` are one
     :func:`~deepspeed_fused.ops.moe_reorder.route_combine` (FP32 sum, one rounding). Sentinel
     expert ids (``>= num_experts``, experts of other ranks under transformers' expert parallelism)
@@ -395,7 +425,12 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     proj = _grouped_linear(selected, weight, offsets, bias=bias, is_transposed=is_transposed)
     if mask is not None:
         proj = proj.masked_fill(mask, 0.0)
-    proj = self._apply_gate(proj) if getattr(self, "has_gate", True) else self.act_fn(proj)
+    if not getattr(self, "has_gate", True):
+        proj = self.act_fn(proj)
+    elif fused_gate(self):
+        proj = reorder.swiglu(proj)  # silu(gate) * up in one kernel (its backward one more)
+    else:
+        proj = self._apply_gate(proj)
     bias = self.down_proj_bias[ids_for_bias] if has_bias else None
     proj = _grouped_linear(proj, self.down_proj, offsets, bias=bias, is_transposed=is_transposed)
     if mask is not None:
@@ -503,7 +538,12 @@ class MoeReorderFeature(Feature):
         rep.reason = f"replaces experts implementation {prev!r}"
         if len(selected) < len(experts):
             rep.reason += f"; {len(experts) - len(selected)} experts modules kept their implementation"
-        rep.details = {"path": "transformers", "layers": len(selected), "previous": previous}
+        fused = sum(1 for m in selected if getattr(m, "has_gate", True) and fused_gate(m))
+        gated = sum(1 for m in selected if getattr(m, "has_gate", True))
+        if gated:
+            rep.reason += f"; gate silu(gate) * up fused in {fused} of {gated} experts modules" + (
+                "" if fused == gated else " (the others: not transformers' default gate with SiLU, kept)")
+        rep.details = {"path": "transformers", "layers": len(selected), "previous": previous, "fused_gate": fused}
         return rep
 
     def is_applied(self, model) -> bool:

@@ -342,3 +342,54 @@ def test_route_sort_cuda_graph():
         ref = rg.route_sort_reference(new, experts, top_k)
         for a, b in zip(_route_sort_tuple(out), _route_sort_tuple(ref)):
             assert torch.equal(a.cpu(), b)
+
+
+# ---- the experts' fused gate (swiglu) -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(65536, 768), (16384, 14336 // 4), (1000, 2048), (3, 24)])
+def test_swiglu_matches_cuda_eager(dtype, rows, inter):
+    from unit.test_moe_swiglu import _check, _inputs
+
+    gu, dh = _inputs((rows, 2 * inter), dtype, "cuda", seed=rows + inter)
+    _check(gu, dh)
+
+
+def test_swiglu_no_host_sync_and_graph_replay():
+    from unit.test_moe_swiglu import _inputs
+
+    gu, dh = _inputs((4096, 2 * 768), torch.bfloat16, "cuda", seed=9)
+    leaf = gu.detach().clone().requires_grad_()
+
+    def step():
+        return torch.autograd.grad(rg.swiglu(leaf), leaf, dh)[0]
+
+    first = step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = rg.swiglu(gu)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, rg.swiglu(gu)) and torch.equal(first, step())
+
+
+def test_swiglu_under_torch_compile():
+    from unit.test_moe_swiglu import _inputs
+
+    gu, dh = _inputs((512, 2 * 256), torch.bfloat16, "cuda", seed=10)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: rg.swiglu(x) * 2, fullgraph=True)
+    a = gu.detach().clone().requires_grad_()
+    b = gu.detach().clone().requires_grad_()
+    (ga,) = torch.autograd.grad(f(a), a, dh)
+    (gb,) = torch.autograd.grad(rg.swiglu(b) * 2, b, dh)
+    assert torch.equal(ga, gb)

@@ -12,7 +12,9 @@ padding), whose backward is again a gather: no scatter-add, no atomics. One modu
   :func:`unpermute_rows`, :func:`inverse_permutation`, :func:`validate_permutation`);
 * :mod:`.route`: the routed dispatch and combine of a top-k layer (:func:`route_maps`,
   :func:`route_dispatch`, :func:`route_combine`), the one API of both integrations, and
-  :func:`route_sort` (expert ids -> expert order, route maps and grouped GEMM offsets).
+  :func:`route_sort` (expert ids -> expert order, route maps and grouped GEMM offsets);
+* :mod:`.swiglu`: the experts' gated activation ``silu(gate) * up`` of a gate-up projection
+  (:func:`swiglu`), one kernel forward and one backward, with eager's rounding.
 
 The kernels run on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``); anything
 else runs the torch reference with one warning per reason. Index validity is not checked on
@@ -26,10 +28,11 @@ from .reference import (RouteMaps, RouteSort, combine_reference, permute_rows_re
                         route_dispatch_reference, route_maps_reference, route_sort_reference,
                         unpermute_rows_reference)
 from .route import route_combine, route_dispatch, route_maps, route_sort
+from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "permute_rows", "unpermute_rows", "permute_rows_with_inverse", "inverse_permutation", "validate_permutation",
     "RouteMaps", "route_maps", "route_dispatch", "route_combine", "RouteSort", "route_sort", "kernels_take",
     "permute_rows_reference", "unpermute_rows_reference", "route_maps_reference", "route_dispatch_reference",
-    "route_combine_reference", "combine_reference", "route_sort_reference",
+    "route_combine_reference", "combine_reference", "route_sort_reference", "swiglu", "swiglu_reference",
 ]

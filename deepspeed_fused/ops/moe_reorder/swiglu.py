@@ -1,0 +1,184 @@
+"""The experts' gated activation, ``act(gate) * up`` of a ``[S, 2 I]`` gate-up projection, fused.
+
+transformers' experts (``_default_apply_gate``) compute ``gate, up = gate_up.chunk(2, -1)`` and
+``act_fn(gate) * up``: eager runs the activation (one pass writing ``act``), the product (reading
+``act`` and ``up``), and in the backward the product's two gradients, the activation's backward and
+the chunk's backward (a zero-filled ``[S, 2 I]`` buffer the two halves are copied into). Here one
+kernel reads ``gate_up`` and writes the ``[S, I]`` output, and one kernel reads ``gate_up`` and the
+output's gradient and writes the ``[S, 2 I]`` input gradient; only ``gate_up`` is saved (eager
+keeps ``act`` and ``up`` too).
+
+Rounding is eager's at every point (``SiLU`` on a half-precision tensor: FP32 math, one rounding;
+the product in FP32, one rounding; backward: ``dh * up`` and ``dh * act`` each rounded to the
+input dtype, the activation's backward ``d * s * (1 + g * (1 - s))`` in FP32 from the rounded
+``dh * up``, one rounding). The exponential is Triton's, not CUDA's ``expf``, so a rounding of the
+activation lies on the other neighbour where its FP32 value sits within a few ULP of a midpoint.
+
+Only SiLU (``torch.nn.SiLU`` or transformers' ``SiLUActivation``) is fused; the caller checks that
+(see ``features.moe_reorder``). CUDA tensors (CPU ones under the interpreter, not bf16 there) run
+the kernels, anything else the torch reference (:func:`swiglu_reference`) with one warning per
+reason. Eager calls run an autograd Function; ``torch.compile`` traces the custom ops
+``deepspeed_fused::moe_swiglu`` and ``deepspeed_fused::moe_swiglu_backward``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._common import HAS_TRITON, DirectKernel, tl, triton
+from .checks import kernel_ok
+
+_NS = "deepspeed_fused"
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _silu_f32(g):
+        # eager's FP32 SiLU: g / (1 + exp(-g)), the division correctly rounded
+        return tl.div_rn(g, 1.0 + tl.exp(-g))
+
+    @triton.jit
+    def _swiglu_fwd_kernel(GU, H, n_rows, inter, stride_gu, stride_h, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
+        src = GU + rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
+        g = tl.load(src, mask=m, other=0.0)
+        u = tl.load(src + inter, mask=m, other=0.0)
+        ty = g.dtype
+        a = _silu_f32(g.to(tl.float32)).to(ty)  # act_fn(gate): one rounding to the input dtype
+        h = (a.to(tl.float32) * u.to(tl.float32)).to(ty)
+        tl.store(H + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], h, mask=m)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(GU, DH, DGU, n_rows, inter, stride_gu, stride_dh, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        src = GU + r64 * stride_gu + cols[None, :]
+        g = tl.load(src, mask=m, other=0.0)
+        u = tl.load(src + inter, mask=m, other=0.0).to(tl.float32)
+        dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        ty = g.dtype
+        gf = g.to(tl.float32)
+        a = _silu_f32(gf).to(ty).to(tl.float32)
+        d_up = (dh * a).to(ty)  # the product's gradients, each rounded to the input dtype
+        d_act = (dh * u).to(ty).to(tl.float32)
+        s = tl.div_rn(tl.zeros_like(gf) + 1.0, 1.0 + tl.exp(-gf))
+        d_gate = (d_act * s * (1.0 + gf * (1.0 - s))).to(ty)  # eager's silu_backward
+        dst = DGU + r64 * (2 * inter) + cols[None, :]
+        tl.store(dst, d_gate, mask=m)
+        tl.store(dst + inter, d_up, mask=m)
+
+    _launch_fwd = DirectKernel(_swiglu_fwd_kernel)
+    _launch_bwd = DirectKernel(_swiglu_bwd_kernel)
+
+
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' default gate: ``silu(gate) * up`` of ``gate, up = gate_up.chunk(2, -1)``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _check(gate_up: torch.Tensor) -> None:
+    if not isinstance(gate_up, torch.Tensor):
+        raise TypeError(f"gate_up: expected a torch.Tensor, got {type(gate_up).__name__}")
+    if not gate_up.is_floating_point():
+        raise TypeError(f"gate_up: expected a floating-point tensor, got {gate_up.dtype}")
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up: expected an even last dimension (gate and up halves), got shape "
+                         f"{tuple(gate_up.shape)}")
+
+
+def _tile(n_rows: int, inter: int) -> tuple:
+    block_c = min(1024, triton.next_power_of_2(max(inter, 1)))
+    block_r = max(1, min(4096 // block_c, triton.next_power_of_2(max(n_rows, 1))))
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(inter, block_c))
+    return grid, dict(BLOCK_R=block_r, BLOCK_C=block_c), 4 if block_r * block_c >= 2048 else 2
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, width]`` with unit column stride (a copy only where that needs one)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _forward(gate_up: torch.Tensor) -> torch.Tensor:
+    gu = _rows(gate_up)
+    n_rows, inter = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
+    if h.numel():
+        grid, const, warps = _tile(n_rows, inter)
+        _launch_fwd(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0)), const, warps)
+    return h.view(*gate_up.shape[:-1], inter)
+
+
+def _backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    gu, d = _rows(gate_up), _rows(dh.to(gate_up.dtype))
+    n_rows, inter = gu.shape[0], gu.shape[1] // 2
+    dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
+    if dgu.numel():
+        grid, const, warps = _tile(n_rows, inter)
+        _launch_bwd(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0)), const, warps)
+    return dgu.view(gate_up.shape)
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        return _forward(gate_up)
+
+    @staticmethod
+    def backward(ctx, dh):
+        (gate_up,) = ctx.saved_tensors
+        return _backward(gate_up, dh)
+
+
+@torch.library.custom_op(f"{_NS}::moe_swiglu", mutates_args=())
+def _swiglu_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _forward(gate_up)
+
+
+@_swiglu_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op(f"{_NS}::moe_swiglu_backward", mutates_args=())
+def _swiglu_backward_op(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    return _backward(gate_up, dh)
+
+
+@_swiglu_backward_op.register_fake
+def _(gate_up, dh):
+    return torch.empty_like(gate_up)
+
+
+def _op_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _op_backward(ctx, dh):
+    (gate_up,) = ctx.saved_tensors
+    return _swiglu_backward_op(gate_up, dh)
+
+
+_swiglu_op.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate, up = gate_up.chunk(2, -1)`` (``[..., 2 I]`` -> ``[..., I]``),
+    forward and backward in one kernel each, with eager's rounding (module docstring)."""
+    _check(gate_up)
+    if not kernel_ok("swiglu", gate_up):
+        return swiglu_reference(gate_up)
+    if torch.compiler.is_compiling():
+        return _swiglu_op(gate_up)
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return _SwiGLUFn.apply(gate_up)
+    return _forward(gate_up)
