@@ -19,6 +19,8 @@ ranks' experts are sentinels (``>= E``, what transformers' expert parallelism pa
 
 Case ``swiglu`` (``--case=swiglu``, files ``moe_reorder_swiglu.*``) times the experts' fused gate
 (:func:`swiglu`) against transformers' eager gate, ``torch.compile`` of it and Liger's SiLU-mul.
+Case ``router`` (``--case=router``, files ``moe_reorder_router.*``) times the fused top-k softmax
+router selection (:func:`topk_softmax`) against the eager router code and ``torch.compile`` of it.
 
 Peers: DeepSpeed <= 0.19.7's vstack+index / zero+index_put (autograd backward: accumulating
 index_put / indexing), ``torch.index_select`` (a plain gather: for the permute it reads clamped
@@ -326,7 +328,57 @@ def run_swiglu(dev, dtype, rep: int, quick: bool) -> list:
     return recs
 
 
-RESULT = COMMAND = None  # the files' name and command when not the suite's: with --case=route_sort or swiglu
+ROUTER = [("Qwen3-30B-A3B", 8192, 128, 8, "norm_topk_prob", True), ("Mixtral-8x7B", 8192, 8, 2, True, False),
+          ("Qwen3.5-MoE", 8192, 512, 10, True, True)]
+
+
+def run_router(dev, dtype, rep: int, quick: bool) -> list:
+    """Case ``router``: a top-k softmax router's selection from its logits (softmax, top-k,
+    renormalisation, cast), forward and forward+backward: ours against the eager router code and
+    ``torch.compile`` of it. The logits' GEMM is outside (the same in all)."""
+    from .common import graph_ms
+
+    shapes = ROUTER if dev == "cuda" else [("tiny-cpu", 64, 16, 2, True, True)]
+    if quick:
+        shapes = shapes[:1]
+    recs = []
+    gen = torch.Generator().manual_seed(4)
+    torch._dynamo.reset()
+    comp = torch.compile(reorder.topk_softmax_reference, dynamic=False)
+    for name, tokens, experts, k, renorm, cast in shapes:
+        norm = renorm is True or renorm == "norm_topk_prob"  # Qwen3-30B-A3B's config sets it
+        out = dtype if cast else None
+        logits = torch.randn(tokens, experts, generator=gen).to(dev, dtype)
+        ds = torch.randn(tokens, k, generator=gen).to(dev, out or torch.float32)
+        tag = f"router {name} T{tokens} E{experts} k{k}"
+        for impl, fn, ours in (("deepspeed_fused topk_softmax", reorder.topk_softmax, True),
+                               ("eager router (softmax, topk, renorm, cast)", reorder.topk_softmax_reference, False),
+                               ("torch.compile of the eager router", comp, False)):
+            leaf = logits.detach().clone().requires_grad_()
+
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    return fn(logits, k, norm, out)
+
+            def fwd_bwd(fn=fn, leaf=leaf):
+                return torch.autograd.grad(fn(leaf, k, norm, out)[0], leaf, ds)
+
+            same = bool(torch.equal(fwd()[1], reorder.topk_softmax_reference(logits, k, norm, out)[1]))
+            rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep,
+                          note="same experts as eager" if same else "experts differ from eager (ties)")
+            if dev == "cuda":
+                try:
+                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
+                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4))
+                    rec.note += f"; CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"
+                except Exception as ex:  # reported, not fatal
+                    torch.cuda.synchronize()
+                    rec.note += f"; no CUDA graph: {type(ex).__name__}"
+            recs.append(rec)
+    return recs
+
+
+RESULT = COMMAND = None  # the files' name and command when not the suite's: with --case=route_sort, swiglu, router
 
 
 def run(args) -> list:
@@ -337,6 +389,10 @@ def run(args) -> list:
         quick = getattr(args, "quick", False)
         RESULT, COMMAND = "moe_reorder_route_sort", "python -m deepspeed_fused.bench moe_reorder --case=route_sort"
         return run_route_sort(dev, 20 if quick else 100, quick)
+    if "--case=router" in (getattr(args, "extra", None) or []):
+        quick = getattr(args, "quick", False)
+        RESULT, COMMAND = "moe_reorder_router", "python -m deepspeed_fused.bench moe_reorder --case=router"
+        return run_router(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
     if "--case=swiglu" in (getattr(args, "extra", None) or []):
         quick = getattr(args, "quick", False)
         RESULT, COMMAND = "moe_reorder_swiglu", "python -m deepspeed_fused.bench moe_reorder --case=swiglu"

@@ -393,3 +393,45 @@ def test_swiglu_under_torch_compile():
     (ga,) = torch.autograd.grad(f(a), a, dh)
     (gb,) = torch.autograd.grad(rg.swiglu(b) * 2, b, dh)
     assert torch.equal(ga, gb)
+
+
+# ---- the fused top-k softmax router ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T,E,k", [(8192, 128, 8), (8192, 8, 2), (4096, 512, 10), (7, 64, 4)])
+@pytest.mark.parametrize("renorm,cast", [(True, True), (False, True), (True, False)])
+def test_topk_softmax_matches_cuda_eager(dtype, T, E, k, renorm, cast):
+    from unit.test_moe_router import _check, _logits
+
+    _check(_logits(T, E, dtype, "cuda", seed=T + E), k, renorm, dtype if cast else None)
+
+
+def test_topk_softmax_no_host_sync_and_graph_replay():
+    from unit.test_moe_router import _logits
+
+    logits = _logits(8192, 128, torch.bfloat16, "cuda", seed=3).requires_grad_()
+
+    def step():
+        s, i = rg.topk_softmax(logits, 8, True, torch.bfloat16)
+        return torch.autograd.grad(s.float().square().sum(), logits)[0], i
+
+    first = step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x = logits.detach()
+    g = torch.cuda.CUDAGraph()
+    s0 = torch.cuda.Stream()
+    s0.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s0):
+        rg.topk_softmax(x, 8, True, torch.bfloat16)
+    torch.cuda.current_stream().wait_stream(s0)
+    with torch.cuda.graph(g):
+        out = rg.topk_softmax(x, 8, True, torch.bfloat16)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = rg.topk_softmax(x, 8, True, torch.bfloat16)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    again = step()
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])

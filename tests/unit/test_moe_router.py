@@ -1,0 +1,148 @@
+"""moe_reorder's fused top-k softmax router (CPU: Triton interpreter, fp32 and fp16 logits; bf16 on
+the GPU): selection, scores and the logits' gradient against eager, ties, the fallback, the custom
+ops, and the router integration (every gradient of a patched MoE model equal to the unpatched one)."""
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from deepspeed_fused.ops import _common
+from deepspeed_fused.ops import moe_reorder as mr
+
+R = importlib.import_module("deepspeed_fused.ops.moe_reorder.router")
+
+
+def _logits(T, E, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(T, E, generator=gen)).to(dtype).to(device)
+
+
+def _run(fn, logits, k, renorm, out_dtype, d):
+    x = logits.detach().clone().requires_grad_()
+    s, i = fn(x, k, renorm, out_dtype)
+    s.backward(d)
+    return s.detach(), i, x.grad
+
+
+def _check(logits, k, renorm, out_dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    d = torch.randn(logits.shape[0], k, generator=gen).to(out_dtype or torch.float32).to(logits.device)
+    s, i, g = _run(mr.topk_softmax, logits, k, renorm, out_dtype, d)
+    sr, ir, gr = _run(mr.topk_softmax_reference, logits, k, renorm, out_dtype, d)
+    assert s.dtype == sr.dtype and i.dtype == ir.dtype == torch.int64 and g.dtype == logits.dtype
+    # the same probabilities in the same order; experts may differ only among equal probabilities
+    # (half-precision logits repeat values; the order of equal values is ours: the lower id first)
+    pr = torch.softmax(logits.detach().float(), -1)
+    assert torch.equal(pr.gather(1, i), pr.gather(1, ir))
+    same = (i == ir).all(-1)
+    assert same.double().mean() >= 0.8
+    s, sr, g, gr = s[same], sr[same], g[same], gr[same]
+    if s.dtype == torch.float32:
+        torch.testing.assert_close(s, sr, rtol=4 * 2.0 ** -23, atol=1e-30)
+    else:  # one rounding of a value within a few FP32 ULP of eager's: at most one ULP apart
+        assert ((s.float() - sr.float()).abs() <= (sr.float().abs() * 2.0 ** -10)).all()
+        assert (s == sr).double().mean() >= 0.99
+    scale = gr.double().abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    tol = 1e-6 if logits.dtype == torch.float32 else 2.0 ** -10
+    assert (((g.double() - gr.double()).abs() / scale) <= tol).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,k", [(37, 128, 8), (5, 8, 2), (64, 60, 4), (3, 256, 8), (1, 2, 1)])
+@pytest.mark.parametrize("renorm,cast", [(True, True), (False, True), (True, False)])
+def test_topk_softmax_matches_eager(interpret, dtype, T, E, k, renorm, cast):
+    logits = _logits(T, E, dtype, interpret, seed=T + E + k)
+    _check(logits, k, renorm, dtype if cast else None)
+
+
+def test_ties_take_the_lower_expert(interpret):
+    # equal logits (bf16 logits are often equal): the lower expert id first, as torch.topk on CPU here
+    logits = torch.zeros(4, 16, device=interpret)
+    logits[:, [3, 7, 11]] = 1.0
+    s, i = mr.topk_softmax(logits, 2, True)
+    assert i.tolist() == [[3, 7]] * 4 and torch.allclose(s, torch.full_like(s, 0.5))
+
+
+def test_every_output_written(interpret, monkeypatch):
+    real = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(R.torch, "empty", poisoned)
+    logits = _logits(33, 40, torch.float32, interpret, seed=5).requires_grad_()
+    s, i = mr.topk_softmax(logits, 3, True, torch.float32)
+    s.sum().backward()
+    assert torch.isfinite(s).all() and (i >= 0).all() and torch.isfinite(logits.grad).all()
+
+
+def test_checks_and_fallback():
+    with pytest.raises(ValueError, match="top_k"):
+        mr.topk_softmax(torch.randn(3, 4), 5, True)
+    with pytest.raises(ValueError, match="logits"):
+        mr.topk_softmax(torch.randn(3), 1, True)
+    with pytest.raises(TypeError, match="out_dtype"):
+        mr.topk_softmax(torch.randn(3, 4), 1, True, torch.int32)
+    _common.reset_fallback_warnings()
+    x = torch.randn(4, 2048)  # more experts than the kernel holds: the reference, one warning
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a, b = mr.topk_softmax(x, 2, True), mr.topk_softmax(x, 2, True)
+    assert sum("topk_softmax" in str(m.message) for m in w) == 1
+    ref = mr.topk_softmax_reference(x, 2, True)
+    assert torch.equal(a[1], ref[1]) and torch.allclose(a[0], ref[0])
+
+
+def test_custom_ops(interpret):
+    logits = _logits(6, 16, torch.float32, interpret, seed=6)
+    torch.library.opcheck(R._topk_softmax_op, (logits.requires_grad_(), 3, True, torch.float32))
+    s, i = R._topk_softmax_op(logits, 3, True, torch.float32)
+    torch.library.opcheck(R._topk_softmax_backward_op, (logits.detach(), i, torch.randn_like(s), True))
+
+
+# ---- the router integration (moe_reorder's transformers path) -----------------------------------
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny", "deepseek-v3-tiny"])
+def test_router_integration(interpret, name, monkeypatch):
+    import copy
+
+    from tiny_models import build_model
+
+    from deepspeed_fused import patch_model, unpatch_model
+
+    model = build_model(name, torch.float32, seed=0)
+    ref = copy.deepcopy(model)
+    calls = []
+    real = mr.topk_softmax
+    monkeypatch.setattr(mr, "topk_softmax", lambda *a: calls.append(a[1:]) or real(*a))
+    rep = patch_model(model, {"moe_reorder": {"enabled": True}})
+    r = rep.features[[f.name for f in rep.features].index("moe_reorder")]
+    n = r.details["layers"]
+    ids = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def step(m):
+        out = m(input_ids=ids, labels=ids)
+        loss = out.loss + (out.aux_loss if getattr(out, "aux_loss", None) is not None else 0)
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+
+    if name == "deepseek-v3-tiny":  # sigmoid routing with groups: not a top-k softmax router, kept
+        assert r.details["routers"] == 0 and r.details["routers_kept"], r
+        assert "not a known top-k softmax router" in r.reason
+    else:
+        assert r.details["routers"] == n and f"routers fused: {n}" in r.reason, r
+    loss, grads = step(model)
+    assert len(calls) == r.details["routers"]
+    loss_r, grads_r = step(ref)
+    torch.testing.assert_close(loss, loss_r, rtol=1e-6, atol=1e-6)
+    for k in grads_r:  # the router weights' gradients included (the aux loss's path too)
+        torch.testing.assert_close(grads[k], grads_r[k], rtol=1e-5, atol=1e-6, msg=k)
+    twin = copy.deepcopy(model)  # a copy keeps the opt-in
+    calls.clear()
+    twin(input_ids=ids)
+    assert len(calls) == r.details["routers"]
+    unpatch_model(model)  # reverted: the routers run their own forward again
+    calls.clear()
+    model(input_ids=ids)
+    assert not calls
