@@ -595,6 +595,10 @@ class MoeReorderFeature(Feature):
         if getattr(model, _STATE_ATTR, None) is not None:
             if self.is_applied(model):
                 rep.applied, rep.reason = True, "already applied"
+                if model.__dict__[_STATE_ATTR].get("path") == "transformers":
+                    # a model loaded from a pickle has its routers' opt-in off: on again
+                    routers, _ = _opt_in_routers(model)
+                    rep.reason += f"; top-k softmax routers fused: {routers}"
                 return rep
             model.__dict__.pop(_STATE_ATTR, None)  # a stale record (copied or loaded): apply afresh
         n_autoep = _autoep_layers(model)

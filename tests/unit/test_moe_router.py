@@ -146,3 +146,49 @@ def test_router_integration(interpret, name, monkeypatch):
     calls.clear()
     model(input_ids=ids)
     assert not calls
+
+
+def test_router_opt_in_after_pickle_and_repatch(interpret, monkeypatch):
+    # a pickled model loads with its routers' opt-in off (they run their own forward); patching it
+    # again turns them on again
+    import pickle
+
+    from tiny_models import build_model
+
+    from deepspeed_fused import patch_model
+
+    model = build_model("qwen3-moe-tiny", torch.float32, seed=0)
+    patch_model(model, {"moe_reorder": {"enabled": True}})
+    loaded = pickle.loads(pickle.dumps(model))
+    calls = []
+    real = mr.topk_softmax
+    monkeypatch.setattr(mr, "topk_softmax", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, 257, (1, 8), generator=torch.Generator().manual_seed(2))
+    loaded(input_ids=ids)
+    assert not calls
+    rep = patch_model(loaded, {"moe_reorder": {"enabled": True}})
+    r = rep.features[[f.name for f in rep.features].index("moe_reorder")]
+    assert r.applied and "top-k softmax routers fused: 2" in r.reason, r
+    loaded(input_ids=ids)
+    assert calls
+
+
+def test_router_opt_in_when_already_applied(interpret):
+    # the feature's own "already applied" path (a loaded model's record is in force) opts the
+    # routers in again
+    import pickle
+
+    from tiny_models import build_model
+
+    from deepspeed_fused.features import moe_reorder
+
+    model = build_model("qwen3-moe-tiny", torch.float32, seed=0)
+    feat = moe_reorder.MoeReorderFeature()
+    cfg = moe_reorder.MoeReorderConfig(enabled=True)
+    feat.apply(model, None, cfg)
+    loaded = pickle.loads(pickle.dumps(model))
+    gates = [m.gate for m in loaded.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    assert gates and not any(moe_reorder._ROUTER_OPT_IN.holds(g) for g in gates)
+    rep = feat.apply(loaded, None, cfg)
+    assert rep.reason.startswith("already applied") and "routers fused: 2" in rep.reason, rep
+    assert all(moe_reorder._ROUTER_OPT_IN.holds(g) for g in gates)
