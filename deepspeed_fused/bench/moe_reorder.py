@@ -37,7 +37,18 @@ from .common import measure
 
 SUITE = "moe_reorder"
 TITLE = "MoE reorder gathers (AutoEP permute/unpermute, top-k dispatch and combine)"
-NOTES = ("Targets (H200, bf16): every gather >= 3.6 TB/s effective (device copy 4.2 TB/s); permute and "
+_CASE_NOTES = {
+    "route_sort": "The transformers path's index build (int only): no target of its own; it replaces the sort, "
+                  "histogram and cumsum (and the route maps' build) in the MoE routing category (issue 27: <= 5 ms "
+                  "in the e2e fused arm).",
+    "swiglu": "The experts' gate silu(gate) * up (bf16): the fused gate faster than the eager gate and torch.compile "
+              "host-inclusive, fwd+bwd near the bandwidth of its bytes (fwd 2I read + I written per row; fwd+bwd "
+              "9I in all); part of the MoE routing category target (issue 27).",
+    "router": "The top-k softmax router selection (bf16 logits): faster than the eager router code and "
+              "torch.compile host-inclusive; part of the MoE routing category target (issue 27: <= 5 ms in the "
+              "e2e fused arm).",
+}
+NOTES = _GATHER_NOTES = ("Targets (H200, bf16): every gather >= 3.6 TB/s effective (device copy 4.2 TB/s); permute and "
          "unpermute fwd+bwd >= 1.3x DeepSpeed 0.19.8 and >= 4x the 0.19.7 path; combine >= 2x "
          "transformers gather+sum. Effective bytes are defined in deepspeed_fused/bench/moe_reorder.py.")
 
@@ -382,9 +393,13 @@ RESULT = COMMAND = None  # the files' name and command when not the suite's: wit
 
 
 def run(args) -> list:
-    global RESULT, COMMAND
+    global RESULT, COMMAND, NOTES
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     RESULT = COMMAND = None
+    NOTES = _GATHER_NOTES
+    for case, notes in _CASE_NOTES.items():
+        if f"--case={case}" in (getattr(args, "extra", None) or []):
+            NOTES = notes
     if "--case=route_sort" in (getattr(args, "extra", None) or []):
         quick = getattr(args, "quick", False)
         RESULT, COMMAND = "moe_reorder_route_sort", "python -m deepspeed_fused.bench moe_reorder --case=route_sort"
