@@ -386,6 +386,36 @@ def run_router(dev, dtype, rep: int, quick: bool) -> list:
                     torch.cuda.synchronize()
                     rec.note += f"; no CUDA graph: {type(ex).__name__}"
             recs.append(rec)
+    # DeepSeek-V3's grouped sigmoid router (FP32 logits): 256 experts in 8 groups, 4 chosen, top-8
+    T, E, G, TG, k = (8192, 256, 8, 4, 8) if dev == "cuda" else (64, 32, 4, 2, 3)
+    logits = torch.randn(T, E, generator=gen).to(dev)
+    bias = (0.1 * torch.randn(E, generator=gen)).to(dev)
+    dw = torch.randn(T, k, generator=gen).to(dev)
+    tag = f"router DeepSeek-V3 T{T} E{E} groups {TG} of {G} k{k}"
+    comp_g = torch.compile(reorder.group_topk_sigmoid_reference, dynamic=False)
+    for impl, fn, ours in (("deepspeed_fused group_topk_sigmoid", reorder.group_topk_sigmoid, True),
+                           ("eager router (sigmoid, group top-k, top-k, gather, renorm, scale)",
+                            reorder.group_topk_sigmoid_reference, False),
+                           ("torch.compile of the eager router", comp_g, False)):
+        leaf = logits.detach().clone().requires_grad_()
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                return fn(logits, bias, k, G, TG, True, 2.5)
+
+        def fwd_bwd(fn=fn, leaf=leaf):
+            return torch.autograd.grad(fn(leaf, bias, k, G, TG, True, 2.5)[0], leaf, dw)
+
+        rec = measure(SUITE, impl, tag, torch.float32, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep)
+        if dev == "cuda":
+            try:
+                fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
+                rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4))
+                rec.note = f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"
+            except Exception as ex:  # reported, not fatal
+                torch.cuda.synchronize()
+                rec.note = f"no CUDA graph: {type(ex).__name__}"
+        recs.append(rec)
     return recs
 
 

@@ -377,7 +377,7 @@ def fused_gate(experts: torch.nn.Module) -> bool:
             and not (act._forward_hooks or act._forward_pre_hooks))
 
 
-# ---- the router: top-k softmax selection fused (ops/moe_reorder/router.py) ----------------------
+# ---- the router: its selection fused (ops/moe_reorder/router.py) ----------------------------------
 # Templates of transformers' top-k softmax router forwards, written as transformers 5.24 writes them:
 # a router class is taken only when its forward's bytecode (instructions, names, constants,
 # variables) is one of these and its module's ``F`` and ``torch`` are torch's own. What each
@@ -416,9 +416,38 @@ def _router_norm_fp32(self, hidden_states):  # Mixtral, MiniMax
     return router_logits, router_scores, router_indices
 
 
-# template -> (renormalise: True, or the attribute that says so; cast the scores to the logits' dtype)
+def _router_grouped_sigmoid(self, hidden_states):  # DeepSeek-V3, GLM-4 MoE, Dots1, Exaone-MoE, ...
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + self.e_score_correction_bias
+    group_scores = (
+        scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group)
+        .topk(2, dim=-1)[0]
+        .sum(dim=-1)
+    )
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (
+        group_mask.unsqueeze(-1)
+        .expand(-1, self.num_group, self.num_experts // self.num_group)
+        .reshape(-1, self.num_experts)
+    )
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights /= denominator
+    topk_weights = topk_weights * self.routed_scaling_factor
+    return router_logits, topk_weights, topk_indices
+
+
+# template -> (renormalise: True, or the attribute that says so; cast the scores to the logits' dtype);
+# the grouped sigmoid router: "grouped"
 _ROUTER_FORMS = ((_router_norm_optional, "norm_topk_prob", True), (_router_norm_cast, True, True),
-                 (_router_norm_fp32, True, False))
+                 (_router_norm_fp32, True, False), (_router_grouped_sigmoid, "grouped", None))
 _ROUTER_OPT_IN = OptInMarker("moe_reorder", "_deepspeed_fused_router", "_deepspeed_fused_router_calls")
 _ROUTER_DISPATCHERS: dict = {}  # class -> its dispatcher (installed once per process)
 
@@ -430,7 +459,8 @@ def _code_key(fn) -> tuple:
 
 def router_form(cls) -> Any:
     """``(renormalise, cast)`` when ``cls.forward`` is one of transformers' top-k softmax router
-    forwards (bytecode equal to a template above, ``F`` / ``torch`` torch's own), else None."""
+    forwards, ``("grouped", None)`` for DeepSeek-V3's grouped sigmoid router (bytecode equal to a
+    template above, ``F`` / ``torch`` torch's own), else None."""
     fwd = getattr(cls, "forward", None)
     fwd = getattr(fwd, "__deepspeed_fused_original__", fwd)
     if not hasattr(fwd, "__code__"):
@@ -449,6 +479,14 @@ def _router_dispatcher(original, renorm, cast):
     def forward(self, hidden_states):
         if self.__dict__.get(_ROUTER_OPT_IN.marker) is not _ROUTER_OPT_IN.value:
             return original(self, hidden_states)
+        if renorm == "grouped":
+            hidden_states = hidden_states.view(-1, self.hidden_dim)
+            router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32),
+                                                       self.weight.type(torch.float32))
+            weights, indices = reorder.group_topk_sigmoid(
+                router_logits, self.e_score_correction_bias, self.top_k, self.num_group, self.topk_group,
+                bool(self.norm_topk_prob), self.routed_scaling_factor)
+            return router_logits, weights, indices
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         router_logits = torch.nn.functional.linear(hidden_states, self.weight)
         norm = bool(getattr(self, renorm)) if isinstance(renorm, str) else renorm
@@ -598,7 +636,7 @@ class MoeReorderFeature(Feature):
                 if model.__dict__[_STATE_ATTR].get("path") == "transformers":
                     # a model loaded from a pickle has its routers' opt-in off: on again
                     routers, _ = _opt_in_routers(model)
-                    rep.reason += f"; top-k softmax routers fused: {routers}"
+                    rep.reason += f"; routers fused: {routers}"
                 return rep
             model.__dict__.pop(_STATE_ATTR, None)  # a stale record (copied or loaded): apply afresh
         n_autoep = _autoep_layers(model)
@@ -660,10 +698,10 @@ class MoeReorderFeature(Feature):
             rep.reason += f"; gate silu(gate) * up fused in {fused} of {gated} experts modules" + (
                 "" if fused == gated else " (the others: not transformers' default gate with SiLU, kept)")
         routers, kept = _opt_in_routers(model)
-        rep.reason += f"; top-k softmax routers fused: {routers}"
+        rep.reason += f"; routers fused: {routers}"
         if kept:
             rep.reason += (" (kept: " + ", ".join(f"{n} x {c}" for c, n in sorted(kept.items()))
-                           + ": not a known top-k softmax router forward)")
+                           + ": not a known router forward)")
         rep.details = {"path": "transformers", "layers": len(selected), "previous": previous, "fused_gate": fused,
                        "routers": routers, "routers_kept": dict(kept)}
         return rep

@@ -103,7 +103,7 @@ def test_custom_ops(interpret):
 
 
 # ---- the router integration (moe_reorder's transformers path) -----------------------------------
-@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny", "deepseek-v3-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny", "deepseek-v3-tiny", "deepseek-v3-groups"])
 def test_router_integration(interpret, name, monkeypatch):
     import copy
 
@@ -111,11 +111,19 @@ def test_router_integration(interpret, name, monkeypatch):
 
     from deepspeed_fused import patch_model, unpatch_model
 
-    model = build_model(name, torch.float32, seed=0)
+    if name == "deepseek-v3-groups":  # 8 experts in 4 groups, 2 groups chosen, renormalised and scaled
+        model = build_model("deepseek-v3-tiny", torch.float32, seed=0, n_routed_experts=8, n_group=4, topk_group=2,
+                            num_experts_per_tok=3, norm_topk_prob=True, routed_scaling_factor=2.5)
+        for m in model.modules():  # a correction bias that changes the choice
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
+    else:
+        model = build_model(name, torch.float32, seed=0)
     ref = copy.deepcopy(model)
     calls = []
-    real = mr.topk_softmax
-    monkeypatch.setattr(mr, "topk_softmax", lambda *a: calls.append(a[1:]) or real(*a))
+    op = "group_topk_sigmoid" if name.startswith("deepseek") else "topk_softmax"
+    real = getattr(mr, op)
+    monkeypatch.setattr(mr, op, lambda *a: calls.append(a[1:]) or real(*a))
     rep = patch_model(model, {"moe_reorder": {"enabled": True}})
     r = rep.features[[f.name for f in rep.features].index("moe_reorder")]
     n = r.details["layers"]
@@ -127,11 +135,7 @@ def test_router_integration(interpret, name, monkeypatch):
         loss.backward()
         return loss.detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
 
-    if name == "deepseek-v3-tiny":  # sigmoid routing with groups: not a top-k softmax router, kept
-        assert r.details["routers"] == 0 and r.details["routers_kept"], r
-        assert "not a known top-k softmax router" in r.reason
-    else:
-        assert r.details["routers"] == n and f"routers fused: {n}" in r.reason, r
+    assert r.details["routers"] == n and f"routers fused: {n}" in r.reason, r
     loss, grads = step(model)
     assert len(calls) == r.details["routers"]
     loss_r, grads_r = step(ref)
@@ -168,7 +172,7 @@ def test_router_opt_in_after_pickle_and_repatch(interpret, monkeypatch):
     assert not calls
     rep = patch_model(loaded, {"moe_reorder": {"enabled": True}})
     r = rep.features[[f.name for f in rep.features].index("moe_reorder")]
-    assert r.applied and "top-k softmax routers fused: 2" in r.reason, r
+    assert r.applied and "routers fused: 2" in r.reason, r
     loaded(input_ids=ids)
     assert calls
 
@@ -192,3 +196,45 @@ def test_router_opt_in_when_already_applied(interpret):
     rep = feat.apply(loaded, None, cfg)
     assert rep.reason.startswith("already applied") and "routers fused: 2" in rep.reason, rep
     assert all(moe_reorder._ROUTER_OPT_IN.holds(g) for g in gates)
+
+
+
+def _sorted_pairs(w, i):
+    order = i.argsort(-1)
+    return w.gather(1, order), i.gather(1, order)
+
+
+@pytest.mark.parametrize("T,E,G,TG,k", [(37, 256, 8, 4, 8), (16, 64, 1, 1, 6), (9, 32, 4, 2, 3), (5, 8, 2, 1, 2)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_group_topk_sigmoid_matches_eager(interpret, T, E, G, TG, k, renorm):
+    gen = torch.Generator().manual_seed(T + E)
+    logits = (2 * torch.randn(T, E, generator=gen)).to(interpret)
+    bias = (0.3 * torch.randn(E, generator=gen)).to(interpret)
+    d = torch.randn(T, k, generator=gen).to(interpret)
+    args = (k, G, TG, renorm, 2.5)
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    w, i = mr.group_topk_sigmoid(x1, bias, *args)
+    wr, ir = mr.group_topk_sigmoid_reference(x2, bias, *args)
+    # transformers' top-k is unsorted: compare the chosen experts as sets, their weights by expert
+    ws, is_ = _sorted_pairs(w, i)
+    wrs, irs = _sorted_pairs(wr, ir)
+    assert torch.equal(is_, irs)
+    torch.testing.assert_close(ws, wrs, rtol=4 * 2.0 ** -23, atol=1e-30)
+    # the same upstream gradient per expert: permute d to each side's order
+    dr = d.gather(1, i.argsort(-1)).gather(1, ir.argsort(-1).argsort(-1))
+    w.backward(d)
+    wr.backward(dr)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-7)
+    assert w.dtype == torch.float32 and i.dtype == torch.int64
+
+
+def test_group_topk_sigmoid_checks():
+    x, b = torch.randn(3, 8), torch.zeros(8)
+    with pytest.raises(ValueError, match="n_group"):
+        mr.group_topk_sigmoid(x, b, 2, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match="topk_group"):
+        mr.group_topk_sigmoid(x, b, 2, 2, 3, True, 1.0)
+    with pytest.raises(ValueError, match="bias"):
+        mr.group_topk_sigmoid(x, torch.zeros(7), 2, 2, 1, True, 1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        mr.group_topk_sigmoid(x, b, 5, 2, 1, True, 1.0)

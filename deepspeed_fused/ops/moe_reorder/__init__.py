@@ -14,7 +14,8 @@ padding), whose backward is again a gather: no scatter-add, no atomics. One modu
   :func:`route_dispatch`, :func:`route_combine`), the one API of both integrations, and
   :func:`route_sort` (expert ids -> expert order, route maps and grouped GEMM offsets);
 * :mod:`.router`: a top-k softmax router's selection from its logits (:func:`topk_softmax`:
-  softmax, top-k, renormalisation, cast), one kernel forward and one backward;
+  softmax, top-k, renormalisation, cast) and DeepSeek-V3's grouped sigmoid selection
+  (:func:`group_topk_sigmoid`), one kernel forward and one backward each;
 * :mod:`.swiglu`: the experts' gated activation ``silu(gate) * up`` of a gate-up projection
   (:func:`swiglu`), one kernel forward and one backward, with eager's rounding.
 
@@ -30,7 +31,7 @@ from .reference import (RouteMaps, RouteSort, combine_reference, permute_rows_re
                         route_dispatch_reference, route_maps_reference, route_sort_reference,
                         unpermute_rows_reference)
 from .route import route_combine, route_dispatch, route_maps, route_sort
-from .router import topk_softmax, topk_softmax_reference
+from .router import group_topk_sigmoid, group_topk_sigmoid_reference, topk_softmax, topk_softmax_reference
 from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
@@ -38,5 +39,5 @@ __all__ = [
     "RouteMaps", "route_maps", "route_dispatch", "route_combine", "RouteSort", "route_sort", "kernels_take",
     "permute_rows_reference", "unpermute_rows_reference", "route_maps_reference", "route_dispatch_reference",
     "route_combine_reference", "combine_reference", "route_sort_reference", "swiglu", "swiglu_reference",
-    "topk_softmax", "topk_softmax_reference",
+    "topk_softmax", "topk_softmax_reference", "group_topk_sigmoid", "group_topk_sigmoid_reference",
 ]

@@ -120,6 +120,99 @@ if HAS_TRITON:
     _launch_fwd = DirectKernel(_topk_softmax_fwd_kernel)
     _launch_bwd = DirectKernel(_topk_softmax_bwd_kernel)
 
+    @triton.jit
+    def _sigmoid_tile(L, rows, n_rows, E, stride, BLOCK_E: tl.constexpr):
+        cols = tl.arange(0, BLOCK_E)
+        m = (rows < n_rows)[:, None] & (cols < E)[None, :]
+        x = tl.load(L + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        s = tl.div_rn(tl.zeros_like(x) + 1.0, 1.0 + tl.exp(-x))  # eager's FP32 sigmoid
+        return s, cols, m
+
+    @triton.jit
+    def _group_topk_fwd_kernel(L, BIAS, W, IDX, n_rows, E, stride, group_size, scale, K: tl.constexpr,
+                               G: tl.constexpr, TG: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                               BLOCK_E: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr):
+        # DeepSeek-V3's routing: sigmoid scores; the choice adds the correction bias; the TG groups
+        # with the largest sum of their two best choices; the K best choices among those groups;
+        # their (uncorrected) scores, divided by their sum + 1e-20 where RENORM, times ``scale``
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rmask = rows < n_rows
+        s, cols, m = _sigmoid_tile(L, rows, n_rows, E, stride, BLOCK_E)
+        b = tl.load(BIAS + cols, mask=cols < E, other=0.0).to(tl.float32)
+        choice = tl.where(m, s + b[None, :], float("-inf"))
+        grp = cols // group_size
+        gs_ = tl.arange(0, GP)
+        gsc = tl.full([BLOCK_T, GP], float("-inf"), dtype=tl.float32)
+        for q in tl.static_range(G):
+            inq = (grp == q)[None, :] & m
+            v = tl.where(inq, choice, float("-inf"))
+            m1 = tl.max(v, axis=1)
+            i1 = tl.min(tl.where(v == m1[:, None], cols[None, :], BLOCK_E), axis=1)
+            m2 = tl.max(tl.where(cols[None, :] == i1[:, None], float("-inf"), v), axis=1)
+            gsc = tl.where(gs_[None, :] == q, (m1 + m2)[:, None], gsc)
+        keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
+        for j in tl.static_range(TG):
+            v = tl.max(gsc, axis=1)
+            q = tl.min(tl.where(gsc == v[:, None], gs_[None, :], GP), axis=1)
+            gsc = tl.where(gs_[None, :] == q[:, None], float("-inf"), gsc)
+            keep = keep | (grp[None, :] == q[:, None])
+        work = tl.where(keep & m, choice, float("-inf"))
+        ks = tl.arange(0, KP)
+        vals = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+        for j in tl.static_range(K):
+            v = tl.max(work, axis=1)
+            i = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1)
+            w = tl.sum(tl.where(cols[None, :] == i[:, None], s, 0.0), axis=1)
+            vals = tl.where(ks[None, :] == j, w[:, None], vals)
+            ids = tl.where(ks[None, :] == j, i[:, None], ids)
+            work = tl.where(cols[None, :] == i[:, None], float("-inf"), work)
+        if RENORM:
+            tot = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for j in tl.static_range(K):
+                tot += tl.sum(tl.where(ks[None, :] == j, vals, 0.0), axis=1)
+            vals = tl.div_rn(vals, (tot + 1e-20)[:, None])
+        vals = vals * scale
+        om = rmask[:, None] & (ks < K)[None, :]
+        o = rows.to(tl.int64)[:, None] * K + ks[None, :]
+        tl.store(W + o, vals, mask=om)
+        tl.store(IDX + o, ids.to(tl.int64), mask=om)
+
+    @triton.jit
+    def _group_topk_bwd_kernel(L, IDX, DW, DL, n_rows, E, stride, stride_dl, scale, K: tl.constexpr,
+                               RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                               KP: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rmask = rows < n_rows
+        s, cols, m = _sigmoid_tile(L, rows, n_rows, E, stride, BLOCK_E)
+        ks = tl.arange(0, KP)
+        km = rmask[:, None] & (ks < K)[None, :]
+        o = rows.to(tl.int64)[:, None] * K + ks[None, :]
+        g = tl.load(DW + o, mask=km, other=0.0).to(tl.float32) * scale
+        ids = tl.load(IDX + o, mask=km, other=-1).to(tl.int32)
+        if RENORM:
+            v = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+            for j in tl.static_range(K):
+                ij = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
+                vj = tl.sum(tl.where(cols[None, :] == ij[:, None], s, 0.0), axis=1)
+                v = tl.where(ks[None, :] == j, vj[:, None], v)
+            tot = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for j in tl.static_range(K):
+                tot += tl.sum(tl.where(ks[None, :] == j, v, 0.0), axis=1)
+            den = tl.where(rmask, tot + 1e-20, 1.0)
+            t = tl.where(km, tl.div_rn(-g * v, (den * den)[:, None]), 0.0)
+            g = tl.div_rn(g, den[:, None]) + tl.sum(t, axis=1)[:, None]
+        ds = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for j in tl.static_range(K):
+            ij = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
+            gj = tl.sum(tl.where(ks[None, :] == j, g, 0.0), axis=1)
+            ds = tl.where(cols[None, :] == ij[:, None], gj[:, None], ds)
+        dx = ds * (1.0 - s) * s  # eager's sigmoid backward
+        tl.store(DL + rows.to(tl.int64)[:, None] * stride_dl + cols[None, :], dx.to(DL.dtype.element_ty), mask=m)
+
+    _launch_group_fwd = DirectKernel(_group_topk_fwd_kernel)
+    _launch_group_bwd = DirectKernel(_group_topk_bwd_kernel)
+
 
 def topk_softmax_reference(logits: torch.Tensor, top_k: int, renormalize: bool,
                            out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,3 +345,110 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
     if torch.is_grad_enabled() and logits.requires_grad:
         return _TopKSoftmaxFn.apply(logits, top_k, bool(renormalize), dtype)
     return _forward(logits, top_k, bool(renormalize), dtype)
+
+
+# ---- DeepSeek-V3's grouped sigmoid routing -------------------------------------------------------
+MAX_GROUPS = 32
+
+
+def group_topk_sigmoid_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                                 topk_group: int, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router selection (transformers' ``DeepseekV3TopkRouter`` after its GEMM):
+    ``(weights [T, top_k] FP32, indices [T, top_k])``."""
+    E = logits.shape[-1]
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
+def _group_check(logits, bias, top_k, n_group, topk_group) -> None:
+    _check(logits, top_k, None)
+    E = logits.shape[-1]
+    if not isinstance(bias, torch.Tensor) or bias.shape != (E,):
+        raise ValueError(f"bias: expected a [{E}] tensor (the score correction), got "
+                         f"{getattr(bias, 'shape', type(bias).__name__)}")
+    if not isinstance(n_group, int) or n_group < 1 or E % n_group or E // n_group < 2:
+        raise ValueError(f"n_group: expected a divisor of the {E} experts leaving at least 2 per group, got {n_group!r}")
+    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group: expected an int in [1, {n_group}], got {topk_group!r}")
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(f"top_k: {top_k} is more than the {topk_group * (E // n_group)} experts of the chosen groups")
+
+
+def _group_meta(n_rows, E, K, G) -> tuple:
+    grid, meta, warps = _meta(n_rows, E, K)
+    return grid, dict(meta, GP=triton.next_power_of_2(max(G, 2))), warps
+
+
+def _group_forward(logits, bias, top_k, n_group, topk_group, renormalize, scale):
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    T, E = x.shape
+    w = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+    idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    if T:
+        grid, meta, warps = _group_meta(T, E, top_k, n_group)
+        gp = meta.pop("GP")
+        _launch_group_fwd(grid, (x, bias.contiguous(), w, idx, T, E, x.stride(0), E // n_group, float(scale)),
+                          dict(K=top_k, G=n_group, TG=topk_group, RENORM=bool(renormalize), **meta, GP=gp), warps)
+    return w, idx
+
+
+def _group_backward(logits, idx, d_w, renormalize, scale):
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    T, E = x.shape
+    K = idx.shape[-1]
+    dl = torch.empty((T, E), dtype=logits.dtype, device=x.device)
+    if T:
+        grid, meta, warps = _meta(T, E, K)
+        _launch_group_bwd(grid, (x, idx.contiguous(), d_w.contiguous(), dl, T, E, x.stride(0), dl.stride(0),
+                                 float(scale)), dict(K=K, RENORM=bool(renormalize), **meta), warps)
+    return dl
+
+
+class _GroupTopKFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, bias, top_k, n_group, topk_group, renormalize, scale):
+        w, idx = _group_forward(logits, bias, top_k, n_group, topk_group, renormalize, scale)
+        ctx.save_for_backward(logits, idx)
+        ctx.args = (renormalize, scale)
+        ctx.mark_non_differentiable(idx)
+        return w, idx
+
+    @staticmethod
+    def backward(ctx, d_w, _d_idx):
+        logits, idx = ctx.saved_tensors
+        return (_group_backward(logits, idx, d_w, *ctx.args),) + (None,) * 6
+
+
+def group_topk_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                       renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router selection from FP32 logits ``[T, E]`` (sigmoid scores, the correction
+    ``bias`` for the choice only, the ``topk_group`` best of ``n_group`` groups by their two best
+    choices, the ``top_k`` best choices there; their scores renormalised (+1e-20) where
+    ``renormalize``, times ``scale``): ``(weights FP32, indices int64)``, one kernel each way. The
+    order of the k (transformers' ``sorted=False``) is ours: best first."""
+    _group_check(logits, bias, top_k, n_group, topk_group)
+    ok, why = kernels_take_router(logits, top_k)
+    if ok and logits.dtype != torch.float32:
+        ok, why = False, f"logits of {logits.dtype} (DeepSeek-V3's router computes them in FP32)"
+    if ok and n_group > MAX_GROUPS:
+        ok, why = False, f"{n_group} groups (the kernel takes at most {MAX_GROUPS})"
+    if ok and (bias.device != logits.device or torch.compiler.is_compiling()):
+        ok, why = False, ("the bias on another device" if bias.device != logits.device
+                          else "under torch.compile (no custom op for this router yet)")
+    if not ok:
+        warn_fallback(f"{OP}.group_topk_sigmoid", why)
+        return group_topk_sigmoid_reference(logits, bias, top_k, n_group, topk_group, renormalize, scale)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _GroupTopKFn.apply(logits, bias, top_k, n_group, topk_group, bool(renormalize), float(scale))
+    return _group_forward(logits, bias, top_k, n_group, topk_group, bool(renormalize), float(scale))
