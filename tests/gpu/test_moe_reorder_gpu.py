@@ -452,3 +452,21 @@ def test_group_topk_sigmoid_matches_cuda_eager(T, E, G, TG, k, renorm):
     same = (is_ == irs).all(-1)  # Triton's exp against CUDA's: a near tie may choose the other expert
     assert same.double().mean() >= 0.999
     torch.testing.assert_close(ws[same], wrs[same], rtol=8 * 2.0 ** -23, atol=1e-30)
+
+
+def test_routers_under_torch_compile():
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(512, 128, generator=gen).cuda()
+    bias = (0.1 * torch.randn(128, generator=gen)).cuda()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: rg.topk_softmax(x, 8, True, torch.bfloat16), fullgraph=True)
+    h = torch.compile(lambda x: rg.group_topk_sigmoid(x, bias, 8, 8, 4, True, 2.5), fullgraph=True)
+    for fn, eager in ((f, lambda x: rg.topk_softmax(x, 8, True, torch.bfloat16)),
+                      (h, lambda x: rg.group_topk_sigmoid(x, bias, 8, 8, 4, True, 2.5))):
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        (wa, ia), (wb, ib) = fn(a), eager(b)
+        assert torch.equal(ia, ib) and torch.equal(wa, wb)
+        d = torch.randn_like(wa)
+        (ga,) = torch.autograd.grad(wa, a, d)
+        (gb,) = torch.autograd.grad(wb, b, d)
+        assert torch.equal(ga, gb)

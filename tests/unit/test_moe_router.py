@@ -238,3 +238,12 @@ def test_group_topk_sigmoid_checks():
         mr.group_topk_sigmoid(x, torch.zeros(7), 2, 2, 1, True, 1.0)
     with pytest.raises(ValueError, match="top_k"):
         mr.group_topk_sigmoid(x, b, 5, 2, 1, True, 1.0)
+
+
+def test_group_custom_ops(interpret):
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 32, generator=gen).to(interpret)
+    bias = (0.1 * torch.randn(32, generator=gen)).to(interpret)
+    torch.library.opcheck(R._group_op, (logits.requires_grad_(), bias, 3, 4, 2, True, 2.5))
+    w, i = R._group_op(logits, bias, 3, 4, 2, True, 2.5)
+    torch.library.opcheck(R._group_backward_op, (logits.detach(), i, torch.randn_like(w), True, 2.5))

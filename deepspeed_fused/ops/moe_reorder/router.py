@@ -22,7 +22,8 @@ chosen unless they straddle the k-th place).
 CUDA tensors (CPU ones under the interpreter, fp32/fp16 there) with up to 1024 experts and top-k
 up to 32 run the kernels; anything else the torch reference (:func:`topk_softmax_reference`) with
 one warning per reason. Eager calls run an autograd Function; ``torch.compile`` traces the custom
-ops ``deepspeed_fused::moe_topk_softmax`` and ``deepspeed_fused::moe_topk_softmax_backward``.
+ops ``deepspeed_fused::moe_topk_softmax`` and ``deepspeed_fused::moe_topk_softmax_backward``
+(``moe_group_topk_sigmoid`` and its backward for DeepSeek-V3's grouped sigmoid router, below).
 """
 from __future__ import annotations
 
@@ -430,6 +431,43 @@ class _GroupTopKFn(torch.autograd.Function):
         return (_group_backward(logits, idx, d_w, *ctx.args),) + (None,) * 6
 
 
+@torch.library.custom_op(f"{_NS}::moe_group_topk_sigmoid", mutates_args=())
+def _group_op(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, renormalize: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _group_forward(logits, bias, top_k, n_group, topk_group, renormalize, scale)
+
+
+@_group_op.register_fake
+def _(logits, bias, top_k, n_group, topk_group, renormalize, scale):
+    T = logits.shape[0]
+    return logits.new_empty((T, top_k), dtype=torch.float32), logits.new_empty((T, top_k), dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{_NS}::moe_group_topk_sigmoid_backward", mutates_args=())
+def _group_backward_op(logits: torch.Tensor, idx: torch.Tensor, d_w: torch.Tensor, renormalize: bool,
+                       scale: float) -> torch.Tensor:
+    return _group_backward(logits, idx, d_w, renormalize, scale)
+
+
+@_group_backward_op.register_fake
+def _(logits, idx, d_w, renormalize, scale):
+    return torch.empty_like(logits)
+
+
+def _group_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.args = (inputs[5], inputs[6])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _group_op_backward(ctx, d_w, _d_idx):
+    logits, idx = ctx.saved_tensors
+    return (_group_backward_op(logits, idx, d_w, *ctx.args),) + (None,) * 6
+
+
+_group_op.register_autograd(_group_op_backward, setup_context=_group_setup)
+
+
 def group_topk_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                        renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's router selection from FP32 logits ``[T, E]`` (sigmoid scores, the correction
@@ -443,12 +481,13 @@ def group_topk_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
         ok, why = False, f"logits of {logits.dtype} (DeepSeek-V3's router computes them in FP32)"
     if ok and n_group > MAX_GROUPS:
         ok, why = False, f"{n_group} groups (the kernel takes at most {MAX_GROUPS})"
-    if ok and (bias.device != logits.device or torch.compiler.is_compiling()):
-        ok, why = False, ("the bias on another device" if bias.device != logits.device
-                          else "under torch.compile (no custom op for this router yet)")
+    if ok and bias.device != logits.device:
+        ok, why = False, "the bias on another device"
     if not ok:
         warn_fallback(f"{OP}.group_topk_sigmoid", why)
         return group_topk_sigmoid_reference(logits, bias, top_k, n_group, topk_group, renormalize, scale)
+    if torch.compiler.is_compiling():
+        return _group_op(logits, bias, top_k, n_group, topk_group, bool(renormalize), float(scale))
     if torch.is_grad_enabled() and logits.requires_grad:
         return _GroupTopKFn.apply(logits, bias, top_k, n_group, topk_group, bool(renormalize), float(scale))
     return _group_forward(logits, bias, top_k, n_group, topk_group, bool(renormalize), float(scale))
