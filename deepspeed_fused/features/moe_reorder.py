@@ -525,6 +525,28 @@ def _opt_in_routers(model: torch.nn.Module) -> tuple:
     return fused, kept
 
 
+def _gate_oai(self, gate_up: torch.Tensor) -> torch.Tensor:  # GPT-OSS, as transformers 5.24 writes it
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=self.limit)
+    up = up.clamp(min=-self.limit, max=self.limit)
+    glu = gate * torch.sigmoid(gate * self.alpha)
+    gated_output = (up + 1) * glu
+    return gated_output
+
+
+def oai_gate_of(experts: torch.nn.Module) -> bool:
+    """Whether an experts module's gate is GPT-OSS's clamped gate (its class's ``_apply_gate`` has
+    the bytecode of :func:`_gate_oai`, its module's ``torch`` is torch, ``alpha`` and ``limit`` are
+    Python numbers): then :func:`~deepspeed_fused.ops.moe_reorder.oai_gate` computes it."""
+    fn = getattr(type(experts), "_apply_gate", None)
+    if not hasattr(fn, "__code__") or "_apply_gate" in experts.__dict__ or fn.__globals__.get("torch") is not torch:
+        return False
+    if _code_key(fn) != _code_key(_gate_oai):
+        return False
+    return all(isinstance(getattr(experts, a, None), (int, float)) and not isinstance(getattr(experts, a), bool)
+               for a in ("alpha", "limit"))
+
+
 def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts forward with gathers for the dispatch and the combine.
@@ -579,6 +601,8 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
         proj = self.act_fn(proj)
     elif fused_gate(self):
         proj = reorder.swiglu(proj)  # silu(gate) * up in one kernel (its backward one more)
+    elif oai_gate_of(self):
+        proj = reorder.oai_gate(proj, self.alpha, self.limit)  # GPT-OSS's clamped gate, one kernel each way
     else:
         proj = self._apply_gate(proj)
     bias = self.down_proj_bias[ids_for_bias] if has_bias else None
@@ -692,11 +716,12 @@ class MoeReorderFeature(Feature):
         rep.reason = f"replaces experts implementation {prev!r}"
         if len(selected) < len(experts):
             rep.reason += f"; {len(experts) - len(selected)} experts modules kept their implementation"
-        fused = sum(1 for m in selected if getattr(m, "has_gate", True) and fused_gate(m))
+        fused = sum(1 for m in selected if getattr(m, "has_gate", True) and (fused_gate(m) or oai_gate_of(m)))
         gated = sum(1 for m in selected if getattr(m, "has_gate", True))
         if gated:
-            rep.reason += f"; gate silu(gate) * up fused in {fused} of {gated} experts modules" + (
-                "" if fused == gated else " (the others: not transformers' default gate with SiLU, kept)")
+            rep.reason += f"; gate fused in {fused} of {gated} experts modules" + (
+                "" if fused == gated
+                else " (the others: neither transformers' default gate with SiLU nor GPT-OSS's, kept)")
         routers, kept = _opt_in_routers(model)
         rep.reason += f"; routers fused: {routers}"
         if kept:

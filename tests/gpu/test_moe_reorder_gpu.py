@@ -470,3 +470,15 @@ def test_routers_under_torch_compile():
         (ga,) = torch.autograd.grad(wa, a, d)
         (gb,) = torch.autograd.grad(wb, b, d)
         assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(16384, 2880), (1000, 640), (3, 24)])
+def test_oai_gate_matches_cuda_eager(dtype, rows, inter):
+    from unit.test_moe_swiglu import LIMIT, check_oai
+
+    gen = torch.Generator().manual_seed(rows + inter)
+    gu = (5 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    gu.view(-1)[:2] = torch.tensor([LIMIT, -LIMIT], dtype=dtype)
+    dh = torch.randn(rows, inter, generator=gen).to(dtype)
+    check_oai(gu.cuda(), dh.cuda(), cuda_eager=True)

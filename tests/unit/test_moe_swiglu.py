@@ -158,12 +158,48 @@ def test_fused_gate_recognition():
     assert not moe_reorder.fused_gate(m)
 
 
-def test_gpt_oss_gate_is_kept():
+def _gpt_oss_cfg():
+    return transformers.GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                     vocab_size=64, layer_types=["full_attention"] * 2)
+
+
+def test_gpt_oss_gate_recognition():
     from transformers.models.gpt_oss import modeling_gpt_oss
 
-    cfg = transformers.GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64)
-    assert not moe_reorder.fused_gate(modeling_gpt_oss.GptOssExperts(cfg))  # its clamped gate: its own code
+    m = modeling_gpt_oss.GptOssExperts(_gpt_oss_cfg())
+    assert not moe_reorder.fused_gate(m) and moe_reorder.oai_gate_of(m)  # its clamped gate, recognised
+    m.alpha = torch.tensor(1.702)  # not a Python number: kept
+    assert not moe_reorder.oai_gate_of(m)
+
+
+def test_gpt_oss_model_with_fused_gate_matches_eager(interpret, monkeypatch):
+    cfg = _gpt_oss_cfg()
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).float()
+    for p in model.parameters():  # the init leaves biases zero and some weights constant: noise
+        p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    ref = copy.deepcopy(model)
+    calls = []
+    real = mr.oai_gate
+    monkeypatch.setattr(mr, "oai_gate", lambda *a: calls.append(1) or real(*a))
+    rep = patch_model(model, {"moe_reorder": {"enabled": True}})
+    r = rep.features[[f.name for f in rep.features].index("moe_reorder")]
+    assert r.details["fused_gate"] == r.details["layers"] == 2, r
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+
+    def step(m):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+
+    loss, grads = step(model)
+    assert len(calls) == 2
+    loss_r, grads_r = step(ref)
+    torch.testing.assert_close(loss, loss_r, rtol=1e-6, atol=1e-6)
+    for k in grads_r:
+        torch.testing.assert_close(grads[k], grads_r[k], rtol=1e-5, atol=1e-6, msg=k)
+    unpatch_model(model)
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny"])
@@ -184,3 +220,57 @@ def test_experts_run_the_fused_gate(interpret, name, monkeypatch):
         assert len(calls) == n
     finally:
         unpatch_model(model)
+
+
+# ---- GPT-OSS's clamped gate -------------------------------------------------------------------
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def check_oai(gu, dh, cuda_eager=False):
+    y, dgu = _grads(lambda x: mr.oai_gate(x, ALPHA, LIMIT), gu, dh)
+    yr, dgur = _grads(lambda x: mr.oai_gate_reference(x, ALPHA, LIMIT), gu, dh)
+    assert y.dtype == yr.dtype == gu.dtype and y.shape == yr.shape and dgu.shape == gu.shape
+    if gu.dtype == torch.float32:
+        torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dgu, dgur, rtol=1e-5, atol=1e-6)
+        return
+    # half precision: eager's roundings at every step; our exp against torch's can move the
+    # sigmoid's rounding to its neighbour, which then moves what depends on it by an ULP or so.
+    # The sigmoid's backward: CUDA computes d * (1 - s) * s in FP32 and rounds once (so do we); CPU
+    # rounds after each multiply, so on CPU the gate's gradient may differ by that rounding (a few
+    # ULP of d_t, times alpha) and only the bound is checked there
+    for a, b in ((y, yr), (dgu[..., 1::2], dgur[..., 1::2])) + (((dgu, dgur),) if cuda_eager else ()):
+        assert (a == b).double().mean() >= 0.99
+        rel = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)
+        assert rel < 2e-3, rel.item()
+    g, u = gu.double()[..., ::2].clamp(max=LIMIT), gu.double()[..., 1::2].clamp(-LIMIT, LIMIT)
+    sg = torch.sigmoid(g * ALPHA)
+    d_t = (dh.double() * (u + 1) * g * sg * (1 - sg)).abs()
+    dg, dgr = dgu[..., ::2].double(), dgur[..., ::2].double()
+    bound = ulp(dgr, gu.dtype) + 4 * ALPHA * ulp(d_t, gu.dtype) + 2 * ulp(dh.double() * (u + 1) * sg, gu.dtype)
+    assert ((dg - dgr).abs() <= bound).all(), ((dg - dgr).abs() / bound).max().item()
+    # the clamps' masks: gradients exactly zero where eager's are (inputs beyond the limit)
+    beyond = (gu[..., ::2].double() > LIMIT)
+    assert (dgu[..., ::2][beyond] == 0).all() and (dgur[..., ::2][beyond] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(37, 2 * 48), (64, 2 * 1100), (1, 2)])
+def test_oai_gate_matches_eager(interpret, dtype, shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    gu = (5 * torch.randn(shape, generator=gen)).to(dtype).to(interpret)  # beyond the limit at times
+    edges = torch.tensor([LIMIT, -LIMIT, LIMIT + 1, -LIMIT - 1], dtype=dtype)  # the clamps' edges
+    n = min(4, gu.numel())
+    gu.view(-1)[:n] = edges[:n].to(gu.device)
+    dh = torch.randn(*shape[:-1], shape[-1] // 2, generator=gen).to(dtype).to(interpret)
+    check_oai(gu, dh)
+
+
+def test_oai_gate_checks_and_ops(interpret):
+    with pytest.raises(TypeError, match="alpha"):
+        mr.oai_gate(torch.randn(2, 4), torch.tensor(1.0), 7.0)
+    gen = torch.Generator().manual_seed(7)
+    gu = (5 * torch.randn(6, 32, generator=gen)).to(interpret)
+    torch.library.opcheck(S._oai_op, (gu.requires_grad_(), ALPHA, LIMIT))
+    torch.library.opcheck(S._oai_backward_op, (gu.detach(), torch.randn(6, 16, generator=gen).to(interpret), ALPHA,
+                                               LIMIT))

@@ -17,7 +17,8 @@ padding), whose backward is again a gather: no scatter-add, no atomics. One modu
   softmax, top-k, renormalisation, cast) and DeepSeek-V3's grouped sigmoid selection
   (:func:`group_topk_sigmoid`), one kernel forward and one backward each;
 * :mod:`.swiglu`: the experts' gated activation ``silu(gate) * up`` of a gate-up projection
-  (:func:`swiglu`), one kernel forward and one backward, with eager's rounding.
+  (:func:`swiglu`) and GPT-OSS's clamped gate (:func:`oai_gate`), one kernel forward and one
+  backward each, with eager's rounding.
 
 The kernels run on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``); anything
 else runs the torch reference with one warning per reason. Index validity is not checked on
@@ -32,12 +33,13 @@ from .reference import (RouteMaps, RouteSort, combine_reference, permute_rows_re
                         unpermute_rows_reference)
 from .route import route_combine, route_dispatch, route_maps, route_sort
 from .router import group_topk_sigmoid, group_topk_sigmoid_reference, topk_softmax, topk_softmax_reference
-from .swiglu import swiglu, swiglu_reference
+from .swiglu import oai_gate, oai_gate_reference, swiglu, swiglu_reference
 
 __all__ = [
     "permute_rows", "unpermute_rows", "permute_rows_with_inverse", "inverse_permutation", "validate_permutation",
     "RouteMaps", "route_maps", "route_dispatch", "route_combine", "RouteSort", "route_sort", "kernels_take",
     "permute_rows_reference", "unpermute_rows_reference", "route_maps_reference", "route_dispatch_reference",
     "route_combine_reference", "combine_reference", "route_sort_reference", "swiglu", "swiglu_reference",
+    "oai_gate", "oai_gate_reference",
     "topk_softmax", "topk_softmax_reference", "group_topk_sigmoid", "group_topk_sigmoid_reference",
 ]

@@ -379,7 +379,8 @@ def _group_check(logits, bias, top_k, n_group, topk_group) -> None:
         raise ValueError(f"bias: expected a [{E}] tensor (the score correction), got "
                          f"{getattr(bias, 'shape', type(bias).__name__)}")
     if not isinstance(n_group, int) or n_group < 1 or E % n_group or E // n_group < 2:
-        raise ValueError(f"n_group: expected a divisor of the {E} experts leaving at least 2 per group, got {n_group!r}")
+        raise ValueError(f"n_group: expected a divisor of the {E} experts leaving at least 2 per group, "
+                         f"got {n_group!r}")
     if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group: expected an int in [1, {n_group}], got {topk_group!r}")
     if top_k > topk_group * (E // n_group):

@@ -75,6 +75,63 @@ if HAS_TRITON:
     _launch_fwd = DirectKernel(_swiglu_fwd_kernel)
     _launch_bwd = DirectKernel(_swiglu_bwd_kernel)
 
+    @triton.jit
+    def _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit):
+        # GPT-OSS's interleaved gate/up (gate at 2c, up at 2c + 1) and eager's clamps (the limit is
+        # in the input dtype, as a scalar clamp of a half-precision tensor compares there)
+        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
+        src = GU + rows.to(tl.int64)[:, None] * stride_gu + 2 * cols[None, :]
+        g = tl.load(src, mask=m, other=0.0)
+        u = tl.load(src + 1, mask=m, other=0.0)
+        ty = g.dtype
+        lim = (tl.zeros_like(g.to(tl.float32)) + limit).to(ty).to(tl.float32)
+        gf, uf = g.to(tl.float32), u.to(tl.float32)
+        return m, gf, uf, lim, ty
+
+    @triton.jit
+    def _oai_fwd_kernel(GU, H, n_rows, inter, stride_gu, stride_h, alpha, limit, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m, gf, uf, lim, ty = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        gc = tl.minimum(gf, lim)
+        uc = tl.minimum(tl.maximum(uf, -lim), lim)
+        t = (gc * alpha).to(ty).to(tl.float32)  # every step rounded to the input dtype, as eager's
+        sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + tl.exp(-t)).to(ty).to(tl.float32)
+        glu = (gc * sg).to(ty).to(tl.float32)
+        u1 = (uc + 1.0).to(ty).to(tl.float32)
+        tl.store(H + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], (u1 * glu).to(ty), mask=m)
+
+    @triton.jit
+    def _oai_bwd_kernel(GU, DH, DGU, n_rows, inter, stride_gu, stride_dh, alpha, limit, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        m, gf, uf, lim, ty = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        r64 = rows.to(tl.int64)[:, None]
+        dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        gc = tl.minimum(gf, lim)
+        uc = tl.minimum(tl.maximum(uf, -lim), lim)
+        t = (gc * alpha).to(ty).to(tl.float32)
+        sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + tl.exp(-t)).to(ty).to(tl.float32)
+        glu = (gc * sg).to(ty).to(tl.float32)
+        u1 = (uc + 1.0).to(ty).to(tl.float32)
+        d_u1 = (dh * glu).to(ty).to(tl.float32)  # autograd's chain, each gradient in the input dtype
+        d_glu = (dh * u1).to(ty).to(tl.float32)
+        d_up = tl.where((uf >= -lim) & (uf <= lim), d_u1, 0.0)
+        d_direct = (d_glu * sg).to(ty).to(tl.float32)
+        d_sg = (d_glu * gc).to(ty).to(tl.float32)
+        d_t = (d_sg * (1.0 - sg) * sg).to(ty).to(tl.float32)
+        d_via_t = (d_t * alpha).to(ty).to(tl.float32)
+        d_gc = (d_direct + d_via_t).to(ty).to(tl.float32)
+        d_gate = tl.where(gf <= lim, d_gc, 0.0)
+        dst = DGU + r64 * (2 * inter) + 2 * cols[None, :]
+        tl.store(dst, d_gate.to(ty), mask=m)
+        tl.store(dst + 1, d_up.to(ty), mask=m)
+
+    _launch_oai_fwd = DirectKernel(_oai_fwd_kernel)
+    _launch_oai_bwd = DirectKernel(_oai_bwd_kernel)
+
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """transformers' default gate: ``silu(gate) * up`` of ``gate, up = gate_up.chunk(2, -1)``."""
@@ -182,3 +239,100 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and gate_up.requires_grad:
         return _SwiGLUFn.apply(gate_up)
     return _forward(gate_up)
+
+
+# ---- GPT-OSS's clamped gate ---------------------------------------------------------------------
+def oai_gate_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's experts gate (``GptOssExperts._apply_gate``): interleaved gate/up, the gate clamped
+    above and the up both ways at ``limit``, ``(up + 1) * gate * sigmoid(gate * alpha)``."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    glu = gate * torch.sigmoid(gate * alpha)
+    return (up + 1) * glu
+
+
+def _oai_forward(gate_up, alpha, limit):
+    gu = _rows(gate_up)
+    n_rows, inter = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
+    if h.numel():
+        grid, const, warps = _tile(n_rows, inter)
+        _launch_oai_fwd(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0), float(alpha), float(limit)), const,
+                        warps)
+    return h.view(*gate_up.shape[:-1], inter)
+
+
+def _oai_backward(gate_up, dh, alpha, limit):
+    gu, d = _rows(gate_up), _rows(dh.to(gate_up.dtype))
+    n_rows, inter = gu.shape[0], gu.shape[1] // 2
+    dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
+    if dgu.numel():
+        grid, const, warps = _tile(n_rows, inter)
+        _launch_oai_bwd(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0), float(alpha), float(limit)),
+                        const, warps)
+    return dgu.view(gate_up.shape)
+
+
+class _OaiGateFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, alpha, limit):
+        ctx.save_for_backward(gate_up)
+        ctx.args = (alpha, limit)
+        return _oai_forward(gate_up, alpha, limit)
+
+    @staticmethod
+    def backward(ctx, dh):
+        (gate_up,) = ctx.saved_tensors
+        return _oai_backward(gate_up, dh, *ctx.args), None, None
+
+
+@torch.library.custom_op(f"{_NS}::moe_oai_gate", mutates_args=())
+def _oai_op(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    return _oai_forward(gate_up, alpha, limit)
+
+
+@_oai_op.register_fake
+def _(gate_up, alpha, limit):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op(f"{_NS}::moe_oai_gate_backward", mutates_args=())
+def _oai_backward_op(gate_up: torch.Tensor, dh: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    return _oai_backward(gate_up, dh, alpha, limit)
+
+
+@_oai_backward_op.register_fake
+def _(gate_up, dh, alpha, limit):
+    return torch.empty_like(gate_up)
+
+
+def _oai_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.args = (inputs[1], inputs[2])
+
+
+def _oai_op_backward(ctx, dh):
+    (gate_up,) = ctx.saved_tensors
+    return _oai_backward_op(gate_up, dh, *ctx.args), None, None
+
+
+_oai_op.register_autograd(_oai_op_backward, setup_context=_oai_setup)
+
+
+def oai_gate(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's clamped gate (:func:`oai_gate_reference`) of an interleaved ``[..., 2 I]`` gate-up
+    projection, one kernel forward and one backward, each step rounded to the input dtype as eager
+    rounds it (clamps exact, ``gate * alpha``, the sigmoid, ``gate * sigmoid``, ``up + 1``, the
+    product; backward: every gradient of that chain, the clamps' masks inclusive)."""
+    _check(gate_up)
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{name}: expected a Python float, got {type(v).__name__}")
+    if not kernel_ok("oai_gate", gate_up):
+        return oai_gate_reference(gate_up, alpha, limit)
+    if torch.compiler.is_compiling():
+        return _oai_op(gate_up, float(alpha), float(limit))
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return _OaiGateFn.apply(gate_up, float(alpha), float(limit))
+    return _oai_forward(gate_up, float(alpha), float(limit))
