@@ -149,6 +149,23 @@ def graph_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> Opti
     return bench_ms(g.replay, warmup, rep)
 
 
+def add_graph_times(rec: "Record", fwd: Callable[[], object], fwd_bwd: Callable[[], object], rep: int,
+                    bytes_fwd: Optional[float] = None, bytes_fwd_bwd: Optional[float] = None) -> None:
+    """Add the device time of ``fwd`` and ``fwd_bwd`` replayed from CUDA graphs to ``rec``
+    (``fwd_graph_ms`` / ``fwd_bwd_graph_ms``, with the bytes also ``fwd_graph_tbps`` /
+    ``fwd_bwd_graph_tbps``) and to its note; a capture failure is noted, not fatal."""
+    try:
+        fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
+        rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4))
+        if bytes_fwd is not None:
+            rec.extra.update(fwd_graph_tbps=round(bytes_fwd / fms / 1e9, 3),
+                             fwd_bwd_graph_tbps=round(bytes_fwd_bwd / gms / 1e9, 3))
+        rec.note = "; ".join(p for p in [rec.note, f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"] if p)
+    except Exception as ex:  # reported, not fatal
+        torch.cuda.synchronize()
+        rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)
+
+
 def peak_extra_mib(fn: Callable[[], object]) -> Optional[float]:
     """Peak memory allocated during ``fn()`` above what was allocated before it, in MiB."""
     if not torch.cuda.is_available():

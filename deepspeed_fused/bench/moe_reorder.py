@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import moe_reorder as reorder
-from .common import measure
+from .common import add_graph_times, measure
 
 SUITE = "moe_reorder"
 TITLE = "MoE reorder gathers (AutoEP permute/unpermute, top-k dispatch and combine)"
@@ -284,8 +284,6 @@ def run_swiglu(dev, dtype, rep: int, quick: bool) -> list:
     (chunk, silu, multiply), ``torch.compile`` of it, and Liger's SiLU-mul where it imports. Bytes
     an exact implementation moves: forward 2I read + I written per row; forward+backward adds 2I
     + I read (the saved input and the gradient) and 2I written."""
-    from .common import graph_ms
-
     shapes = SWIGLU if dev == "cuda" else [("tiny-cpu", 64, 48)]
     if quick:
         shapes = shapes[:1]
@@ -326,14 +324,7 @@ def run_swiglu(dev, dtype, rep: int, quick: bool) -> list:
             rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=3 * e, bytes_fwd_bwd=9 * e,
                           ours=ours, rep=rep, note=note, max_abs_vs_eager=same)
             if dev == "cuda":
-                try:
-                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
-                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4))
-                    rec.note = "; ".join(p for p in [rec.note, f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"]
-                                         if p)
-                except Exception as ex:  # reported, not fatal
-                    torch.cuda.synchronize()
-                    rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)
+                add_graph_times(rec, fwd, fwd_bwd, rep)
             recs.append(rec)
         del gu, dh, ref
     return recs
@@ -347,8 +338,6 @@ def run_router(dev, dtype, rep: int, quick: bool) -> list:
     """Case ``router``: a top-k softmax router's selection from its logits (softmax, top-k,
     renormalisation, cast), forward and forward+backward: ours against the eager router code and
     ``torch.compile`` of it. The logits' GEMM is outside (the same in all)."""
-    from .common import graph_ms
-
     shapes = ROUTER if dev == "cuda" else [("tiny-cpu", 64, 16, 2, True, True)]
     if quick:
         shapes = shapes[:1]
@@ -378,13 +367,7 @@ def run_router(dev, dtype, rep: int, quick: bool) -> list:
             rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep,
                           note="same experts as eager" if same else "experts differ from eager (ties)")
             if dev == "cuda":
-                try:
-                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
-                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4))
-                    rec.note += f"; CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"
-                except Exception as ex:  # reported, not fatal
-                    torch.cuda.synchronize()
-                    rec.note += f"; no CUDA graph: {type(ex).__name__}"
+                add_graph_times(rec, fwd, fwd_bwd, rep)
             recs.append(rec)
     # DeepSeek-V3's grouped sigmoid router (FP32 logits): 256 experts in 8 groups, 4 chosen, top-8
     T, E, G, TG, k = (8192, 256, 8, 4, 8) if dev == "cuda" else (64, 32, 4, 2, 3)
@@ -408,13 +391,7 @@ def run_router(dev, dtype, rep: int, quick: bool) -> list:
 
         rec = measure(SUITE, impl, tag, torch.float32, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep)
         if dev == "cuda":
-            try:
-                fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
-                rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4))
-                rec.note = f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"
-            except Exception as ex:  # reported, not fatal
-                torch.cuda.synchronize()
-                rec.note = f"no CUDA graph: {type(ex).__name__}"
+            add_graph_times(rec, fwd, fwd_bwd, rep)
         recs.append(rec)
     return recs
 

@@ -26,7 +26,7 @@ import torch
 from ..ops.rms_norm import native as _native
 from ..ops import rms_norm as _ops
 from ..ops.rms_norm import FORMS, fused_rms_norm, fused_rms_norm_form, rms_norm_form_reference, rms_norm_reference
-from .common import Record, env_fields, graph_ms, loop_ms, measure
+from .common import Record, add_graph_times, env_fields, graph_ms, loop_ms, measure
 
 SUITE = "rms_norm"
 TITLE = "Fused RMSNorm (Llama form) forward and forward+backward"
@@ -257,16 +257,7 @@ def run_forms(dev: str, dtype, rep: int, native: bool, quick: bool) -> list:
             rec = measure(SUITE, name, shape, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=bf, bytes_fwd_bwd=bfb,
                           ours=ours, note=note, rep=rep, tensor_mib=round(e / 2**20, 1), form=fname)
             if dev == "cuda" and rec.fwd_bwd_ms:
-                try:
-                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
-                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4),
-                                     fwd_graph_tbps=round(bf / fms / 1e9, 3),
-                                     fwd_bwd_graph_tbps=round(bfb / gms / 1e9, 3))
-                    graph_note = f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"
-                    rec.note = "; ".join(p for p in [rec.note, graph_note] if p)
-                except Exception as ex:  # reported, not fatal
-                    torch.cuda.synchronize()
-                    rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)
+                add_graph_times(rec, fwd, fwd_bwd, rep, bf, bfb)
             recs.append(rec)
         del x, w, g, dy
         if dev == "cuda":

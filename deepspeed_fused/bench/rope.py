@@ -31,7 +31,7 @@ import torch
 
 from ..ops import rope as _ops
 from ..ops.rope import fused_rope
-from .common import Record, env_fields, graph_ms, loop_ms, measure
+from .common import Record, add_graph_times, env_fields, graph_ms, loop_ms, measure
 
 SUITE = "rope"
 TITLE = "Fused rotary embedding (q and k) forward and forward+backward"
@@ -194,16 +194,7 @@ def run(args) -> list:
                 rec.note = "; ".join(p for p in [rec.note, f"wall-clock loop: fwd {rec.extra['fwd_loop_ms']:.4f} ms, "
                                                  f"fwd+bwd {rec.extra['fwd_bwd_loop_ms']:.4f} ms"] if p)
             if dev == "cuda" and rec.fwd_bwd_ms:
-                try:
-                    fms, gms = graph_ms(fwd, rep=rep), graph_ms(fwd_bwd, rep=rep)
-                    rec.extra.update(fwd_graph_ms=round(fms, 4), fwd_bwd_graph_ms=round(gms, 4),
-                                     fwd_graph_tbps=round((2 * e + a) / fms / 1e9, 3),
-                                     fwd_bwd_graph_tbps=round((4 * e + 2 * a) / gms / 1e9, 3))
-                    rec.note = "; ".join(p for p in [rec.note, f"CUDA graph: fwd {fms:.4f} ms, fwd+bwd {gms:.4f} ms"]
-                                         if p)
-                except Exception as ex:  # reported, not fatal
-                    torch.cuda.synchronize()
-                    rec.note = "; ".join(p for p in [rec.note, f"no CUDA graph: {type(ex).__name__}"] if p)
+                add_graph_times(rec, fwd, fwd_bwd, rep, 2 * e + a, 4 * e + 2 * a)
             recs.append(rec)
         del qb, kb, gq, gk
         if dev == "cuda":
