@@ -40,6 +40,58 @@ MAX_TOP_K = 32
 
 if HAS_TRITON:
 
+    # ---- shared by the router kernels: [BLOCK_T, KP] tiles of the k chosen (column j: the j-th) ----
+    @triton.jit
+    def _col(t, ks, j):
+        # column j of a [BLOCK_T, KP] tile, per row
+        return tl.sum(tl.where(ks[None, :] == j, t, tl.zeros_like(t)), axis=1)
+
+    @triton.jit
+    def _ordered_sum(t, ks, K: tl.constexpr):
+        # the first K columns added left to right (eager's sum of the k values, in their order)
+        tot = _col(t, ks, 0)
+        for j in tl.static_range(1, K):
+            tot += _col(t, ks, j)
+        return tot
+
+    @triton.jit
+    def _top_k(work, cols, ks, K: tl.constexpr, BLOCK_T: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr):
+        # the K largest of each row of ``work`` (descending; equal values: the lower column first):
+        # their values and columns
+        vals = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
+        for j in tl.static_range(K):
+            v = tl.max(work, axis=1)
+            i = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1)
+            vals = tl.where(ks[None, :] == j, v[:, None], vals)
+            ids = tl.where(ks[None, :] == j, i[:, None], ids)
+            work = tl.where(cols[None, :] == i[:, None], float("-inf"), work)
+        return vals, ids
+
+    @triton.jit
+    def _gather_cols(t, cols, ids, ks, K: tl.constexpr, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+        # t[row, ids[row, j]] for the K chosen columns
+        v = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
+        for j in tl.static_range(K):
+            vj = tl.sum(tl.where(cols[None, :] == _col(ids, ks, j)[:, None], t, 0.0), axis=1)
+            v = tl.where(ks[None, :] == j, vj[:, None], v)
+        return v
+
+    @triton.jit
+    def _scatter_cols(g, cols, ids, ks, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        # top-k's backward: g at the chosen columns, 0 elsewhere
+        d = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for j in tl.static_range(K):
+            d = tl.where(cols[None, :] == _col(ids, ks, j)[:, None], _col(g, ks, j)[:, None], d)
+        return d
+
+    @triton.jit
+    def _renorm_bwd(g, v, den, km):
+        # autograd's gradient of ``v /= den`` with den the sum of v (+ a constant): g / den plus
+        # the sum of -g * v / (den * den)
+        t = tl.where(km, tl.div_rn(-g * v, (den * den)[:, None]), 0.0)
+        return tl.div_rn(g, den[:, None]) + tl.sum(t, axis=1)[:, None]
+
     @triton.jit
     def _probs(L, rows, n_rows, E, stride, BLOCK_E: tl.constexpr):
         # the FP32 softmax of a [BLOCK_T, BLOCK_E] tile of logits (padding columns: probability 0)
@@ -63,20 +115,9 @@ if HAS_TRITON:
         rmask = rows < n_rows
         p, cols = _probs(L, rows, n_rows, E, stride, BLOCK_E)
         ks = tl.arange(0, KP)
-        vals = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-        ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
-        work = tl.where((cols < E)[None, :], p, -1.0)
-        for j in tl.static_range(K):
-            v = tl.max(work, axis=1)
-            i = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1)
-            vals = tl.where(ks[None, :] == j, v[:, None], vals)
-            ids = tl.where(ks[None, :] == j, i[:, None], ids)
-            work = tl.where(cols[None, :] == i[:, None], -2.0, work)
+        vals, ids = _top_k(tl.where((cols < E)[None, :], p, -1.0), cols, ks, K, BLOCK_T, KP, BLOCK_E)
         if RENORM:
-            tot = tl.zeros([BLOCK_T], dtype=tl.float32)
-            for j in tl.static_range(K):  # in the order of the values, as eager's sum of k values
-                tot += tl.sum(tl.where(ks[None, :] == j, vals, 0.0), axis=1)
-            vals = tl.div_rn(vals, tot[:, None])
+            vals = tl.div_rn(vals, _ordered_sum(vals, ks, K)[:, None])
         om = rmask[:, None] & (ks < K)[None, :]
         o = rows.to(tl.int64)[:, None] * K + ks[None, :]
         tl.store(SCORES + o, vals.to(SCORES.dtype.element_ty), mask=om)
@@ -93,26 +134,10 @@ if HAS_TRITON:
         o = rows.to(tl.int64)[:, None] * K + ks[None, :]
         g = tl.load(DS + o, mask=km, other=0.0).to(tl.float32)
         ids = tl.load(IDX + o, mask=km, other=-1).to(tl.int32)
-        # the selected probabilities, gathered from the recomputed softmax
-        v = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-        for j in tl.static_range(K):
-            ij = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
-            vj = tl.sum(tl.where(cols[None, :] == ij[:, None], p, 0.0), axis=1)
-            v = tl.where(ks[None, :] == j, vj[:, None], v)
-        if RENORM:
-            tot = tl.zeros([BLOCK_T], dtype=tl.float32)
-            for j in tl.static_range(K):
-                tot += tl.sum(tl.where(ks[None, :] == j, v, 0.0), axis=1)
-            tot = tl.where(rmask, tot, 1.0)
-            t = tl.div_rn(-g * v, (tot * tot)[:, None])
-            t = tl.where(km, t, 0.0)
-            g = tl.div_rn(g, tot[:, None]) + tl.sum(t, axis=1)[:, None]
-        # top-k's backward: dp is g at the selected columns, 0 elsewhere
-        dp = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for j in tl.static_range(K):
-            ij = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
-            gj = tl.sum(tl.where(ks[None, :] == j, g, 0.0), axis=1)
-            dp = tl.where(cols[None, :] == ij[:, None], gj[:, None], dp)
+        if RENORM:  # the selected probabilities, gathered from the recomputed softmax
+            v = _gather_cols(p, cols, ids, ks, K, BLOCK_T, KP)
+            g = _renorm_bwd(g, v, tl.where(rmask, _ordered_sum(v, ks, K), 1.0), km)
+        dp = _scatter_cols(g, cols, ids, ks, K, BLOCK_T, BLOCK_E)
         dot = tl.sum(dp * p, axis=1)
         dx = p * (dp - dot[:, None])
         m = rmask[:, None] & (cols < E)[None, :]
@@ -157,22 +182,11 @@ if HAS_TRITON:
             q = tl.min(tl.where(gsc == v[:, None], gs_[None, :], GP), axis=1)
             gsc = tl.where(gs_[None, :] == q[:, None], float("-inf"), gsc)
             keep = keep | (grp[None, :] == q[:, None])
-        work = tl.where(keep & m, choice, float("-inf"))
         ks = tl.arange(0, KP)
-        vals = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-        ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
-        for j in tl.static_range(K):
-            v = tl.max(work, axis=1)
-            i = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1)
-            w = tl.sum(tl.where(cols[None, :] == i[:, None], s, 0.0), axis=1)
-            vals = tl.where(ks[None, :] == j, w[:, None], vals)
-            ids = tl.where(ks[None, :] == j, i[:, None], ids)
-            work = tl.where(cols[None, :] == i[:, None], float("-inf"), work)
+        _, ids = _top_k(tl.where(keep & m, choice, float("-inf")), cols, ks, K, BLOCK_T, KP, BLOCK_E)
+        vals = _gather_cols(s, cols, ids, ks, K, BLOCK_T, KP)
         if RENORM:
-            tot = tl.zeros([BLOCK_T], dtype=tl.float32)
-            for j in tl.static_range(K):
-                tot += tl.sum(tl.where(ks[None, :] == j, vals, 0.0), axis=1)
-            vals = tl.div_rn(vals, (tot + 1e-20)[:, None])
+            vals = tl.div_rn(vals, (_ordered_sum(vals, ks, K) + 1e-20)[:, None])
         vals = vals * scale
         om = rmask[:, None] & (ks < K)[None, :]
         o = rows.to(tl.int64)[:, None] * K + ks[None, :]
@@ -192,22 +206,9 @@ if HAS_TRITON:
         g = tl.load(DW + o, mask=km, other=0.0).to(tl.float32) * scale
         ids = tl.load(IDX + o, mask=km, other=-1).to(tl.int32)
         if RENORM:
-            v = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
-            for j in tl.static_range(K):
-                ij = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
-                vj = tl.sum(tl.where(cols[None, :] == ij[:, None], s, 0.0), axis=1)
-                v = tl.where(ks[None, :] == j, vj[:, None], v)
-            tot = tl.zeros([BLOCK_T], dtype=tl.float32)
-            for j in tl.static_range(K):
-                tot += tl.sum(tl.where(ks[None, :] == j, v, 0.0), axis=1)
-            den = tl.where(rmask, tot + 1e-20, 1.0)
-            t = tl.where(km, tl.div_rn(-g * v, (den * den)[:, None]), 0.0)
-            g = tl.div_rn(g, den[:, None]) + tl.sum(t, axis=1)[:, None]
-        ds = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for j in tl.static_range(K):
-            ij = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
-            gj = tl.sum(tl.where(ks[None, :] == j, g, 0.0), axis=1)
-            ds = tl.where(cols[None, :] == ij[:, None], gj[:, None], ds)
+            v = _gather_cols(s, cols, ids, ks, K, BLOCK_T, KP)
+            g = _renorm_bwd(g, v, tl.where(rmask, _ordered_sum(v, ks, K) + 1e-20, 1.0), km)
+        ds = _scatter_cols(g, cols, ids, ks, K, BLOCK_T, BLOCK_E)
         dx = ds * (1.0 - s) * s  # eager's sigmoid backward
         tl.store(DL + rows.to(tl.int64)[:, None] * stride_dl + cols[None, :], dx.to(DL.dtype.element_ty), mask=m)
 
