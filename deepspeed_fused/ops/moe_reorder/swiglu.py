@@ -164,24 +164,34 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def _forward(gate_up: torch.Tensor) -> torch.Tensor:
+def _gate_forward(launch, gate_up: torch.Tensor, *scalars) -> torch.Tensor:
+    """A gate kernel's forward launch (``launch``: the swiglu's or GPT-OSS's), into a fresh [..., I]."""
     gu = _rows(gate_up)
     n_rows, inter = gu.shape[0], gu.shape[1] // 2
     h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
     if h.numel():
         grid, const, warps = _tile(n_rows, inter)
-        _launch_fwd(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0)), const, warps)
+        launch(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0)) + scalars, const, warps)
     return h.view(*gate_up.shape[:-1], inter)
 
 
-def _backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+def _gate_backward(launch, gate_up: torch.Tensor, dh: torch.Tensor, *scalars) -> torch.Tensor:
+    """A gate kernel's backward launch, into a fresh [..., 2 I] input gradient."""
     gu, d = _rows(gate_up), _rows(dh.to(gate_up.dtype))
     n_rows, inter = gu.shape[0], gu.shape[1] // 2
     dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
     if dgu.numel():
         grid, const, warps = _tile(n_rows, inter)
-        _launch_bwd(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0)), const, warps)
+        launch(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0)) + scalars, const, warps)
     return dgu.view(gate_up.shape)
+
+
+def _forward(gate_up: torch.Tensor) -> torch.Tensor:
+    return _gate_forward(_launch_fwd, gate_up)
+
+
+def _backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    return _gate_backward(_launch_bwd, gate_up, dh)
 
 
 class _SwiGLUFn(torch.autograd.Function):
@@ -253,25 +263,11 @@ def oai_gate_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> tor
 
 
 def _oai_forward(gate_up, alpha, limit):
-    gu = _rows(gate_up)
-    n_rows, inter = gu.shape[0], gu.shape[1] // 2
-    h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
-    if h.numel():
-        grid, const, warps = _tile(n_rows, inter)
-        _launch_oai_fwd(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0), float(alpha), float(limit)), const,
-                        warps)
-    return h.view(*gate_up.shape[:-1], inter)
+    return _gate_forward(_launch_oai_fwd, gate_up, float(alpha), float(limit))
 
 
 def _oai_backward(gate_up, dh, alpha, limit):
-    gu, d = _rows(gate_up), _rows(dh.to(gate_up.dtype))
-    n_rows, inter = gu.shape[0], gu.shape[1] // 2
-    dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
-    if dgu.numel():
-        grid, const, warps = _tile(n_rows, inter)
-        _launch_oai_bwd(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0), float(alpha), float(limit)),
-                        const, warps)
-    return dgu.view(gate_up.shape)
+    return _gate_backward(_launch_oai_bwd, gate_up, dh, float(alpha), float(limit))
 
 
 class _OaiGateFn(torch.autograd.Function):
