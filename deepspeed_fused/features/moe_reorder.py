@@ -18,6 +18,7 @@ Two integrations, chosen per model:
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 import weakref
 from typing import Any
@@ -349,6 +350,7 @@ def _autoep_layers(model: torch.nn.Module) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _silu_forwards() -> tuple:
     fns = [torch.nn.SiLU.forward]
     try:
@@ -366,11 +368,7 @@ def fused_gate(experts: torch.nn.Module) -> bool:
     gate, GPT-OSS's clamped one or a soft-capped one, does not), with SiLU as ``act_fn`` (the
     forward of ``torch.nn.SiLU`` or of transformers' ``SiLUActivation``, not a hub kernel's):
     then :func:`~deepspeed_fused.ops.moe_reorder.swiglu` computes it."""
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:  # pragma: no cover - transformers without the experts interface
-        return False
-    if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate or "_apply_gate" in experts.__dict__:
+    if _gate_form(getattr(type(experts), "_apply_gate", None)) != "default" or "_apply_gate" in experts.__dict__:
         return False
     act = getattr(experts, "act_fn", None)
     return (isinstance(act, torch.nn.Module) and getattr(type(act), "forward", None) in _silu_forwards()
@@ -534,14 +532,27 @@ def _gate_oai(self, gate_up: torch.Tensor) -> torch.Tensor:  # GPT-OSS, as trans
     return gated_output
 
 
+@functools.lru_cache(maxsize=None)
+def _gate_form(fn) -> Any:
+    """What an experts class's ``_apply_gate`` is: ``"default"`` (transformers'
+    ``_default_apply_gate`` itself), ``"oai"`` (the bytecode of :func:`_gate_oai`, its module's
+    ``torch`` torch's own) or None. Read once per function (the experts forward asks per call)."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover - transformers without the experts interface
+        _default_apply_gate = None
+    if fn is not None and fn is _default_apply_gate:
+        return "default"
+    if hasattr(fn, "__code__") and fn.__globals__.get("torch") is torch and _code_key(fn) == _code_key(_gate_oai):
+        return "oai"
+    return None
+
+
 def oai_gate_of(experts: torch.nn.Module) -> bool:
     """Whether an experts module's gate is GPT-OSS's clamped gate (its class's ``_apply_gate`` has
     the bytecode of :func:`_gate_oai`, its module's ``torch`` is torch, ``alpha`` and ``limit`` are
     Python numbers): then :func:`~deepspeed_fused.ops.moe_reorder.oai_gate` computes it."""
-    fn = getattr(type(experts), "_apply_gate", None)
-    if not hasattr(fn, "__code__") or "_apply_gate" in experts.__dict__ or fn.__globals__.get("torch") is not torch:
-        return False
-    if _code_key(fn) != _code_key(_gate_oai):
+    if _gate_form(getattr(type(experts), "_apply_gate", None)) != "oai" or "_apply_gate" in experts.__dict__:
         return False
     return all(isinstance(getattr(experts, a, None), (int, float)) and not isinstance(getattr(experts, a), bool)
                for a in ("alpha", "limit"))
