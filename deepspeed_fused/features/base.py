@@ -259,6 +259,12 @@ class ReplacementFeature(Feature):
 
     opt_in: ClassVar[OptInMarker] = None
     none_found: ClassVar[str] = ""
+    fused_what: ClassVar[str] = ""  # what needs the kernels, for is_supported's reason ("the fused RoPE")
+
+    def is_supported(self, env: Environment) -> tuple[bool, str]:
+        if not env.kernels_available:
+            return False, f"{self.fused_what} needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)"
+        return True, ""
 
     @staticmethod
     def is_replaced(module: torch.nn.Module) -> bool:

@@ -34,7 +34,7 @@ from pydantic import Field, StrictBool
 from ..ops._common import warn_fallback
 from ..ops.rms_norm import (FORMS, RMSForm, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                              try_fused_rms_norm_form)
-from .base import Environment, FeatureConfig, FeatureReport, OptInMarker, ReplacementFeature
+from .base import FeatureConfig, FeatureReport, OptInMarker, ReplacementFeature
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -808,11 +808,7 @@ class RmsNormFeature(ReplacementFeature):
     opt_in = OPT_IN_MARKER
     is_replaced = staticmethod(is_replaced)
     none_found = "no supported RMSNorm modules found"
-
-    def is_supported(self, env: Environment) -> tuple[bool, str]:
-        if not env.kernels_available:
-            return False, "the fused RMSNorm needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)"
-        return True, ""
+    fused_what = "the fused RMSNorm"
 
     def apply(self, model: torch.nn.Module, engine: Any, cfg: Any) -> FeatureReport:
         plan = _plan(model, bool(getattr(cfg, "match_forms", True)))

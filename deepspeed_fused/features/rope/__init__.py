@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..base import Environment, FeatureConfig, FeatureReport, ReplacementFeature
+from ..base import FeatureConfig, FeatureReport, ReplacementFeature
 from .patch import (CALLS, MARKER, OPT_IN, OPT_IN_MARKER, PREFIX, _analyse_forward, _commit,  # noqa: F401
                     _copy_forward, _innermost, _make_call, _plan, is_replaced, replace_rope, restore_rope)
 from .recognise import Form, coverage, pair_rotation_kind, recognise, rotation_kind  # noqa: F401
@@ -55,11 +55,7 @@ class RopeFeature(ReplacementFeature):
     opt_in = OPT_IN_MARKER
     is_replaced = staticmethod(is_replaced)
     none_found = "no attention module calls a recognised rotary embedding"
-
-    def is_supported(self, env: Environment) -> tuple[bool, str]:
-        if not env.kernels_available:
-            return False, "the fused RoPE needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)"
-        return True, ""
+    fused_what = "the fused RoPE"
 
     def apply(self, model: torch.nn.Module, engine: Any, cfg: Any) -> FeatureReport:
         plan = _plan(model)
