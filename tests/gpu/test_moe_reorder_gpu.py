@@ -275,6 +275,29 @@ def _route_sort_tuple(s):
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("shape", ROUTE_SORT_SHAPES, ids=lambda s: s[0])
+def _without_host_sync(fn):
+    """``fn()`` with any device-to-host sync an error."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _graph_of(fn, warmup: int = 1):
+    """``fn`` warmed up on a side stream (as capture requires), then captured: (graph, outputs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def test_route_sort_model_shapes(shape, index_dtype):
     """route_sort on CUDA at model shapes equals the torch reference (torch.equal, every output),
     its offsets equal transformers' histc + cumsum, and the call makes no host sync."""
@@ -283,11 +306,7 @@ def test_route_sort_model_shapes(shape, index_dtype):
     ids = flat.to("cuda", index_dtype)
     rg.route_sort(ids, local, top_k)  # compile outside the sync check
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = rg.route_sort(ids, local, top_k)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got = _without_host_sync(lambda: rg.route_sort(ids, local, top_k))
     ref = rg.route_sort_reference(ids.cpu(), local, top_k)
     for what, a, b in zip(("order", "token", "assignment", "slot", "offsets", "experts"), _route_sort_tuple(got),
                           _route_sort_tuple(ref)):
@@ -324,15 +343,7 @@ def test_route_sort_cuda_graph():
     top_k, experts = 8, 128
     first, _ = _route_sort_ids(8192, top_k, experts, 1, seed=1)
     static = first.cuda()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            rg.route_sort(static, experts, top_k)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = rg.route_sort(static, experts, top_k)
+    g, out = _graph_of(lambda: rg.route_sort(static, experts, top_k), warmup=2)
     for seed, ep in ((2, 1), (3, 4), (4, 1)):
         new, local = _route_sort_ids(8192, top_k, experts, ep, seed=seed)
         new = torch.where(new < local, new, experts)  # sentinels, in the graph's E
@@ -364,19 +375,8 @@ def test_swiglu_no_host_sync_and_graph_replay():
         return torch.autograd.grad(rg.swiglu(leaf), leaf, dh)[0]
 
     first = step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = rg.swiglu(gu)
+    _without_host_sync(step)
+    g, out = _graph_of(lambda: rg.swiglu(gu))
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, rg.swiglu(gu)) and torch.equal(first, step())
@@ -415,20 +415,9 @@ def test_topk_softmax_no_host_sync_and_graph_replay():
         return torch.autograd.grad(s.float().square().sum(), logits)[0], i
 
     first = step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _without_host_sync(step)
     x = logits.detach()
-    g = torch.cuda.CUDAGraph()
-    s0 = torch.cuda.Stream()
-    s0.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s0):
-        rg.topk_softmax(x, 8, True, torch.bfloat16)
-    torch.cuda.current_stream().wait_stream(s0)
-    with torch.cuda.graph(g):
-        out = rg.topk_softmax(x, 8, True, torch.bfloat16)
+    g, out = _graph_of(lambda: rg.topk_softmax(x, 8, True, torch.bfloat16))
     g.replay()
     torch.cuda.synchronize()
     ref = rg.topk_softmax(x, 8, True, torch.bfloat16)
