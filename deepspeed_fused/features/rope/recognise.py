@@ -183,36 +183,30 @@ def _helper_templates():
     return rot, pair
 
 
+def _match_helper(fn, params: tuple, which: int):
+    """The kind of helper template ``which`` (0: rotate-half, 1: half-width rotation) that ``fn``
+    compiles to, with its positional arguments named ``params`` (a plain function of exactly those,
+    no defaults, its module's ``torch`` torch's own), else None."""
+    if not _plain_function(fn) or fn.__code__.co_argcount != len(params) or fn.__defaults__ \
+            or fn.__globals__.get("torch") is not torch:
+        return None
+    norm = _normalized(fn, dict(zip(fn.__code__.co_varnames[:len(params)], params)), _no_helpers)
+    if norm is None:
+        return None
+    return next((kind for ops, kind in _helper_templates()[which] if norm[0] == ops), None)
+
+
 @_GlobalsCache
 def rotation_kind(fn) -> Optional[tuple]:
     """(pairing, negate) when ``fn`` compiles to a known rotate-half helper, else None."""
-    if not _plain_function(fn) or fn.__code__.co_argcount != 1 or fn.__defaults__ \
-            or fn.__globals__.get("torch") is not torch:
-        return None
-    norm = _normalized(fn, {fn.__code__.co_varnames[0]: "x"}, _no_helpers)
-    if norm is None:
-        return None
-    for ops, kind in _helper_templates()[0]:
-        if norm[0] == ops:
-            return kind
-    return None
+    return _match_helper(fn, ("x",), 0)
 
 
 @_GlobalsCache
 def pair_rotation_kind(fn) -> Optional[str]:
     """The pairing ("half" or "adjacent") when ``fn(x, cos, sin)`` compiles to a known half-width
     rotation helper, else None."""
-    if not _plain_function(fn) or fn.__code__.co_argcount != 3 or fn.__defaults__ \
-            or fn.__globals__.get("torch") is not torch:
-        return None
-    names = fn.__code__.co_varnames[:3]
-    norm = _normalized(fn, dict(zip(names, ("x", "cos", "sin"))), _no_helpers)
-    if norm is None:
-        return None
-    for ops, kind in _helper_templates()[1]:
-        if norm[0] == ops:
-            return kind
-    return None
+    return _match_helper(fn, ("x", "cos", "sin"), 1)
 
 
 def _helper_family(v) -> Optional[str]:
