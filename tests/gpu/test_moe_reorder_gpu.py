@@ -273,8 +273,6 @@ def _route_sort_tuple(s):
     return (s.order, *s.maps[:3], s.offsets, s.experts)
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("shape", ROUTE_SORT_SHAPES, ids=lambda s: s[0])
 def _without_host_sync(fn):
     """``fn()`` with any device-to-host sync an error."""
     torch.cuda.set_sync_debug_mode("error")
@@ -298,6 +296,8 @@ def _graph_of(fn, warmup: int = 1):
     return g, out
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", ROUTE_SORT_SHAPES, ids=lambda s: s[0])
 def test_route_sort_model_shapes(shape, index_dtype):
     """route_sort on CUDA at model shapes equals the torch reference (torch.equal, every output),
     its offsets equal transformers' histc + cumsum, and the call makes no host sync."""
