@@ -21,6 +21,12 @@ Case ``swiglu`` (``--case=swiglu``, files ``moe_reorder_swiglu.*``) times the ex
 (:func:`swiglu`) against transformers' eager gate, ``torch.compile`` of it and Liger's SiLU-mul.
 Case ``router`` (``--case=router``, files ``moe_reorder_router.*``) times the fused top-k softmax
 router selection (:func:`topk_softmax`) against the eager router code and ``torch.compile`` of it.
+Case ``block`` (``--case=block``, files ``moe_reorder_block.*``) times one whole transformers MoE
+block (router, experts, combine; Qwen3-30B-A3B, Mixtral-8x7B, GPT-OSS-20B at T 8192) forward and
+forward+backward (input and every weight's gradient): transformers' ``grouped_mm`` experts
+implementation (the baseline), its ``eager`` one (at 8 experts only) and the block with the
+moe_reorder feature applied by :func:`~deepspeed_fused.patch_model`; each record notes the parts
+that ran fused (from the feature's report) and the relative errors against ``grouped_mm``.
 
 Peers: DeepSpeed <= 0.19.7's vstack+index / zero+index_put (autograd backward: accumulating
 index_put / indexing), ``torch.index_select`` (a plain gather: for the permute it reads clamped
@@ -47,6 +53,9 @@ _CASE_NOTES = {
     "router": "The top-k softmax router selection (bf16 logits): faster than the eager router code and "
               "torch.compile host-inclusive; part of the MoE routing category target (issue 27: <= 5 ms in the "
               "e2e fused arm).",
+    "block": "One transformers MoE block (router + experts + combine), bf16, T 8192: fused MoE block forward+backward "
+             ">= 2x transformers' grouped_mm path (issue 27); the ratio per shape is the fused record's extra "
+             "vs_grouped_mm_fwd_bwd (host-inclusive; _graph: CUDA-graph replays).",
 }
 NOTES = _GATHER_NOTES = ("Targets (H200, bf16): every gather >= 3.6 TB/s effective (device copy 4.2 TB/s); permute and "
          "unpermute fwd+bwd >= 1.3x DeepSpeed 0.19.8 and >= 4x the 0.19.7 path; combine >= 2x "
@@ -396,7 +405,153 @@ def run_router(dev, dtype, rep: int, quick: bool) -> list:
     return recs
 
 
-RESULT = COMMAND = None  # the files' name and command when not the suite's: with --case=route_sort, swiglu, router
+# name, transformers model package, block class, its PreTrainedModel, config class, config sizes on the GPU / on CPU
+BLOCK = [
+    ("Qwen3-30B-A3B", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoePreTrainedModel", "Qwen3MoeConfig",
+     dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+     dict(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    ("Mixtral-8x7B", "mixtral", "MixtralSparseMoeBlock", "MixtralPreTrainedModel", "MixtralConfig",
+     dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2),
+     dict(hidden_size=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)),
+    ("GPT-OSS-20B", "gpt_oss", "GptOssMLP", "GptOssPreTrainedModel", "GptOssConfig",
+     dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4),
+     dict(hidden_size=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+]
+
+
+def _moe_block(package, block_name, model_name, config_name, sizes, dev, dtype, gen):
+    """A transformers MoE block as the one child (``.block``) of its family's PreTrainedModel, which
+    holds no layers: the model ``set_experts_implementation`` and ``patch_model`` take. Weight
+    matrices N(0, 1/fan-in) (activations and router logits of unit scale: transformers initialises
+    some routers to zeros, which would tie every expert), biases N(0, 0.02)."""
+    import importlib
+
+    import transformers
+
+    modeling = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    config = getattr(transformers, config_name)(num_hidden_layers=1, **sizes)
+    with torch.device(dev):
+        holder = getattr(modeling, model_name)(config)
+        holder.block = getattr(modeling, block_name)(config)
+    holder.to(dtype)
+    inter = sizes.get("moe_intermediate_size", sizes.get("intermediate_size"))
+    with torch.no_grad():
+        for n, p in holder.block.named_parameters():
+            std = (inter if "down_proj" in n else sizes["hidden_size"]) ** -0.5 if p.dim() > 1 else 0.02
+            p.normal_(0.0, std, generator=gen)
+    return holder
+
+
+def _fused_parts(rep, experts) -> dict:
+    """What the feature's report says ran fused: the experts' gathers, the gate (and which form,
+    by the feature's own test of the experts module), the routers."""
+    from ..features import moe_reorder as feat
+
+    d = rep.details if rep.applied else {}
+    gate = ("swiglu" if feat.fused_gate(experts) else "oai" if feat.oai_gate_of(experts) else None) \
+        if d.get("fused_gate") else None
+    return dict(applied=rep.applied, experts_gathers=d.get("layers", 0), gate_fused=gate,
+                routers_fused=d.get("routers", 0))
+
+
+def run_block(dev, dtype, rep: int, quick: bool) -> list:
+    """Case ``block``: one whole MoE block of three families, forward (no grad) and forward+backward
+    (the gradients of the input and of every weight). Arms share the weights (one block,
+    deep-copied): transformers ``grouped_mm``, ``eager`` (8 experts or fewer: its per-expert loop
+    syncs the host per expert) and deepspeed_fused (``patch_model`` with moe_reorder on). On CPU:
+    tiny sizes, fp32, every family even with ``quick``."""
+    import copy
+
+    from .. import patch_model
+
+    shapes = BLOCK[:1] if quick and dev == "cuda" else BLOCK
+    tokens = 8192 if dev == "cuda" else 64
+    recs = []
+    gen = torch.Generator(dev).manual_seed(5)
+    for name, package, block_name, model_name, config_name, gpu_sizes, cpu_sizes in shapes:
+        sizes = gpu_sizes if dev == "cuda" else cpu_sizes
+        experts = sizes.get("num_experts", sizes.get("num_local_experts"))
+        hidden = sizes["hidden_size"]
+        tag = (f"block {name} T{tokens} E{experts} k{sizes['num_experts_per_tok']} H{hidden} "
+               f"I{sizes.get('moe_intermediate_size', sizes.get('intermediate_size'))}")
+        try:
+            base = _moe_block(package, block_name, model_name, config_name, sizes, dev, dtype, gen)
+        except (ImportError, AttributeError) as e:  # this transformers lacks the family or a class of it
+            recs.append(measure(SUITE, "deepspeed_fused", tag, dtype, ours=True,
+                                note=f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+            continue
+        x = torch.randn(2, tokens // 2, hidden, device=dev, dtype=dtype, generator=gen)
+        dy = torch.randn(2, tokens // 2, hidden, device=dev, dtype=dtype, generator=gen)
+        xg = x.detach().requires_grad_()
+        got, by_impl = {}, {}
+        for impl, experts_impl in [("transformers grouped_mm", "grouped_mm")] + (
+                [("transformers eager", "eager")] if experts <= 8 else []) + [("deepspeed_fused", None)]:
+            holder = copy.deepcopy(base)
+            block, extra = holder.block, {}
+            weights = [block.experts.gate_up_proj] + [p for p in block.parameters()
+                                                      if p is not block.experts.gate_up_proj]
+
+            def fwd(block=block):
+                with torch.no_grad():
+                    y = block(x)
+                return y[0] if isinstance(y, tuple) else y  # GPT-OSS's block also returns the router scores
+
+            def fwd_bwd(block=block, weights=weights):
+                y = block(xg)
+                return torch.autograd.grad(y[0] if isinstance(y, tuple) else y, [xg, *weights], dy)
+
+            try:
+                if experts_impl:
+                    holder.set_experts_implementation(experts_impl)
+                    note = f"experts implementation {experts_impl!r}"
+                else:
+                    report = patch_model(holder, {"moe_reorder": {"enabled": True}})
+                    r = next(f for f in report.features if f.name == "moe_reorder")
+                    extra["fused"] = fused = _fused_parts(r, block.experts)
+                    note = ("fused: " + ", ".join(p for p, on in (
+                        ("experts gathers", fused["experts_gathers"]),
+                        (f"{fused['gate_fused']} gate", fused["gate_fused"]), ("router", fused["routers_fused"]))
+                        if on)) if r.applied else f"NOT applied: {r.reason}"
+                grads = fwd_bwd()
+                got[impl] = (fwd(), grads[0], grads[1])  # output, input gradient, gate_up_proj gradient
+                del grads
+            except Exception as e:  # an arm that cannot run here (out of memory, ...) is reported
+                recs.append(measure(SUITE, impl, tag, dtype, ours=experts_impl is None,
+                                    note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+                continue
+            rec = by_impl[impl] = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd,
+                                          ours=experts_impl is None, rep=rep, note=note, **extra)
+            if experts_impl is None and r.calls is not None:
+                rec.extra["experts_calls"] = r.calls.fused  # experts forwards that ran our implementation
+            if dev == "cuda":
+                try:
+                    add_graph_times(rec, fwd, fwd_bwd, rep)
+                except Exception as e:  # a failed capture that leaves the next synchronize failing too
+                    rec.note += f"; no CUDA graph: {type(e).__name__}"
+            recs.append(rec)
+        ref = got.pop("transformers grouped_mm", None)
+        for impl, vals in got.items() if ref is not None else ():
+            err = [((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                   for a, b in zip(vals, ref)]
+            by_impl[impl].extra.update(rel_err_out=err[0], rel_err_dx=err[1], rel_err_dgate_up=err[2])
+            by_impl[impl].note += (f"; vs grouped_mm: rel. error out {err[0]:.1e}, dx {err[1]:.1e}, "
+                                   f"d gate_up_proj {err[2]:.1e}")
+        ours, hf = by_impl.get("deepspeed_fused"), by_impl.get("transformers grouped_mm")
+        if ours is not None and hf is not None:
+            for key, a, b in (("vs_grouped_mm_fwd_bwd", hf.fwd_bwd_ms, ours.fwd_bwd_ms),
+                              ("vs_grouped_mm_fwd_bwd_graph", hf.extra.get("fwd_bwd_graph_ms"),
+                               ours.extra.get("fwd_bwd_graph_ms"))):
+                if a and b:
+                    ours.extra[key] = round(a / b, 3)
+            if "vs_grouped_mm_fwd_bwd" in ours.extra:
+                ours.note += f"; fwd+bwd {ours.extra['vs_grouped_mm_fwd_bwd']:.2f}x grouped_mm (target >= 2x)"
+        del base, holder, block, weights, fwd, fwd_bwd, x, dy, xg, got, ref
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return recs
+
+
+RESULT = COMMAND = None  # the files' name and command when not the suite's: --case=route_sort, swiglu, router, block
 
 
 def run(args) -> list:
@@ -419,6 +574,10 @@ def run(args) -> list:
         quick = getattr(args, "quick", False)
         RESULT, COMMAND = "moe_reorder_swiglu", "python -m deepspeed_fused.bench moe_reorder --case=swiglu"
         return run_swiglu(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
+    if "--case=block" in (getattr(args, "extra", None) or []):
+        quick = getattr(args, "quick", False)
+        RESULT, COMMAND = "moe_reorder_block", "python -m deepspeed_fused.bench moe_reorder --case=block"
+        return run_block(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
     if "--case=autoep_local" in (getattr(args, "extra", None) or []):
         quick = getattr(args, "quick", False)
         return run_autoep_local(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
