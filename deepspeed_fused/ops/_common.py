@@ -39,6 +39,22 @@ LATE_INTERPRET = ("TRITON_INTERPRET=1 was set after deepspeed_fused defined its 
                   "(TRITON_INTERPRET=1 python ...) or at least before deepspeed_fused.ops is imported")
 
 
+if HAS_TRITON:
+    if _INTERPRET_AT_IMPORT:  # the interpreter has no libdevice; its exp is numpy's
+
+        @triton.jit
+        def exp_cuda(v):
+            return tl.exp(v)
+    else:
+        from triton.language.extra.cuda import libdevice
+
+        @triton.jit
+        def exp_cuda(v):
+            # CUDA's expf (what eager's softmax, sigmoid and silu call), not tl.exp's ex2.approx of
+            # v * log2(e), whose error grows with |v|: where a kernel must land on eager's FP32 value
+            return libdevice.exp(v)
+
+
 def kernel_device_ok(t: torch.Tensor) -> tuple[bool, str]:
     """Whether a Triton kernel can take tensor ``t`` because of where it lives."""
     if not HAS_TRITON:

@@ -36,16 +36,34 @@ def _check(logits, k, renorm, out_dtype, seed=1):
     pr = torch.softmax(logits.detach().float(), -1)
     assert torch.equal(pr.gather(1, i), pr.gather(1, ir))
     same = (i == ir).all(-1)
-    assert same.double().mean() >= 0.8
-    s, sr, g, gr = s[same], sr[same], g[same], gr[same]
+    # half-precision logits repeat values; CUDA's topk orders equal values its own way
+    assert same.double().mean() >= (0.99 if logits.dtype == torch.float32 else 0.5)
+    chosen = torch.zeros_like(g, dtype=torch.bool).scatter_(1, i, True)[same]
+    s, sr, g, gr, d = s[same], sr[same], g[same], gr[same], d[same]
+
+    def one_ulp(v, dtype):
+        fi = torch.finfo(dtype)
+        return v.double().abs().clamp_min(fi.tiny).log2().floor().exp2() * fi.eps
+
     if s.dtype == torch.float32:
         torch.testing.assert_close(s, sr, rtol=4 * 2.0 ** -23, atol=1e-30)
     else:  # one rounding of a value within a few FP32 ULP of eager's: at most one ULP apart
-        assert ((s.float() - sr.float()).abs() <= (sr.float().abs() * 2.0 ** -10)).all()
+        assert ((s.double() - sr.double()).abs() <= one_ulp(sr, s.dtype)).all()
         assert (s == sr).double().mean() >= 0.99
-    scale = gr.double().abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    tol = 1e-6 if logits.dtype == torch.float32 else 2.0 ** -10
-    assert (((g.double() - gr.double()).abs() / scale) <= tol).all()
+    # the gradient's terms are of the size of the scores' gradient d (times p / sum p): a row whose
+    # gradient cancels to far below that (k = 2, renormalised) keeps FP32 noise of that size, and
+    # with renormalisation the experts not chosen get p * (a sum that is 0 in exact arithmetic):
+    # noise in both eager's and ours, compared by size only
+    scale = torch.maximum(gr.double().abs().amax(-1, keepdim=True), d.double().abs().amax(-1, keepdim=True))
+    err = (g.double() - gr.double()).abs()
+    exact = chosen if renorm else torch.ones_like(chosen)
+    if logits.dtype == torch.float32:
+        assert (err <= 1e-6 * scale).all()
+    else:
+        # both round once from FP32 values a few ULP apart (the sums' order differs): where that
+        # value sits near a rounding midpoint the two land on neighbours, one ULP of the element
+        assert (err <= 2.0 ** -12 * scale + one_ulp(gr, logits.dtype)).all()
+        assert (g == gr)[exact].double().mean() >= 0.99
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -15,9 +15,10 @@ gradient (the softmax recomputed from the logits, which the router returns anywa
 arithmetic: FP32 softmax ``exp(x - max) / sum``, values in descending order (equal values: the lower
 expert id first), the renormalisation's gradient as autograd forms it for ``values /= s``
 (``g / s`` plus the sum of ``-g * v / (s * s)``), the softmax backward ``p * (dp - sum(dp * p))``,
-one rounding to the logits' dtype. Triton's ``exp`` differs from CUDA's in the last FP32 bits, so
-two probabilities within an ULP of each other can swap places in the order (the same experts are
-chosen unless they straddle the k-th place).
+one rounding to the logits' dtype. The exponential is CUDA's ``expf`` (as eager's softmax and
+sigmoid); the sums run in another order than eager's, so two probabilities within an ULP of each
+other can still swap places in the order (the same experts are chosen unless they straddle the k-th
+place).
 
 CUDA tensors (CPU ones under the interpreter, fp32/fp16 there) with up to 1024 experts and top-k
 up to 32 run the kernels; anything else the torch reference (:func:`topk_softmax_reference`) with
@@ -39,6 +40,7 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 
 if HAS_TRITON:
+    from .._common import exp_cuda
 
     # ---- shared by the router kernels: [BLOCK_T, KP] tiles of the k chosen (column j: the j-th) ----
     @triton.jit
@@ -102,7 +104,7 @@ if HAS_TRITON:
         x = tl.where(m, x, float("-inf"))
         mx = tl.max(x, axis=1)
         mx = tl.where(rows < n_rows, mx, 0.0)
-        e = tl.exp(x - mx[:, None])
+        e = exp_cuda(x - mx[:, None])
         e = tl.where(m, e, 0.0)
         s = tl.sum(e, axis=1)
         s = tl.where(rows < n_rows, s, 1.0)
@@ -151,7 +153,7 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK_E)
         m = (rows < n_rows)[:, None] & (cols < E)[None, :]
         x = tl.load(L + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.div_rn(tl.zeros_like(x) + 1.0, 1.0 + tl.exp(-x))  # eager's FP32 sigmoid
+        s = tl.div_rn(tl.zeros_like(x) + 1.0, 1.0 + exp_cuda(-x))  # eager's FP32 sigmoid
         return s, cols, m
 
     @triton.jit

@@ -11,8 +11,9 @@ keeps ``act`` and ``up`` too).
 Rounding is eager's at every point (``SiLU`` on a half-precision tensor: FP32 math, one rounding;
 the product in FP32, one rounding; backward: ``dh * up`` and ``dh * act`` each rounded to the
 input dtype, the activation's backward ``d * s * (1 + g * (1 - s))`` in FP32 from the rounded
-``dh * up``, one rounding). The exponential is Triton's, not CUDA's ``expf``, so a rounding of the
-activation lies on the other neighbour where its FP32 value sits within a few ULP of a midpoint.
+``dh * up``, one rounding). For half-precision inputs the exponential is Triton's, not CUDA's
+``expf``, so a rounding of the activation lies on the other neighbour where its FP32 value sits
+within a few ULP of a midpoint; FP32 inputs take CUDA's ``expf``.
 
 Only SiLU (``torch.nn.SiLU`` or transformers' ``SiLUActivation``) is fused; the caller checks that
 (see ``features.moe_reorder``). CUDA tensors (CPU ones under the interpreter, not bf16 there) run
@@ -31,10 +32,22 @@ _NS = "deepspeed_fused"
 
 if HAS_TRITON:
 
+    from .._common import exp_cuda
+
     @triton.jit
-    def _silu_f32(g):
+    def _exp(v, P):
+        # FP32 inputs (no narrowing rounding to hide it) take CUDA's expf, as eager does; half
+        # precision takes Triton's faster exp (a few FP32 ULP off, then rounded to 8 or 11 bits)
+        if P.dtype.element_ty == tl.float32:
+            e = exp_cuda(v)
+        else:
+            e = tl.exp(v)
+        return e
+
+    @triton.jit
+    def _silu_f32(g, P):
         # eager's FP32 SiLU: g / (1 + exp(-g)), the division correctly rounded
-        return tl.div_rn(g, 1.0 + tl.exp(-g))
+        return tl.div_rn(g, 1.0 + _exp(-g, P))
 
     @triton.jit
     def _swiglu_fwd_kernel(GU, H, n_rows, inter, stride_gu, stride_h, BLOCK_R: tl.constexpr,
@@ -46,7 +59,7 @@ if HAS_TRITON:
         g = tl.load(src, mask=m, other=0.0)
         u = tl.load(src + inter, mask=m, other=0.0)
         ty = g.dtype
-        a = _silu_f32(g.to(tl.float32)).to(ty)  # act_fn(gate): one rounding to the input dtype
+        a = _silu_f32(g.to(tl.float32), GU).to(ty)  # act_fn(gate): one rounding to the input dtype
         h = (a.to(tl.float32) * u.to(tl.float32)).to(ty)
         tl.store(H + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], h, mask=m)
 
@@ -63,10 +76,10 @@ if HAS_TRITON:
         dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
         ty = g.dtype
         gf = g.to(tl.float32)
-        a = _silu_f32(gf).to(ty).to(tl.float32)
+        a = _silu_f32(gf, GU).to(ty).to(tl.float32)
         d_up = (dh * a).to(ty)  # the product's gradients, each rounded to the input dtype
         d_act = (dh * u).to(ty).to(tl.float32)
-        s = tl.div_rn(tl.zeros_like(gf) + 1.0, 1.0 + tl.exp(-gf))
+        s = tl.div_rn(tl.zeros_like(gf) + 1.0, 1.0 + _exp(-gf, GU))
         d_gate = (d_act * s * (1.0 + gf * (1.0 - s))).to(ty)  # eager's silu_backward
         dst = DGU + r64 * (2 * inter) + cols[None, :]
         tl.store(dst, d_gate, mask=m)
@@ -83,21 +96,21 @@ if HAS_TRITON:
         src = GU + rows.to(tl.int64)[:, None] * stride_gu + 2 * cols[None, :]
         g = tl.load(src, mask=m, other=0.0)
         u = tl.load(src + 1, mask=m, other=0.0)
-        ty = g.dtype
-        lim = (tl.zeros_like(g.to(tl.float32)) + limit).to(ty).to(tl.float32)
+        lim = (tl.zeros_like(g.to(tl.float32)) + limit).to(g.dtype).to(tl.float32)
         gf, uf = g.to(tl.float32), u.to(tl.float32)
-        return m, gf, uf, lim, ty
+        return m, gf, uf, lim
 
     @triton.jit
     def _oai_fwd_kernel(GU, H, n_rows, inter, stride_gu, stride_h, alpha, limit, BLOCK_R: tl.constexpr,
                         BLOCK_C: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m, gf, uf, lim, ty = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        m, gf, uf, lim = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        ty = GU.dtype.element_ty
         gc = tl.minimum(gf, lim)
         uc = tl.minimum(tl.maximum(uf, -lim), lim)
         t = (gc * alpha).to(ty).to(tl.float32)  # every step rounded to the input dtype, as eager's
-        sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + tl.exp(-t)).to(ty).to(tl.float32)
+        sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + _exp(-t, GU)).to(ty).to(tl.float32)
         glu = (gc * sg).to(ty).to(tl.float32)
         u1 = (uc + 1.0).to(ty).to(tl.float32)
         tl.store(H + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], (u1 * glu).to(ty), mask=m)
@@ -107,13 +120,14 @@ if HAS_TRITON:
                         BLOCK_C: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m, gf, uf, lim, ty = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        m, gf, uf, lim = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        ty = GU.dtype.element_ty
         r64 = rows.to(tl.int64)[:, None]
         dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
         gc = tl.minimum(gf, lim)
         uc = tl.minimum(tl.maximum(uf, -lim), lim)
         t = (gc * alpha).to(ty).to(tl.float32)
-        sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + tl.exp(-t)).to(ty).to(tl.float32)
+        sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + _exp(-t, GU)).to(ty).to(tl.float32)
         glu = (gc * sg).to(ty).to(tl.float32)
         u1 = (uc + 1.0).to(ty).to(tl.float32)
         d_u1 = (dh * glu).to(ty).to(tl.float32)  # autograd's chain, each gradient in the input dtype
@@ -121,7 +135,10 @@ if HAS_TRITON:
         d_up = tl.where((uf >= -lim) & (uf <= lim), d_u1, 0.0)
         d_direct = (d_glu * sg).to(ty).to(tl.float32)
         d_sg = (d_glu * gc).to(ty).to(tl.float32)
-        d_t = (d_sg * (1.0 - sg) * sg).to(ty).to(tl.float32)
+        # the sigmoid's backward as ATen writes it for half types, d * (1 - s) * s in the input
+        # dtype's arithmetic: each operation rounded
+        one_m = (1.0 - sg).to(ty).to(tl.float32)
+        d_t = ((d_sg * one_m).to(ty).to(tl.float32) * sg).to(ty).to(tl.float32)
         d_via_t = (d_t * alpha).to(ty).to(tl.float32)
         d_gc = (d_direct + d_via_t).to(ty).to(tl.float32)
         d_gate = tl.where(gf <= lim, d_gc, 0.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from .._common import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
+    from .._common import exp_cuda
 
     @triton.jit
     def _row_offsets(rows, D1, D2, S0, S1, S2):
@@ -306,9 +307,20 @@ if HAS_TRITON:
         return s
 
     @triton.jit
+    def _act_acc(g, ACT: tl.constexpr):
+        # _act with CUDA's expf: the backward's activation (its half-precision roundings of
+        # dy * act(gate) then land where eager's do)
+        e = 1.0 + exp_cuda(-g)
+        if ACT == 0:
+            s = tl.div_rn(g, e)
+        else:
+            s = tl.div_rn(tl.zeros_like(g) + 1.0, e)
+        return s
+
+    @triton.jit
     def _act_bwd(ds, g, ACT: tl.constexpr):
         # eager's activation backward: silu: ds * sig * (1 + g * (1 - sig)); sigmoid: ds * (1 - sig) * sig
-        sig = tl.div_rn(tl.zeros_like(g) + 1.0, 1.0 + tl.exp(-g))
+        sig = tl.div_rn(tl.zeros_like(g) + 1.0, 1.0 + exp_cuda(-g))
         if ACT == 0:
             d = ds * sig * (1.0 + g * (1.0 - sig))
         else:
@@ -358,7 +370,7 @@ if HAS_TRITON:
             else:
                 p = nr
             s = _act_bwd(dp * p, g, ACT)
-            dp = _rnd(dp * _act(g, ACT), PRND, X, W)
+            dp = _rnd(dp * _act_acc(g, ACT), PRND, X, W)
         if WMODE != 0:
             gn = _rnd(_rnd(dp * a, PRND, X, W), NRND, X, W)
             term = _rnd(dp * nr, PRND, X, W)
