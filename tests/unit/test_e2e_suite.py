@@ -276,6 +276,19 @@ def test_render_reads_the_earlier_format(tmp_path):
     assert "earlier kernel-name heuristic" in md and "| gemm |" not in md
 
 
+def test_merge_names_each_pairs_date_when_the_files_differ():
+    meta = dict(date="2026-11-30", gpu="g", torch="t", triton="tr", model="m", batch=2, seq=4096, steps=2, warmup=0)
+    old = dict(meta=meta, results=dict(zero2=dict(baseline=_arm(0.2, [12, 11]), liger_swiglu=_arm(0.2, [12, 11])),
+                                       zero3=dict(baseline=_arm(0.2, [12, 11]))))
+    new = dict(meta=dict(meta, date="2026-12-02"), results=dict(zero2=dict(baseline=_arm(0.19, [12, 11]))))
+    _, _, m = e2e.merge([old, new])
+    assert m["pair_dates"] == {"zero2": "2026-11-30, 2026-12-02", "zero3": "2026-11-30"}
+    md = e2e.markdown(*e2e.merge([old, new]))
+    assert "measured: `zero2` 2026-11-30, 2026-12-02; `zero3` 2026-11-30." in md
+    _, _, m = e2e.merge([old, old])
+    assert "pair_dates" not in m
+
+
 def test_suite_smoke_on_cpu(tmp_path):
     """The suite end to end through the deepspeed launcher on the tiny model: two arms that run, a
     Liger arm that fails here (its Triton kernels need a GPU) and is recorded, not raised, the
