@@ -19,6 +19,8 @@ ranks' experts are sentinels (``>= E``, what transformers' expert parallelism pa
 
 Case ``swiglu`` (``--case=swiglu``, files ``moe_reorder_swiglu.*``) times the experts' fused gate
 (:func:`swiglu`) against transformers' eager gate, ``torch.compile`` of it and Liger's SiLU-mul.
+Case ``autoep_local`` (``--case=autoep_local`` alone, files ``moe_reorder_autoep_local.*``; also part of the
+full suite) times DeepSpeed AutoEP's local token path against DeepSpeed's own (:func:`run_autoep_local`).
 Case ``router`` (``--case=router``, files ``moe_reorder_router.*``) times the fused top-k softmax
 router selection (:func:`topk_softmax`) against the eager router code and ``torch.compile`` of it.
 Case ``block`` (``--case=block``, files ``moe_reorder_block.*``) times one whole transformers MoE
@@ -53,6 +55,9 @@ _CASE_NOTES = {
     "router": "The top-k softmax router selection (bf16 logits): faster than the eager router code and "
               "torch.compile host-inclusive; part of the MoE routing category target (issue 27: <= 5 ms in the "
               "e2e fused arm).",
+    "autoep_local": "DeepSpeed AutoEP's local token path (routed gather, reorder pair, combine; a no-grad forward, "
+                    "a grad forward and a backward per iteration): ours >= 1.5x DeepSpeed 0.19.8's path at the "
+                    "Qwen3-30B-A3B shape and >= 1.3x elsewhere.",
     "block": "One transformers MoE block (router + experts + combine), bf16, T 8192: fused MoE block forward+backward "
              ">= 2x transformers' grouped_mm path (issue 27); the ratio per shape is the fused record's extra "
              "vs_grouped_mm_fwd_bwd (host-inclusive; _graph: CUDA-graph replays).",
@@ -554,33 +559,24 @@ def run_block(dev, dtype, rep: int, quick: bool) -> list:
 RESULT = COMMAND = None  # the files' name and command when not the suite's: --case=route_sort, swiglu, router, block
 
 
+def _cases() -> dict:
+    """``--case=NAME`` -> its runner ``(dev, dtype, rep, quick)``; each writes ``moe_reorder_NAME.*``."""
+    return dict(route_sort=lambda dev, dtype, rep, quick: run_route_sort(dev, rep, quick),
+                router=run_router, swiglu=run_swiglu, block=run_block, autoep_local=run_autoep_local)
+
+
 def run(args) -> list:
     global RESULT, COMMAND, NOTES
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    extra = getattr(args, "extra", None) or []
+    quick = getattr(args, "quick", False)
     RESULT = COMMAND = None
     NOTES = _GATHER_NOTES
-    for case, notes in _CASE_NOTES.items():
-        if f"--case={case}" in (getattr(args, "extra", None) or []):
-            NOTES = notes
-    if "--case=route_sort" in (getattr(args, "extra", None) or []):
-        quick = getattr(args, "quick", False)
-        RESULT, COMMAND = "moe_reorder_route_sort", "python -m deepspeed_fused.bench moe_reorder --case=route_sort"
-        return run_route_sort(dev, 20 if quick else 100, quick)
-    if "--case=router" in (getattr(args, "extra", None) or []):
-        quick = getattr(args, "quick", False)
-        RESULT, COMMAND = "moe_reorder_router", "python -m deepspeed_fused.bench moe_reorder --case=router"
-        return run_router(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
-    if "--case=swiglu" in (getattr(args, "extra", None) or []):
-        quick = getattr(args, "quick", False)
-        RESULT, COMMAND = "moe_reorder_swiglu", "python -m deepspeed_fused.bench moe_reorder --case=swiglu"
-        return run_swiglu(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
-    if "--case=block" in (getattr(args, "extra", None) or []):
-        quick = getattr(args, "quick", False)
-        RESULT, COMMAND = "moe_reorder_block", "python -m deepspeed_fused.bench moe_reorder --case=block"
-        return run_block(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
-    if "--case=autoep_local" in (getattr(args, "extra", None) or []):
-        quick = getattr(args, "quick", False)
-        return run_autoep_local(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
+    for case, runner in _cases().items():
+        if f"--case={case}" in extra:
+            RESULT, COMMAND = f"moe_reorder_{case}", f"python -m deepspeed_fused.bench moe_reorder --case={case}"
+            NOTES = _CASE_NOTES[case]
+            return runner(dev, torch.bfloat16 if dev == "cuda" else torch.float32, 20 if quick else 100, quick)
     quick = getattr(args, "quick", False)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     shapes = SHAPES if dev == "cuda" else [("tiny-cpu", 256, 2, 8, 64)]

@@ -1,0 +1,536 @@
+"""The e2e suite's report: the comparisons of a pair's arms against its targets, the merge of
+result files run in parts, the markdown table and the plots. Reads result dicts only (no run, no
+launcher): :mod:`deepspeed_fused.bench.e2e` runs the arms and calls these; ``multi_gpu`` reuses
+the comparison and the merge."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Callable, Optional
+
+from .common import read_json
+
+# the arms, in the order the tables list them (deepspeed_fused.bench.e2e.ARMS defines each)
+ARM_ORDER = ("baseline", "liger", "liger_swiglu", "liger_swiglu_noautotune", "fused")
+SWIGLU_ARMS = ("liger_swiglu", "liger_swiglu_noautotune")
+# targets at the fixed setup: the fused arm's optimizer step against the baseline's and the Liger
+# arm's (issue 27: ZeRO-2 at accumulation 1 and 8; issue 16: ZeRO-2 on two GPUs), and for the
+# searched throughput (issue 16); the losses within LOSS_TARGET of the baseline's in every pair
+STEP_TARGETS = {"zero2": dict(vs_baseline=1.30, vs_liger=1.3, issue=27),
+                "zero2_accum8": dict(vs_baseline=1.5, vs_liger=1.3, issue=27),
+                "zero2_2gpu": dict(vs_baseline=1.22, vs_liger=1.2, issue=16)}
+LOSS_TARGET = 0.005
+SEARCH_TARGET = 1.3
+
+
+def _ok(a: Optional[dict]) -> bool:
+    return bool(a) and "error" not in a
+
+
+def _losses(a: dict) -> list:
+    """An arm's losses step by step: every micro-step's where recorded, else each step's."""
+    out = []
+    for r in a["history"]:
+        out += r.get("micro_losses") or [r["loss"]]
+    return out
+
+
+def max_loss_rel_diff(base: dict, other: dict) -> Optional[float]:
+    """The largest relative difference of ``other``'s loss to the baseline's, micro-step by
+    micro-step (step by step for results without micro-step losses); None if none to compare."""
+    def accum(x):
+        return len(x["history"][0].get("micro_losses") or [None]) if x["history"] else 1
+
+    if accum(base) != accum(other):
+        return None  # different accumulation: the steps do not line up
+    a, b = _losses(base), _losses(other)
+    rel = [abs(x - y) / abs(x) for x, y in zip(a, b)]
+    return max(rel) if rel else None
+
+
+def _fb(a: dict) -> Optional[float]:
+    return a.get("median_micro_fb_s")
+
+
+def compare(pair: str, arms: dict) -> dict:
+    """Ratios of the fused arm to the baseline and Liger arms (the optimizer step and, where
+    recorded, one micro-step's forward+backward), loss differences, and the targets of
+    :data:`STEP_TARGETS` both as ``targets`` (name -> met) and ``checks`` (each with the
+    measured value and the target)."""
+    base, fused, liger = arms.get("baseline"), arms.get("fused"), arms.get("liger")
+    out: dict = {}
+    if not (_ok(base) and _ok(fused)):
+        bad = next((a for a in (base, fused) if a and "error" in a), None)
+        return dict(error=bad["error"][:300] if bad else "baseline or fused arm missing")
+
+    def reduction(a, key):  # None on a CPU run (no GPU memory figures)
+        return 1 - a[key] / base[key] if base.get(key) and a.get(key) is not None else None
+
+    def ratio(x, y):
+        return x / y if x and y else None
+
+    lb = _losses(base) + _losses(fused)
+    out.update(gradient_accumulation_steps=fused.get("gradient_accumulation_steps"),
+               speedup=base["median_step_s"] / fused["median_step_s"],
+               fb_speedup=ratio(_fb(base), _fb(fused)),
+               peak_alloc_reduction=reduction(fused, "peak_alloc_mib"),
+               peak_reserved_reduction=reduction(fused, "peak_reserved_mib"),
+               max_loss_rel_diff=max_loss_rel_diff(base, fused), nan=any(math.isnan(x) for x in lb))
+    if _ok(liger):
+        out.update(speedup_vs_liger=liger["median_step_s"] / fused["median_step_s"],
+                   fb_speedup_vs_liger=ratio(_fb(liger), _fb(fused)),
+                   liger_speedup=base["median_step_s"] / liger["median_step_s"],
+                   liger_peak_alloc_reduction=reduction(liger, "peak_alloc_mib"),
+                   liger_max_loss_rel_diff=max_loss_rel_diff(base, liger),
+                   liger_nan=any(math.isnan(x) for x in _losses(liger)))
+    d = out["max_loss_rel_diff"]
+    every = "every micro-step" if all(r.get("micro_losses") for r in base["history"]) else "every step"
+    checks = [dict(name="loss_0_5pct", what=f"max loss rel. diff fused vs baseline, {every}",
+                   measured=d, target=f"<= {LOSS_TARGET:.1%}", met=d is not None and d <= LOSS_TARGET)]
+    if "liger_max_loss_rel_diff" in out:
+        d = out["liger_max_loss_rel_diff"]
+        checks.append(dict(name="liger_loss_0_5pct", what=f"max loss rel. diff Liger vs baseline, {every}", measured=d,
+                           target=f"<= {LOSS_TARGET:.1%}", met=d is not None and d <= LOSS_TARGET))
+    t = STEP_TARGETS.get(pair)
+    if t:
+        checks.append(dict(name=f"speedup_{t['vs_baseline']}", what="optimizer step, fused vs baseline",
+                           measured=out["speedup"], target=f">= {t['vs_baseline']}",
+                           met=out["speedup"] >= t["vs_baseline"], issue=t["issue"]))
+        v = out.get("speedup_vs_liger")
+        checks.append(dict(name=f"vs_liger_{t['vs_liger']}", what="optimizer step, fused vs Liger", measured=v,
+                           target=f">= {t['vs_liger']}", met=v >= t["vs_liger"] if v is not None else None,
+                           issue=t["issue"]))
+    out["checks"] = checks
+    # the fused-vs-baseline loss check and the step targets (the Liger arm's loss is shown, not a target)
+    out["targets"] = {c["name"]: c["met"] for c in checks if c["name"] != "liger_loss_0_5pct"}
+    return out
+
+
+def _liger_patches(desc: str) -> list:
+    """The patches named ``=True`` in train.py's Liger description
+    (``liger-kernel V: apply_...(rope=True, rms_norm=True, ..., swiglu=False)``)."""
+    return re.findall(r"(\w+)=True", desc or "")
+
+
+def arm_features(a: dict) -> str:
+    """Which features an arm ran, from its run's record: this plugin's features the report says
+    were applied (with the fused/eager call counts where the patched code also ran eager, and what
+    runs instead of the kernels on this machine where that is not them), those enabled but not
+    applied, and the Liger-Kernel patches; ``none`` when nothing was."""
+    parts = []
+    feats = (a.get("report") or {}).get("features") or []
+    on = []
+    for f in feats:
+        if not f.get("applied"):
+            continue
+        note = []
+        calls = f.get("calls") or {}
+        if calls.get("eager"):
+            note.append(f"{calls.get('fused', 0)} fused / {calls['eager']} eager calls")
+        if f.get("fallback"):
+            note.append(f["fallback"])
+        on.append(f["name"] + (f" ({'; '.join(note)})" if note else ""))
+    if on:
+        parts.append("ours: " + ", ".join(on))
+    parts += [f"{f['name']} enabled, not applied ({f.get('reason') or 'no reason given'})" for f in feats
+              if f.get("enabled") and not f.get("applied")]
+    patches = _liger_patches(a.get("liger"))
+    if patches:
+        parts.append("Liger: " + ", ".join(patches))
+    if not parts:
+        if "error" in a and not feats:
+            return "n/a (no report: the run failed)"
+        return "none"
+    return "; ".join(parts)
+
+
+def search_compare(arms: dict) -> dict:
+    """Tokens/s ratios, each arm at its own largest micro-batch; ``largest``: that size per arm;
+    ``fused_capped``: the fused arm still fit at the cap (its figure is a floor, not a measurement
+    of its largest micro-batch)."""
+    base, fused, liger = arms.get("baseline"), arms.get("fused"), arms.get("liger")
+    out: dict = dict(largest={a: r.get("largest") for a, r in arms.items()})
+    if fused:
+        out["fused_capped"] = bool(fused.get("capped"))
+    if base and fused and base.get("tokens_per_s") and fused.get("tokens_per_s"):
+        out["fused_vs_baseline"] = fused["tokens_per_s"] / base["tokens_per_s"]
+        out["target_1_3"] = out["fused_vs_baseline"] >= SEARCH_TARGET
+    if liger and fused and liger.get("tokens_per_s") and fused.get("tokens_per_s"):
+        out["fused_vs_liger"] = fused["tokens_per_s"] / liger["tokens_per_s"]
+    if liger and base and liger.get("tokens_per_s") and base.get("tokens_per_s"):
+        out["liger_vs_baseline"] = liger["tokens_per_s"] / base["tokens_per_s"]
+    return out
+
+
+def _arms_of(v: dict) -> list:
+    return [a for a in ARM_ORDER if a in v]
+
+
+def plots(results: dict, search: dict, out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {"baseline": "-", "liger": ":", "liger_swiglu": "-.", "liger_swiglu_noautotune": "-.", "fused": "--"}
+    pairs = [k for k in results if any(_ok(results[k].get(a)) for a in ARM_ORDER)]
+    if pairs:
+        fig, axes = plt.subplots(1, len(pairs), figsize=(5 * len(pairs), 4), squeeze=False)
+        for ax, k in zip(axes[0], pairs):
+            for arm in _arms_of(results[k]):
+                if _ok(results[k][arm]):
+                    h = results[k][arm]["history"]
+                    ax.plot([r["step"] for r in h], [r["loss"] for r in h], styles.get(arm, "-"), label=arm)
+            ax.set_title(f"{k}: loss per step")
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_loss.png"), dpi=110)
+        plt.close(fig)
+
+        arms = [a for a in ARM_ORDER if any(a in results[k] for k in pairs)]
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        w = 0.8 / max(1, len(arms))
+        for i, arm in enumerate(arms):
+            xs = [j + i * w for j in range(len(pairs))]
+            ok = [results[k].get(arm) if _ok(results[k].get(arm)) else None for k in pairs]
+            axes[0].bar(xs, [a["median_tokens_per_s"] / 1e3 if a else 0 for a in ok], w, label=arm)
+            axes[1].bar(xs, [(a["peak_alloc_mib"] or 0) / 1024 if a else 0 for a in ok], w, label=arm)
+        # tokens/s per optimizer step: comparable across pairs of different accumulation
+        for ax, lab in ((axes[0], "tokens/s (thousands, median optimizer step)"),
+                        (axes[1], "peak allocated GPU memory (GiB)")):
+            ax.set_xticks([j + w * (len(arms) - 1) / 2 for j in range(len(pairs))])
+            ax.set_xticklabels(pairs)
+            ax.set_ylabel(lab)
+            ax.legend()
+        fig.suptitle("end-to-end: Qwen3-30B-A3B shape, 4 layers, bf16 (0 = failed or not run)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_speed_memory.png"), dpi=110)
+        plt.close(fig)
+
+        rows = []
+        for k in pairs:
+            for a in _arms_of(results[k]):
+                b = results[k][a].get("breakdown") if _ok(results[k][a]) else None
+                if _attributed(b):
+                    rows.append((f"{k} {a}", b))
+                    if (_accum_of(results[k][a]) or 1) > 1 and b.get("micro_step_mean"):
+                        rows.append((f"{k} {a}: one micro-step's fwd+bwd", b["micro_step_mean"]))
+        if rows:
+            cats = list(rows[0][1]["categories"])
+            fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 2))
+            left = [0.0] * len(rows)
+            cmap = plt.get_cmap("tab20")
+            for ci, c in enumerate(cats):
+                vals = [b["categories"].get(c, 0.0) for _, b in rows]
+                ax.barh(range(len(rows)), vals, left=left, color=cmap(ci % 20), label=c)
+                left = [x + y for x, y in zip(left, vals)]
+            ax.set_yticks(range(len(rows)))
+            ax.set_yticklabels([r[0] for r in rows])
+            ax.invert_yaxis()
+            ax.set_xlabel("kernel time of one profiled optimizer step (ms)")
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+            fig.tight_layout()
+            fig.savefig(os.path.join(out_dir, "e2e_breakdown.png"), dpi=110)
+            plt.close(fig)
+
+    spairs = [k for k in search if search[k].get("arms")]
+    if spairs:
+        fig, axes = plt.subplots(1, len(spairs), figsize=(5.5 * len(spairs), 4), squeeze=False)
+        for ax, k in zip(axes[0], spairs):
+            for arm, s in search[k]["arms"].items():
+                ok = sorted((t["batch"], t["median_tokens_per_s"]) for t in s.get("trials", []) if t["status"] == "ok")
+                if ok:
+                    line, = ax.plot([b for b, _ in ok], [v for _, v in ok], styles.get(arm, "-"), marker="o",
+                                    label=f"{arm} (largest {s.get('largest')}" + (", the search cap" if s.get("capped") else "") + ")")
+                    if s.get("largest") is not None:
+                        ax.plot([s["largest"]], [s["tokens_per_s"]], marker="*", markersize=14,
+                                color=line.get_color())
+                    failed = [t["batch"] for t in s.get("trials", []) if t["status"] == "oom"]
+                    if failed:
+                        ax.plot(failed, [0] * len(failed), "x", color=line.get_color())
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("micro-batch (sequences)")
+            ax.set_ylabel("tokens/s")
+            ax.set_title(f"{k}: tokens/s vs micro-batch (x: out of memory)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_throughput.png"), dpi=110)
+        plt.close(fig)
+
+
+def _attributed(b) -> bool:
+    """A breakdown of deepspeed_fused.bench.breakdown (not the earlier name heuristic)."""
+    return bool(b) and "method" in b
+
+
+def _f(v, fmt="{:.2f}", none="n/a"):
+    return none if v is None else fmt.format(v)
+
+
+def _accum_of(a: dict) -> Optional[int]:
+    """An arm's micro-steps per optimizer step (1 for results recorded before accumulation)."""
+    if a.get("gradient_accumulation_steps"):
+        return a["gradient_accumulation_steps"]
+    h = a.get("history") or [{}]
+    return len(h[0].get("micro_losses") or [None])
+
+
+def targets_text() -> str:
+    """The targets of :data:`STEP_TARGETS` in words."""
+    by_issue: dict = {}
+    for pair, t in STEP_TARGETS.items():
+        by_issue.setdefault(t["issue"], []).append(f"`{pair}` >= {t['vs_baseline']}x the baseline's and >= "
+                                                   f"{t['vs_liger']}x the Liger arm's")
+    return ("Targets (the fused arm's optimizer step, every feature on): "
+            + "; ".join(f"issue {i}: " + ", ".join(v) for i, v in sorted(by_issue.items(), reverse=True))
+            + f"; every pair: the loss of every micro-step within {LOSS_TARGET:.1%} of the baseline's.")
+
+
+def markdown(results: dict, search: dict, meta: dict) -> str:
+    accum = [(k, v[a]) for k, v in results.items() for a in _arms_of(v) if _ok(v[a]) and (_accum_of(v[a]) or 1) > 1]
+    lines = ["# Benchmark `e2e`: training step, features off vs Liger-Kernel vs features on", "",
+             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, "
+             f"liger-kernel {meta.get('liger_kernel') or 'not installed'}. Model `{meta['model']}` "
+             f"({'Qwen3-30B-A3B layer shape, 4 layers, ' if meta['model'] == 'qwen3-moe-30b-a3b-4l' else ''}"
+             f"random init), bf16 on GPU, micro-batch {meta['batch']} x {meta['seq']} tokens, "
+             f"{meta['steps']} timed optimizer steps after {meta['warmup']} warm-up"
+             + ("".join(f" (`{k}`: {_accum_of(a)} micro-steps each, gradient accumulation)" for k, a in accum[:1]))
+             + ". Arms: `baseline` (features off), `liger` "
+             "(Liger-Kernel RoPE, RMSNorm and fused linear cross-entropy applied before the model is built, features "
+             "off), `fused` (the features of the pair's fused config on); the `features` column says what each run "
+             "applied (the plugin's report at the end of the run, and the Liger patches). "
+             "Generated by `python -m deepspeed_fused.bench e2e`."
+             + ("" if not meta.get("pair_dates") else " Merged from runs of several dates (`--render`); measured: "
+                + "; ".join(f"`{k}` {d}" for k, d in meta["pair_dates"].items()) + "."), ""]
+    if results:
+        lines += ["![loss](e2e_loss.png)", "", "![speed and memory](e2e_speed_memory.png)", "",
+                  "Step: one optimizer step (all its micro-steps and the optimizer), wall time; tokens/s: the "
+                  "tokens of all its micro-batches per second; fwd+bwd: one micro-step's forward and "
+                  "`engine.backward` (CUDA events on a GPU, median over the timed steps' micro-steps).", "",
+                  "| pair | arm | features | accum | median step ms | p10-p90 ms | tokens/s | fwd+bwd ms per "
+                  "micro-step | peak alloc GiB | peak reserved GiB | final loss |",
+                  "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+        for k, v in results.items():
+            for arm in _arms_of(v):
+                a = v[arm]
+                if "error" in a:
+                    lines.append(f"| {k} | {arm} | {arm_features(a)} | | {'timeout' if a.get('timeout') else 'failed'} "
+                                 f"| | | | | | {a['error'][:200]!r} |".replace("\n", " "))
+                    continue
+                fb = _fb(a)
+                lines.append(f"| {k} | {arm} | {arm_features(a)} | {_accum_of(a)} | {a['median_step_s'] * 1e3:.1f} | "
+                             f"{a['step_s_p10'] * 1e3:.1f}-{a['step_s_p90'] * 1e3:.1f} | "
+                             f"{a['median_tokens_per_s']:.0f} | "
+                             f"{_f(fb * 1e3 if fb else None, '{:.1f}')} | "
+                             f"{(a['peak_alloc_mib'] or 0) / 1024:.2f} | {(a['peak_reserved_mib'] or 0) / 1024:.2f} | "
+                             f"{a['history'][-1]['loss']:.4f} |")
+        lines += ["", targets_text(), "",
+                  "| pair | accum | fused vs baseline | fused vs Liger | Liger vs baseline | fwd+bwd fused vs "
+                  "baseline / Liger | peak alloc reduction fused / Liger | max loss rel. diff fused / Liger | NaN | "
+                  "targets met |",
+                  "|---|---:|---:|---:|---:|---|---|---|---|---|"]
+        for k, v in results.items():
+            c = v.get("compare") or {}
+            if "error" in c:
+                lines.append(f"| {k} | | failed | | | | | | | |")
+                continue
+            mem = (f"{_f(c.get('peak_alloc_reduction'), '{:.1%}')} / "
+                   f"{_f(c.get('liger_peak_alloc_reduction'), '{:.1%}')}")
+            loss = (f"{_f(c.get('max_loss_rel_diff'), '{:.3%}')} / {_f(c.get('liger_max_loss_rel_diff'), '{:.3%}')}")
+            tg = ", ".join(f"{n}: {'yes' if ok else ('n/a' if ok is None else 'no')}"
+                           for n, ok in c.get("targets", {}).items())
+            lines.append(f"| {k} | {_f(c.get('gradient_accumulation_steps') or _accum_of(v['fused']), '{}')} | "
+                         f"{_f(c.get('speedup'))} | {_f(c.get('speedup_vs_liger'))} | "
+                         f"{_f(c.get('liger_speedup'))} | {_f(c.get('fb_speedup'))} / "
+                         f"{_f(c.get('fb_speedup_vs_liger'))} | {mem} | {loss} | "
+                         f"{c.get('nan')}{' / ' + str(c['liger_nan']) if 'liger_nan' in c else ''} | {tg} |")
+        checks = [(k, x) for k, v in results.items() for x in (v.get("compare") or {}).get("checks", [])]
+        if checks:
+            lines += ["", "Each target with the measured value (`e2e.json`: `results.PAIR.compare.checks`):", "",
+                      "| pair | check | measured | target | met |", "|---|---|---:|---|---|"]
+            for k, x in checks:
+                m = x.get("measured")
+                shown = _f(m, "{:.3%}") if "loss" in x["name"] else _f(m, "{:.3f}x")
+                met = "yes" if x.get("met") else ("n/a" if x.get("met") is None else "no")
+                issue = f" (issue {x['issue']})" if x.get("issue") else ""
+                lines.append(f"| {k} | {x['what']}{issue} | {shown} | {x['target']} | {met} |")
+        swiglu = [((k, arm), v[arm]) for k, v in results.items() for arm in SWIGLU_ARMS if arm in v]
+        if swiglu:
+            lines += ["", "## Liger's SwiGLU experts (`swiglu=True`)", "",
+                      "`LigerExperts` (Liger's fused MoE), with its autotuning (`liger_swiglu`) and with "
+                      "`LIGER_FUSED_MOE_AUTOTUNE=0` (`liger_swiglu_noautotune`), each under a time limit.", ""]
+            for (pair, arm), a in swiglu:
+                k = f"{pair}, {arm}"
+                if a.get("timeout"):
+                    steps = a.get("steps_seen") or []
+                    lines.append(f"- {k}: {a['error']}; steps printed: "
+                                 + (", ".join(f"{s} ({ms:.0f} ms)" for s, _, ms in steps[:10]) or "none")
+                                 + ". Python stacks shortly before the limit are in `e2e.json` "
+                                 f"(`results.{pair}.{arm}.stacks`).")
+                elif "error" in a:
+                    lines.append(f"- {k}: failed: `{a['error'][:300]}`".replace("\n", " "))
+                else:
+                    first = (a.get("history") or [{}])[0].get("step_s")
+                    lines.append(f"- {k}: ran, median step {a['median_step_s'] * 1e3:.1f} ms (first step "
+                                 f"{_f(first, '{:.1f}')} s, whole run {_f(a.get('wall_s'), '{:.0f}')} s), peak "
+                                 f"allocated {(a['peak_alloc_mib'] or 0) / 1024:.2f} GiB.")
+        lines += ["", "## GPU time per category (one profiled optimizer step, ms)", "",
+                  "![breakdown](e2e_breakdown.png)", "",
+                  "Device kernels only (kernels, memcpy, memset), each counted once; the profiler's annotation "
+                  "rows (such as `Optimizer.step#AdamW.step`) are not kernels and are not counted. A kernel is "
+                  "attributed by name when it is one of this plugin's Triton kernels or NCCL's, otherwise by the "
+                  "innermost `record_function` range around its launch: ranges the suite puts around the RMSNorm "
+                  "modules, the LM head and loss (from the end of the decoder to the end of the model's forward, "
+                  "the router's auxiliary loss cut out), the MoE blocks (split by kernel name into the expert GEMMs "
+                  "and the rest), attention, DeepSpeed's `engine.step` (gradient norm, clipping, FP32/BF16 copies) "
+                  "with the optimizer's own step inside it, `engine.backward` and ZeRO-3's parameter fetch/release. "
+                  "Backward kernels (on autograd's thread) take the category of the forward op that created their "
+                  "autograd node; `AccumulateGrad` (where ZeRO's gradient hooks run) is `zero: gradients`. The "
+                  "categories add up to the total. With gradient accumulation the profiled optimizer step has all "
+                  "its micro-steps. See `deepspeed_fused/bench/breakdown.py`.", ""]
+        cats, earlier = None, False
+        for k, v in results.items():
+            for arm in _arms_of(v):
+                b = v[arm].get("breakdown") if _ok(v[arm]) else None
+                earlier = earlier or (bool(b) and not _attributed(b))
+                if not _attributed(b):
+                    continue
+                if cats is None:
+                    cats = list(b["categories"])
+                    lines += ["| pair | arm | total | " + " | ".join(cats) + " |",
+                              "|---|---|---:|" + "---:|" * len(cats)]
+                lines.append(f"| {k} | {arm} | {b['total_gpu_ms']:.1f} | " +
+                             " | ".join(f"{b['categories'].get(c, 0.0):.1f}" for c in cats) + " |")
+        micro = [(k, arm, v[arm]["breakdown"]) for k, v in results.items() for arm in _arms_of(v)
+                 if _ok(v[arm]) and _attributed(v[arm].get("breakdown")) and v[arm]["breakdown"].get("micro_step_mean")]
+        if micro:
+            mcats = list(micro[0][2]["micro_step_mean"]["categories"])
+            lines += ["", "### Forward+backward of one micro-step (ms)", "",
+                      "The kernels launched during one micro-step's forward and `engine.backward` (a range around "
+                      "them; autograd's backward runs while the main thread waits in `engine.backward`), by the same "
+                      "categories, the mean over the profiled optimizer step's micro-steps; `rest of step`: the "
+                      "kernels launched outside every micro-step (the optimizer step at the accumulation boundary).",
+                      "", "| pair | arm | micro-steps | total | " + " | ".join(mcats) + " | rest of step |",
+                      "|---|---|---:|---:|" + "---:|" * (len(mcats) + 1)]
+            for k, arm, b in micro:
+                m = b["micro_step_mean"]
+                rest = (b.get("outside_micro_steps") or {}).get("total_gpu_ms")
+                lines.append(f"| {k} | {arm} | {m.get('n_micro_steps', '')} | {m['total_gpu_ms']:.1f} | "
+                             + " | ".join(f"{m['categories'].get(c, 0.0):.1f}" for c in mcats)
+                             + f" | {_f(rest, '{:.1f}')} |")
+        checks = [(k, arm, v[arm]["breakdown"]) for k, v in results.items() for arm in _arms_of(v)
+                  if _ok(v[arm]) and _attributed(v[arm].get("breakdown"))]
+        if checks:
+            ways = ["name", "range", "backward_link", "accumulate_grad", "device_range", "backward_unlinked",
+                    "no_launch", "none"]
+            lines += ["", "How each arm's kernel time was attributed (ms): by kernel name, by the range around "
+                      "the launch, through the autograd node to its forward op, in `AccumulateGrad`, by a "
+                      "device-side range (launch missing); and what fell to `other` unattributed (a backward "
+                      "node whose forward op was not found, a kernel without its launch, a launch outside "
+                      "every range).", "", "| pair | arm | kernels | " + " | ".join(ways) + " |",
+                      "|---|---|---:|" + "---:|" * len(ways)]
+            for k, arm, b in checks:
+                how = b.get("how", {})
+                lines.append(f"| {k} | {arm} | {b.get('n_kernels', '')} | "
+                             + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
+        if earlier:
+            lines += ["", "Breakdowns written by the earlier kernel-name heuristic (before issue 16) are in "
+                      "`e2e.json` but not shown: they counted annotation rows with their kernels and matched "
+                      "`NormTwoOps` as a norm."]
+    if search:
+        lines += ["", "## Memory -> throughput: the largest micro-batch of each arm", "",
+                  "![tokens/s vs micro-batch](e2e_throughput.png)", "",
+                  f"Micro-batches of {meta.get('seq')}-token sequences doubled from {meta.get('search_start')} up to "
+                  f"the cap {meta.get('search_max')}, then searched between the largest that ran and the smallest that "
+                  "did not (a memory-based guess first, then bisection) until the two are adjacent; one process walks "
+                  "up a chain of sizes and ends at the first that runs out of memory (caught, memory freed), the next "
+                  "candidates run in a fresh process"
+                  + ("; the smallest size that failed after other sizes in its process was tried again alone in a "
+                     "fresh process" if meta.get("search_confirm", False) else "")
+                  + f". Each size ran {meta.get('search_steps')} timed steps after {meta.get('search_warmup')} "
+                  f"warm-up (tokens/s: their median). `(cap)`: the arm still fit at the cap, so its figure is a floor, "
+                  f"not its largest micro-batch. Target: fused >= {SEARCH_TARGET}x the baseline's tokens/s, each at "
+                  "its own largest micro-batch.", "",
+                  "| pair | arm | features | largest micro-batch that fit | smallest failed | tokens/s at largest | "
+                  "step ms | peak alloc GiB | sizes tried (x: out of memory, !: other failure, a: alone in a fresh "
+                  "process) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for k, s in search.items():
+            for arm in [a for a in ARM_ORDER if a in s.get("arms", {})]:
+                r = s["arms"][arm]
+                tried = " ".join(f"{t['batch']}{'' if t['status'] == 'ok' else ('x' if t['status'] == 'oom' else '!')}"
+                                 f"{'a' if t.get('alone') else ''}"
+                                 for t in sorted(r.get("trials", []),
+                                                 key=lambda t: (t["batch"], t.get("alone", False))))
+                largest = _f(r.get("largest"), "{}", "none") + (" (cap)" if r.get("capped") else "")
+                lines.append(f"| {k} | {arm} | {r.get('features') or 'not recorded'} | {largest} | "
+                             f"{_f(r.get('smallest_failed'), '{}', '-')} | "
+                             f"{_f(r.get('tokens_per_s'), '{:.0f}')} | "
+                             f"{_f(r['median_step_s'] * 1e3 if r.get('median_step_s') else None, '{:.1f}')} | "
+                             f"{_f((r.get('peak_alloc_mib') or 0) / 1024 if r.get('peak_alloc_mib') else None)} | "
+                             f"{tried}{' stopped: ' + r['stopped'][:120] if r.get('stopped') else ''} |"
+                             .replace("\n", " "))
+        lines += ["", "| pair | largest micro-batch that fit | fused vs baseline (target >= 1.3) | fused vs Liger | "
+                  "Liger vs baseline |", "|---|---|---:|---:|---:|"]
+        for k, s in search.items():
+            c = s.get("compare", {})
+            sizes = ", ".join(f"{a} {_f(s['arms'][a].get('largest'), '{}', 'none')}"
+                              + (" (cap)" if s["arms"][a].get("capped") else "")
+                              for a in ARM_ORDER if a in s.get("arms", {}))
+            def floor(v):  # a ratio with the fused arm at the cap is a lower bound
+                return _f(v) + (" (fused at the cap: a floor)" if c.get("fused_capped") and v is not None else "")
+
+            lines.append(f"| {k} | {sizes} | {floor(c.get('fused_vs_baseline'))} | {floor(c.get('fused_vs_liger'))} | "
+                         f"{_f(c.get('liger_vs_baseline'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def merge(docs: list) -> tuple:
+    """Merge e2e.json documents arm by arm (a later file's arm replaces an earlier one's); the
+    comparisons are computed again from the merged arms. Meta: the first document that has
+    fixed-setup results (else the first), with the search settings of one that ran a search."""
+    results, search, dates = {}, {}, {}
+    for d in docs:
+        for k, v in d.get("results", {}).items():
+            results.setdefault(k, {}).update({a: x for a, x in v.items() if a != "compare"})
+            dates.setdefault(k, {}).update({a: d.get("meta", {}).get("date") for a in v if a != "compare"})
+        for k, v in (d.get("search") or {}).items():
+            search.setdefault(k, {"arms": {}})["arms"].update(v.get("arms", {}))
+    meta = dict(next((d["meta"] for d in docs if d.get("results")), docs[0]["meta"] if docs else {}))
+    for d in docs:
+        if d.get("search"):
+            meta.update({k: v for k, v in d["meta"].items() if k.startswith("search_")})
+            break
+    # the date each pair was measured (its arms', from their files' meta), where the files differ
+    by_pair = {k: sorted({x for x in a.values() if x}) for k, a in dates.items()}
+    if len({x for v in by_pair.values() for x in v}) > 1:
+        meta["pair_dates"] = {k: ", ".join(v) for k, v in by_pair.items()}
+    for k, v in results.items():
+        v["compare"] = compare(k, v)
+    for k, v in search.items():
+        v["compare"] = search_compare(v["arms"])
+    return results, search, meta
+
+
+def render(paths: list, out_dir: str, write: Optional[Callable] = None) -> dict:
+    """Merge earlier result files arm by arm (:func:`merge`) and write the outputs with ``write``
+    (``(results, search, meta, out_dir)``; default this suite's)."""
+    results, search, meta = merge(read_json(paths))
+    return (write or _write)(results, search, meta, out_dir)
+
+
+def _write(results: dict, search: dict, meta: dict, out_dir: str) -> dict:
+    with open(os.path.join(out_dir, "e2e.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results, search=search), f, indent=1, default=str)
+    md = markdown(results, search, meta)
+    with open(os.path.join(out_dir, "e2e.md"), "w") as f:
+        f.write(md)
+    try:
+        plots(results, search, out_dir)
+    except Exception as e:
+        print("[e2e] plots not written:", e)
+    print(md)
+    return dict(results=results, search=search)
