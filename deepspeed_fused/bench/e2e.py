@@ -97,8 +97,6 @@ from typing import Callable, Optional
 
 from .common import OUT_DIR, env_fields, free_port
 from .e2e_report import ARM_ORDER, SWIGLU_ARMS, _write, arm_features, compare, render, search_compare
-# the report's names callers reach through this module (multi_gpu, the tests): the suite's surface
-from .e2e_report import LOSS_TARGET, STEP_TARGETS, _f, _ok, markdown, merge  # noqa: F401
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the folder that holds this deepspeed_fused package (a clone's root, or site-packages): the runs

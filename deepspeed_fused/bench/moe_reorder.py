@@ -559,10 +559,9 @@ def run_block(dev, dtype, rep: int, quick: bool) -> list:
 RESULT = COMMAND = None  # the files' name and command when not the suite's: --case=route_sort, swiglu, router, block
 
 
-def _cases() -> dict:
-    """``--case=NAME`` -> its runner ``(dev, dtype, rep, quick)``; each writes ``moe_reorder_NAME.*``."""
-    return dict(route_sort=lambda dev, dtype, rep, quick: run_route_sort(dev, rep, quick),
-                router=run_router, swiglu=run_swiglu, block=run_block, autoep_local=run_autoep_local)
+# --case=NAME -> its runner (dev, dtype, rep, quick); each writes moe_reorder_NAME.*
+CASES = dict(route_sort=lambda dev, dtype, rep, quick: run_route_sort(dev, rep, quick),
+             router=run_router, swiglu=run_swiglu, block=run_block, autoep_local=run_autoep_local)
 
 
 def run(args) -> list:
@@ -572,7 +571,7 @@ def run(args) -> list:
     quick = getattr(args, "quick", False)
     RESULT = COMMAND = None
     NOTES = _GATHER_NOTES
-    for case, runner in _cases().items():
+    for case, runner in CASES.items():
         if f"--case={case}" in extra:
             RESULT, COMMAND = f"moe_reorder_{case}", f"python -m deepspeed_fused.bench moe_reorder --case={case}"
             NOTES = _CASE_NOTES[case]

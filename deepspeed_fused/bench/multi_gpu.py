@@ -41,6 +41,7 @@ import time
 from typing import Optional
 
 from . import e2e
+from . import e2e_report
 from .common import OUT_DIR, env_fields
 
 SUITE = "multi_gpu"
@@ -104,7 +105,7 @@ def run(o, out_dir: str) -> dict:
                 results[pair][arm] = e2e.run_arm(pair, arm, o, tmp, pairs=table)
                 results[pair][arm]["time_limit_s"] = o.arm_timeout
                 partial()
-            results[pair]["compare"] = e2e.compare(pair, results[pair])
+            results[pair]["compare"] = e2e_report.compare(pair, results[pair])
     o.arm_timeout = arm_timeout
     return write(results, meta, out_dir)
 
@@ -123,7 +124,7 @@ def write(results: dict, meta: dict, out_dir: str) -> dict:
 
 def render(paths: list, out_dir: str) -> dict:
     """Merge earlier multi_gpu.json files arm by arm (e2e's render) and write the outputs."""
-    return e2e.render(paths, out_dir, write=lambda results, search, meta, out: write(results, meta, out))
+    return e2e_report.render(paths, out_dir, write=lambda results, search, meta, out: write(results, meta, out))
 
 
 def _report_lines(report: Optional[dict]) -> list:
@@ -139,7 +140,7 @@ def _report_lines(report: Optional[dict]) -> list:
 
 
 def markdown(results: dict, meta: dict) -> str:
-    _f, _ok = e2e._f, e2e._ok
+    _f, _ok = e2e_report._f, e2e_report._ok
     shape = " (Qwen3-30B-A3B layer shape, 4 layers, MoE, random init)" if meta.get("model") == MODEL else ""
     lines = [f"# Benchmark `{SUITE}`: the example job on {meta.get('num_gpus')} GPUs, features off vs on", "",
              f"{meta.get('date')}, {meta.get('gpu')}, torch {meta.get('torch')}, Triton {meta.get('triton')}. "
@@ -166,7 +167,7 @@ def markdown(results: dict, meta: dict) -> str:
                          f"{_f((a.get('peak_reserved_mib') or 0) / 1024)} | "
                          f"{a['history'][-1]['loss']:.4f} |")
     lines += ["", "| pair | fused speed-up | peak alloc reduction | peak reserved reduction | max loss rel. diff "
-              f"(target <= {e2e.LOSS_TARGET:.1%}) | NaN |", "|---|---:|---:|---:|---:|---|"]
+              f"(target <= {e2e_report.LOSS_TARGET:.1%}) | NaN |", "|---|---:|---:|---:|---:|---|"]
     for k, v in results.items():
         c = v.get("compare") or {}
         if "error" in c:

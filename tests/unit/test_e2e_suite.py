@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepspeed_fused.bench import e2e
+from deepspeed_fused.bench import e2e_report
 
 
 def fake_runner(fits: int, fail_other_at=None, lose_after=None):
@@ -204,19 +205,19 @@ def _arm(step_s, losses, mem=1000.0, breakdown=None):
 def test_compare_targets():
     arms = dict(baseline=_arm(0.2, [12.0, 11.0]), liger=_arm(0.19, [12.0, 11.01], 900.0),
                 fused=_arm(0.15, [12.0, 11.02], 800.0))
-    c = e2e.compare("zero2", arms)
+    c = e2e_report.compare("zero2", arms)
     assert c["speedup"] == pytest.approx(0.2 / 0.15) and c["speedup_vs_liger"] == pytest.approx(0.19 / 0.15)
     assert c["liger_speedup"] == pytest.approx(0.2 / 0.19)
     assert c["peak_alloc_reduction"] == pytest.approx(0.2)
     # issue 27 at ZeRO-2 (1.30x the baseline, 1.3x Liger); issue 16 for ZeRO-2 on two GPUs
     assert c["targets"] == {"loss_0_5pct": True, "speedup_1.3": True, "vs_liger_1.3": False}
-    assert e2e.compare("zero2_2gpu", arms)["targets"] == {"loss_0_5pct": True, "speedup_1.22": True,
+    assert e2e_report.compare("zero2_2gpu", arms)["targets"] == {"loss_0_5pct": True, "speedup_1.22": True,
                                                           "vs_liger_1.2": True}
     arms["liger"] = dict(error="timeout: no result", timeout=True)
-    c = e2e.compare("zero2", arms)
+    c = e2e_report.compare("zero2", arms)
     assert c["targets"]["vs_liger_1.3"] is None and "speedup_vs_liger" not in c
-    assert set(e2e.compare("zero3", arms)["targets"]) == {"loss_0_5pct"}
-    assert "error" in e2e.compare("zero2", dict(baseline=dict(error="exit 1"), fused=arms["fused"]))
+    assert set(e2e_report.compare("zero3", arms)["targets"]) == {"loss_0_5pct"}
+    assert "error" in e2e_report.compare("zero2", dict(baseline=dict(error="exit 1"), fused=arms["fused"]))
 
 
 def test_render_merges_parts_and_writes_every_output(tmp_path):
@@ -243,7 +244,7 @@ def test_render_merges_parts_and_writes_every_output(tmp_path):
         paths[-1].write_text(json.dumps(d))
     out = tmp_path / "out"
     out.mkdir()
-    e2e.render([str(p) for p in paths], str(out))
+    e2e_report.render([str(p) for p in paths], str(out))
     d = json.loads((out / "e2e.json").read_text())
     assert set(d["results"]["zero2"]) == {"baseline", "fused", "liger", "liger_swiglu", "compare"}
     assert d["results"]["zero2"]["compare"]["speedup_vs_liger"] == pytest.approx(0.19 / 0.15)
@@ -265,13 +266,13 @@ def test_render_reads_the_earlier_format(tmp_path):
     p.write_text(json.dumps(old))
     out = tmp_path / "out"
     out.mkdir()
-    r = e2e.render([str(p)], str(out))
+    r = e2e_report.render([str(p)], str(out))
     assert r["results"]["zero2"]["compare"]["speedup"] == pytest.approx(1.25)
     md = (out / "e2e.md").read_text()
     assert "liger-kernel not installed" in md
     old["results"]["zero2"]["baseline"]["breakdown"] = dict(total_gpu_ms=1.0, categories={"gemm": 1.0})
     p.write_text(json.dumps(old))
-    e2e.render([str(p)], str(out))
+    e2e_report.render([str(p)], str(out))
     md = (out / "e2e.md").read_text()
     assert "earlier kernel-name heuristic" in md and "| gemm |" not in md
 
@@ -281,11 +282,11 @@ def test_merge_names_each_pairs_date_when_the_files_differ():
     old = dict(meta=meta, results=dict(zero2=dict(baseline=_arm(0.2, [12, 11]), liger_swiglu=_arm(0.2, [12, 11])),
                                        zero3=dict(baseline=_arm(0.2, [12, 11]))))
     new = dict(meta=dict(meta, date="2026-12-02"), results=dict(zero2=dict(baseline=_arm(0.19, [12, 11]))))
-    _, _, m = e2e.merge([old, new])
+    _, _, m = e2e_report.merge([old, new])
     assert m["pair_dates"] == {"zero2": "2026-11-30, 2026-12-02", "zero3": "2026-11-30"}
-    md = e2e.markdown(*e2e.merge([old, new]))
+    md = e2e_report.markdown(*e2e_report.merge([old, new]))
     assert "measured: `zero2` 2026-11-30, 2026-12-02; `zero3` 2026-11-30." in md
-    _, _, m = e2e.merge([old, old])
+    _, _, m = e2e_report.merge([old, old])
     assert "pair_dates" not in m
 
 
@@ -410,21 +411,21 @@ def _feature_report(on: bool, rope_eager: int = 0):
 
 
 def test_arm_features_say_what_ran():
-    assert e2e.arm_features(dict(report=_feature_report(False))) == "none"
-    assert e2e.arm_features(dict(report=_feature_report(True))) == \
+    assert e2e_report.arm_features(dict(report=_feature_report(False))) == "none"
+    assert e2e_report.arm_features(dict(report=_feature_report(True))) == \
         "ours: rms_norm, linear_cross_entropy, moe_reorder, rope"
-    assert e2e.arm_features(dict(report=_feature_report(True, rope_eager=3))).endswith(
+    assert e2e_report.arm_features(dict(report=_feature_report(True, rope_eager=3))).endswith(
         "rope (100 fused / 3 eager calls)")
     rep = _feature_report(True)
     rep["features"][3].update(applied=False, reason="no rotary embedding found")
     rep["features"][0]["fallback"] = "torch reference: no GPU"
-    assert e2e.arm_features(dict(report=rep)) == ("ours: rms_norm (torch reference: no GPU), linear_cross_entropy, "
+    assert e2e_report.arm_features(dict(report=rep)) == ("ours: rms_norm (torch reference: no GPU), linear_cross_entropy, "
                                                   "moe_reorder; rope enabled, not applied (no rotary embedding found)")
     liger = ("liger-kernel 0.8.5: apply_liger_kernel_to_qwen3_moe(rope=True, rms_norm=True, "
              "fused_linear_cross_entropy=True, swiglu=False)")
-    assert e2e.arm_features(dict(report=_feature_report(False), liger=liger)) == \
+    assert e2e_report.arm_features(dict(report=_feature_report(False), liger=liger)) == \
         "Liger: rope, rms_norm, fused_linear_cross_entropy"
-    assert e2e.arm_features(dict(error="timeout")).startswith("n/a")
+    assert e2e_report.arm_features(dict(error="timeout")).startswith("n/a")
 
 
 def _accum_arm(step_s, fb_s, losses, accum=8, mem=1000.0, liger=None, on=False, breakdown=None):
@@ -444,7 +445,7 @@ def test_compare_the_accumulation_pair_micro_step_losses_and_issue_27_targets():
     off[1][5] = ml[1][5] * 1.006  # one micro-step past 0.5%: the mean of its step is within
     arms = dict(baseline=_accum_arm(1.2, 0.13, ml), liger=_accum_arm(1.15, 0.125, ml),
                 fused=_accum_arm(0.78, 0.085, off, on=True))
-    c = e2e.compare("zero2_accum8", arms)
+    c = e2e_report.compare("zero2_accum8", arms)
     assert c["gradient_accumulation_steps"] == 8
     assert c["speedup"] == pytest.approx(1.2 / 0.78) and c["speedup_vs_liger"] == pytest.approx(1.15 / 0.78)
     assert c["fb_speedup"] == pytest.approx(0.13 / 0.085) and c["fb_speedup_vs_liger"] == pytest.approx(0.125 / 0.085)
@@ -455,16 +456,16 @@ def test_compare_the_accumulation_pair_micro_step_losses_and_issue_27_targets():
     assert checks["loss_0_5pct"]["what"].endswith("every micro-step")
     assert checks["liger_loss_0_5pct"]["met"]
     arms["fused"] = _accum_arm(0.9, 0.09, ml, on=True)
-    c = e2e.compare("zero2_accum8", arms)
+    c = e2e_report.compare("zero2_accum8", arms)
     assert c["targets"] == {"loss_0_5pct": True, "speedup_1.5": False, "vs_liger_1.3": False}
     # at accumulation 1 the issue-27 ZeRO-2 targets: 1.30x the baseline, 1.3x Liger
     one = dict(baseline=_accum_arm(0.2, 0.12, [[12.0], [11.0]], accum=1),
                liger=_accum_arm(0.19, 0.11, [[12.0], [11.0]], accum=1),
                fused=_accum_arm(0.15, 0.08, [[12.0], [11.0]], accum=1, on=True))
-    assert e2e.compare("zero2", one)["targets"] == {"loss_0_5pct": True, "speedup_1.3": True, "vs_liger_1.3": False}
+    assert e2e_report.compare("zero2", one)["targets"] == {"loss_0_5pct": True, "speedup_1.3": True, "vs_liger_1.3": False}
     # arms of different accumulation do not line up: no loss comparison, the target not met
     mixed = dict(baseline=one["baseline"], fused=arms["fused"])
-    assert e2e.compare("zero2", mixed)["max_loss_rel_diff"] is None
+    assert e2e_report.compare("zero2", mixed)["max_loss_rel_diff"] is None
 
 
 def test_run_arm_launches_the_accumulation_configs(tmp_path, monkeypatch):
@@ -486,7 +487,7 @@ def test_run_arm_launches_the_accumulation_configs(tmp_path, monkeypatch):
     arms = {arm: e2e.run_arm("zero2_accum8", arm, o, str(tmp_path)) for arm in ("baseline", "fused")}
     assert [os.path.basename(a["--deepspeed_config"]) for a in seen] == ["accum8_baseline.json", "accum8_fused.json"]
     assert all(a["--steps"] == "5" and "--profile-out" in a for a in seen)  # optimizer steps, timed + warm-up
-    c = e2e.compare("zero2_accum8", arms)
+    c = e2e_report.compare("zero2_accum8", arms)
     assert c["speedup"] == pytest.approx(1.5) and c["fb_speedup"] == pytest.approx(0.13 / 0.09)
 
 
@@ -526,7 +527,7 @@ def test_render_the_accumulation_rows_targets_and_search_sizes(tmp_path):
                                  search=dict(zero2=dict(arms=dict(baseline=base_s, fused=fused_s))))))
     out = tmp_path / "out"
     out.mkdir()
-    d = e2e.render([str(p)], str(out))
+    d = e2e_report.render([str(p)], str(out))
     md = (out / "e2e.md").read_text()
     assert ("| zero2_accum8 | fused | ours: rms_norm, linear_cross_entropy, moe_reorder, rope | 8 | 780.0 | "
             "780.0-780.0 | 84021 | 85.0 |") in md
@@ -548,7 +549,7 @@ def test_render_the_accumulation_rows_targets_and_search_sizes(tmp_path):
     fused_s.update(largest=64, smallest_failed=None, capped=True)
     p.write_text(json.dumps(dict(meta=meta, results={}, search=dict(zero2=dict(arms=dict(baseline=base_s,
                                                                                          fused=fused_s))))))
-    e2e.render([str(p)], str(out))
+    e2e_report.render([str(p)], str(out))
     md = (out / "e2e.md").read_text()
     assert "| zero2 | baseline 8, fused 64 (cap) | 5.00 (fused at the cap: a floor) |" in md
 

@@ -7,6 +7,8 @@ import warnings
 import pytest
 import torch
 
+from unit.test_rms_norm import ulp
+
 from deepspeed_fused.ops import _common
 from deepspeed_fused.ops import moe_reorder as mr
 
@@ -41,14 +43,10 @@ def _check(logits, k, renorm, out_dtype, seed=1):
     chosen = torch.zeros_like(g, dtype=torch.bool).scatter_(1, i, True)[same]
     s, sr, g, gr, d = s[same], sr[same], g[same], gr[same], d[same]
 
-    def one_ulp(v, dtype):
-        fi = torch.finfo(dtype)
-        return v.double().abs().clamp_min(fi.tiny).log2().floor().exp2() * fi.eps
-
     if s.dtype == torch.float32:
         torch.testing.assert_close(s, sr, rtol=4 * 2.0 ** -23, atol=1e-30)
     else:  # one rounding of a value within a few FP32 ULP of eager's: at most one ULP apart
-        assert ((s.double() - sr.double()).abs() <= one_ulp(sr, s.dtype)).all()
+        assert ((s.double() - sr.double()).abs() <= ulp(sr, s.dtype)).all()
         assert (s == sr).double().mean() >= 0.99
     # the gradient's terms are of the size of the scores' gradient d (times p / sum p): a row whose
     # gradient cancels to far below that (k = 2, renormalised) keeps FP32 noise of that size, and
@@ -62,7 +60,7 @@ def _check(logits, k, renorm, out_dtype, seed=1):
     else:
         # both round once from FP32 values a few ULP apart (the sums' order differs): where that
         # value sits near a rounding midpoint the two land on neighbours, one ULP of the element
-        assert (err <= 2.0 ** -12 * scale + one_ulp(gr, logits.dtype)).all()
+        assert (err <= 2.0 ** -12 * scale + ulp(gr, logits.dtype)).all()
         assert (g == gr)[exact].double().mean() >= 0.99
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from tiny_models import build_model
+from unit.test_rms_norm import ulp
 
 from deepspeed_fused import patch_model, unpatch_model
 from deepspeed_fused.features import moe_reorder
@@ -17,16 +18,6 @@ from deepspeed_fused.ops import moe_reorder as mr
 
 S = importlib.import_module("deepspeed_fused.ops.moe_reorder.swiglu")  # the module (the package exports the function)
 FLOATS = [torch.float32, torch.float16]
-
-
-def _mant(dtype):
-    return {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}[dtype]
-
-
-def ulp(v, dtype):
-    fi = torch.finfo(dtype)
-    a = v.double().abs().clamp_min(fi.tiny)
-    return torch.exp2(torch.floor(torch.log2(a)) - _mant(dtype))
 
 
 def _grads(fn, gu, dh):

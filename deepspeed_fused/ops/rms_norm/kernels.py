@@ -283,14 +283,17 @@ if HAS_TRITON:
         return v
 
     @triton.jit
-    def _act(g, ACT: tl.constexpr):
-        # eager's FP32 activation: silu(g) = g / (1 + exp(-g)), sigmoid(g) = 1 / (1 + exp(-g))
-        e = 1.0 + tl.exp(-g)
+    def _act_of(g, e, ACT: tl.constexpr):
+        # eager's FP32 activation from e = 1 + exp(-g): silu(g) = g / e, sigmoid(g) = 1 / e
         if ACT == 0:
             s = tl.div_rn(g, e)
         else:
             s = tl.div_rn(tl.zeros_like(g) + 1.0, e)
         return s
+
+    @triton.jit
+    def _act(g, ACT: tl.constexpr):
+        return _act_of(g, 1.0 + tl.exp(-g), ACT)
 
     @triton.jit
     def _act_out(g, ACT: tl.constexpr):
@@ -310,12 +313,7 @@ if HAS_TRITON:
     def _act_acc(g, ACT: tl.constexpr):
         # _act with CUDA's expf: the backward's activation (its half-precision roundings of
         # dy * act(gate) then land where eager's do)
-        e = 1.0 + exp_cuda(-g)
-        if ACT == 0:
-            s = tl.div_rn(g, e)
-        else:
-            s = tl.div_rn(tl.zeros_like(g) + 1.0, e)
-        return s
+        return _act_of(g, 1.0 + exp_cuda(-g), ACT)
 
     @triton.jit
     def _act_bwd(ds, g, ACT: tl.constexpr):
