@@ -203,8 +203,11 @@ class DirectKernel:
 
     _MAX = 1024
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, **options):
+        # options: Triton compile options fixed for this kernel (enable_fp_fusion=False where a
+        # kernel must round every step as eager does: a contracted a * b + c skips a rounding)
         self.kernel = kernel
+        self.options = options
         self._parts: dict = {}
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
@@ -221,7 +224,7 @@ class DirectKernel:
                     launch(grid[0], g1, g2, _raw_stream(dev), *fixed,
                            *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], *tail)
                     return
-                compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps)
+                compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps, **self.options)
                 fn = direct_launcher(compiled, grid, tuple(constexprs.values()))
                 if fn is not None:
                     if len(self._parts) >= self._MAX:
@@ -229,7 +232,7 @@ class DirectKernel:
                     launch, _, fixed, tail = launch_binding(fn.parts)  # this call's grid is given per call
                     self._parts[key] = (launch, fixed, tail)
                 return
-        self.kernel[grid](*args, **constexprs, num_warps=num_warps)
+        self.kernel[grid](*args, **constexprs, num_warps=num_warps, **self.options)
 
     def clear(self) -> None:
         self._parts.clear()

@@ -146,8 +146,12 @@ if HAS_TRITON:
         tl.store(dst, d_gate.to(ty), mask=m)
         tl.store(dst + 1, d_up.to(ty), mask=m)
 
-    _launch_oai_fwd = DirectKernel(_oai_fwd_kernel)
-    _launch_oai_bwd = DirectKernel(_oai_bwd_kernel)
+    # no FMA contraction: eager rounds every product of the chain to the input dtype, and LLVM
+    # narrows a rounded FP32 product of two half values to a half multiply that the backend then
+    # fuses with the following add (d_direct + d_via_t), skipping that rounding (15% of the gate
+    # gradients one ULP off CUDA eager, found on the H200)
+    _launch_oai_fwd = DirectKernel(_oai_fwd_kernel, enable_fp_fusion=False)
+    _launch_oai_bwd = DirectKernel(_oai_bwd_kernel, enable_fp_fusion=False)
 
 
 def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
