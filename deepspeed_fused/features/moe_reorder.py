@@ -17,18 +17,17 @@ Two integrations, chosen per model:
 """
 from __future__ import annotations
 
-import collections
 import functools
 import warnings
 import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: F401  (the name the router templates below use, as transformers does)
 from pydantic import StrictBool
 
 from ..ops import moe_reorder as reorder
-from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, OptInMarker, SharedCallCounts
+from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, SharedCallCounts
+from .moe_routers import _ROUTER_OPT_IN, _code_key, _opt_in_routers, router_form  # noqa: F401  (router_form: API)
 
 IMPL_NAME = "deepspeed_fused"
 _STATE_ATTR = "_deepspeed_fused_moe_reorder"
@@ -373,154 +372,6 @@ def fused_gate(experts: torch.nn.Module) -> bool:
     act = getattr(experts, "act_fn", None)
     return (isinstance(act, torch.nn.Module) and getattr(type(act), "forward", None) in _silu_forwards()
             and not (act._forward_hooks or act._forward_pre_hooks))
-
-
-# ---- the router: its selection fused (ops/moe_reorder/router.py) ----------------------------------
-# Templates of transformers' top-k softmax router forwards, written as transformers 5.24 writes them:
-# a router class is taken only when its forward's bytecode (instructions, names, constants,
-# variables) is one of these and its module's ``F`` and ``torch`` are torch's own. What each
-# computes: the FP32 softmax of the logits, the top-k, renormalised (always, or where
-# ``norm_topk_prob``), cast to the logits' dtype or kept FP32.
-def _router_norm_optional(self, hidden_states):  # Qwen2/3-MoE, OLMoE, FlexOlmo, Qwen3-Next, ...
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight)  # (seq_len, num_experts)
-    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
-    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)  # (seq_len, top_k)
-    if self.norm_topk_prob:
-        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-    router_top_value = router_top_value.to(router_logits.dtype)
-    router_scores = router_top_value
-    return router_logits, router_scores, router_indices
-
-
-def _router_norm_cast(self, hidden_states):  # Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE text
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight)  # (seq_len, num_experts)
-    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
-    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)  # (seq_len, top_k)
-    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-    router_top_value = router_top_value.to(router_logits.dtype)
-    router_scores = router_top_value
-    return router_logits, router_scores, router_indices
-
-
-def _router_norm_fp32(self, hidden_states):  # Mixtral, MiniMax
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight)  # (seq_len, num_experts)
-    router_probs = torch.nn.functional.softmax(router_logits.float(), dim=-1)
-    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)  # (seq_len, top_k)
-    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-    router_scores = router_top_value
-    return router_logits, router_scores, router_indices
-
-
-def _router_grouped_sigmoid(self, hidden_states):  # DeepSeek-V3, GLM-4 MoE, Dots1, Exaone-MoE, ...
-    hidden_states = hidden_states.view(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
-    scores = router_logits.sigmoid()
-    scores_for_choice = scores + self.e_score_correction_bias
-    group_scores = (
-        scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group)
-        .topk(2, dim=-1)[0]
-        .sum(dim=-1)
-    )
-    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores)
-    group_mask.scatter_(1, group_idx, 1)
-    score_mask = (
-        group_mask.unsqueeze(-1)
-        .expand(-1, self.num_group, self.num_experts // self.num_group)
-        .reshape(-1, self.num_experts)
-    )
-    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
-    topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
-    topk_weights = scores.gather(1, topk_indices)
-    if self.norm_topk_prob:
-        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
-        topk_weights /= denominator
-    topk_weights = topk_weights * self.routed_scaling_factor
-    return router_logits, topk_weights, topk_indices
-
-
-# template -> (renormalise: True, or the attribute that says so; cast the scores to the logits' dtype);
-# the grouped sigmoid router: "grouped"
-_ROUTER_FORMS = ((_router_norm_optional, "norm_topk_prob", True), (_router_norm_cast, True, True),
-                 (_router_norm_fp32, True, False), (_router_grouped_sigmoid, "grouped", None))
-_ROUTER_OPT_IN = OptInMarker("moe_reorder", "_deepspeed_fused_router", "_deepspeed_fused_router_calls")
-_ROUTER_DISPATCHERS: dict = {}  # class -> its dispatcher (installed once per process)
-
-
-def _code_key(fn) -> tuple:
-    co = fn.__code__
-    return (co.co_code, co.co_names, co.co_consts, co.co_varnames, co.co_argcount)
-
-
-def router_form(cls) -> Any:
-    """``(renormalise, cast)`` when ``cls.forward`` is one of transformers' top-k softmax router
-    forwards, ``("grouped", None)`` for DeepSeek-V3's grouped sigmoid router (bytecode equal to a
-    template above, ``F`` / ``torch`` torch's own), else None."""
-    fwd = getattr(cls, "forward", None)
-    fwd = getattr(fwd, "__deepspeed_fused_original__", fwd)
-    if not hasattr(fwd, "__code__"):
-        return None
-    g = fwd.__globals__
-    if g.get("F") is not torch.nn.functional or g.get("torch") is not torch:
-        return None
-    key = _code_key(fwd)
-    for template, renorm, cast in _ROUTER_FORMS:
-        if _code_key(template) == key:
-            return renorm, cast
-    return None
-
-
-def _router_dispatcher(original, renorm, cast):
-    def forward(self, hidden_states):
-        if self.__dict__.get(_ROUTER_OPT_IN.marker) is not _ROUTER_OPT_IN.value:
-            return original(self, hidden_states)
-        if renorm == "grouped":
-            hidden_states = hidden_states.view(-1, self.hidden_dim)
-            router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32),
-                                                       self.weight.type(torch.float32))
-            weights, indices = reorder.group_topk_sigmoid(
-                router_logits, self.e_score_correction_bias, self.top_k, self.num_group, self.topk_group,
-                bool(self.norm_topk_prob), self.routed_scaling_factor)
-            return router_logits, weights, indices
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = torch.nn.functional.linear(hidden_states, self.weight)
-        norm = bool(getattr(self, renorm)) if isinstance(renorm, str) else renorm
-        scores, indices = reorder.topk_softmax(router_logits, self.top_k, norm,
-                                               router_logits.dtype if cast else None)
-        return router_logits, scores, indices
-
-    forward.__deepspeed_fused_original__ = original
-    forward.__wrapped__ = original
-    forward.__name__ = getattr(original, "__name__", "forward")
-    forward.__doc__ = original.__doc__
-    return forward
-
-
-def _opt_in_routers(model: torch.nn.Module) -> tuple:
-    """Opt the model's recognised top-k softmax routers in (installing their classes' dispatchers
-    once); returns (routers fused, {class name: count} of the experts' sibling gates kept)."""
-    fused, kept = 0, collections.Counter()
-    for parent in model.modules():
-        if not any(n == "experts" for n, _ in parent.named_children()):
-            continue
-        for name in ("gate", "router"):
-            gate = getattr(parent, name, None)
-            if not isinstance(gate, torch.nn.Module):
-                continue
-            cls = type(gate)
-            form = router_form(cls)
-            if form is None or "forward" in gate.__dict__:
-                kept[cls.__name__] += 1
-                continue
-            if cls not in _ROUTER_DISPATCHERS:
-                _ROUTER_DISPATCHERS[cls] = _router_dispatcher(cls.forward, *form)
-                cls.forward = _ROUTER_DISPATCHERS[cls]
-            _ROUTER_OPT_IN.mark(gate)
-            fused += 1
-    return fused, kept
 
 
 def _gate_oai(self, gate_up: torch.Tensor) -> torch.Tensor:  # GPT-OSS, as transformers 5.24 writes it

@@ -443,6 +443,44 @@ def test_group_topk_sigmoid_matches_cuda_eager(T, E, G, TG, k, renorm):
     torch.testing.assert_close(ws[same], wrs[same], rtol=8 * 2.0 ** -23, atol=1e-30)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T,E,k", [(8192, 32, 4), (8192, 128, 8), (7, 64, 4)])
+@pytest.mark.parametrize("sd,out", [(None, None), ("fp32", "same")])
+def test_topk_logits_softmax_matches_cuda_eager(dtype, T, E, k, sd, out):
+    # GPT-OSS-20B (32 experts, top-4) and a 128-expert shape; (None, None): GPT-OSS / Aria,
+    # ("fp32", "same"): Cohere2-MoE
+    from unit.test_moe_router import _check_logits_first, _logits
+
+    _check_logits_first(_logits(T, E, dtype, "cuda", seed=T + E), k, torch.float32 if sd else None,
+                        dtype if out else None)
+
+
+def test_gpt_oss_router_model_step_matches_unpatched():
+    # GPT-OSS's tiny model in bf16 on the GPU with its router, gate and gathers fused: the loss and
+    # every gradient against the unpatched model's (bf16 noise: relative to each gradient's norm)
+    import copy
+
+    from unit.test_moe_router import _logits_first_model
+
+    from deepspeed_fused import patch_model
+
+    model = _logits_first_model("gpt_oss").cuda().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    rep = patch_model(model, {"moe_reorder": {"enabled": True}})
+    r = rep.features[[f.name for f in rep.features].index("moe_reorder")]
+    assert r.details["routers"] == r.details["layers"] == 2, r
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    outs = []
+    for m in (model, ref):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outs.append((out.loss.float(), {k: p.grad.float() for k, p in m.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_r, grads_r) = outs
+    assert abs(loss.item() - loss_r.item()) <= 1e-2 * abs(loss_r.item())
+    for k in grads_r:
+        assert (grads[k] - grads_r[k]).norm() <= 5e-2 * grads_r[k].norm() + 1e-6, k
+
+
 def test_routers_under_torch_compile():
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(512, 128, generator=gen).cuda()
@@ -450,8 +488,10 @@ def test_routers_under_torch_compile():
     torch._dynamo.reset()
     f = torch.compile(lambda x: rg.topk_softmax(x, 8, True, torch.bfloat16), fullgraph=True)
     h = torch.compile(lambda x: rg.group_topk_sigmoid(x, bias, 8, 8, 4, True, 2.5), fullgraph=True)
+    q = torch.compile(lambda x: rg.topk_logits_softmax(x, 4, None, torch.bfloat16), fullgraph=True)
     for fn, eager in ((f, lambda x: rg.topk_softmax(x, 8, True, torch.bfloat16)),
-                      (h, lambda x: rg.group_topk_sigmoid(x, bias, 8, 8, 4, True, 2.5))):
+                      (h, lambda x: rg.group_topk_sigmoid(x, bias, 8, 8, 4, True, 2.5)),
+                      (q, lambda x: rg.topk_logits_softmax(x, 4, None, torch.bfloat16))):
         a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         (wa, ia), (wb, ib) = fn(a), eager(b)
         assert torch.equal(ia, ib) and torch.equal(wa, wb)

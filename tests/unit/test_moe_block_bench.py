@@ -7,8 +7,8 @@ import json
 from deepspeed_fused.bench import moe_reorder as suite
 from deepspeed_fused.bench.common import write_results
 
-# family -> what the feature fuses in its block (GPT-OSS: its own clamped gate, its router kept)
-FUSED = {"Qwen3-30B-A3B": ("swiglu", 1), "Mixtral-8x7B": ("swiglu", 1), "GPT-OSS-20B": ("oai", 0)}
+# family -> what the feature fuses in its block (GPT-OSS: its own clamped gate and its top-k-first router)
+FUSED = {"Qwen3-30B-A3B": ("swiglu", 1), "Mixtral-8x7B": ("swiglu", 1), "GPT-OSS-20B": ("oai", 1)}
 
 
 def test_block_case_records(interpret, tmp_path):

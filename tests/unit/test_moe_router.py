@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from unit.test_rms_norm import ulp
 
@@ -270,3 +271,171 @@ def test_group_custom_ops(interpret):
     torch.library.opcheck(R._group_op, (logits.requires_grad_(), bias, 3, 4, 2, True, 2.5))
     w, i = R._group_op(logits, bias, 3, 4, 2, True, 2.5)
     torch.library.opcheck(R._group_backward_op, (logits.detach(), i, torch.randn_like(w), True, 2.5))
+
+
+# ---- the routers that take the top-k of the logits first (GPT-OSS, Aria, Cohere2-MoE) ------------
+def _check_logits_first(logits, k, sd, out, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    want_dtype = out or sd or logits.dtype
+    d = torch.randn(logits.shape[0], k, generator=gen).to(want_dtype).to(logits.device)
+    s, i, g = _run(lambda x, *a: mr.topk_logits_softmax(x, k, sd, out), logits, k, None, None, d)
+    sr, ir, gr = _run(lambda x, *a: mr.topk_logits_softmax_reference(x, k, sd, out), logits, k, None, None, d)
+    assert s.dtype == sr.dtype == want_dtype and i.dtype == ir.dtype == torch.int64 and g.dtype == logits.dtype
+    # the same logits chosen in the same order (equal logits: ours the lower expert first)
+    assert torch.equal(logits.gather(1, i), logits.gather(1, ir))
+    same = (i == ir).all(-1)
+    assert same.double().mean() >= (0.99 if logits.dtype == torch.float32 else 0.5)
+    s, sr, g, gr, d = s[same], sr[same], g[same], gr[same], d[same]
+    if s.dtype == torch.float32:
+        torch.testing.assert_close(s, sr, rtol=4 * 2.0 ** -23, atol=1e-30)
+    else:  # one rounding of FP32 values a few ULP apart (exp and the sum's order): at most one ULP
+        assert ((s.double() - sr.double()).abs() <= ulp(sr, s.dtype)).all()
+        assert (s == sr).double().mean() >= 0.99
+    # the gradient: exactly zero off the chosen experts; there, the softmax backward of size |d|
+    chosen = torch.zeros_like(g, dtype=torch.bool).scatter_(1, i[same], True)
+    assert (g[~chosen] == 0).all() and (gr[~chosen] == 0).all()
+    scale = torch.maximum(gr.double().abs().amax(-1, keepdim=True), d.double().abs().amax(-1, keepdim=True))
+    err = (g.double() - gr.double()).abs()
+    if logits.dtype == torch.float32:
+        assert (err <= 1e-6 * scale).all()
+    else:
+        assert (err <= 2.0 ** -12 * scale + ulp(gr, logits.dtype)).all()
+        assert (g == gr)[chosen].double().mean() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,k", [(37, 32, 4), (5, 8, 2), (64, 128, 8), (1, 2, 1)])
+@pytest.mark.parametrize("sd,out", [(None, None), ("fp32", "same"), ("fp32", None)])
+def test_topk_logits_softmax_matches_eager(interpret, dtype, T, E, k, sd, out):
+    # (None, None): GPT-OSS and Aria (the softmax in the logits' dtype); ("fp32", "same"): Cohere2-MoE
+    # (an FP32 softmax cast back); ("fp32", None): FP32 scores
+    sd_ = torch.float32 if sd == "fp32" else None
+    out_ = dtype if out == "same" else None
+    _check_logits_first(_logits(T, E, dtype, interpret, seed=T + E + k), k, sd_, out_)
+
+
+def test_topk_logits_softmax_ties_poison_checks(interpret, monkeypatch):
+    logits = torch.zeros(4, 16, device=interpret)
+    logits[:, [3, 7, 11]] = 1.0
+    s, i = mr.topk_logits_softmax(logits, 2)
+    assert i.tolist() == [[3, 7]] * 4 and torch.allclose(s, torch.full_like(s, 0.5))
+    real = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(R.torch, "empty", poisoned)
+    x = _logits(33, 40, torch.float32, interpret, seed=5).requires_grad_()
+    s, i = mr.topk_logits_softmax(x, 3)
+    s.square().sum().backward()
+    assert torch.isfinite(s).all() and (i >= 0).all() and torch.isfinite(x.grad).all()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="top_k"):
+        mr.topk_logits_softmax(torch.randn(3, 4), 5)
+    with pytest.raises(TypeError, match="softmax_dtype"):
+        mr.topk_logits_softmax(torch.randn(3, 4), 2, torch.int32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        mr.topk_logits_softmax(torch.randn(3, 4), 2, None, torch.int32)
+    _common.reset_fallback_warnings()
+    x = torch.randn(4, 2048)  # more experts than the kernel holds: the reference, one warning
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = mr.topk_logits_softmax(x.to(interpret), 2)
+        mr.topk_logits_softmax(x.to(interpret), 2)
+    assert len([m for m in w if "topk_logits_softmax" in str(m.message)]) == 1
+    ref = mr.topk_logits_softmax_reference(x.to(interpret), 2)
+    assert torch.equal(a[1], ref[1]) and torch.equal(a[0], ref[0])
+
+
+def test_topk_logits_softmax_custom_ops(interpret):
+    logits = _logits(6, 16, torch.float32, interpret, seed=6)
+    torch.library.opcheck(R._kl_op, (logits.requires_grad_(), 3, 0, torch.float32))
+    s, i = R._kl_op(logits, 3, 0, torch.float32)
+    torch.library.opcheck(R._kl_backward_op, (logits.detach(), i, torch.randn_like(s), 0))
+
+
+def _logits_first_model(name):
+    import transformers
+
+    small = dict(hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, vocab_size=64)
+    if name == "gpt_oss":
+        cfg = transformers.GptOssConfig(**small, num_local_experts=4, num_experts_per_tok=2,
+                                        layer_types=["full_attention"] * 2)
+        model = transformers.GptOssForCausalLM(cfg)
+    elif name.startswith("cohere2_moe"):
+        cfg = transformers.Cohere2MoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                            expert_selection_fn=name.split("-")[1])
+        model = transformers.Cohere2MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.AriaTextConfig(**small, moe_num_experts=4, moe_topk=2)
+        model = transformers.AriaTextForCausalLM(cfg)
+    model = model.float()
+    for p in model.parameters():  # the init leaves biases zero and some weights constant: noise
+        p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    return model
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "cohere2_moe-softmax", "cohere2_moe-sigmoid", "aria_text"])
+def test_logits_first_router_integration(interpret, name, monkeypatch):
+    import copy
+
+    from deepspeed_fused import patch_model, unpatch_model
+
+    model = _logits_first_model(name)
+    ref = copy.deepcopy(model)
+    calls = []
+    real = mr.topk_logits_softmax
+    monkeypatch.setattr(mr, "topk_logits_softmax", lambda *a: calls.append(a[1:]) or real(*a))
+    rep = patch_model(model, {"moe_reorder": {"enabled": True}})
+    r = rep.features[[f.name for f in rep.features].index("moe_reorder")]
+    n = r.details["layers"]
+    fused = 0 if name.endswith("sigmoid") else n  # Cohere2's sigmoid selection keeps its router
+    assert n == 2 and r.details["routers"] == fused and f"routers fused: {fused}" in r.reason, r
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+
+    def step(m):
+        out = m(input_ids=ids, labels=ids)
+        loss = out.loss + (out.aux_loss if getattr(out, "aux_loss", None) is not None else 0)
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+
+    loss, grads = step(model)
+    assert len(calls) == fused
+    if name.startswith("cohere2_moe-softmax"):
+        assert all(c[1:] == (torch.float32, torch.float32) for c in calls)
+    loss_r, grads_r = step(ref)
+    torch.testing.assert_close(loss, loss_r, rtol=1e-6, atol=1e-6)
+    for k in grads_r:  # the router weights' (and GPT-OSS's router bias's) gradients included
+        torch.testing.assert_close(grads[k], grads_r[k], rtol=1e-5, atol=1e-6, msg=k)
+    unpatch_model(model)
+    calls.clear()
+    model(input_ids=ids)
+    assert not calls
+
+
+def test_logits_first_router_templates_are_exact():
+    # a router whose forward differs by anything (here: the softmax over the experts, not the k)
+    # is not taken
+    from deepspeed_fused.features import moe_reorder
+
+    class Same(torch.nn.Module):  # GPT-OSS's forward, written here (this module's F and torch)
+        def forward(self, hidden_states):
+            router_logits = F.linear(hidden_states, self.weight, self.bias)  # (num_tokens, num_experts)
+            router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=-1)  # (num_tokens, top_k)
+            router_scores = torch.nn.functional.softmax(router_top_value, dim=1, dtype=router_top_value.dtype)
+            return router_logits, router_scores, router_indices
+
+    class Other(torch.nn.Module):
+        def forward(self, hidden_states):
+            router_logits = F.linear(hidden_states, self.weight, self.bias)  # (num_tokens, num_experts)
+            router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=-1)  # (num_tokens, top_k)
+            router_scores = torch.nn.functional.softmax(router_logits, dim=1, dtype=router_top_value.dtype)
+            return router_logits, router_scores, router_indices
+
+    assert moe_reorder.router_form(Same) == ("logits_first", "bias")
+    assert moe_reorder.router_form(Other) is None
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    assert moe_reorder.router_form(modeling_gpt_oss.GptOssTopKRouter) == ("logits_first", "bias")

@@ -116,8 +116,10 @@ def main(args) -> int:
         records = merge([d["records"] for d in docs])
         out = getattr(args, "out", None)
         envs = {}
-        for d in docs:
-            envs.update(d.get("envs") or {run_label(r): d.get("env", {}) for r in d["records"]})
+        for d in docs:  # a run's environment from the first file that has it (the full run; later
+            # files re-run some families, named by their command)
+            for label, env in (d.get("envs") or {run_label(r): d.get("env", {}) for r in d["records"]}).items():
+                envs.setdefault(label, env)
         paths = write(records, out, opts.md, " + ".join(dict.fromkeys(d.get("command", "") for d in docs)), envs)
         print("wrote", ", ".join(paths.values()))
         return 0

@@ -15,7 +15,9 @@ padding), whose backward is again a gather: no scatter-add, no atomics. One modu
   :func:`route_sort` (expert ids -> expert order, route maps and grouped GEMM offsets);
 * :mod:`.router`: a top-k softmax router's selection from its logits (:func:`topk_softmax`:
   softmax, top-k, renormalisation, cast) and DeepSeek-V3's grouped sigmoid selection
-  (:func:`group_topk_sigmoid`), one kernel forward and one backward each;
+  (:func:`group_topk_sigmoid`), and the routers that take the top-k of the logits before their
+  softmax (:func:`topk_logits_softmax`: GPT-OSS, Aria, Cohere2-MoE), one kernel forward and one
+  backward each;
 * :mod:`.swiglu`: the experts' gated activation ``silu(gate) * up`` of a gate-up projection
   (:func:`swiglu`) and GPT-OSS's clamped gate (:func:`oai_gate`), one kernel forward and one
   backward each, with eager's rounding.
@@ -32,7 +34,8 @@ from .reference import (RouteMaps, RouteSort, combine_reference, permute_rows_re
                         route_dispatch_reference, route_maps_reference, route_sort_reference,
                         unpermute_rows_reference)
 from .route import route_combine, route_dispatch, route_maps, route_sort
-from .router import group_topk_sigmoid, group_topk_sigmoid_reference, topk_softmax, topk_softmax_reference
+from .router import (group_topk_sigmoid, group_topk_sigmoid_reference, topk_logits_softmax,
+                     topk_logits_softmax_reference, topk_softmax, topk_softmax_reference)
 from .swiglu import oai_gate, oai_gate_reference, swiglu, swiglu_reference
 
 __all__ = [
@@ -42,4 +45,5 @@ __all__ = [
     "route_combine_reference", "combine_reference", "route_sort_reference", "swiglu", "swiglu_reference",
     "oai_gate", "oai_gate_reference",
     "topk_softmax", "topk_softmax_reference", "group_topk_sigmoid", "group_topk_sigmoid_reference",
+    "topk_logits_softmax", "topk_logits_softmax_reference",
 ]

@@ -148,6 +148,69 @@ if HAS_TRITON:
     _launch_fwd = DirectKernel(_topk_softmax_fwd_kernel)
     _launch_bwd = DirectKernel(_topk_softmax_bwd_kernel)
 
+    # ---- the top-k of the logits, then the softmax of those k (GPT-OSS, Aria, Cohere2-MoE) ----------
+    @triton.jit
+    def _round_to(v, ROUND: tl.constexpr):
+        # FP32 values rounded to the softmax's dtype (1: bf16, 2: fp16, 0: kept FP32)
+        if ROUND == 1:
+            v = v.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            v = v.to(tl.float16).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _k_softmax(v, ks, rmask, K: tl.constexpr, ROUND: tl.constexpr):
+        # eager's softmax over the k chosen logits (FP32 arithmetic, one rounding to its dtype)
+        km = (ks < K)[None, :]
+        mx = tl.max(tl.where(km, v, float("-inf")), axis=1)
+        mx = tl.where(rmask, mx, 0.0)
+        e = tl.where(km, exp_cuda(v - mx[:, None]), 0.0)
+        s = tl.where(rmask, tl.sum(e, axis=1), 1.0)
+        return _round_to(tl.div_rn(e, s[:, None]), ROUND)
+
+    @triton.jit
+    def _topk_logits_fwd_kernel(L, SCORES, IDX, n_rows, E, stride, K: tl.constexpr, ROUND: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rmask = rows < n_rows
+        cols = tl.arange(0, BLOCK_E)
+        m = rmask[:, None] & (cols < E)[None, :]
+        x = tl.load(L + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=m, other=float("-inf"))
+        x = tl.where(m, x.to(tl.float32), float("-inf"))
+        ks = tl.arange(0, KP)
+        vals, ids = _top_k(x, cols, ks, K, BLOCK_T, KP, BLOCK_E)
+        p = _k_softmax(vals, ks, rmask, K, ROUND)
+        om = rmask[:, None] & (ks < K)[None, :]
+        o = rows.to(tl.int64)[:, None] * K + ks[None, :]
+        tl.store(SCORES + o, p.to(SCORES.dtype.element_ty), mask=om)
+        tl.store(IDX + o, ids.to(tl.int64), mask=om)
+
+    @triton.jit
+    def _topk_logits_bwd_kernel(L, IDX, DS, DL, n_rows, E, stride, stride_dl, K: tl.constexpr, ROUND: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr):
+        # the softmax's backward over the k (from its output in its dtype, as autograd saves it:
+        # g * y - y * sum(g * y) in FP32, one rounding to the logits' dtype), scattered into a zero
+        # row of experts (top-k's backward)
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rmask = rows < n_rows
+        ks = tl.arange(0, KP)
+        km = rmask[:, None] & (ks < K)[None, :]
+        o = rows.to(tl.int64)[:, None] * K + ks[None, :]
+        ids = tl.load(IDX + o, mask=km, other=0).to(tl.int32)
+        v = tl.load(L + rows.to(tl.int64)[:, None] * stride + ids, mask=km, other=float("-inf")).to(tl.float32)
+        y = _k_softmax(v, ks, rmask, K, ROUND)
+        g = _round_to(tl.load(DS + o, mask=km, other=0.0).to(tl.float32), ROUND)  # the cast's backward
+        gy = tl.where(km, g * y, 0.0)
+        dv = gy - y * tl.sum(gy, axis=1)[:, None]
+        dv = dv.to(DL.dtype.element_ty).to(tl.float32)
+        cols = tl.arange(0, BLOCK_E)
+        dx = _scatter_cols(dv, cols, ids, ks, K, BLOCK_T, BLOCK_E)
+        m = rmask[:, None] & (cols < E)[None, :]
+        tl.store(DL + rows.to(tl.int64)[:, None] * stride_dl + cols[None, :], dx.to(DL.dtype.element_ty), mask=m)
+
+    _launch_kl_fwd = DirectKernel(_topk_logits_fwd_kernel)
+    _launch_kl_bwd = DirectKernel(_topk_logits_bwd_kernel)
+
     @triton.jit
     def _sigmoid_tile(L, rows, n_rows, E, stride, BLOCK_E: tl.constexpr):
         cols = tl.arange(0, BLOCK_E)
@@ -349,6 +412,122 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
     if torch.is_grad_enabled() and logits.requires_grad:
         return _TopKSoftmaxFn.apply(logits, top_k, bool(renormalize), dtype)
     return _forward(logits, top_k, bool(renormalize), dtype)
+
+
+# ---- the top-k of the logits, then the softmax of those k ---------------------------------------
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def topk_logits_softmax_reference(logits: torch.Tensor, top_k: int, softmax_dtype: Optional[torch.dtype] = None,
+                                  out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's router after its GEMM (Aria's and Cohere2-MoE's the same with other dtypes): the
+    ``top_k`` largest logits (descending), the softmax of those k with output ``softmax_dtype``
+    (None: the logits' dtype), cast to ``out_dtype`` (None: kept)."""
+    values, indices = torch.topk(logits, top_k, dim=-1)
+    scores = torch.nn.functional.softmax(values, dim=-1, dtype=softmax_dtype or logits.dtype)
+    return (scores if out_dtype is None else scores.to(out_dtype)), indices
+
+
+def _kl_forward(logits, top_k, rnd, out_dtype):
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    T, E = x.shape
+    scores = torch.empty((T, top_k), dtype=out_dtype, device=x.device)
+    idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
+    if T:
+        grid, meta, warps = _meta(T, E, top_k)
+        _launch_kl_fwd(grid, (x, scores, idx, T, E, x.stride(0)), dict(K=top_k, ROUND=rnd, **meta), warps)
+    return scores, idx
+
+
+def _kl_backward(logits, idx, d_scores, rnd):
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    T, E = x.shape
+    K = idx.shape[-1]
+    dl = torch.empty((T, E), dtype=logits.dtype, device=x.device)
+    if T:
+        grid, meta, warps = _meta(T, E, K)
+        _launch_kl_bwd(grid, (x, idx.contiguous(), d_scores.contiguous(), dl, T, E, x.stride(0), dl.stride(0)),
+                       dict(K=K, ROUND=rnd, **meta), warps)
+    return dl
+
+
+class _TopKLogitsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, top_k, rnd, out_dtype):
+        scores, idx = _kl_forward(logits, top_k, rnd, out_dtype)
+        ctx.save_for_backward(logits, idx)
+        ctx.rnd = rnd
+        ctx.mark_non_differentiable(idx)
+        return scores, idx
+
+    @staticmethod
+    def backward(ctx, d_scores, _d_idx):
+        logits, idx = ctx.saved_tensors
+        return _kl_backward(logits, idx, d_scores, ctx.rnd), None, None, None
+
+
+@torch.library.custom_op(f"{_NS}::moe_topk_logits_softmax", mutates_args=())
+def _kl_op(logits: torch.Tensor, top_k: int, rnd: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kl_forward(logits, top_k, rnd, out_dtype)
+
+
+@_kl_op.register_fake
+def _(logits, top_k, rnd, out_dtype):
+    T = logits.shape[0]
+    return logits.new_empty((T, top_k), dtype=out_dtype), logits.new_empty((T, top_k), dtype=torch.int64)
+
+
+@torch.library.custom_op(f"{_NS}::moe_topk_logits_softmax_backward", mutates_args=())
+def _kl_backward_op(logits: torch.Tensor, idx: torch.Tensor, d_scores: torch.Tensor, rnd: int) -> torch.Tensor:
+    return _kl_backward(logits, idx, d_scores, rnd)
+
+
+@_kl_backward_op.register_fake
+def _(logits, idx, d_scores, rnd):
+    return torch.empty_like(logits)
+
+
+def _kl_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.rnd = inputs[2]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _kl_op_backward(ctx, d_scores, _d_idx):
+    logits, idx = ctx.saved_tensors
+    return _kl_backward_op(logits, idx, d_scores, ctx.rnd), None, None, None
+
+
+_kl_op.register_autograd(_kl_op_backward, setup_context=_kl_setup)
+
+
+def topk_logits_softmax(logits: torch.Tensor, top_k: int, softmax_dtype: Optional[torch.dtype] = None,
+                        out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores [T, top_k], indices [T, top_k] int64)`` of a router that takes the top-k of its
+    logits ``[T, E]`` first and then the softmax of those k (GPT-OSS: ``softmax_dtype`` the logits'
+    dtype; Cohere2-MoE: FP32, then ``out_dtype`` its hidden states' dtype): the softmax in FP32
+    arithmetic rounded once to ``softmax_dtype`` (None: the logits' dtype), cast to ``out_dtype``
+    (None: ``softmax_dtype``). Equal logits: the lower expert first. One kernel forward (the
+    ``[T, E]`` probabilities never formed), one backward (the softmax's backward scattered into the
+    logits' gradient)."""
+    _check(logits, top_k, out_dtype)
+    if softmax_dtype is not None and softmax_dtype not in _ROUND:
+        raise TypeError(f"softmax_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, got "
+                        f"{softmax_dtype!r}")
+    sd = softmax_dtype or logits.dtype
+    out = out_dtype or sd
+    ok, why = kernels_take_router(logits, top_k)
+    if ok and sd not in _ROUND:
+        ok, why = False, f"a softmax in {sd}"
+    if not ok:
+        warn_fallback(f"{OP}.topk_logits_softmax", why)
+        return topk_logits_softmax_reference(logits, top_k, sd, out)
+    rnd = _ROUND[sd]
+    if torch.compiler.is_compiling():
+        return _kl_op(logits, top_k, rnd, out)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TopKLogitsFn.apply(logits, top_k, rnd, out)
+    return _kl_forward(logits, top_k, rnd, out)
 
 
 # ---- DeepSeek-V3's grouped sigmoid routing -------------------------------------------------------
