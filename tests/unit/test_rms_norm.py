@@ -21,10 +21,14 @@ _EMIN = {torch.float16: -14, torch.bfloat16: -126, torch.float32: -126}
 
 # ---- numerics helpers (the GPU tests import these) ---------------------------------------------
 def ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Spacing of ``dtype`` at magnitude ``|v|`` (float64)."""
+    """Spacing of ``dtype`` at magnitude ``|v|`` (float64), exact on every device: the exponent
+    from ``frexp`` and the power of two built from its bits (CUDA's double ``log2`` and ``pow`` need
+    not be exact there, and a bound of one ULP a hair too small fails a difference of one ULP)."""
     a = v.detach().double().abs()
-    e = torch.floor(torch.log2(a.clamp_min(2.0 ** _EMIN[dtype])))
-    return torch.pow(2.0, e.clamp_min(_EMIN[dtype]) - _MANT[dtype])
+    e = torch.frexp(a.clamp_min(2.0 ** _EMIN[dtype])).exponent.to(torch.int64) - 1  # floor(log2 |v|)
+    k = e.clamp_min(_EMIN[dtype]) - _MANT[dtype]
+    spacing = ((k + 1023) << 52).view(torch.float64)  # 2 ** k, k within float64's normal range
+    return torch.where(torch.isfinite(a), spacing, a)  # inf and nan stay what they are
 
 
 def ulp_err(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
