@@ -35,6 +35,7 @@ from ..ops._common import warn_fallback
 from ..ops.rms_norm import (FORMS, RMSForm, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                              try_fused_rms_norm_form)
 from .base import FeatureConfig, FeatureReport, OptInMarker, ReplacementFeature
+from .rms_norm_templates import TEMPLATE_SOURCES
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
     ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("mixtral", "MixtralRMSNorm"),
@@ -179,195 +180,6 @@ def _normalized_ops(fn, eps_attr: str = "variance_epsilon", argcount: int = 2) -
     return tuple(ops)
 
 
-# The forms' spellings in transformers, as templates compared instruction by instruction with a
-# class's forward (and its ``_norm`` helper, where the forward calls one). Each names the kind of
-# dispatch (see _resolvers) and the op's form. The epsilon attribute may be ``variance_epsilon``
-# or ``eps`` whatever the template says; other names (locals by slot) do not matter.
-_NORM_RSQRT = '''
-def _norm(self, x):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-'''
-_NORM_POW = '''
-def _norm(self, hidden_states):
-    mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.eps
-    return hidden_states * torch.pow(mean_squared, -0.5)
-'''
-_NORM_GROUPED = '''
-def _norm(self, x):
-    if self.group_size is not None:
-        x = x.reshape(*x.shape[:-1], -1, self.group_size)
-    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-    return out.flatten(-2) if self.group_size is not None else out
-'''
-# Gemma's offset forward; Qwen4-Exp's is the same over a grouped ``_norm``
-_OFFSET_FORWARD = '''
-def forward(self, x):
-    output = self._norm(x.float())
-    output = output * (1.0 + self.weight.float())
-    return output.type_as(x)
-'''
-_TEMPLATE_SOURCES = [
-    # (name, kind, op form, forward source, helpers: None, the ``_norm`` source, or {name: source})
-    ("llama4", "llama", "llama", '''
-def forward(self, x):
-    output = self._norm(x.float()).type_as(x)
-    return output * self.weight
-''', _NORM_RSQRT),
-    ("cpmant", "cpmant", "llama", '''
-def forward(self, hidden_states):
-    if hidden_states.size(-1) != self.dim_norm:
-        raise AssertionError("hidden_states.size(-1) != self.dim_norm")
-    old_dtype = hidden_states.dtype
-    variance = hidden_states.to(torch.float32).pow(2).mean(dim=-1, keepdim=True)
-    hidden_states = (hidden_states * torch.rsqrt(variance + self.eps)).to(old_dtype) * self.weight
-    return hidden_states
-''', None),
-    ("gemma", "weighted", "offset", _OFFSET_FORWARD, _NORM_RSQRT),
-    ("centered", "weighted", "offset_w", '''
-def forward(self, x):
-    output = self._norm(x.float())
-    output = output * (1.0 + self.weight).float()
-    return output.type_as(x)
-''', _NORM_RSQRT),
-    ("grouped_offset", "grouped", "offset", _OFFSET_FORWARD, _NORM_GROUPED),  # Qwen4-Exp
-    ("olmo2", "weighted", "weight_first", '''
-def forward(self, hidden_states):
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    return (self.weight * hidden_states).to(input_dtype)
-''', None),
-    ("helium", "weighted", "weight_first_fp32", '''
-def forward(self, hidden_states):
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)
-''', None),
-    ("moshi", "weighted", "weight_first_fp32", '''
-def forward(self, x):
-    output = self._norm(x.float())
-    output = output * self.weight.float()
-    return output.type_as(x)
-''', _NORM_RSQRT),
-    ("gemma3n", "with_scale", "weight_first_fp32", '''
-def forward(self, hidden_states):
-    normed_output = self._norm(hidden_states.float())
-    if self.with_scale:
-        normed_output = normed_output * self.weight.float()
-    return normed_output.type_as(hidden_states)
-''', _NORM_POW),
-    ("t5", "weighted", "t5", '''
-def forward(self, hidden_states):
-    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    if self.weight.dtype in [torch.float16, torch.bfloat16]:
-        hidden_states = hidden_states.to(self.weight.dtype)
-    return self.weight * hidden_states
-''', None),
-    ("unweighted", "unweighted", "unweighted", '''
-def forward(self, x):
-    return self._norm(x.float()).type_as(x)
-''', _NORM_RSQRT),
-    ("unweighted_square", "unweighted", "unweighted", '''
-def forward(self, hidden_states):
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.float()
-    hidden_states = hidden_states * torch.rsqrt(hidden_states.square().mean(-1, keepdim=True) + self.eps)
-    return hidden_states.to(input_dtype)
-''', None),
-    ("rstd_cast", "unweighted", "unweighted_rstd_cast", '''
-def forward(self, x):
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps).to(x.dtype)
-''', None),
-    ("gated", "gated", "gated", '''
-def forward(self, hidden_states, gate):
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    hidden_states = self.weight * hidden_states.to(input_dtype)
-    hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
-    return hidden_states.to(input_dtype)
-''', None),
-    ("gated_weight_first", "gated", "gated_weight_first", '''
-def forward(self, hidden_states, gate):
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-    hidden_states = self.weight.to(torch.float32) * hidden_states
-    hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
-    return hidden_states.to(input_dtype)
-''', None),
-    ("gate_first", "gate_first", "gate_first", '''
-def forward(self, hidden_states, gate):
-    input_dtype = hidden_states.dtype
-    hidden_states = hidden_states.to(torch.float32)
-    if gate is not None:
-        hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
-    *prefix_dims, last_dim = hidden_states.shape
-    group_count = last_dim // self.group_size
-    hidden_states_group = hidden_states.view(*prefix_dims, group_count, self.group_size)
-    variance = hidden_states_group.pow(2).mean(-1, keepdim=True)
-    hidden_states_group = hidden_states_group * torch.rsqrt(variance + self.variance_epsilon)
-    hidden_states = hidden_states_group.view(*prefix_dims, group_count * self.group_size)
-    return self.weight * hidden_states.to(input_dtype)
-''', None),
-    ("n_groups_gated", "n_groups_gated", "weight_first", '''
-def forward(self, hidden_states, gate=None):
-    input_dtype = hidden_states.dtype
-    input_ndim = hidden_states.ndim
-
-    if not self.norm_before_gate and gate is not None:
-        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
-
-    if len(hidden_states.shape) == 3:
-        batch_size, seq_len, dim = hidden_states.shape
-    else:
-        batch_size, dim = hidden_states.shape
-        seq_len = 1
-    hidden_states = hidden_states.to(torch.float32)
-
-    hidden_states = hidden_states.view(batch_size, seq_len, self.n_groups, int(dim // self.n_groups))
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-
-    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-
-    hidden_states = self.weight.view(self.n_groups, int(dim // self.n_groups)) * hidden_states
-    hidden_states = hidden_states.view(batch_size, seq_len, dim)
-
-    if input_ndim == 2:
-        hidden_states = hidden_states.squeeze(1)
-
-    if self.norm_before_gate and gate is not None:
-        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
-    return hidden_states.to(input_dtype)
-''', None),
-    ("optional_weight_bias", "optional_weight_bias", "llama", '''
-def forward(self, x):
-    x = self._rms_normalize(x)
-    x = self._apply_weight_bias(x)
-    return x
-''', {"_rms_normalize": '''
-def _rms_normalize(self, x):
-    in_dtype = x.dtype
-    if self.force_float32_reductions:
-        x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-    return x.to(in_dtype)
-''', "_apply_weight_bias": '''
-def _apply_weight_bias(self, x):
-    if self.weight is not None:
-        x = x * self.weight
-    if self.bias is not None:
-        x = x + self.bias
-    return x
-'''}),
-]
-
 
 class _Template(NamedTuple):
     name: str
@@ -386,7 +198,7 @@ def _compile_template(src: str):
 
 def _build_templates() -> list:
     out = [_Template("llama", "llama", "llama", 2, {a: _normalized_ops(_llama_form, a) for a in _EPS_ATTRS}, ())]
-    for name, kind, form, fwd_src, helper_src in _TEMPLATE_SOURCES:
+    for name, kind, form, fwd_src, helper_src in TEMPLATE_SOURCES:  # rms_norm_templates.py
         fwd = _compile_template(fwd_src)
         argc = fwd.__code__.co_argcount
         if isinstance(helper_src, str):

@@ -1,5 +1,8 @@
 """Fused rotary position embedding (RoPE), forward and backward, with eager's rounding points.
 
+One kernel family in one file (issue 28's size rule: its spec, the two kernels, their launches,
+the autograd Function, the custom ops and the reference belong together).
+
 One kernel applies the rotation to q and k in one launch (and a second one, with the transposed
 rotation, gives both gradients). What it computes is described by a :class:`RopeSpec`, which
 covers the Hugging Face ``apply_rotary_pos_emb`` spellings: for each pair of elements ``(f, s)``
