@@ -44,33 +44,44 @@ def _check(logits, k, renorm, out_dtype, seed=1):
     chosen = torch.zeros_like(g, dtype=torch.bool).scatter_(1, i, True)[same]
     s, sr, g, gr, d = s[same], sr[same], g[same], gr[same], d[same]
 
-    if s.dtype == torch.float32:
-        torch.testing.assert_close(s, sr, rtol=4 * 2.0 ** -23, atol=1e-30)
-    else:  # one rounding of a value within a few FP32 ULP of eager's: at most one ULP apart
-        far = (s.double() - sr.double()).abs() / ulp(sr, s.dtype)
-        if (far > 1).any():  # say where and by how much (the FP32 values too): for diagnosis on the GPU
-            r, c = divmod(int(far.argmax()), far.shape[-1])
-            f32, f32r = (fn(logits.detach(), k, renorm, None)[0][same][r, c].item()
-                         for fn in (mr.topk_softmax, mr.topk_softmax_reference))
-            raise AssertionError(f"{int((far > 1).sum())} scores more than one ULP from eager's in "
-                                 f"{int((far > 1).any(-1).sum())} rows; worst {far.max().item():.2f} ULP: "
-                                 f"{s[r, c].item()!r} vs {sr[r, c].item()!r} (FP32 {f32!r} vs {f32r!r})")
-        assert (s == sr).double().mean() >= 0.99
+    _scores_close(s, sr, lambda r, c: tuple(fn(logits.detach(), k, renorm, None)[0][same][r, c].item()
+                                            for fn in (mr.topk_softmax, mr.topk_softmax_reference)))
     # the gradient's terms are of the size of the scores' gradient d (times p / sum p): a row whose
     # gradient cancels to far below that (k = 2, renormalised) keeps FP32 noise of that size, and
     # with renormalisation the experts not chosen get p * (a sum that is 0 in exact arithmetic):
     # noise in both eager's and ours, compared by size only
+    _grads_close(g, gr, d, chosen if renorm else torch.ones_like(chosen))
+
+
+def _scores_close(s, sr, fp32_of):
+    """Scores against eager's: FP32 within 4 ULP; half precision one rounding of values a few FP32
+    ULP apart (exp, the sums' order), so at most one ULP apart and 99% equal. ``fp32_of(r, c)``:
+    both FP32 values of an element, named when the check fails (for diagnosis on the GPU)."""
+    if s.dtype == torch.float32:
+        torch.testing.assert_close(s, sr, rtol=4 * 2.0 ** -23, atol=1e-30)
+        return
+    far = (s.double() - sr.double()).abs() / ulp(sr, s.dtype)
+    if (far > 1).any():
+        r, c = divmod(int(far.argmax()), far.shape[-1])
+        raise AssertionError(f"{int((far > 1).sum())} scores more than one ULP from eager's in "
+                             f"{int((far > 1).any(-1).sum())} rows; worst {far.max().item():.2f} ULP: "
+                             f"{s[r, c].item()!r} vs {sr[r, c].item()!r} (FP32 %r vs %r)" % fp32_of(r, c))
+    assert (s == sr).double().mean() >= 0.99
+
+
+def _grads_close(g, gr, d, exact):
+    """Logits' gradients against eager's, relative to the size of their terms (the largest of the
+    row's gradient and of the scores' gradient ``d``); ``exact``: the elements 99% equal in half
+    precision."""
     scale = torch.maximum(gr.double().abs().amax(-1, keepdim=True), d.double().abs().amax(-1, keepdim=True))
     err = (g.double() - gr.double()).abs()
-    exact = chosen if renorm else torch.ones_like(chosen)
-    if logits.dtype == torch.float32:
+    if g.dtype == torch.float32:
         assert (err <= 1e-6 * scale).all()
     else:
         # both round once from FP32 values a few ULP apart (the sums' order differs): where that
         # value sits near a rounding midpoint the two land on neighbours, one ULP of the element
-        assert (err <= 2.0 ** -12 * scale + ulp(gr, logits.dtype)).all()
+        assert (err <= 2.0 ** -12 * scale + ulp(gr, g.dtype)).all()
         assert (g == gr)[exact].double().mean() >= 0.99
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,E,k", [(37, 128, 8), (5, 8, 2), (64, 60, 4), (3, 256, 8), (1, 2, 1)])
@@ -286,21 +297,12 @@ def _check_logits_first(logits, k, sd, out, seed=1):
     same = (i == ir).all(-1)
     assert same.double().mean() >= (0.99 if logits.dtype == torch.float32 else 0.5)
     s, sr, g, gr, d = s[same], sr[same], g[same], gr[same], d[same]
-    if s.dtype == torch.float32:
-        torch.testing.assert_close(s, sr, rtol=4 * 2.0 ** -23, atol=1e-30)
-    else:  # one rounding of FP32 values a few ULP apart (exp and the sum's order): at most one ULP
-        assert ((s.double() - sr.double()).abs() <= ulp(sr, s.dtype)).all()
-        assert (s == sr).double().mean() >= 0.99
+    _scores_close(s, sr, lambda r, c: tuple(fn(logits.detach(), k, torch.float32)[0][same][r, c].item()
+                                            for fn in (mr.topk_logits_softmax, mr.topk_logits_softmax_reference)))
     # the gradient: exactly zero off the chosen experts; there, the softmax backward of size |d|
     chosen = torch.zeros_like(g, dtype=torch.bool).scatter_(1, i[same], True)
     assert (g[~chosen] == 0).all() and (gr[~chosen] == 0).all()
-    scale = torch.maximum(gr.double().abs().amax(-1, keepdim=True), d.double().abs().amax(-1, keepdim=True))
-    err = (g.double() - gr.double()).abs()
-    if logits.dtype == torch.float32:
-        assert (err <= 1e-6 * scale).all()
-    else:
-        assert (err <= 2.0 ** -12 * scale + ulp(gr, logits.dtype)).all()
-        assert (g == gr)[chosen].double().mean() >= 0.99
+    _grads_close(g, gr, d, chosen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -319,44 +319,72 @@ def _meta(n_rows: int, E: int, K: int) -> tuple:
     return (triton.cdiv(n_rows, block_t),), dict(BLOCK_T=block_t, BLOCK_E=block_e, KP=kp), 4
 
 
-def _forward(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype) -> tuple:
+# ---- host side shared by the two top-k softmax routers: scores and indices [T, k] forward, the
+# logits' gradient [T, E] backward; ``flag`` is each kernel's one option (RENORM, ROUND)
+def _select_forward(launch, logits: torch.Tensor, top_k: int, out_dtype, consts: dict) -> tuple:
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     T, E = x.shape
     scores = torch.empty((T, top_k), dtype=out_dtype, device=x.device)
     idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T:
         grid, meta, warps = _meta(T, E, top_k)
-        _launch_fwd(grid, (x, scores, idx, T, E, x.stride(0)), dict(K=top_k, RENORM=bool(renormalize), **meta),
-                    warps)
+        launch(grid, (x, scores, idx, T, E, x.stride(0)), dict(K=top_k, **consts, **meta), warps)
     return scores, idx
 
 
-def _backward(logits: torch.Tensor, idx: torch.Tensor, d_scores: torch.Tensor, renormalize: bool) -> torch.Tensor:
+def _select_backward(launch, logits: torch.Tensor, idx: torch.Tensor, d_scores: torch.Tensor,
+                     consts: dict) -> torch.Tensor:
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     T, E = x.shape
     K = idx.shape[-1]
-    ds = d_scores.contiguous()
     dl = torch.empty((T, E), dtype=logits.dtype, device=x.device)
     if T:
         grid, meta, warps = _meta(T, E, K)
-        _launch_bwd(grid, (x, idx.contiguous(), ds, dl, T, E, x.stride(0), dl.stride(0)),
-                    dict(K=K, RENORM=bool(renormalize), **meta), warps)
+        launch(grid, (x, idx.contiguous(), d_scores.contiguous(), dl, T, E, x.stride(0), dl.stride(0)),
+               dict(K=K, **consts, **meta), warps)
     return dl
 
 
-class _TopKSoftmaxFn(torch.autograd.Function):
+class _SelectFn(torch.autograd.Function):
+    """Eager autograd of either router: ``forward(logits, top_k, flag, out_dtype)`` and
+    ``backward(logits, idx, d_scores, flag)`` are the router's host functions."""
+
     @staticmethod
-    def forward(ctx, logits, top_k, renormalize, out_dtype):
-        scores, idx = _forward(logits, top_k, renormalize, out_dtype)
+    def forward(ctx, logits, top_k, flag, out_dtype, forward, backward):
+        scores, idx = forward(logits, top_k, flag, out_dtype)
         ctx.save_for_backward(logits, idx)
-        ctx.renormalize = renormalize
+        ctx.flag, ctx.backward_fn = flag, backward
         ctx.mark_non_differentiable(idx)
         return scores, idx
 
     @staticmethod
     def backward(ctx, d_scores, _d_idx):
         logits, idx = ctx.saved_tensors
-        return _backward(logits, idx, d_scores, ctx.renormalize), None, None, None
+        return ctx.backward_fn(logits, idx, d_scores, ctx.flag), None, None, None, None, None
+
+
+def _register_select_autograd(op, backward_op) -> None:
+    """The autograd of a router's custom op ``op(logits, top_k, flag, out_dtype)``: its backward
+    custom op ``backward_op(logits, idx, d_scores, flag)``."""
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output[1])
+        ctx.flag = inputs[2]
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, d_scores, _d_idx):
+        logits, idx = ctx.saved_tensors
+        return backward_op(logits, idx, d_scores, ctx.flag), None, None, None
+
+    op.register_autograd(backward, setup_context=setup)
+
+
+def _forward(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype) -> tuple:
+    return _select_forward(_launch_fwd, logits, top_k, out_dtype, dict(RENORM=bool(renormalize)))
+
+
+def _backward(logits: torch.Tensor, idx: torch.Tensor, d_scores: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    return _select_backward(_launch_bwd, logits, idx, d_scores, dict(RENORM=bool(renormalize)))
 
 
 @torch.library.custom_op(f"{_NS}::moe_topk_softmax", mutates_args=())
@@ -382,18 +410,7 @@ def _(logits, idx, d_scores, renormalize):
     return torch.empty_like(logits)
 
 
-def _op_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], output[1])
-    ctx.renormalize = inputs[2]
-    ctx.mark_non_differentiable(output[1])
-
-
-def _op_backward(ctx, d_scores, _d_idx):
-    logits, idx = ctx.saved_tensors
-    return _topk_softmax_backward_op(logits, idx, d_scores, ctx.renormalize), None, None, None
-
-
-_topk_softmax_op.register_autograd(_op_backward, setup_context=_op_setup)
+_register_select_autograd(_topk_softmax_op, _topk_softmax_backward_op)
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -410,7 +427,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
     if torch.compiler.is_compiling():
         return _topk_softmax_op(logits, top_k, bool(renormalize), dtype)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _TopKSoftmaxFn.apply(logits, top_k, bool(renormalize), dtype)
+        return _SelectFn.apply(logits, top_k, bool(renormalize), dtype, _forward, _backward)
     return _forward(logits, top_k, bool(renormalize), dtype)
 
 
@@ -429,41 +446,11 @@ def topk_logits_softmax_reference(logits: torch.Tensor, top_k: int, softmax_dtyp
 
 
 def _kl_forward(logits, top_k, rnd, out_dtype):
-    x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    T, E = x.shape
-    scores = torch.empty((T, top_k), dtype=out_dtype, device=x.device)
-    idx = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
-    if T:
-        grid, meta, warps = _meta(T, E, top_k)
-        _launch_kl_fwd(grid, (x, scores, idx, T, E, x.stride(0)), dict(K=top_k, ROUND=rnd, **meta), warps)
-    return scores, idx
+    return _select_forward(_launch_kl_fwd, logits, top_k, out_dtype, dict(ROUND=rnd))
 
 
 def _kl_backward(logits, idx, d_scores, rnd):
-    x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    T, E = x.shape
-    K = idx.shape[-1]
-    dl = torch.empty((T, E), dtype=logits.dtype, device=x.device)
-    if T:
-        grid, meta, warps = _meta(T, E, K)
-        _launch_kl_bwd(grid, (x, idx.contiguous(), d_scores.contiguous(), dl, T, E, x.stride(0), dl.stride(0)),
-                       dict(K=K, ROUND=rnd, **meta), warps)
-    return dl
-
-
-class _TopKLogitsFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, top_k, rnd, out_dtype):
-        scores, idx = _kl_forward(logits, top_k, rnd, out_dtype)
-        ctx.save_for_backward(logits, idx)
-        ctx.rnd = rnd
-        ctx.mark_non_differentiable(idx)
-        return scores, idx
-
-    @staticmethod
-    def backward(ctx, d_scores, _d_idx):
-        logits, idx = ctx.saved_tensors
-        return _kl_backward(logits, idx, d_scores, ctx.rnd), None, None, None
+    return _select_backward(_launch_kl_bwd, logits, idx, d_scores, dict(ROUND=rnd))
 
 
 @torch.library.custom_op(f"{_NS}::moe_topk_logits_softmax", mutates_args=())
@@ -487,18 +474,7 @@ def _(logits, idx, d_scores, rnd):
     return torch.empty_like(logits)
 
 
-def _kl_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], output[1])
-    ctx.rnd = inputs[2]
-    ctx.mark_non_differentiable(output[1])
-
-
-def _kl_op_backward(ctx, d_scores, _d_idx):
-    logits, idx = ctx.saved_tensors
-    return _kl_backward_op(logits, idx, d_scores, ctx.rnd), None, None, None
-
-
-_kl_op.register_autograd(_kl_op_backward, setup_context=_kl_setup)
+_register_select_autograd(_kl_op, _kl_backward_op)
 
 
 def topk_logits_softmax(logits: torch.Tensor, top_k: int, softmax_dtype: Optional[torch.dtype] = None,
@@ -526,7 +502,7 @@ def topk_logits_softmax(logits: torch.Tensor, top_k: int, softmax_dtype: Optiona
     if torch.compiler.is_compiling():
         return _kl_op(logits, top_k, rnd, out)
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _TopKLogitsFn.apply(logits, top_k, rnd, out)
+        return _SelectFn.apply(logits, top_k, rnd, out, _kl_forward, _kl_backward)
     return _kl_forward(logits, top_k, rnd, out)
 
 
