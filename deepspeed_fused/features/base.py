@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import dis
+import functools
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -243,6 +245,13 @@ class OptInMarker:
             if is_replaced(module):
                 module.__dict__[self.calls] = calls
         return calls
+
+
+@functools.lru_cache(maxsize=4096)
+def global_names(code) -> tuple:
+    """The module globals a function's code loads, in first-use order (``co_names`` also holds
+    attribute names): what a recognised forward reads from its module."""
+    return tuple(dict.fromkeys(ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"))
 
 
 def count_text(counter) -> str:

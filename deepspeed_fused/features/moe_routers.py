@@ -5,8 +5,6 @@ the experts modules it takes in."""
 from __future__ import annotations
 
 import collections
-import dis
-import functools
 from typing import Any
 
 import torch
@@ -14,7 +12,7 @@ import torch.nn.functional as F  # noqa: F401  (the name the router templates be
 from torch import nn  # noqa: F401  (likewise)
 
 from ..ops import moe_reorder as reorder
-from .base import OptInMarker
+from .base import OptInMarker, global_names
 
 # ---- the router: its selection fused (ops/moe_reorder/router.py) ----------------------------------
 # Templates of transformers' top-k softmax router forwards, written as transformers 5.24 writes them:
@@ -133,12 +131,6 @@ def _code_key(fn) -> tuple:
     return (co.co_code, co.co_names, co.co_consts, co.co_varnames, co.co_argcount)
 
 
-@functools.lru_cache(maxsize=None)
-def _global_names(code) -> frozenset:
-    """The global names a function's code loads (co_names also holds attribute names)."""
-    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
-
-
 def router_form(cls) -> Any:
     """``(renormalise, cast)`` when ``cls.forward`` is one of transformers' top-k softmax router
     forwards, ``("grouped", None)`` for DeepSeek-V3's grouped sigmoid router, ``("logits_first",
@@ -149,7 +141,7 @@ def router_form(cls) -> Any:
     if not hasattr(fwd, "__code__"):
         return None
     g = fwd.__globals__
-    if any(name in _global_names(fwd.__code__) and g.get(name) is not obj for name, obj in _TORCH_GLOBALS.items()):
+    if any(name in global_names(fwd.__code__) and g.get(name) is not obj for name, obj in _TORCH_GLOBALS.items()):
         return None
     key = _code_key(fwd)
     for template, renorm, cast in _ROUTER_FORMS:

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from ...ops.rope import RopeSpec
+from ..base import global_names
 from . import templates
 from .templates import _FORMS, _PAIR_ROTATIONS, _ROTATIONS
 
@@ -123,11 +124,6 @@ def _normalized(fn, roles: dict, helpers) -> Optional[tuple]:
 _MISSING = object()
 
 
-@functools.lru_cache(maxsize=4096)
-def _global_names(code) -> tuple:
-    return tuple(dict.fromkeys(ins.argval for ins in dis.get_instructions(code) if ins.opname == "LOAD_GLOBAL"))
-
-
 class _GlobalsCache:
     """Results that depend on a function's code and on the current values of the globals it
     reads (module globals are mutable: another library may replace ``rotate_half`` or
@@ -144,7 +140,7 @@ class _GlobalsCache:
         if not isinstance(t, types.FunctionType):
             return (t,)
         g = t.__globals__
-        return (t, t.__code__, t.__defaults__) + tuple(g.get(n, _MISSING) for n in _global_names(t.__code__))
+        return (t, t.__code__, t.__defaults__) + tuple(g.get(n, _MISSING) for n in global_names(t.__code__))
 
     def __call__(self, fn):
         try:
