@@ -59,6 +59,24 @@ def pytest_configure(config):
                                        "pytest -n such tests run one at a time")
     config.addinivalue_line("markers", "world_size(n): ranks a DistributedTest runs (int or list)")
     config.addinivalue_line("markers", "slow: long CPU test")
+    config.pluginmanager.register(_SkipWithoutFork(), "deepspeed-fused-skip-without-fork")
+
+
+class _SkipWithoutFork:
+    """Under ``--forked``, a test skipped by a mark (every ``gpu`` test on a CPU-only machine: two
+    thousand of them) is reported here without a fork: its setup only raises the skip, and a
+    fork of this process (torch, transformers, Triton imported) costs tens of milliseconds."""
+
+    @pytest.hookimpl(tryfirst=True)  # registered after pytest-forked, so called before its hook
+    def pytest_runtest_protocol(self, item, nextitem):
+        if not item.config.getvalue("forked") or item.get_closest_marker("skip") is None:
+            return None
+        from _pytest.runner import runtestprotocol
+
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        runtestprotocol(item, nextitem=nextitem, log=True)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
 
 
 def _is_distributed(item) -> bool:

@@ -383,6 +383,30 @@ def run_router(dev, dtype, rep: int, quick: bool) -> list:
             if dev == "cuda":
                 add_graph_times(rec, fwd, fwd_bwd, rep)
             recs.append(rec)
+    # GPT-OSS-20B's router (the top-4 of 32 bf16 logits, then their softmax in bf16)
+    T, E, k = (8192, 32, 4) if dev == "cuda" else (64, 16, 2)
+    logits = torch.randn(T, E, generator=gen).to(dev, dtype)
+    ds = torch.randn(T, k, generator=gen).to(dev, dtype)
+    tag = f"router GPT-OSS-20B T{T} E{E} k{k} (top-k of the logits, then softmax)"
+    comp_l = torch.compile(reorder.topk_logits_softmax_reference, dynamic=False)
+    for impl, fn, ours in (("deepspeed_fused topk_logits_softmax", reorder.topk_logits_softmax, True),
+                           ("eager router (topk, softmax)", reorder.topk_logits_softmax_reference, False),
+                           ("torch.compile of the eager router", comp_l, False)):
+        leaf = logits.detach().clone().requires_grad_()
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                return fn(logits, k)
+
+        def fwd_bwd(fn=fn, leaf=leaf):
+            return torch.autograd.grad(fn(leaf, k)[0], leaf, ds)
+
+        same = bool(torch.equal(fwd()[1], reorder.topk_logits_softmax_reference(logits, k)[1]))
+        rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep,
+                      note="same experts as eager" if same else "experts differ from eager (ties)")
+        if dev == "cuda":
+            add_graph_times(rec, fwd, fwd_bwd, rep)
+        recs.append(rec)
     # DeepSeek-V3's grouped sigmoid router (FP32 logits): 256 experts in 8 groups, 4 chosen, top-8
     T, E, G, TG, k = (8192, 256, 8, 4, 8) if dev == "cuda" else (64, 32, 4, 2, 3)
     logits = torch.randn(T, E, generator=gen).to(dev)

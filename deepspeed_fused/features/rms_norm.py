@@ -371,6 +371,11 @@ def _resolve_gate_first(spec, module, hidden, gate):
     return FORMS["gate_first"], module.weight, getattr(module, spec.eps_attr), size
 
 
+def _resolve_gate_first_row(spec, module, hidden, gate):
+    # the same with the statistics over the whole row
+    return FORMS["gate_first"], module.weight, getattr(module, spec.eps_attr), None
+
+
 # Falcon-H1's gated norm: the weight product stays FP32 (weight * FP32 value), the gate after it
 # (norm_before_gate) or before the statistics, the result cast to the input's dtype
 _N_GROUPS_AFTER = RMSForm(norm_cast="none", weight="plain", gate="after", out_cast=True)
@@ -410,6 +415,7 @@ def _resolve_torch(spec, module, hidden, gate):
 
 _RESOLVERS = {"weighted": _resolve_weighted, "unweighted": _resolve_unweighted, "cpmant": _resolve_cpmant,
               "with_scale": _resolve_with_scale, "gated": _resolve_gated, "gate_first": _resolve_gate_first,
+              "gate_first_row": _resolve_gate_first_row,
               "grouped": _resolve_grouped, "n_groups_gated": _resolve_n_groups_gated,
               "optional_weight_bias": _resolve_optional_weight_bias, "torch": _resolve_torch,
               "llama": _resolve_weighted}

@@ -140,6 +140,20 @@ def forward(self, hidden_states, gate):
     hidden_states = hidden_states_group.view(*prefix_dims, group_count * self.group_size)
     return self.weight * hidden_states.to(input_dtype)
 ''', None),
+    # the same with the statistics over the whole row (Mamba2's and Bamba's gated norm up to
+    # transformers 5.17, before it took a group size)
+    ("gate_first_row", "gate_first_row", "gate_first", '''
+def forward(self, hidden_states, gate=None):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+
+    if gate is not None:
+        hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+    return self.weight * hidden_states.to(input_dtype)
+''', None),
     ("n_groups_gated", "n_groups_gated", "weight_first", '''
 def forward(self, hidden_states, gate=None):
     input_dtype = hidden_states.dtype

@@ -977,3 +977,53 @@ def test_gated_narrow_rows_take_the_gated_tiles():
     for n in (2048, 5376, 20000):
         assert P._fwd_config(4096, n, 2, 132, gated=True) == P._fwd_config(4096, n, 2, 132)
         assert P._bwd_config(4096, n, gated=True) == P._bwd_config(4096, n)
+
+
+# Mamba2's and Bamba's gated norm as transformers 5.17 (the GPU machine's) spells it: the gate
+# before the statistics, which span the whole row (no group size yet)
+_GATE_FIRST_ROW_SRC = '''
+class OldMambaRMSNormGated(torch.nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+
+        if gate is not None:
+            hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+
+        return self.weight * hidden_states.to(input_dtype)
+'''
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gate_first_without_groups_transformers_517(interpret, dtype):
+    ns = {"torch": torch, "nn": torch.nn, "__name__": "old_mamba2"}
+    exec(compile(_GATE_FIRST_ROW_SRC, "<old_mamba2>", "exec"), ns)
+    cls = ns["OldMambaRMSNormGated"]
+    spec = F.recognise(cls)
+    assert spec is not None and spec.kind == "gate_first_row" and spec.form == "gate_first" and spec.gated
+    n = 24
+    m = _randomize(cls(n)).to(interpret, dtype)
+    ref = copy.deepcopy(m)
+    rep = F.RmsNormFeature().apply(torch.nn.ModuleList([m]), None, F.RmsNormConfig(enabled=True))
+    assert rep.details["replaced"] == {"OldMambaRMSNormGated": 1}, rep
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, n, generator=g).to(interpret, dtype)
+    for gate in (torch.randn(5, 3, n, generator=g).to(interpret, dtype), None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback: the kernels ran
+            y_r = ref(x) if gate is None else ref(x, gate)
+            dy = torch.randn(y_r.shape, generator=g).to(interpret, y_r.dtype)
+            y, grads = _module_step(m, x, gate, dy)
+        y_r, grads_r = _module_step(ref, x, gate, dy)
+        _close(y, y_r, dtype)
+        assert len(grads) == len(grads_r)
+        for a, b in zip(grads, grads_r):
+            _close(a, b, dtype)
+    assert m._ds_fused_rms_calls.fused == 2 and m._ds_fused_rms_calls.eager == 0

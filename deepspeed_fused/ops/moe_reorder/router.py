@@ -188,8 +188,10 @@ if HAS_TRITON:
     @triton.jit
     def _topk_logits_bwd_kernel(L, IDX, DS, DL, n_rows, E, stride, stride_dl, K: tl.constexpr, ROUND: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, KP: tl.constexpr):
-        # the softmax's backward over the k (from its output in its dtype, as autograd saves it:
-        # g * y - y * sum(g * y) in FP32, one rounding to the logits' dtype), scattered into a zero
+        # the softmax's backward over the k as CUDA's eager computes it, from its output in its
+        # dtype (as autograd saves it): t = g * y, a tensor in the softmax's dtype (its own
+        # elementwise kernel, one rounding), then t - y * sum(t) in FP32 (the product fused into the
+        # subtraction, as nvcc builds it), one rounding to the logits' dtype; scattered into a zero
         # row of experts (top-k's backward)
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         rmask = rows < n_rows
@@ -200,7 +202,7 @@ if HAS_TRITON:
         v = tl.load(L + rows.to(tl.int64)[:, None] * stride + ids, mask=km, other=float("-inf")).to(tl.float32)
         y = _k_softmax(v, ks, rmask, K, ROUND)
         g = _round_to(tl.load(DS + o, mask=km, other=0.0).to(tl.float32), ROUND)  # the cast's backward
-        gy = tl.where(km, g * y, 0.0)
+        gy = tl.where(km, _round_to(g * y, ROUND), 0.0)
         dv = gy - y * tl.sum(gy, axis=1)[:, None]
         dv = dv.to(DL.dtype.element_ty).to(tl.float32)
         cols = tl.arange(0, BLOCK_E)
