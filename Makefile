@@ -4,7 +4,7 @@ PY ?= python
 .PHONY: test train gpu-test bench e2e docs
 
 test:            ## the CPU test-suite (what CI runs)
-	$(PY) -m pytest tests -q --forked
+	$(PY) -m pytest tests -q --forked -n 2
 
 train:           ## the example job, every feature on
 	deepspeed examples/train.py --deepspeed_config configs/fused_all.json --model qwen3-moe-tiny --steps 20

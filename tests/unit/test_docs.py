@@ -27,14 +27,14 @@ def test_readme_names_every_key_and_the_two_commands():
         readme = f.read()
     for row in config_reference():
         assert f"`{row['key']}`" in readme
-    assert "python -m pytest tests -q --forked" in readme
+    assert "python -m pytest tests -q --forked -n 2" in readme
     assert "examples/train.py" in readme
 
 
 def test_ci_runs_the_readme_test_command():
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
-    assert "python -m pytest tests -q --forked" in ci
+    assert "python -m pytest tests -q --forked -n 2" in ci
 
 
 def test_readme_architecture_and_makefile_give_the_gpu_test_command():

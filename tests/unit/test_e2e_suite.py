@@ -290,22 +290,25 @@ def test_merge_names_each_pairs_date_when_the_files_differ():
     assert "pair_dates" not in m
 
 
-def test_suite_smoke_on_cpu(tmp_path):
-    """The suite end to end through the deepspeed launcher on the tiny model: two arms that run, a
-    Liger arm that fails here (its Triton kernels need a GPU) and is recorded, not raised, the
-    accumulation pair (8 micro-steps per optimizer step, each timed and profiled), and a
-    micro-batch search that reaches its cap."""
+def _run_suite(tmp_path, *args):
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=e2e.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
     p = subprocess.run([sys.executable, "-m", "deepspeed_fused.bench", "e2e", "--quick", "--out", str(tmp_path),
-                        "--model", "qwen3-moe-tiny", "--pairs", "zero2,zero2_accum8", "--arms", "baseline,liger,fused",
-                        "--search", "zero2", "--search-arms", "fused", "--search-max", "2", "--arm-timeout", "400",
-                        "--search-timeout", "400"], cwd=e2e.ROOT, env=env, capture_output=True, text=True,
-                       timeout=1500)
+                        "--model", "qwen3-moe-tiny", "--arm-timeout", "400", *args], cwd=e2e.ROOT, env=env,
+                       capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    d = json.loads((tmp_path / "e2e.json").read_text())
+    return json.loads((tmp_path / "e2e.json").read_text()), (tmp_path / "e2e.md").read_text()
+
+
+# The suite end to end through the deepspeed launcher on the tiny model, in two tests (two pytest
+# workers run them side by side): the first pair and the search, then the accumulation pair.
+def test_suite_smoke_on_cpu(tmp_path):
+    """Two arms that run, a Liger arm that fails here (its Triton kernels need a GPU) and is
+    recorded, not raised, and a micro-batch search that reaches its cap."""
+    d, md = _run_suite(tmp_path, "--pairs", "zero2", "--arms", "baseline,liger,fused", "--search", "zero2",
+                       "--search-arms", "fused", "--search-max", "2", "--search-timeout", "400")
     z = d["results"]["zero2"]
     for arm in ("baseline", "fused"):
         assert "error" not in z[arm], z[arm].get("error")
@@ -317,6 +320,15 @@ def test_suite_smoke_on_cpu(tmp_path):
     assert z["compare"]["max_loss_rel_diff"] <= 0.005
     assert z["fused"]["gradient_accumulation_steps"] == 1 and z["fused"]["median_micro_fb_s"] > 0
     assert len(z["fused"]["breakdown"]["micro_steps"]) == 1
+    s = d["search"]["zero2"]["arms"]["fused"]
+    assert s["largest"] == 2 and s["capped"] and [t["batch"] for t in s["trials"]] == [1, 2]
+    assert s["features"].startswith("ours: linear_cross_entropy")  # on CPU only the loss applies
+    assert "| zero2 | fused | ours: linear_cross_entropy (torch reference: no GPU)" in md
+
+
+def test_suite_smoke_accumulation_on_cpu(tmp_path):
+    """The accumulation pair: 8 micro-steps per optimizer step, each timed and profiled."""
+    d, md = _run_suite(tmp_path, "--pairs", "zero2_accum8", "--arms", "baseline,fused")
     a = d["results"]["zero2_accum8"]
     for arm in ("baseline", "fused"):
         assert "error" not in a[arm], a[arm].get("error")
@@ -334,10 +346,6 @@ def test_suite_smoke_on_cpu(tmp_path):
     c = a["compare"]
     assert c["gradient_accumulation_steps"] == 8 and c["max_loss_rel_diff"] <= 0.005 and c["fb_speedup"] > 0
     assert {x["name"] for x in c["checks"]} >= {"loss_0_5pct", "speedup_1.5", "vs_liger_1.3"}
-    s = d["search"]["zero2"]["arms"]["fused"]
-    assert s["largest"] == 2 and s["capped"] and [t["batch"] for t in s["trials"]] == [1, 2]
-    assert s["features"].startswith("ours: linear_cross_entropy")  # on CPU only the loss applies
-    md = (tmp_path / "e2e.md").read_text()
     assert "| zero2_accum8 | fused | ours: linear_cross_entropy (torch reference: no GPU)" in md
     assert "### Forward+backward of one micro-step (ms)" in md and "| zero2_accum8 | fused | 8 |" in md
 
