@@ -22,6 +22,7 @@ are left to it and reported.
 """
 from __future__ import annotations
 
+import builtins
 import collections
 import dis
 import functools
@@ -34,7 +35,7 @@ from pydantic import Field, StrictBool
 from ..ops._common import warn_fallback
 from ..ops.rms_norm import (FORMS, RMSForm, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                              try_fused_rms_norm_form)
-from .base import FeatureConfig, FeatureReport, OptInMarker, ReplacementFeature
+from .base import FeatureConfig, FeatureReport, OptInMarker, ReplacementFeature, global_names
 from .rms_norm_templates import TEMPLATE_SOURCES
 
 SUPPORTED_CLASSES = frozenset(f"transformers.models.{m}.modeling_{m}.{c}" for m, c in [
@@ -220,19 +221,35 @@ _TEMPLATE = _TEMPLATES[0].ops["variance_epsilon"]
 _HINTS = ("rsqrt",) + _HELPER_NAMES
 
 
+def _expected_global(name: str):
+    """What a template's module global ``name`` must be (None: not one a template loads)."""
+    if name == "torch":
+        return torch
+    if name == "nn":
+        return torch.nn
+    if name == "F":
+        return torch.nn.functional
+    if name == "ACT2FN":
+        return getattr(sys.modules.get("transformers.activations"), "ACT2FN", _MISSING)
+    return None
+
+
+_MISSING = object()
+
+
 def _globals_ok(fn) -> bool:
-    """The names the templates take from their module resolve to torch's and transformers' own."""
-    glb = getattr(fn, "__globals__", {})
-    if glb.get("torch") is not torch:
+    """The module globals ``fn`` loads (not its attribute names: ``x.nn`` is no global) resolve to
+    torch's and transformers' own, and Python's builtins it calls (``len``, ``int``) are not shadowed
+    by a module global of that name. The bytecode match compares the names; this, what they name."""
+    code, glb = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is None or glb is None:
         return False
-    names = fn.__code__.co_names
-    if "nn" in names and glb.get("nn") is not torch.nn:
-        return False
-    if "F" in names and glb.get("F") is not torch.nn.functional:
-        return False
-    if "ACT2FN" in names:
-        acts = sys.modules.get("transformers.activations")
-        if acts is None or glb.get("ACT2FN") is not getattr(acts, "ACT2FN", None):
+    for name in global_names(code):
+        want = _expected_global(name)
+        if want is not None:
+            if want is _MISSING or glb.get(name) is not want:
+                return False
+        elif name in glb and hasattr(builtins, name) and glb[name] is not getattr(builtins, name):
             return False
     return True
 

@@ -1027,3 +1027,28 @@ def test_gate_first_without_groups_transformers_517(interpret, dtype):
         for a, b in zip(grads, grads_r):
             _close(a, b, dtype)
     assert m._ds_fused_rms_calls.fused == 2 and m._ds_fused_rms_calls.eager == 0
+
+
+def _class_from_template(name, **globals_):
+    """A module class whose forward is template ``name``'s source, compiled in a module namespace
+    with torch's names, some replaced by ``globals_``."""
+    from deepspeed_fused.features.rms_norm_templates import TEMPLATE_SOURCES
+
+    src = {t[0]: t[3] for t in TEMPLATE_SOURCES}[name]
+    ns = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "__name__": "a_model", **globals_}
+    exec(compile(src, "<a_model>", "exec"), ns)
+    return type("SomeNorm", (torch.nn.Module,), {"forward": ns["forward"]})
+
+
+def test_recognition_checks_what_the_loaded_globals_name():
+    import types
+
+    # the code matches; what its module's globals name decides
+    assert F.recognise(_class_from_template("gate_first_row")).kind == "gate_first_row"
+    fake_nn = types.SimpleNamespace(functional=types.SimpleNamespace(silu=torch.sigmoid))
+    assert F.recognise(_class_from_template("gate_first_row", nn=fake_nn)) is None
+    assert F.recognise(_class_from_template("gate_first_row", torch=types.SimpleNamespace(float32=None))) is None
+    # a global the code does not load does not matter (F here), a shadowed builtin it calls does
+    assert F.recognise(_class_from_template("gate_first_row", F=None)) is not None
+    assert F.recognise(_class_from_template("n_groups_gated")).kind == "n_groups_gated"
+    assert F.recognise(_class_from_template("n_groups_gated", len=lambda s: 3)) is None
