@@ -73,7 +73,8 @@ Flags: ``--model --steps --warmup --batch-size --seq-len`` (the fixed setup), ``
 --search-start --search-max --search-steps --search-warmup --search-timeout`` (s per search
 process), ``--no-search-confirm``, ``--include HOST:IDS`` (the launcher's ``--include``: e.g.
 ``localhost:1`` runs on the second GPU, so two single-GPU parts can run side by side on a two-GPU
-host), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (3 steps, 512 tokens).
+host), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (defaults of 3 steps and 512 tokens;
+flags given explicitly win).
 
     python -m deepspeed_fused.bench e2e                                   # the four pairs, three arms
     python -m deepspeed_fused.bench e2e --pairs zero2,zero2_accum8 --out /tmp/e2e_z2
@@ -480,9 +481,9 @@ def parse_options(args):
                         "so two jobs can share a host; its GPU count must match the pairs'")
     p.add_argument("--render", nargs="+", default=None, metavar="E2E_JSON",
                    help="do not run: merge the results of earlier runs (e2e.json files) and write the outputs")
+    if getattr(args, "quick", False):  # smaller defaults; a flag given explicitly still wins
+        p.set_defaults(steps=3, warmup=1, seq_len=512, search_steps=2, search_warmup=1)
     o = p.parse_args(getattr(args, "extra", []))
-    if getattr(args, "quick", False):
-        o.steps, o.warmup, o.seq_len, o.search_steps, o.search_warmup = 3, 1, 512, 2, 1
     o.pair_list = [x for x in o.pairs.split(",") if x and x != "none"]
     o.arm_list = [x for x in o.arms.split(",") if x]
     o.search_list = [y for y in o.search.split(",") if y]

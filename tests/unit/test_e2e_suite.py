@@ -328,21 +328,22 @@ def test_suite_smoke_on_cpu(tmp_path):
 
 def test_suite_smoke_accumulation_on_cpu(tmp_path):
     """The accumulation pair: 8 micro-steps per optimizer step, each timed and profiled."""
-    d, md = _run_suite(tmp_path, "--pairs", "zero2_accum8", "--arms", "baseline,fused")
+    d, md = _run_suite(tmp_path, "--pairs", "zero2_accum8", "--arms", "baseline,fused", "--steps", "1",
+                       "--seq-len", "128")
     a = d["results"]["zero2_accum8"]
     for arm in ("baseline", "fused"):
         assert "error" not in a[arm], a[arm].get("error")
         r = a[arm]
-        assert r["gradient_accumulation_steps"] == 8 and len(r["history"]) == 4  # 3 timed + 1 warm-up
+        assert r["gradient_accumulation_steps"] == 8 and len(r["history"]) == 2  # 1 timed + 1 warm-up
         assert all(len(h["micro_losses"]) == 8 and len(h["micro_fb_s"]) == 8 for h in r["history"])
-        assert r["tokens_per_step"] == 8 * 2 * 512 and r["median_micro_fb_s"] > 0
+        assert r["tokens_per_step"] == 8 * 2 * 128 and r["median_micro_fb_s"] > 0
         b = r["breakdown"]
         assert len(b["micro_steps"]) == 8 and b["micro_step_mean"]["n_micro_steps"] == 8
         assert b["outside_micro_steps"]["categories"]["optimizer step"] > 0  # the step at the boundary
         assert b["micro_step_mean"]["categories"]["optimizer step"] == 0
         assert sum(w["total_gpu_ms"] for w in b["micro_steps"]) + b["outside_micro_steps"]["total_gpu_ms"] == \
             pytest.approx(b["total_gpu_ms"])
-    assert a["fused"]["report"]["features"][1]["calls"]["fused"] >= 4 * 8  # the fused loss in every micro-step
+    assert a["fused"]["report"]["features"][1]["calls"]["fused"] >= 2 * 8  # the fused loss in every micro-step
     c = a["compare"]
     assert c["gradient_accumulation_steps"] == 8 and c["max_loss_rel_diff"] <= 0.005 and c["fb_speedup"] > 0
     assert {x["name"] for x in c["checks"]} >= {"loss_0_5pct", "speedup_1.5", "vs_liger_1.3"}
@@ -370,6 +371,8 @@ def test_options_defaults_and_checks():
     assert o.pair_list == ["zero2_accum8"] and o.search_list == ["zero2", "zero2_accum8"]
     assert o.search_arm_list == ["fused"] and o.search_start == 2 and not o.search_confirm
     assert (o.steps, o.warmup, o.seq_len) == (3, 1, 512)
+    o = _opts("--steps", "1", "--seq-len", "128", quick=True)  # --quick's sizes are defaults only
+    assert (o.steps, o.warmup, o.seq_len) == (1, 1, 128)
     assert _opts("--pairs", "none").pair_list == []
     for bad, msg in ((("--pairs", "zero2_accum4"), "unknown pair 'zero2_accum4'"),
                      (("--arms", "fused,ours"), "unknown arm 'ours'"),
