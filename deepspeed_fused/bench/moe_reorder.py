@@ -348,6 +348,30 @@ ROUTER = [("Qwen3-30B-A3B", 8192, 128, 8, "norm_topk_prob", True), ("Mixtral-8x7
           ("Qwen3.5-MoE", 8192, 512, 10, True, True)]
 
 
+def _time_router(recs, tag, dtype, logits, d_out, args, impls, dev, rep, reference=None) -> None:
+    """Each ``(impl, fn, ours)`` of ``impls`` on ``fn(logits, *args)``: the forward without grad,
+    the forward+backward with ``d_out`` as the first output's gradient; ``reference``: the eager
+    router whose chosen experts the note compares (None: no note)."""
+    for impl, fn, ours in impls:
+        leaf = logits.detach().clone().requires_grad_()
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                return fn(logits, *args)
+
+        def fwd_bwd(fn=fn, leaf=leaf):
+            return torch.autograd.grad(fn(leaf, *args)[0], leaf, d_out)
+
+        kw = {}
+        if reference is not None:
+            same = bool(torch.equal(fwd()[1], reference(logits, *args)[1]))
+            kw["note"] = "same experts as eager" if same else "experts differ from eager (ties)"
+        rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep, **kw)
+        if dev == "cuda":
+            add_graph_times(rec, fwd, fwd_bwd, rep)
+        recs.append(rec)
+
+
 def run_router(dev, dtype, rep: int, quick: bool) -> list:
     """Case ``router``: a top-k softmax router's selection from its logits (softmax, top-k,
     renormalisation, cast), forward and forward+backward: ours against the eager router code and
@@ -358,79 +382,38 @@ def run_router(dev, dtype, rep: int, quick: bool) -> list:
     recs = []
     gen = torch.Generator().manual_seed(4)
     torch._dynamo.reset()
-    comp = torch.compile(reorder.topk_softmax_reference, dynamic=False)
+    ref = reorder.topk_softmax_reference
+    comp = torch.compile(ref, dynamic=False)
     for name, tokens, experts, k, renorm, cast in shapes:
         norm = renorm is True or renorm == "norm_topk_prob"  # Qwen3-30B-A3B's config sets it
         out = dtype if cast else None
         logits = torch.randn(tokens, experts, generator=gen).to(dev, dtype)
         ds = torch.randn(tokens, k, generator=gen).to(dev, out or torch.float32)
-        tag = f"router {name} T{tokens} E{experts} k{k}"
-        for impl, fn, ours in (("deepspeed_fused topk_softmax", reorder.topk_softmax, True),
-                               ("eager router (softmax, topk, renorm, cast)", reorder.topk_softmax_reference, False),
-                               ("torch.compile of the eager router", comp, False)):
-            leaf = logits.detach().clone().requires_grad_()
-
-            def fwd(fn=fn):
-                with torch.no_grad():
-                    return fn(logits, k, norm, out)
-
-            def fwd_bwd(fn=fn, leaf=leaf):
-                return torch.autograd.grad(fn(leaf, k, norm, out)[0], leaf, ds)
-
-            same = bool(torch.equal(fwd()[1], reorder.topk_softmax_reference(logits, k, norm, out)[1]))
-            rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep,
-                          note="same experts as eager" if same else "experts differ from eager (ties)")
-            if dev == "cuda":
-                add_graph_times(rec, fwd, fwd_bwd, rep)
-            recs.append(rec)
+        _time_router(recs, f"router {name} T{tokens} E{experts} k{k}", dtype, logits, ds, (k, norm, out),
+                     (("deepspeed_fused topk_softmax", reorder.topk_softmax, True),
+                      ("eager router (softmax, topk, renorm, cast)", ref, False),
+                      ("torch.compile of the eager router", comp, False)), dev, rep, reference=ref)
     # GPT-OSS-20B's router (the top-4 of 32 bf16 logits, then their softmax in bf16)
     T, E, k = (8192, 32, 4) if dev == "cuda" else (64, 16, 2)
     logits = torch.randn(T, E, generator=gen).to(dev, dtype)
     ds = torch.randn(T, k, generator=gen).to(dev, dtype)
-    tag = f"router GPT-OSS-20B T{T} E{E} k{k} (top-k of the logits, then softmax)"
-    comp_l = torch.compile(reorder.topk_logits_softmax_reference, dynamic=False)
-    for impl, fn, ours in (("deepspeed_fused topk_logits_softmax", reorder.topk_logits_softmax, True),
-                           ("eager router (topk, softmax)", reorder.topk_logits_softmax_reference, False),
-                           ("torch.compile of the eager router", comp_l, False)):
-        leaf = logits.detach().clone().requires_grad_()
-
-        def fwd(fn=fn):
-            with torch.no_grad():
-                return fn(logits, k)
-
-        def fwd_bwd(fn=fn, leaf=leaf):
-            return torch.autograd.grad(fn(leaf, k)[0], leaf, ds)
-
-        same = bool(torch.equal(fwd()[1], reorder.topk_logits_softmax_reference(logits, k)[1]))
-        rec = measure(SUITE, impl, tag, dtype, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep,
-                      note="same experts as eager" if same else "experts differ from eager (ties)")
-        if dev == "cuda":
-            add_graph_times(rec, fwd, fwd_bwd, rep)
-        recs.append(rec)
+    ref = reorder.topk_logits_softmax_reference
+    _time_router(recs, f"router GPT-OSS-20B T{T} E{E} k{k} (top-k of the logits, then softmax)", dtype, logits, ds,
+                 (k,), (("deepspeed_fused topk_logits_softmax", reorder.topk_logits_softmax, True),
+                        ("eager router (topk, softmax)", ref, False),
+                        ("torch.compile of the eager router", torch.compile(ref, dynamic=False), False)),
+                 dev, rep, reference=ref)
     # DeepSeek-V3's grouped sigmoid router (FP32 logits): 256 experts in 8 groups, 4 chosen, top-8
     T, E, G, TG, k = (8192, 256, 8, 4, 8) if dev == "cuda" else (64, 32, 4, 2, 3)
     logits = torch.randn(T, E, generator=gen).to(dev)
     bias = (0.1 * torch.randn(E, generator=gen)).to(dev)
     dw = torch.randn(T, k, generator=gen).to(dev)
-    tag = f"router DeepSeek-V3 T{T} E{E} groups {TG} of {G} k{k}"
-    comp_g = torch.compile(reorder.group_topk_sigmoid_reference, dynamic=False)
-    for impl, fn, ours in (("deepspeed_fused group_topk_sigmoid", reorder.group_topk_sigmoid, True),
-                           ("eager router (sigmoid, group top-k, top-k, gather, renorm, scale)",
-                            reorder.group_topk_sigmoid_reference, False),
-                           ("torch.compile of the eager router", comp_g, False)):
-        leaf = logits.detach().clone().requires_grad_()
-
-        def fwd(fn=fn):
-            with torch.no_grad():
-                return fn(logits, bias, k, G, TG, True, 2.5)
-
-        def fwd_bwd(fn=fn, leaf=leaf):
-            return torch.autograd.grad(fn(leaf, bias, k, G, TG, True, 2.5)[0], leaf, dw)
-
-        rec = measure(SUITE, impl, tag, torch.float32, fwd=fwd, fwd_bwd=fwd_bwd, ours=ours, rep=rep)
-        if dev == "cuda":
-            add_graph_times(rec, fwd, fwd_bwd, rep)
-        recs.append(rec)
+    ref = reorder.group_topk_sigmoid_reference
+    _time_router(recs, f"router DeepSeek-V3 T{T} E{E} groups {TG} of {G} k{k}", torch.float32, logits, dw,
+                 (bias, k, G, TG, True, 2.5),
+                 (("deepspeed_fused group_topk_sigmoid", reorder.group_topk_sigmoid, True),
+                  ("eager router (sigmoid, group top-k, top-k, gather, renorm, scale)", ref, False),
+                  ("torch.compile of the eager router", torch.compile(ref, dynamic=False), False)), dev, rep)
     return recs
 
 

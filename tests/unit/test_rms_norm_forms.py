@@ -628,6 +628,22 @@ def _close(a, b, dtype):
         assert rel < 2e-3, f"relative error {rel.item():.3g}"
 
 
+def _step_matches_eager(m, ref, x, gate, g, dtype):
+    """A training step of the patched module ``m`` (its kernels, no fallback) against its unpatched
+    copy ``ref``: output and every gradient (input, gate, parameters); ``g`` draws the output's
+    gradient."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback: the kernels ran
+        y_r = ref(x) if gate is None else ref(x, gate)
+        dy = torch.randn(y_r.shape, generator=g).to(x.device, y_r.dtype)
+        y, grads = _module_step(m, x, gate, dy)
+    y_r, grads_r = _module_step(ref, x, gate, dy)
+    _close(y, y_r, dtype)
+    assert len(grads) == len(grads_r)
+    for a, b in zip(grads, grads_r):
+        _close(a, b, dtype)
+
+
 _GATED = {"gated", "gated_weight_first", "gate_first", "n_groups_gated"}
 
 
@@ -642,16 +658,7 @@ def test_installed_class_matches_its_own_eager_forward(interpret, model, name, t
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 3, n, generator=g).to(interpret, dtype)
     gate = torch.randn(5, 3, n, generator=g).to(interpret, dtype) if template in _GATED else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no fallback: the kernels ran
-        y_r = ref(x) if gate is None else ref(x, gate)
-        dy = torch.randn(y_r.shape, generator=g).to(interpret, y_r.dtype)
-        y, grads = _module_step(m, x, gate, dy)
-    y_r, grads_r = _module_step(ref, x, gate, dy)
-    _close(y, y_r, dtype)
-    assert len(grads) == len(grads_r)
-    for a, b in zip(grads, grads_r):
-        _close(a, b, dtype)
+    _step_matches_eager(m, ref, x, gate, g, dtype)
 
 
 def test_torch_rmsnorm_modules(interpret, monkeypatch):
@@ -1016,16 +1023,7 @@ def test_gate_first_without_groups_transformers_517(interpret, dtype):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 3, n, generator=g).to(interpret, dtype)
     for gate in (torch.randn(5, 3, n, generator=g).to(interpret, dtype), None):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no fallback: the kernels ran
-            y_r = ref(x) if gate is None else ref(x, gate)
-            dy = torch.randn(y_r.shape, generator=g).to(interpret, y_r.dtype)
-            y, grads = _module_step(m, x, gate, dy)
-        y_r, grads_r = _module_step(ref, x, gate, dy)
-        _close(y, y_r, dtype)
-        assert len(grads) == len(grads_r)
-        for a, b in zip(grads, grads_r):
-            _close(a, b, dtype)
+        _step_matches_eager(m, ref, x, gate, g, dtype)
     assert m._ds_fused_rms_calls.fused == 2 and m._ds_fused_rms_calls.eager == 0
 
 
