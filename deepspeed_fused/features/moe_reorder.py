@@ -421,7 +421,9 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     the default gate with SiLU (:func:`fused_gate`) is one
     :func:`~deepspeed_fused.ops.moe_reorder.swiglu` (one kernel each way, eager's rounding);
     weighting, the inverse permutation and the sum over ``top_k`` are one
-    :func:`~deepspeed_fused.ops.moe_reorder.route_combine` (FP32 sum, one rounding). Sentinel
+    :func:`~deepspeed_fused.ops.moe_reorder.route_combine` (FP32 sum, one rounding); per-expert
+    biases are :func:`~deepspeed_fused.ops.moe_reorder.expert_bias` (no ``[S, out]`` gather, a
+    segmented sum for the gradient where eager runs an index-put over every row). Sentinel
     expert ids (``>= num_experts``, experts of other ranks under transformers' expert parallelism)
     sit in padding slots: zero rows, no GEMM rows and no contribution or gradient."""
     from transformers.integrations.moe import _grouped_linear
@@ -442,23 +444,20 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     # their slots are padding: the dispatch writes zero rows there, the combine never reads them
     # and its backward writes zero gradients there, and grouped_mm leaves rows past offsets[-1]
     # unwritten, which only the next grouped_mm (reading rows below offsets[-1]) consumes. So the
-    # outputs need no mask; only a per-row expert bias does (its gradient gathers every row, the
-    # sentinels' included), hence transformers' masks run only for experts with biases.
-    expert_parallel = bool(getattr(self, "_is_expert_parallel", True))
+    # outputs need no mask. A per-row expert bias (GPT-OSS) is expert_bias: transformers' gather
+    # bias[ids] sums its gradient over every row, the sentinels' included (hence its masks); this
+    # one sums each expert's own rows offsets[e-1]:offsets[e] only.
     has_bias = getattr(self, "has_bias", False)
-    masking = expert_parallel and has_bias
     selected = reorder.route_dispatch(hidden_states, maps)
-    ids_for_bias = sort.experts  # clamped: a sentinel's bias row lands in a row grouped_mm skips
-    mask = (maps.token < 0).unsqueeze(-1) if masking else None
 
     if getattr(self, "has_gate", True):
-        weight, bias = self.gate_up_proj, (self.gate_up_proj_bias[ids_for_bias] if has_bias else None)
+        weight, bias = self.gate_up_proj, (self.gate_up_proj_bias if has_bias else None)
     else:
-        weight, bias = self.up_proj, (self.up_proj_bias[ids_for_bias] if has_bias else None)
+        weight, bias = self.up_proj, (self.up_proj_bias if has_bias else None)
     is_transposed = getattr(self, "is_transposed", False)
-    proj = _grouped_linear(selected, weight, offsets, bias=bias, is_transposed=is_transposed)
-    if mask is not None:
-        proj = proj.masked_fill(mask, 0.0)
+    proj = _grouped_linear(selected, weight, offsets, is_transposed=is_transposed)
+    if bias is not None:
+        proj = reorder.expert_bias(proj, bias, sort.experts, offsets)
     if not getattr(self, "has_gate", True):
         proj = self.act_fn(proj)
     elif fused_gate(self):
@@ -467,10 +466,9 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
         proj = reorder.oai_gate(proj, self.alpha, self.limit)  # GPT-OSS's clamped gate, one kernel each way
     else:
         proj = self._apply_gate(proj)
-    bias = self.down_proj_bias[ids_for_bias] if has_bias else None
-    proj = _grouped_linear(proj, self.down_proj, offsets, bias=bias, is_transposed=is_transposed)
-    if mask is not None:
-        proj = proj.masked_fill(mask, 0.0)
+    proj = _grouped_linear(proj, self.down_proj, offsets, is_transposed=is_transposed)
+    if has_bias:
+        proj = reorder.expert_bias(proj, self.down_proj_bias, sort.experts, offsets)
     if getattr(self, "has_post_expert_norm", False):
         proj = self.post_expert_norm(proj)
 

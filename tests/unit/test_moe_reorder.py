@@ -699,8 +699,8 @@ def _tiny_gpt_oss_experts():
 def test_sentinel_rows_unwritten_by_grouped_mm(interpret, monkeypatch, family):
     """With experts of other ranks (sentinels) the dispatch needs no masks around the GEMMs: rows
     grouped_mm leaves unwritten (NaN here, outputs and input gradients past offsets[-1]) never
-    reach the outputs or any gradient; experts with biases (GPT-OSS) keep transformers' masks,
-    since a per-row bias's gradient gathers every row."""
+    reach the outputs or any gradient, also with per-expert biases (GPT-OSS): expert_bias sums each
+    expert's own rows, where transformers' bias[ids] gathers every row and needs two masks."""
     import transformers.integrations.moe as hf_moe
 
     if family == "gpt_oss":
@@ -739,7 +739,7 @@ def test_sentinel_rows_unwritten_by_grouped_mm(interpret, monkeypatch, family):
         monkeypatch.setattr(torch.Tensor, "masked_fill", masked_fill)
         out.backward(torch.ones_like(out))
         results.append([out.detach(), hh.grad, ww.grad] + [p.grad.clone() for p in experts.parameters()])
-    assert sum(row_masks) == (2 if family == "gpt_oss" else 0)
+    assert sum(row_masks) == 0
     for a, b in zip(*results):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -20,7 +20,9 @@ padding), whose backward is again a gather: no scatter-add, no atomics. One modu
   backward each;
 * :mod:`.swiglu`: the experts' gated activation ``silu(gate) * up`` of a gate-up projection
   (:func:`swiglu`) and GPT-OSS's clamped gate (:func:`oai_gate`), one kernel forward and one
-  backward each, with eager's rounding.
+  backward each, with eager's rounding;
+* :mod:`.expert_bias`: a per-expert bias on expert-sorted rows (:func:`expert_bias`: one kernel
+  forward, the bias's gradient a segmented FP32 sum of each expert's rows, no index-put).
 
 The kernels run on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``); anything
 else runs the torch reference with one warning per reason. Index validity is not checked on
@@ -29,6 +31,7 @@ autograd Functions, ``torch.compile`` traces custom ops (``deepspeed_fused::moe_
 same kernels. This module is the public API.
 """
 from .checks import kernels_take
+from .expert_bias import expert_bias, expert_bias_reference
 from .permute import inverse_permutation, permute_rows, permute_rows_with_inverse, unpermute_rows, validate_permutation
 from .reference import (RouteMaps, RouteSort, combine_reference, permute_rows_reference, route_combine_reference,
                         route_dispatch_reference, route_maps_reference, route_sort_reference,
@@ -45,5 +48,5 @@ __all__ = [
     "route_combine_reference", "combine_reference", "route_sort_reference", "swiglu", "swiglu_reference",
     "oai_gate", "oai_gate_reference",
     "topk_softmax", "topk_softmax_reference", "group_topk_sigmoid", "group_topk_sigmoid_reference",
-    "topk_logits_softmax", "topk_logits_softmax_reference",
+    "topk_logits_softmax", "topk_logits_softmax_reference", "expert_bias", "expert_bias_reference",
 ]
