@@ -327,8 +327,44 @@ def test_grouped_weight_gradient_sums(interpret, tune, col):
     x, w, g, dy = form_inputs(f, (40, 64), torch.float32, seed=13, device=interpret)
     check_form(f, x, w, g, dy, group_size=16)
     plan = next(iter(R.plans._form_bwd_plans.values()))
-    assert plan.const["FINISH"] == (2 if col else 0) and (plan.red is None) == col and plan.progs == 5
+    # grouped by weight row: 5 programs per weight row, their partials 5 rows of the weight's width
+    per_row = 4 if R.plans._GROUPED_BY_WEIGHT_ROW else 1
+    assert plan.const["FINISH"] == (2 if col else 0) and (plan.red is None) == col and plan.progs == 5 * per_row
     assert plan.const["WG"] == 4 and plan.ws_numel % 64 == 0 and (not col or plan.ws_numel == 5 * 64)
+
+
+@pytest.mark.parametrize("finish", [1, 2, 0])
+@pytest.mark.parametrize("form", ["gate_first", "offset", "gated"])
+def test_grouped_by_weight_row(interpret, tune, form, finish):
+    # one weight row per program (_GROUPED_BY_WEIGHT_ROW): 3 programs for each of the 4 weight rows,
+    # 10 tiles of 4 rows for each (37 rows: the last tile holds one), the weight-gradient sum by
+    # groups in the launch, by column strips, or by its own launch. dx and the gate's gradient
+    # are bitwise those of the tiles of WG rows (the same rows' math); the weight gradient sums
+    # the same terms in another order
+    knobs = dict(_BWD_TILE_ELEMS=64, _BWD_GATED_TILE_ELEMS=64)
+    if finish != 1:
+        knobs.update(_MAX_TAIL_BYTES=0, _SMALL_ELEMS=0, _COL_FINISH=finish == 2)
+    f = R.FORMS[form]
+    x, w, g, dy = form_inputs(f, (37, 64), torch.float32, seed=17, device=interpret)
+    out = {}
+    for by_row in (True, False):
+        tune(_GROUPED_BY_WEIGHT_ROW=by_row, **knobs)
+        if by_row:
+            check_form(f, x, w, g, dy, group_size=16)
+        plan = next(iter(R.plans._form_bwd_plans.values())) if by_row else None
+        out[by_row] = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, EPS, f, c, group_size=16), x, w, g, dy)
+        if plan is not None:
+            assert plan.kernel is R.kernels._rms_bwd_form_kernel and plan.const["WROW"]
+            assert plan.const["WG"] == 4 and plan.const["BLOCK_R"] == 4 and plan.const["FINISH"] == finish
+            if interpret == "cpu":
+                assert plan.progs == 12 and plan.ints[2] == 10  # programs; tiles of one weight row
+    (y1, dx1, dw1, dg1), (y0, dx0, dw0, dg0) = out[True], out[False]
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0) and (dg1 is None) == (g is None)
+    assert dg1 is None or torch.equal(dg1, dg0)
+    torch.testing.assert_close(dw1, dw0, rtol=1e-6, atol=1e-6)
+    tune(_GROUPED_BY_WEIGHT_ROW=True, **knobs)  # the weight gradient's sum is repeatable
+    assert torch.equal(_grads(lambda a, b, c: R.fused_rms_norm_form(a, b, EPS, f, c, group_size=16), x, w, g, dy)[2],
+                       dw1)
 
 
 @pytest.mark.parametrize("loop", [False, True])

@@ -93,12 +93,17 @@ if HAS_TRITON:
             tl.store(DST + c, tl.sum(acc, axis=0).to(DST.dtype.element_ty), mask=cm)
 
     @triton.jit
-    def _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr):
+    def _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr,
+                   WPR: tl.constexpr):
         # Called by every program after it stored its weight-gradient partial PART[pid, :N].
         # Two-level fixed-order sum in the same launch: the last program of each group of GROUP
         # consecutive programs sums the group's rows into PART[nprog + group]; the last group to
         # finish sums those into DW. Which program arrives last does not change any sum, so the
         # result is bitwise repeatable. Each counter is reset to zero by its last user.
+        # WPR > 1: WPR consecutive programs each stored N // WPR columns of one partial row (program
+        # pid the columns (pid % WPR) * (N // WPR) on of row pid // WPR); nprog and GROUP are
+        # multiples of WPR, so a group's programs wrote GROUP // WPR whole rows, and its sum goes to
+        # row nprog // WPR + group.
         g = pid // GROUP
         n_groups = tl.cdiv(nprog, GROUP)
         first = g * GROUP
@@ -106,16 +111,17 @@ if HAS_TRITON:
         tl.debug_barrier()  # every thread's partial stored before the release below
         arrived = tl.atomic_add(CNT + g, 1, sem="acq_rel", scope="gpu")
         if arrived == size - 1:
-            _sum_rows(PART + first.to(tl.int64) * N, size, N, PART + (nprog + g).to(tl.int64) * N, RB_P, RB_N)
+            _sum_rows(PART + (first // WPR).to(tl.int64) * N, size // WPR, N,
+                      PART + (nprog // WPR + g).to(tl.int64) * N, RB_P, RB_N)
             tl.store(CNT + g, 0)
             tl.debug_barrier()
             groups_done = tl.atomic_add(CNT + n_groups, 1, sem="acq_rel", scope="gpu")
             if groups_done == n_groups - 1:
-                _sum_rows(PART + nprog.to(tl.int64) * N, n_groups, N, DW, RB_P, RB_N)
+                _sum_rows(PART + (nprog // WPR).to(tl.int64) * N, n_groups, N, DW, RB_P, RB_N)
                 tl.store(CNT + n_groups, 0)
 
     @triton.jit
-    def _dw_finish_cols(PART, CNT, DW, pid, nprog, N, SW: tl.constexpr, RB_P: tl.constexpr):
+    def _dw_finish_cols(PART, CNT, DW, pid, nprog, N, SW: tl.constexpr, RB_P: tl.constexpr, WPR: tl.constexpr):
         # Called by every program after it stored its weight-gradient partial PART[pid, :N]. The
         # last n_fin = cdiv(N, SW) programs to arrive each wait until all have arrived, then each
         # sums one strip of SW columns over all nprog partial rows (fixed order: bitwise
@@ -123,7 +129,10 @@ if HAS_TRITON:
         # earlier exits, so the at most n_fin - 1 programs still to arrive find free slots as
         # long as n_fin programs fit on the device at once. The last finisher to leave resets
         # both counters. Under the interpreter (programs run one after another) n_fin is 1.
+        # WPR > 1: WPR programs stored one partial row between them (see _dw_finish): nprog arrive,
+        # nprog // WPR rows are summed.
         n_fin = tl.cdiv(N, SW)
+        n_part = nprog // WPR
         tl.debug_barrier()  # every thread's partial stored before the release below
         arrived = tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
         j = arrived - (nprog - n_fin)
@@ -135,9 +144,9 @@ if HAS_TRITON:
             cm = c < N
             pr = tl.arange(0, RB_P)
             acc = tl.zeros([RB_P, SW], dtype=tl.float32)
-            for p0 in range(0, nprog, RB_P):
+            for p0 in range(0, n_part, RB_P):
                 p = p0 + pr
-                m = (p < nprog)[:, None] & cm[None, :]
+                m = (p < n_part)[:, None] & cm[None, :]
                 acc += tl.load(PART + p.to(tl.int64)[:, None] * N + c[None, :], mask=m, other=0.0,
                                cache_modifier=".cg")
             tl.store(DW + c, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cm)
@@ -151,6 +160,11 @@ if HAS_TRITON:
     def _bwd_load_tile(DY, X, RSTD, tile, n_rows, cols, cmask,
                        XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R: tl.constexpr):
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        return _bwd_load_rows(DY, X, RSTD, rows, n_rows, cols, cmask, XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2)
+
+    @triton.jit
+    def _bwd_load_rows(DY, X, RSTD, rows, n_rows, cols, cmask,
+                       XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2):
         rmask = rows < n_rows  # all false past the last tile: no memory traffic
         m = rmask[:, None] & cmask[None, :]
         xoff = _row_offsets(rows, XD1, XD2, XS0, XS1, XS2)[:, None] + cols[None, :]
@@ -204,9 +218,9 @@ if HAS_TRITON:
             acc += (dy * xn).to(out_ty).to(tl.float32)
         tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
         if FINISH == 1:
-            _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+            _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N, 1)
         if FINISH == 2:
-            _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
+            _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P, 1)
 
     @triton.jit
     def _rms_bwd_loop_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, n_rows, N,
@@ -249,15 +263,17 @@ if HAS_TRITON:
                 p = tl.where(row > pid, tl.load(prow + c, mask=cm, other=0.0), 0.0)
                 tl.store(prow + c, p + (dy * xn).to(out_ty).to(tl.float32), mask=cm)
         if FINISH == 1:
-            _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N)
+            _dw_finish(PART, CNT, DW, pid, nprog, N, GROUP, RB_P, RB_N, 1)
         if FINISH == 2:
-            _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P)
+            _dw_finish_cols(PART, CNT, DW, pid, nprog, N, RB_N, RB_P, 1)
 
     @triton.jit
-    def _dw_reduce_kernel(PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _dw_reduce_kernel(PART, DW, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, WPR: tl.constexpr):
         # The weight-gradient sum as its own launch (wide sums, where one program's tail would
         # be latency-bound): dW[c] = sum over programs p of PART[p, c], in a fixed order, rounded
-        # to the weight dtype, column strips in parallel.
+        # to the weight dtype, column strips in parallel. WPR > 1: the P programs stored one
+        # partial row per WPR of them (see _dw_finish): P // WPR rows.
+        P = P // WPR
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
@@ -462,14 +478,23 @@ if HAS_TRITON:
             tl.store(RSTD + rows, rstd, mask=rmask)
 
     @triton.jit
-    def _bwd_form_load_tile(DY, X, G, RSTD, tile, n_rows, N, cols, cmask,
-                            XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
-                            BLOCK_R: tl.constexpr, GATE: tl.constexpr):
+    def _bwd_tile_rows(tile, q, BLOCK_R: tl.constexpr, WG: tl.constexpr, WROW: tl.constexpr):
+        # the rows of a persistent backward tile: BLOCK_R consecutive rows; with WROW (grouped
+        # statistics, one weight row q per program) the rows t * WG + q of BLOCK_R consecutive t
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        if WG > 1 and WROW:
+            rows = rows * WG + q
+        return rows
+
+    @triton.jit
+    def _bwd_form_load_tile(DY, X, G, RSTD, tile, q, n_rows, N, cols, cmask,
+                            XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
+                            BLOCK_R: tl.constexpr, GATE: tl.constexpr, WG: tl.constexpr, WROW: tl.constexpr):
+        rows = _bwd_tile_rows(tile, q, BLOCK_R, WG, WROW)
         rmask = rows < n_rows
         m = rmask[:, None] & cmask[None, :]
-        x, dy, rstd = _bwd_load_tile(DY, X, RSTD, tile, n_rows, cols, cmask,
-                                     XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R)
+        x, dy, rstd = _bwd_load_rows(DY, X, RSTD, rows, n_rows, cols, cmask,
+                                     XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2)
         g = x
         if GATE != 0:
             g = tl.load(G + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
@@ -481,18 +506,34 @@ if HAS_TRITON:
                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
                              GROUP: tl.constexpr, RB_P: tl.constexpr, RB_N: tl.constexpr, FINISH: tl.constexpr,
                              NRND: tl.constexpr, WMODE: tl.constexpr, PRND: tl.constexpr, QRND: tl.constexpr,
-                             GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr, WG: tl.constexpr):
+                             GATE: tl.constexpr, ACT: tl.constexpr, RSTD_RND: tl.constexpr, WG: tl.constexpr,
+                             WROW: tl.constexpr):
         # _rms_bwd_kernel for the other forms (persistent; rows fit one block); DG like DX. WG > 1:
-        # grouped statistics (see _rms_fwd_form_kernel); BLOCK_R is then a multiple of WG, so row
-        # i of every tile takes weight row i % WG, and the partial PART[pid] has WG * N columns
+        # grouped statistics (see _rms_fwd_form_kernel). With WROW each program takes one weight
+        # row q = pid % WG (nprog a multiple of WG) and walks the rows t * WG + q only, t in tiles
+        # of BLOCK_R consecutive t's (n_tiles: the tiles of one weight row), tiles pid // WG,
+        # pid // WG + nprog // WG, ...: the weight factor is one row, whatever BLOCK_R (so the tile
+        # and the warps can be those of an ungrouped call of width N), and the partial PART[pid]
+        # has N columns: program j * WG + q stores columns q * N on of row j of the [nprog // WG,
+        # WG * N] partials the sums read (WPR = WG). Without WROW BLOCK_R is a multiple of WG, so
+        # row i of every tile takes weight row i % WG, and the partial PART[pid] has WG * N columns
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         in_ty = X.dtype.element_ty
         cols = tl.arange(0, BLOCK_N)
         cmask = cols < N
+        q = pid % WG
+        first = pid
+        step = nprog
+        if WG > 1 and WROW:
+            first = pid // WG
+            step = nprog // WG
         a = cols.to(tl.float32)[None, :]
         if WMODE != 0:
-            if WG > 1:  # the weight rows of a tile's rows (the same for every tile)
+            if WG > 1 and WROW:  # this program's weight row
+                a = _wfac(tl.load(W + q.to(tl.int64) * N + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X,
+                          W)[None, :]
+            elif WG > 1:  # the weight rows of a tile's rows (the same for every tile)
                 wrow = (tl.arange(0, BLOCK_R) % WG).to(tl.int64)[:, None] * N
                 a = _wfac(tl.load(W + wrow + cols[None, :], mask=cmask[None, :], other=0.0).to(tl.float32),
                           WMODE, X, W)
@@ -500,24 +541,25 @@ if HAS_TRITON:
                 a = _wfac(tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32), WMODE, X, W)[None, :]
         acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
         if PREFETCH:
-            x_nx, dy_nx, g_nx, rstd_nx = _bwd_form_load_tile(DY, X, G, RSTD, pid, n_rows, N, cols, cmask, XD1, XD2,
-                                                              XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R, GATE)
-        for tile in range(pid, n_tiles, nprog):
+            x_nx, dy_nx, g_nx, rstd_nx = _bwd_form_load_tile(DY, X, G, RSTD, first, q, n_rows, N, cols, cmask, XD1,
+                                                              XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R,
+                                                              GATE, WG, WROW)
+        for tile in range(first, n_tiles, step):
             if PREFETCH:
                 x = x_nx.to(tl.float32)
                 dy = dy_nx.to(tl.float32)
                 g = g_nx.to(tl.float32)
                 rstd = rstd_nx
-                x_nx, dy_nx, g_nx, rstd_nx = _bwd_form_load_tile(DY, X, G, RSTD, tile + nprog, n_rows, N, cols, cmask,
-                                                                  XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2,
-                                                                  BLOCK_R, GATE)
+                x_nx, dy_nx, g_nx, rstd_nx = _bwd_form_load_tile(DY, X, G, RSTD, tile + step, q, n_rows, N, cols,
+                                                                  cmask, XD1, XD2, XS0, XS1, XS2, GD1, GD2, GS0, GS1,
+                                                                  GS2, BLOCK_R, GATE, WG, WROW)
             else:
-                x, dy, g, rstd = _bwd_form_load_tile(DY, X, G, RSTD, tile, n_rows, N, cols, cmask, XD1, XD2,
-                                                     XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R, GATE)
+                x, dy, g, rstd = _bwd_form_load_tile(DY, X, G, RSTD, tile, q, n_rows, N, cols, cmask, XD1, XD2,
+                                                     XS0, XS1, XS2, GD1, GD2, GS0, GS1, GS2, BLOCK_R, GATE, WG, WROW)
                 x = x.to(tl.float32)
                 dy = dy.to(tl.float32)
                 g = g.to(tl.float32)
-            rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+            rows = _bwd_tile_rows(tile, q, BLOCK_R, WG, WROW)
             m = (rows < n_rows)[:, None] & cmask[None, :]
             orow = rows.to(tl.int64)[:, None] * N + cols[None, :]
             r2 = rstd[:, None]
@@ -540,17 +582,17 @@ if HAS_TRITON:
                     acc += term
             tl.store(DX + orow, dx.to(in_ty), mask=m)
         if WMODE != 0:
-            if WG > 1:  # tile row i * WG + q holds weight row q's terms
-                q = tl.arange(0, WG)
+            if WG > 1 and not WROW:  # tile row i * WG + q holds weight row q's terms
+                qs = tl.arange(0, WG)
                 part = tl.sum(tl.reshape(acc, [BLOCK_R // WG, WG, BLOCK_N]), axis=0)
-                tl.store(PART + pid.to(tl.int64) * (WG * N) + q.to(tl.int64)[:, None] * N + cols[None, :], part,
+                tl.store(PART + pid.to(tl.int64) * (WG * N) + qs.to(tl.int64)[:, None] * N + cols[None, :], part,
                          mask=cmask[None, :])
-            else:
+            else:  # WROW: columns q * N on of partial row pid // WG, the weight-gradient sums' WG * N wide rows
                 tl.store(PART + pid.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=cmask)
             if FINISH == 1:
-                _dw_finish(PART, CNT, DW, pid, nprog, WG * N, GROUP, RB_P, RB_N)
+                _dw_finish(PART, CNT, DW, pid, nprog, WG * N, GROUP, RB_P, RB_N, WG if WROW else 1)
             if FINISH == 2:
-                _dw_finish_cols(PART, CNT, DW, pid, nprog, WG * N, RB_N, RB_P)
+                _dw_finish_cols(PART, CNT, DW, pid, nprog, WG * N, RB_N, RB_P, WG if WROW else 1)
 
     @triton.jit
     def _rms_bwd_loop_form_kernel(DY, X, W, RSTD, DX, PART, CNT, DW, G, DG, n_rows, N,
@@ -634,9 +676,9 @@ if HAS_TRITON:
                 tl.store(DX + ob + c, dx.to(in_ty), mask=cm)
         if WMODE != 0:
             if FINISH == 1:
-                _dw_finish(PART, CNT, DW, pid, nprog, WG * N, GROUP, RB_P, RB_N)
+                _dw_finish(PART, CNT, DW, pid, nprog, WG * N, GROUP, RB_P, RB_N, 1)
             if FINISH == 2:
-                _dw_finish_cols(PART, CNT, DW, pid, nprog, WG * N, RB_N, RB_P)
+                _dw_finish_cols(PART, CNT, DW, pid, nprog, WG * N, RB_N, RB_P, 1)
 
 else:  # pragma: no cover - without Triton every call runs the torch reference
     _rms_fwd_kernel = _rms_bwd_kernel = _rms_bwd_loop_kernel = _dw_reduce_kernel = None

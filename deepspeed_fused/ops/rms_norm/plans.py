@@ -28,15 +28,16 @@ _BWD_PREFETCH = True  # persistent backward: load the next tile before processin
 # Gated forms at narrow widths (rows much shorter than a tile): the gate doubles what a tile holds
 # live, and smaller tiles with more warps per element were faster on the H200 (swept at 131072 and
 # 262144 rows of 128: forward 0.094 -> 0.068 ms, backward 0.127 -> 0.103 ms at 262144 x 128 bf16)
-# Grouped statistics' persistent backward (tiles of WG rows of a group each, up to 8192 elements):
-# prefetching the next tile costs registers there (H200, 8 groups of 1024, 8192 rows, bf16 gate
-# first: 0.47 ms with it, 0.34 ms without)
+# Grouped statistics' persistent backward with tiles of WG rows (_GROUPED_BY_WEIGHT_ROW False; up
+# to 8192 elements): prefetching the next tile costs registers there (H200, 8 groups of 1024, 8192
+# rows, bf16 gate first: 0.47 ms with it, 0.34 ms without). By weight row it prefetches as
+# _BWD_PREFETCH says.
 _BWD_GROUPED_PREFETCH = False
 _FWD_GATED_TILE_BYTES = 2048
 _FWD_GATED_ELEMS_PER_WARP = 512
 _BWD_GATED_TILE_ELEMS = 2048
 _BWD_GATED_ELEMS_PER_WARP = 256
-_INTERPRET_PROGRAMS = 3  # persistent programs under the CPU interpreter
+_INTERPRET_PROGRAMS = 3  # persistent programs under the CPU interpreter (grouped by weight row: per weight row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,19 +138,40 @@ def _weight_rows(x: torch.Tensor, w: Optional[torch.Tensor]) -> int:
     return w.shape[0] // N if w is not None and N and w.shape[0] != N else 1
 
 
-_MAX_GROUPED_TILE = 8192  # elements of a grouped backward tile (BLOCK_R, a multiple of WG, times BLOCK_N)
+# Grouped statistics' persistent backward takes WG rows of a group at most this many elements (wider:
+# the looping kernel); with tiles of WG rows it is the tile (BLOCK_R, a multiple of WG, times BLOCK_N)
+_MAX_GROUPED_TILE = 8192
+# Grouped statistics' persistent backward by weight row: each program takes one weight row and
+# walks only its rows (the kernel's WROW), so a tile need not hold WG rows and carries one weight
+# row: the tile, warps and prefetch of an ungrouped call of the group's width. Compiled for sm_90
+# these do not spill where tiles of WG rows at 16 warps do (Mamba2's gate first, 8 groups of 1024,
+# bf16: 128 registers and a 200-byte stack, without prefetch). False: tiles of a multiple of WG rows.
+_GROUPED_BY_WEIGHT_ROW = True
 
 
-def _bwd_config(n_rows: int, N: int, wg: int = 1, gated: bool = False) -> tuple:
-    """(BLOCK_R, BLOCK_N, single, num_warps) of the backward. Grouped (``wg`` weight rows): the
-    persistent kernel's tiles hold a multiple of ``wg`` rows (``wg`` a power of two, the tile at most
-    _MAX_GROUPED_TILE elements); otherwise the looping kernel, with column blocks no wider than the
-    group."""
+def _bwd_config(n_rows: int, N: int, wg: int = 1, gated: bool = False, esize: tuple = (2, 4)) -> tuple:
+    """(BLOCK_R, BLOCK_N, single, num_warps) of the backward. Grouped (``wg`` weight rows, ``wg`` a
+    power of two and ``wg`` rows of a group at most _MAX_GROUPED_TILE elements): the persistent
+    kernel, its tiles holding a multiple of ``wg`` rows, or with _GROUPED_BY_WEIGHT_ROW those of an
+    ungrouped call of the group's width over one weight row's rows; otherwise the looping kernel,
+    with column blocks no wider than the group. ``esize``: the smallest and largest element size
+    (bytes) of the rows the kernel loads and stores."""
     if wg > 1:
         block_r, block_n, single, num_warps = _bwd_config(n_rows, N)
         if single and wg & (wg - 1) == 0 and wg * block_n <= _MAX_GROUPED_TILE:
-            block_r = max(block_r, wg)
-            return block_r, block_n, True, min(16, max(1, (block_r * block_n) // _BWD_ELEMS_PER_WARP))
+            old_r = max(block_r, wg)
+            old_warps = min(16, max(1, (old_r * block_n) // _BWD_ELEMS_PER_WARP))
+            if not _GROUPED_BY_WEIGHT_ROW:
+                return old_r, block_n, True, old_warps
+            # The order of a row's FP32 sums follows how the tile spreads the row's columns: a
+            # 16-byte vector per thread (fewer elements when a thread holds fewer), 32 lanes, then
+            # the warps along the row (at most block_n * size // 512 for `size`-byte elements).
+            # Keep the spread of the tiles of wg rows (as many warps along a row, a whole vector per
+            # thread), so the row sums, and dx, stay bitwise those of the tiles of wg rows.
+            block_r, _, _, num_warps = _bwd_config(triton.cdiv(n_rows, wg), N, 1, gated)
+            num_warps = max(num_warps, min(old_warps, max(1, block_n * esize[1] // 512)))
+            block_r = min(old_r, max(block_r, 32 * num_warps * (16 // esize[0]) // block_n))
+            return block_r, block_n, True, num_warps
         block_n = min(_LOOP_BLOCK, triton.next_power_of_2(N))
         return 1, block_n, False, min(16, max(4, block_n // 512))
     if N <= _MAX_BWD_BLOCK:
@@ -296,7 +318,7 @@ class BwdPlan(NamedTuple):
     dx_like: bool  # dx is empty_like(x)
     device: torch.device
     kernel: object  # the persistent or the looping kernel
-    ints: tuple  # (n_rows, N[, n_tiles]) + x's and dy's row layouts
+    ints: tuple  # (n_rows, N[, n_tiles: grouped by weight row, one weight row's]) + x's and dy's row layouts
     progs: int  # persistent programs
     const: dict
     num_warps: int
@@ -470,17 +492,18 @@ def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> tuple:
 _COL_FINISH = True  # wide sums: finished in the launch by its last programs, a column strip each
 
 
-def _col_finish_meta(progs: int, N: int, on_gpu: bool, sms: int = 0) -> tuple:
+def _col_finish_meta(progs: int, N: int, on_gpu: bool, sms: int = 0, rows: Optional[int] = None) -> tuple:
     """(SW, RB_P) of the column-parallel finish: strips of SW columns, one per finisher, at most
     64 finishers, never more than the programs nor half the SMs (the finishers wait for the last
     programs: at least as many programs as finishers must fit on the device at once, even with
     other kernels holding SMs); under the interpreter one finisher (its programs run one after
-    another, so none may wait for a later one)."""
+    another, so none may wait for a later one). ``rows``: the partial rows summed (default: one
+    per program)."""
     if on_gpu:
         sw = max(16, triton.next_power_of_2(triton.cdiv(N, max(1, min(64, progs, sms // 2)))))
     else:
         sw = triton.next_power_of_2(N)
-    return sw, max(1, min(4096 // sw, triton.next_power_of_2(progs)))
+    return sw, max(1, min(4096 // sw, triton.next_power_of_2(progs if rows is None else rows)))
 
 
 # ---- forward ------------------------------------------------------------------------------------
@@ -552,7 +575,8 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     gl = (1, 1, N, 0, 0) if gcopy else gl
     wcopy = w is not None and N > 1 and w.stride(0) != 1
     gated = form is not None and form.consts.get("GATE", 0) != 0
-    block_r, block_n, single, num_warps = _bwd_config(n_rows, N, wg, gated)
+    sizes = (x.element_size(), out_dtype.itemsize) + ((form.gate.element_size(),) if gated else ())
+    block_r, block_n, single, num_warps = _bwd_config(n_rows, N, wg, gated, (min(sizes), max(sizes)))
     # the call's own arguments (and stand-in outputs) probe the compiled kernel's occupancy,
     # which sizes the grid; the reduction knobs do not change the register use much, so the
     # probe uses those of the largest grid
@@ -568,12 +592,24 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
         gate = form.gate.contiguous() if form.gate is not None else None
         pargs += (gate, None if gate is None else torch.empty_like(gate))
         kernels, fconst = (_rms_bwd_form_kernel, _rms_bwd_loop_form_kernel), dict(form.consts, WG=wg)
+    # grouped, one weight row per program (the kernel's WROW): wg programs per partial row
+    byrow = single and wg > 1 and _GROUPED_BY_WEIGHT_ROW
+    wpr = wg if byrow else 1
     if single:
-        n_tiles = triton.cdiv(n_rows, block_r)
+        # byrow: the tiles of one weight row's rows (every wg-th row)
+        n_tiles = triton.cdiv(triton.cdiv(n_rows, wg) if byrow else n_rows, block_r)
         kernel = kernels[0]
         ints = (n_rows, N, n_tiles) + xl + gl
-        const = dict(BLOCK_R=block_r, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH if wg == 1 else _BWD_GROUPED_PREFETCH)
-        progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, **fconst, num_warps=num_warps), x, n_tiles)
+        const = dict(BLOCK_R=block_r, BLOCK_N=block_n,
+                     PREFETCH=_BWD_PREFETCH if wg == 1 or byrow else _BWD_GROUPED_PREFETCH)
+        if form is not None:
+            fconst.update(WROW=byrow)
+        meta = dict(const, **red, **fconst, num_warps=num_warps)
+        if byrow:  # a multiple of wg programs, at most n_tiles per weight row
+            progs = wg * (min(n_tiles, _INTERPRET_PROGRAMS) if not x.is_cuda else
+                          max(1, _persistent_grid(kernel, pargs + ints, meta, x, n_tiles * wg) // wg))
+        else:
+            progs = _persistent_grid(kernel, pargs + ints, meta, x, n_tiles)
     else:
         kernel = kernels[1]
         ints = (n_rows, N) + xl + gl
@@ -582,19 +618,21 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
         # partial buffer, which stays in L2) small
         progs = _persistent_grid(kernel, pargs + ints, dict(const, **red, **fconst, num_warps=num_warps), x, n_rows,
                                  per_sm=2)
-    group, rb_p, rb_n, ws_rows, n_cnt, finish = _reduce_meta(progs, NW, n_rows // wg)
+    n_part = progs // wpr  # partial rows of NW columns
+    group, rb_p, rb_n, ws_rows, n_cnt, finish = _reduce_meta(n_part, NW, n_rows // wg)
     dx_like = xcopy or x.is_contiguous()
     red = None
-    if finish:
-        const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=1)
+    if finish:  # groups of `group` partial rows: group * wpr programs
+        const.update(GROUP=group * wpr, RB_P=rb_p, RB_N=rb_n, FINISH=1)
     elif _COL_FINISH:
-        sw, rb_p = _col_finish_meta(progs, NW, x.is_cuda, _sm_count(_device_index(x)) if x.is_cuda else 0)
+        sw, rb_p = _col_finish_meta(progs, NW, x.is_cuda, _sm_count(_device_index(x)) if x.is_cuda else 0, n_part)
         const.update(GROUP=group, RB_P=rb_p, RB_N=sw, FINISH=2)
-        ws_rows, n_cnt = progs, 2
+        ws_rows, n_cnt = n_part, 2
     else:  # a second launch; narrow column strips so the partial buffer is read by many programs at once
         const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=0)
         rn = min(triton.next_power_of_2(NW), 32)
-        red = ReducePlan((triton.cdiv(NW, rn),), dict(BLOCK_P=min(triton.next_power_of_2(progs), 128), BLOCK_N=rn))
+        red = ReducePlan((triton.cdiv(NW, rn),), dict(BLOCK_P=min(triton.next_power_of_2(n_part), 128), BLOCK_N=rn,
+                                                      WPR=wpr))
     if form is not None:
         const.update(fconst)  # after the reduction's: the kernels' parameter order
         if w is None:  # no weight gradient: no second launch
