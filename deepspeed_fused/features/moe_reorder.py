@@ -456,14 +456,16 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
         weight, bias = self.up_proj, (self.up_proj_bias if has_bias else None)
     is_transposed = getattr(self, "is_transposed", False)
     proj = _grouped_linear(selected, weight, offsets, is_transposed=is_transposed)
-    if bias is not None:
+    oai = getattr(self, "has_gate", True) and not fused_gate(self) and oai_gate_of(self)
+    if bias is not None and not oai:
         proj = reorder.expert_bias(proj, bias, sort.experts, offsets)
     if not getattr(self, "has_gate", True):
         proj = self.act_fn(proj)
     elif fused_gate(self):
         proj = reorder.swiglu(proj)  # silu(gate) * up in one kernel (its backward one more)
-    elif oai_gate_of(self):
-        proj = reorder.oai_gate(proj, self.alpha, self.limit)  # GPT-OSS's clamped gate, one kernel each way
+    elif oai:  # GPT-OSS's clamped gate, one kernel each way, its bias added as the rows load
+        bias_args = (bias, sort.experts, offsets) if bias is not None else ()
+        proj = reorder.oai_gate(proj, self.alpha, self.limit, *bias_args)
     else:
         proj = self._apply_gate(proj)
     proj = _grouped_linear(proj, self.down_proj, offsets, is_transposed=is_transposed)

@@ -516,9 +516,10 @@ def test_oai_gate_matches_cuda_eager(dtype, rows, inter):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("S,N,E,pad", [(32768, 5760, 32, 0), (32768, 2880, 32, 1000), (1000, 640, 128, 7), (3, 24, 4, 0)])
 def test_expert_bias_matches_cuda_eager(dtype, S, N, E, pad):
-    # forward bitwise CUDA eager's rows + bias[ids]; the bias gradient against eager's index-put
-    # (FP32 accumulation, another order) within FP32 summation of each expert's rows
-    from unit.test_moe_expert_bias import _case, _run
+    # forward bitwise CUDA eager's rows + bias[ids]; the bias gradient within FP32 summation and one
+    # rounding of the float64 per-expert sums, and no farther from them than eager's index-put (the
+    # first H200 run found eager's half-precision bias gradient several ULP from ours)
+    from unit.test_moe_expert_bias import _case, _run, _oracle_bound
 
     rows, bias, experts, offsets, dy = _case(S, N, E, dtype, "cuda", pad=pad)
     y, dr, db = _run(rg.expert_bias, rows, bias, experts, offsets, dy)
@@ -527,30 +528,29 @@ def test_expert_bias_matches_cuda_eager(dtype, S, N, E, pad):
     valid = S - pad
     ref[:valid].backward(dy[:valid])
     assert torch.equal(y, ref.detach()) and torch.equal(dr, dy)
-    counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).double()[:, None]
-    absum = torch.zeros(E, N, dtype=torch.float64, device="cuda").index_add_(0, experts[:valid].long(),
-                                                                             dy[:valid].double().abs())
-    bound = 2 * torch.finfo(dtype).eps * b.grad.double().abs() + counts * 2.0 ** -24 * absum + 1e-30
-    assert ((db.double() - b.grad.double()).abs() <= bound).all()
+    oracle, bound = _oracle_bound(dy, offsets, dtype)
+    ours, eager = (db.double() - oracle).abs(), (b.grad.double() - oracle).abs()
+    assert (ours <= bound).all()
+    assert ours.norm() <= eager.norm() * 1.01 + 1e-30
 
 
-def test_expert_bias_cuda_graph():
-    # captured in a CUDA graph (no host sync on either side) and replayed: the eager call's numbers
+def test_expert_bias_no_host_sync_and_graph_replay():
     from unit.test_moe_expert_bias import _case
 
+    import importlib
+
+    B = importlib.import_module("deepspeed_fused.ops.moe_reorder.expert_bias")
     rows, bias, experts, offsets, dy = _case(4096, 2880, 32, torch.bfloat16, "cuda", pad=100)
     r, b = rows.clone().requires_grad_(), bias.clone().requires_grad_()
-    y0 = rg.expert_bias(r, b, experts, offsets)
-    (g0,) = torch.autograd.grad(y0, b, dy)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on a side stream, as capture wants
-        rg.expert_bias(r, b, experts, offsets)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = rg.expert_bias(r, b, experts, offsets)
-        (g,) = torch.autograd.grad(y, b, dy)
-    graph.replay()
+
+    def step():
+        return torch.autograd.grad(rg.expert_bias(r, b, experts, offsets), [r, b], dy)
+
+    first = step()
+    _without_host_sync(step)
+    g1, out = _graph_of(lambda: rg.expert_bias(rows, bias, experts, offsets))
+    g2, grad = _graph_of(lambda: B._grad(dy, offsets, torch.bfloat16))
+    g1.replay()
+    g2.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, y0) and torch.equal(g, g0)
+    assert torch.equal(out, rg.expert_bias(rows, bias, experts, offsets)) and torch.equal(grad, first[1])

@@ -32,6 +32,18 @@ def _case(S, N, E, dtype, device, pad=0, seed=0, id_dtype=torch.int32):
     return [t.to(device) for t in (rows, bias, experts, offsets, dy)]
 
 
+def _oracle_bound(dy, offsets, dtype):
+    """The float64 sums of each expert's rows of ``dy`` and the bound of an FP32 sum rounded once
+    to ``dtype``: one ULP plus ``count * 2**-24 * sum |terms|``."""
+    ends = offsets.long().tolist()
+    starts = [0] + ends[:-1]
+    d64 = dy.double()
+    oracle = torch.stack([d64[s:e].sum(0) for s, e in zip(starts, ends)])
+    absum = torch.stack([d64[s:e].abs().sum(0) for s, e in zip(starts, ends)])
+    count = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.float64, device=d64.device)[:, None]
+    return oracle, ulp(oracle, dtype) + count * 2.0 ** -24 * absum + 1e-30
+
+
 def _run(fn, rows, bias, experts, offsets, dy):
     r, b = rows.clone().requires_grad_(), bias.clone().requires_grad_()
     y = fn(r, b, experts, offsets)
@@ -48,13 +60,7 @@ def test_expert_bias_matches_eager(interpret, dtype, S, N, E, pad):
     assert torch.equal(y, rows + bias[experts.long()])
     assert dr.dtype == rows.dtype and torch.equal(dr, dy)
     # bias gradient: each expert's own rows, float64 oracle within FP32 summation plus one rounding
-    ends = offsets.long().tolist()
-    starts = [0] + ends[:-1]
-    d64 = dy.double()
-    oracle = torch.stack([d64[s:e].sum(0) for s, e in zip(starts, ends)])
-    absum = torch.stack([d64[s:e].abs().sum(0) for s, e in zip(starts, ends)])
-    count = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.float64, device=d64.device)[:, None]
-    bound = ulp(oracle, dtype) + count * 2.0 ** -24 * absum + 1e-30
+    oracle, bound = _oracle_bound(dy, offsets, dtype)
     assert db.dtype == bias.dtype and ((db.double() - oracle).abs() <= bound).all()
     assert (db[0] == 0).all()  # the empty expert's gradient is zero (written, not left)
     # the reference gives the same numbers
@@ -141,3 +147,31 @@ def test_expert_bias_custom_ops(interpret):
                     rows, bias.detach(), experts, offsets, dy)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_oai_gate_with_fused_bias_matches_unfused(interpret, dtype):
+    # the bias added as the gate's rows load: the gate of expert_bias's output, bitwise, and the
+    # same gradients (gate-up rows bitwise, bias by the same segmented sum)
+    rows, bias, experts, offsets, _ = _case(40, 24, 5, dtype, interpret, pad=3)
+    dh = torch.randn(40, 12, generator=torch.Generator().manual_seed(2)).to(dtype).to(interpret)
+    res = []
+    for fused in (True, False):
+        r, b = rows.clone().requires_grad_(), bias.clone().requires_grad_()
+        if fused:
+            y = mr.oai_gate(r, 1.702, 7.0, b, experts, offsets)
+        else:
+            y = mr.oai_gate(mr.expert_bias(r, b, experts, offsets), 1.702, 7.0)
+        y.backward(dh)
+        res.append((y.detach(), r.grad, b.grad))
+    for a, c in zip(*res):
+        assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="all three"):
+        mr.oai_gate(rows, 1.702, 7.0, bias)
+
+
+def test_oai_gate_with_bias_custom_op(interpret):
+    S = importlib.import_module("deepspeed_fused.ops.moe_reorder.swiglu")
+    rows, bias, experts, offsets, _ = _case(24, 16, 4, torch.float32, interpret, pad=2)
+    torch.library.opcheck(S._oai_op, (rows.requires_grad_(), 1.702, 7.0, bias.requires_grad_(), experts, offsets),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -23,10 +23,13 @@ reason. Eager calls run an autograd Function; ``torch.compile`` traces the custo
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .._common import HAS_TRITON, DirectKernel, tl, triton
 from .checks import kernel_ok
+from .expert_bias import _bias_grad_op, _check as _check_bias, _grad as _bias_grad, expert_bias
 
 _NS = "deepspeed_fused"
 
@@ -89,23 +92,32 @@ if HAS_TRITON:
     _launch_bwd = DirectKernel(_swiglu_bwd_kernel)
 
     @triton.jit
-    def _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit):
-        # GPT-OSS's interleaved gate/up (gate at 2c, up at 2c + 1) and eager's clamps (the limit is
-        # in the input dtype, as a scalar clamp of a half-precision tensor compares there)
-        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
-        src = GU + rows.to(tl.int64)[:, None] * stride_gu + 2 * cols[None, :]
-        g = tl.load(src, mask=m, other=0.0)
-        u = tl.load(src + 1, mask=m, other=0.0)
+    def _oai_load(GU, B, E, rows, cols2, n_rows, inter, stride_gu, stride_b, limit, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # GPT-OSS's interleaved gate/up (gate at 2c, up at 2c + 1) loaded as one contiguous tile of
+        # 2 BLOCK_C columns and split in registers (two stride-2 loads cost a second pass through
+        # L1), and eager's clamps (the limit is in the input dtype, as a scalar clamp of a
+        # half-precision tensor compares there)
+        m2 = (rows < n_rows)[:, None] & (cols2 < 2 * inter)[None, :]
+        v = tl.load(GU + rows.to(tl.int64)[:, None] * stride_gu + cols2[None, :], mask=m2, other=0.0)
+        if HAS_BIAS:  # the experts' bias (expert_bias fused): each row's expert's row, one rounding
+            e = tl.load(E + rows, mask=rows < n_rows, other=0).to(tl.int64)
+            b = tl.load(B + e[:, None] * stride_b + cols2[None, :], mask=m2, other=0.0)
+            v = (v.to(tl.float32) + b.to(tl.float32)).to(GU.dtype.element_ty)
+        g, u = tl.split(tl.reshape(v, [BLOCK_R, BLOCK_C, 2]))
         lim = (tl.zeros_like(g.to(tl.float32)) + limit).to(g.dtype).to(tl.float32)
         gf, uf = g.to(tl.float32), u.to(tl.float32)
-        return m, gf, uf, lim
+        return m2, gf, uf, lim
 
     @triton.jit
-    def _oai_fwd_kernel(GU, H, n_rows, inter, stride_gu, stride_h, alpha, limit, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+    def _oai_fwd_kernel(GU, B, E, H, n_rows, inter, stride_gu, stride_b, stride_h, alpha, limit,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m, gf, uf, lim = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        cols2 = tl.program_id(1) * (2 * BLOCK_C) + tl.arange(0, 2 * BLOCK_C)
+        _, gf, uf, lim = _oai_load(GU, B, E, rows, cols2, n_rows, inter, stride_gu, stride_b, limit, BLOCK_R, BLOCK_C,
+                                   HAS_BIAS)
+        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
         ty = GU.dtype.element_ty
         gc = tl.minimum(gf, lim)
         uc = tl.minimum(tl.maximum(uf, -lim), lim)
@@ -116,11 +128,14 @@ if HAS_TRITON:
         tl.store(H + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], (u1 * glu).to(ty), mask=m)
 
     @triton.jit
-    def _oai_bwd_kernel(GU, DH, DGU, n_rows, inter, stride_gu, stride_dh, alpha, limit, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+    def _oai_bwd_kernel(GU, B, E, DH, DGU, n_rows, inter, stride_gu, stride_b, stride_dh, alpha, limit,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m, gf, uf, lim = _oai_load(GU, rows, cols, n_rows, inter, stride_gu, limit)
+        cols2 = tl.program_id(1) * (2 * BLOCK_C) + tl.arange(0, 2 * BLOCK_C)
+        m2, gf, uf, lim = _oai_load(GU, B, E, rows, cols2, n_rows, inter, stride_gu, stride_b, limit, BLOCK_R,
+                                    BLOCK_C, HAS_BIAS)
+        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
         ty = GU.dtype.element_ty
         r64 = rows.to(tl.int64)[:, None]
         dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
@@ -142,9 +157,10 @@ if HAS_TRITON:
         d_via_t = (d_t * alpha).to(ty).to(tl.float32)
         d_gc = (d_direct + d_via_t).to(ty).to(tl.float32)
         d_gate = tl.where(gf <= lim, d_gc, 0.0)
-        dst = DGU + r64 * (2 * inter) + 2 * cols[None, :]
-        tl.store(dst, d_gate.to(ty), mask=m)
-        tl.store(dst + 1, d_up.to(ty), mask=m)
+        # interleaved again in registers: one contiguous store (two stride-2 stores write each
+        # sector in halves)
+        dgu = tl.reshape(tl.join(d_gate.to(ty), d_up.to(ty)), [BLOCK_R, 2 * BLOCK_C])
+        tl.store(DGU + r64 * (2 * inter) + cols2[None, :], dgu, mask=m2)
 
     # no FMA contraction: eager rounds every product of the chain to the input dtype, and LLVM
     # narrows a rounded FP32 product of two half values to a half multiply that the backend then
@@ -283,73 +299,118 @@ def oai_gate_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> tor
     return (up + 1) * glu
 
 
-def _oai_forward(gate_up, alpha, limit):
-    return _gate_forward(_launch_oai_fwd, gate_up, float(alpha), float(limit))
+def _oai_tile(n_rows: int, inter: int) -> tuple:
+    return _tile(n_rows, inter)
 
 
-def _oai_backward(gate_up, dh, alpha, limit):
-    return _gate_backward(_launch_oai_bwd, gate_up, dh, float(alpha), float(limit))
+def _oai_forward(gate_up, alpha, limit, bias=None, experts=None):
+    gu = _rows(gate_up)
+    n_rows, inter = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
+    if h.numel():
+        grid, const, warps = _oai_tile(n_rows, inter)
+        b, e = (gu, gu) if bias is None else (bias, experts)  # stand-ins the kernel does not read
+        _launch_oai_fwd(grid, (gu, b, e, h, n_rows, inter, gu.stride(0), b.stride(0), h.stride(0), float(alpha),
+                               float(limit)), dict(const, HAS_BIAS=bias is not None), warps)
+    return h.view(*gate_up.shape[:-1], inter)
+
+
+def _oai_backward(gate_up, dh, alpha, limit, bias=None, experts=None):
+    gu, d = _rows(gate_up), _rows(dh.to(gate_up.dtype))
+    n_rows, inter = gu.shape[0], gu.shape[1] // 2
+    dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
+    if dgu.numel():
+        grid, const, warps = _oai_tile(n_rows, inter)
+        b, e = (gu, gu) if bias is None else (bias, experts)
+        _launch_oai_bwd(grid, (gu, b, e, d, dgu, n_rows, inter, gu.stride(0), b.stride(0), d.stride(0), float(alpha),
+                               float(limit)), dict(const, HAS_BIAS=bias is not None), warps)
+    return dgu.view(gate_up.shape)
+
+
+def _oai_bias_grad(dgu, bias, offsets, needed: bool):
+    if bias is None or not needed:
+        return None
+    return _bias_grad(dgu.reshape(-1, dgu.shape[-1]), offsets, bias.dtype)
 
 
 class _OaiGateFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up, alpha, limit):
-        ctx.save_for_backward(gate_up)
+    def forward(ctx, gate_up, alpha, limit, bias, experts, offsets):
+        ctx.save_for_backward(gate_up, bias, experts, offsets)
         ctx.args = (alpha, limit)
-        return _oai_forward(gate_up, alpha, limit)
+        return _oai_forward(gate_up, alpha, limit, bias, experts)
 
     @staticmethod
     def backward(ctx, dh):
-        (gate_up,) = ctx.saved_tensors
-        return _oai_backward(gate_up, dh, *ctx.args), None, None
+        gate_up, bias, experts, offsets = ctx.saved_tensors
+        dgu = _oai_backward(gate_up, dh, *ctx.args, bias, experts)
+        return dgu, None, None, _oai_bias_grad(dgu, bias, offsets, ctx.needs_input_grad[3]), None, None
 
 
 @torch.library.custom_op(f"{_NS}::moe_oai_gate", mutates_args=())
-def _oai_op(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    return _oai_forward(gate_up, alpha, limit)
+def _oai_op(gate_up: torch.Tensor, alpha: float, limit: float, bias: Optional[torch.Tensor] = None,
+            experts: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _oai_forward(gate_up, alpha, limit, bias, experts)
 
 
 @_oai_op.register_fake
-def _(gate_up, alpha, limit):
+def _(gate_up, alpha, limit, bias=None, experts=None, offsets=None):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
 @torch.library.custom_op(f"{_NS}::moe_oai_gate_backward", mutates_args=())
-def _oai_backward_op(gate_up: torch.Tensor, dh: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    return _oai_backward(gate_up, dh, alpha, limit)
+def _oai_backward_op(gate_up: torch.Tensor, dh: torch.Tensor, alpha: float, limit: float,
+                     bias: Optional[torch.Tensor] = None, experts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _oai_backward(gate_up, dh, alpha, limit, bias, experts)
 
 
 @_oai_backward_op.register_fake
-def _(gate_up, dh, alpha, limit):
+def _(gate_up, dh, alpha, limit, bias=None, experts=None):
     return torch.empty_like(gate_up)
 
 
 def _oai_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
+    ctx.save_for_backward(inputs[0], inputs[3], inputs[4], inputs[5])
     ctx.args = (inputs[1], inputs[2])
 
 
 def _oai_op_backward(ctx, dh):
-    (gate_up,) = ctx.saved_tensors
-    return _oai_backward_op(gate_up, dh, *ctx.args), None, None
+    gate_up, bias, experts, offsets = ctx.saved_tensors
+    dgu = _oai_backward_op(gate_up, dh, *ctx.args, bias, experts)
+    db = None
+    if bias is not None and ctx.needs_input_grad[3]:
+        db = _bias_grad_op(dgu.reshape(-1, dgu.shape[-1]), offsets, bias.dtype)
+    return dgu, None, None, db, None, None
 
 
 _oai_op.register_autograd(_oai_op_backward, setup_context=_oai_setup)
 
 
-def oai_gate(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def oai_gate(gate_up: torch.Tensor, alpha: float, limit: float, bias: Optional[torch.Tensor] = None,
+             experts: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GPT-OSS's clamped gate (:func:`oai_gate_reference`) of an interleaved ``[..., 2 I]`` gate-up
     projection, one kernel forward and one backward, each step rounded to the input dtype as eager
     rounds it (clamps exact, ``gate * alpha``, the sigmoid, ``gate * sigmoid``, ``up + 1``, the
-    product; backward: every gradient of that chain, the clamps' masks inclusive)."""
+    product; backward: every gradient of that chain, the clamps' masks inclusive). With ``bias``
+    ``[E, 2 I]``, ``experts`` and ``offsets`` (as :func:`~.expert_bias.expert_bias` takes them; the
+    gate-up rows ``[S, 2 I]``): the gate of ``gate_up + bias[experts]`` (the sum rounded once, as
+    eager's add), the bias added as the rows are loaded (no pass of its own) and its gradient the
+    segmented sum of each expert's rows of the input gradient."""
     _check(gate_up)
     for name, v in (("alpha", alpha), ("limit", limit)):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{name}: expected a Python float, got {type(v).__name__}")
+    given = [t is not None for t in (bias, experts, offsets)]
+    if any(given) and not all(given):
+        raise ValueError("bias, experts, offsets: expected all three or none")
+    if bias is not None:
+        _check_bias(gate_up, bias, experts, offsets)
+        if bias.dtype != gate_up.dtype or not kernel_ok("oai_gate", gate_up):
+            return oai_gate(expert_bias(gate_up, bias, experts, offsets), alpha, limit)
     if not kernel_ok("oai_gate", gate_up):
         return oai_gate_reference(gate_up, alpha, limit)
     if torch.compiler.is_compiling():
-        return _oai_op(gate_up, float(alpha), float(limit))
-    if torch.is_grad_enabled() and gate_up.requires_grad:
-        return _OaiGateFn.apply(gate_up, float(alpha), float(limit))
-    return _oai_forward(gate_up, float(alpha), float(limit))
+        return _oai_op(gate_up, float(alpha), float(limit), bias, experts, offsets)
+    if torch.is_grad_enabled() and (gate_up.requires_grad or (bias is not None and bias.requires_grad)):
+        return _OaiGateFn.apply(gate_up, float(alpha), float(limit), bias, experts, offsets)
+    return _oai_forward(gate_up, float(alpha), float(limit), bias, experts)
