@@ -456,14 +456,17 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
         weight, bias = self.up_proj, (self.up_proj_bias if has_bias else None)
     is_transposed = getattr(self, "is_transposed", False)
     proj = _grouped_linear(selected, weight, offsets, is_transposed=is_transposed)
-    oai = getattr(self, "has_gate", True) and not fused_gate(self) and oai_gate_of(self)
-    if bias is not None and not oai:
+    # the activation, decided once: none (act_fn), the fused SiLU gate, GPT-OSS's gate (which adds
+    # the gate-up bias as its rows load) or the module's own
+    gate = None if not getattr(self, "has_gate", True) else \
+        "swiglu" if fused_gate(self) else "oai" if oai_gate_of(self) else "module"
+    if bias is not None and gate != "oai":
         proj = reorder.expert_bias(proj, bias, sort.experts, offsets)
-    if not getattr(self, "has_gate", True):
+    if gate is None:
         proj = self.act_fn(proj)
-    elif fused_gate(self):
+    elif gate == "swiglu":
         proj = reorder.swiglu(proj)  # silu(gate) * up in one kernel (its backward one more)
-    elif oai:  # GPT-OSS's clamped gate, one kernel each way, its bias added as the rows load
+    elif gate == "oai":  # GPT-OSS's clamped gate, one kernel each way, its bias added as the rows load
         bias_args = (bias, sort.experts, offsets) if bias is not None else ()
         proj = reorder.oai_gate(proj, self.alpha, self.limit, *bias_args)
     else:

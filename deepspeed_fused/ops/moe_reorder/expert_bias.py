@@ -129,14 +129,13 @@ class _ExpertBiasFn(torch.autograd.Function):
     def forward(ctx, rows, bias, experts, offsets):
         ctx.save_for_backward(offsets)
         ctx.bias_dtype = bias.dtype
-        ctx.needs = ctx.needs_input_grad[:2]
         return _add(rows, bias, experts)
 
     @staticmethod
     def backward(ctx, dy):
         (offsets,) = ctx.saved_tensors
-        db = _grad(dy, offsets, ctx.bias_dtype) if ctx.needs[1] else None
-        return (dy if ctx.needs[0] else None), db, None, None
+        db = _grad(dy, offsets, ctx.bias_dtype) if ctx.needs_input_grad[1] else None
+        return (dy if ctx.needs_input_grad[0] else None), db, None, None
 
 
 @torch.library.custom_op(f"{_NS}::moe_expert_bias", mutates_args=())

@@ -110,7 +110,7 @@ if HAS_TRITON:
         return m2, gf, uf, lim
 
     @triton.jit
-    def _oai_fwd_kernel(GU, B, E, H, n_rows, inter, stride_gu, stride_b, stride_h, alpha, limit,
+    def _oai_fwd_kernel(GU, H, n_rows, inter, stride_gu, stride_h, alpha, limit, B, E, stride_b,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -128,7 +128,7 @@ if HAS_TRITON:
         tl.store(H + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], (u1 * glu).to(ty), mask=m)
 
     @triton.jit
-    def _oai_bwd_kernel(GU, B, E, DH, DGU, n_rows, inter, stride_gu, stride_b, stride_dh, alpha, limit,
+    def _oai_bwd_kernel(GU, DH, DGU, n_rows, inter, stride_gu, stride_dh, alpha, limit, B, E, stride_b,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -201,25 +201,27 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def _gate_forward(launch, gate_up: torch.Tensor, *scalars) -> torch.Tensor:
-    """A gate kernel's forward launch (``launch``: the swiglu's or GPT-OSS's), into a fresh [..., I]."""
+def _gate_forward(launch, gate_up: torch.Tensor, *scalars, **constexprs) -> torch.Tensor:
+    """A gate kernel's forward launch (``launch``: the swiglu's or GPT-OSS's), into a fresh [..., I];
+    ``scalars``: the kernel's arguments after the rows' layout, ``constexprs``: beside the tile's."""
     gu = _rows(gate_up)
     n_rows, inter = gu.shape[0], gu.shape[1] // 2
     h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
     if h.numel():
         grid, const, warps = _tile(n_rows, inter)
-        launch(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0)) + scalars, const, warps)
+        launch(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0)) + scalars, dict(const, **constexprs), warps)
     return h.view(*gate_up.shape[:-1], inter)
 
 
-def _gate_backward(launch, gate_up: torch.Tensor, dh: torch.Tensor, *scalars) -> torch.Tensor:
+def _gate_backward(launch, gate_up: torch.Tensor, dh: torch.Tensor, *scalars, **constexprs) -> torch.Tensor:
     """A gate kernel's backward launch, into a fresh [..., 2 I] input gradient."""
     gu, d = _rows(gate_up), _rows(dh.to(gate_up.dtype))
     n_rows, inter = gu.shape[0], gu.shape[1] // 2
     dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
     if dgu.numel():
         grid, const, warps = _tile(n_rows, inter)
-        launch(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0)) + scalars, const, warps)
+        launch(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0)) + scalars, dict(const, **constexprs),
+               warps)
     return dgu.view(gate_up.shape)
 
 
@@ -299,38 +301,30 @@ def oai_gate_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> tor
     return (up + 1) * glu
 
 
-def _oai_tile(n_rows: int, inter: int) -> tuple:
-    return _tile(n_rows, inter)
+def _oai_bias_args(gate_up, bias, experts) -> tuple:
+    """The GPT-OSS kernels' arguments after the limit: the bias, the rows' experts and the bias's row
+    stride (without a bias, stand-ins the kernel does not read)."""
+    b, e = (gate_up, gate_up) if bias is None else (bias, experts)
+    return b, e, b.stride(0)
 
 
 def _oai_forward(gate_up, alpha, limit, bias=None, experts=None):
-    gu = _rows(gate_up)
-    n_rows, inter = gu.shape[0], gu.shape[1] // 2
-    h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
-    if h.numel():
-        grid, const, warps = _oai_tile(n_rows, inter)
-        b, e = (gu, gu) if bias is None else (bias, experts)  # stand-ins the kernel does not read
-        _launch_oai_fwd(grid, (gu, b, e, h, n_rows, inter, gu.stride(0), b.stride(0), h.stride(0), float(alpha),
-                               float(limit)), dict(const, HAS_BIAS=bias is not None), warps)
-    return h.view(*gate_up.shape[:-1], inter)
+    return _gate_forward(_launch_oai_fwd, gate_up, float(alpha), float(limit), *_oai_bias_args(gate_up, bias, experts),
+                         HAS_BIAS=bias is not None)
 
 
 def _oai_backward(gate_up, dh, alpha, limit, bias=None, experts=None):
-    gu, d = _rows(gate_up), _rows(dh.to(gate_up.dtype))
-    n_rows, inter = gu.shape[0], gu.shape[1] // 2
-    dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
-    if dgu.numel():
-        grid, const, warps = _oai_tile(n_rows, inter)
-        b, e = (gu, gu) if bias is None else (bias, experts)
-        _launch_oai_bwd(grid, (gu, b, e, d, dgu, n_rows, inter, gu.stride(0), b.stride(0), d.stride(0), float(alpha),
-                               float(limit)), dict(const, HAS_BIAS=bias is not None), warps)
-    return dgu.view(gate_up.shape)
+    return _gate_backward(_launch_oai_bwd, gate_up, dh, float(alpha), float(limit),
+                          *_oai_bias_args(gate_up, bias, experts), HAS_BIAS=bias is not None)
 
 
-def _oai_bias_grad(dgu, bias, offsets, needed: bool):
-    if bias is None or not needed:
+def _oai_bias_grad(grad_fn, dgu, bias, offsets, needs_input_grad):
+    """The bias's gradient from the gate-up gradient (``grad_fn``: expert_bias's segmented sum, as a
+    function or its custom op), or None. ``needs_input_grad`` is read only with a bias: a custom op
+    called without one has no flag for it."""
+    if bias is None or not needs_input_grad[3]:
         return None
-    return _bias_grad(dgu.reshape(-1, dgu.shape[-1]), offsets, bias.dtype)
+    return grad_fn(dgu.reshape(-1, dgu.shape[-1]), offsets, bias.dtype)
 
 
 class _OaiGateFn(torch.autograd.Function):
@@ -344,7 +338,7 @@ class _OaiGateFn(torch.autograd.Function):
     def backward(ctx, dh):
         gate_up, bias, experts, offsets = ctx.saved_tensors
         dgu = _oai_backward(gate_up, dh, *ctx.args, bias, experts)
-        return dgu, None, None, _oai_bias_grad(dgu, bias, offsets, ctx.needs_input_grad[3]), None, None
+        return dgu, None, None, _oai_bias_grad(_bias_grad, dgu, bias, offsets, ctx.needs_input_grad), None, None
 
 
 @torch.library.custom_op(f"{_NS}::moe_oai_gate", mutates_args=())
@@ -377,10 +371,7 @@ def _oai_setup(ctx, inputs, output):
 def _oai_op_backward(ctx, dh):
     gate_up, bias, experts, offsets = ctx.saved_tensors
     dgu = _oai_backward_op(gate_up, dh, *ctx.args, bias, experts)
-    db = None
-    if bias is not None and ctx.needs_input_grad[3]:
-        db = _bias_grad_op(dgu.reshape(-1, dgu.shape[-1]), offsets, bias.dtype)
-    return dgu, None, None, db, None, None
+    return dgu, None, None, _oai_bias_grad(_bias_grad_op, dgu, bias, offsets, ctx.needs_input_grad), None, None
 
 
 _oai_op.register_autograd(_oai_op_backward, setup_context=_oai_setup)
