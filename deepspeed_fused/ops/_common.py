@@ -70,6 +70,18 @@ def kernel_device_ok(t: torch.Tensor) -> tuple[bool, str]:
     return False, f"tensors on {t.device.type} (kernels need CUDA)"
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code. Triton's ``triton.cdiv`` and ``triton.next_power_of_2`` are
+    constexpr functions: each host call goes through their wrapper (about 2 us), and a launch plan
+    makes several per call."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2`` for host code."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     """The streaming multiprocessors of CUDA device ``device_index`` (read once per device)."""

@@ -57,8 +57,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._common import on_device as _on_device
-from ._common import (HAS_TRITON, _current_device, _launch_hooks, _raw_stream, direct_launcher, kernel_device_ok, tl,
-                      triton, warn_fallback)
+from ._common import (HAS_TRITON, _current_device, _launch_hooks, _raw_stream, cdiv, direct_launcher, kernel_device_ok,
+                      next_power_of_2, tl, triton, warn_fallback)
 
 __all__ = ["RopeSpec", "LLAMA", "fused_rope", "try_fused_rope", "rope_reference", "rope_kernel_ok", "output_dtype"]
 
@@ -501,17 +501,17 @@ class _Plan:
         ct = compute_dtype(spec, x_dtype, angle_dtype)
         self.prod = _CODE[ct]
         self.acc_bwd = _CODE[x_dtype if spec.grad_accum == "input" else ct]
-        block_h = triton.next_power_of_2(pairs)
+        block_h = next_power_of_2(pairs)
         n_max = max(g.n_rows for g in geos)
         cap = _MAX_BLOCK_R if x.is_cuda else 4096  # the interpreter: few programs
-        block_r = max(1, min(max(1, _TILE_PAIRS // block_h), cap, triton.next_power_of_2(max(n_max, 1))))
+        block_r = max(1, min(max(1, _TILE_PAIRS // block_h), cap, next_power_of_2(max(n_max, 1))))
         rest = d - rdim
         self.common = dict(BLOCK_R=block_r, BLOCK_H=block_h,
-                           BLOCK_P=triton.next_power_of_2(min(rest, 128)) if rest else 1,
+                           BLOCK_P=next_power_of_2(min(rest, 128)) if rest else 1,
                            PAIRS=spec.pairing == "adjacent", ANGLE_PAIR=spec.angles != "position",
                            HALVES=spec.output == "halves", NEG=spec.negate)
         self.tail = (pairs, d, rdim)
-        self.progs = tuple(triton.cdiv(g.n_rows, block_r) for g in geos)
+        self.progs = tuple(cdiv(g.n_rows, block_r) for g in geos)
         self.dev = x.device.index if x.is_cuda else None
         self.bwd = {}
         self.fwd_args = self.fwd_const = None

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import triton
 import transformers
 from deepspeed.moe.ep_kernels import generate_permute_indices
 from tiny_models import build_model
@@ -1166,3 +1167,14 @@ def test_gpt_oss_gate_kernels_compile_without_contraction():
     if not hasattr(S, "_launch_oai_bwd"):
         pytest.skip("Triton is not installed")
     assert S._launch_oai_bwd.options == {"enable_fp_fusion": False} == S._launch_oai_fwd.options
+
+
+def test_host_cdiv_and_next_power_of_2_equal_tritons():
+    # the launch plans' host arithmetic (ops/_common) gives Triton's own answers
+    for a in range(0, 5000):
+        assert _common.next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 2, 3, 7, 64, 1000, 4096):
+            assert _common.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    big = 2 ** 40 + 3
+    assert _common.next_power_of_2(big) == triton.next_power_of_2(big)
+    assert _common.cdiv(big, 128) == triton.cdiv(big, 128)

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from .._common import HAS_TRITON, interpreter_active, sm_count, tl, triton
+from .._common import HAS_TRITON, cdiv, interpreter_active, sm_count, tl, triton
 
 if HAS_TRITON:
     from .row_kernel import _softcap
@@ -383,7 +383,7 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     V = weight.shape[0]
     interp = interpreter_active()
     BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_STATS_CFG
-    n_n = triton.cdiv(V, BN)
+    n_n = cdiv(V, BN)
     # token chunks so the per-tile partials stay within _GEMM_STATS_PART_BYTES (one chunk up to
     # M x V = 2^33 (bf16 sizes: 8192 x 1M vocabulary) with two fields)
     nf = 2 + int(need_ent) + int(need_sumz)
@@ -407,13 +407,13 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
                 a = bufs[2][:n_n * n].view(n_n, n) if need_ent else m
                 sz = bufs[-1][:n_n * n].view(n_n, n) if need_sumz else m
                 h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
-                _COMPILED["stats"] = _lce_gemm_stats_kernel[(min(sms, triton.cdiv(n, BM) * n_n),)](
+                _COMPILED["stats"] = _lce_gemm_stats_kernel[(min(sms, cdiv(n, BM) * n_n),)](
                     h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
                     m, d, a, sz, zt[s:e], n, V, K, ignore_index, vocab_start, float(inv_temp), float(softcap or 1.0),
                     ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
                     NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
                     NUM_SMS=sms, num_stages=stages, num_warps=warps)
-                _merge_tile_stats_kernel[(triton.cdiv(n, block),)](
+                _merge_tile_stats_kernel[(cdiv(n, block),)](
                     m, d, a, sz, zt[s:e], stats[s:e], n_n, n, NEED_ENT=need_ent, NEED_SUMZ=need_sumz, BLOCK=block,
                     num_warps=1 if interp else 4)
     except torch.OutOfMemoryError:
@@ -452,7 +452,7 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
                 subtile = 2  # a pointer store of the whole tile spills registers
             out_desc = (_TensorDescriptor(out, list(out.shape), list(out.stride()), [BM, BN // subtile])
                         if tma_out else h_desc)
-            _COMPILED["grad"] = _lce_gemm_grad_kernel[(min(sms, triton.cdiv(M, BM) * triton.cdiv(V, BN)),)](
+            _COMPILED["grad"] = _lce_gemm_grad_kernel[(min(sms, cdiv(M, BM) * cdiv(V, BN)),)](
                 h_desc, w_desc, bias if bias is not None else lse, target, temp if temp is not None else lse,
                 lse, ent if ent is not None else lse, g_loss, g_ent if g_ent is not None else lse,
                 g_lse if g_lse is not None else lse, out, out.stride(0), out_desc, M, V, K, vocab_start,

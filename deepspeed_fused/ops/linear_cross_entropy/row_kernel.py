@@ -17,7 +17,7 @@ Math per token with ``s`` the raw logits, ``T`` the temperature, ``c`` the soft 
 """
 import torch
 
-from .._common import HAS_TRITON, interpreter_active, tl, triton
+from .._common import HAS_TRITON, next_power_of_2, interpreter_active, tl, triton
 
 
 # dtypes the kernel takes (float64 runs the torch reference)
@@ -154,10 +154,10 @@ if HAS_TRITON:
 def _row_config(V):
     """(BLOCK, num_warps) of the row kernel for rows of V logits."""
     if interpreter_active():
-        return min(64, triton.next_power_of_2(V)), 1
+        return min(64, next_power_of_2(V)), 1
     # swept on the H200 (scratch rows A/B, 2026-11-30): software-pipelined loops (num_stages 2-3)
     # and BLOCK 1024-8192 with 4-16 warps are no faster over the suite's chunk shapes
-    block = min(4096, triton.next_power_of_2(V))
+    block = min(4096, next_power_of_2(V))
     return block, 8 if block >= 2048 else 4
 
 

@@ -6,7 +6,7 @@ and :func:`_scale_masked_torch_`, the same in torch ops (differentiable, traceab
 """
 import torch
 
-from .._common import HAS_TRITON, interpreter_active, tl, triton
+from .._common import HAS_TRITON, cdiv, next_power_of_2, interpreter_active, tl, triton
 from .row_kernel import _KERNEL_DTYPES
 
 
@@ -69,12 +69,12 @@ def _scale_unless_one_(x, g, *, target=None, ignore_index=-100, gate=None):
     g1 = g.reshape(1)
     if target is not None:
         n = x[0].numel()
-        block = min(4096, triton.next_power_of_2(n))
-        grid = (x.shape[0], triton.cdiv(n, block))
+        block = min(4096, next_power_of_2(n))
+        grid = (x.shape[0], cdiv(n, block))
     else:
         n = x.numel()
         block = 4096
-        grid = (triton.cdiv(n, block),)
+        grid = (cdiv(n, block),)
     _scale_unless_one_kernel[grid](x, n, g1, g1 if gate is None else gate.reshape(1),
                                    g1 if target is None else target.contiguous(), int(ignore_index),
                                    GATE=gate is not None, ROWS=target is not None, BLOCK=block,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import HAS_TRITON, DirectKernel, tl, triton, warn_fallback
+from .._common import HAS_TRITON, cdiv, next_power_of_2, DirectKernel, tl, triton, warn_fallback
 from .checks import OP, check_device, check_index, kernel_ok
 
 _NS = "deepspeed_fused"
@@ -95,8 +95,8 @@ def _check(rows, bias, experts, offsets) -> None:
 
 
 def _tile(n_rows: int, width: int) -> tuple:
-    block_c = min(1024, triton.next_power_of_2(max(width, 1)))
-    block_r = max(1, min(4096 // block_c, triton.next_power_of_2(max(n_rows, 1))))
+    block_c = min(1024, next_power_of_2(max(width, 1)))
+    block_r = max(1, min(4096 // block_c, next_power_of_2(max(n_rows, 1))))
     return block_r, block_c
 
 
@@ -106,7 +106,7 @@ def _add(rows: torch.Tensor, bias: torch.Tensor, experts: torch.Tensor) -> torch
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel():
         block_r, block_c = _tile(*x.shape)
-        grid = (triton.cdiv(x.shape[0], block_r), triton.cdiv(x.shape[1], block_c))
+        grid = (cdiv(x.shape[0], block_r), cdiv(x.shape[1], block_c))
         _launch_add(grid, (x, b, experts.contiguous(), y, x.shape[0], x.shape[1], x.stride(0), b.stride(0),
                            y.stride(0)), dict(BLOCK_R=block_r, BLOCK_C=block_c), 4 if block_r * block_c >= 2048 else 2)
     return y
@@ -117,9 +117,9 @@ def _grad(dy: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.
     E, N = offsets.numel(), d.shape[1]
     db = torch.empty((E, N), dtype=dtype, device=d.device)
     if db.numel():
-        block_c = min(128, triton.next_power_of_2(max(N, 1)))
+        block_c = min(128, next_power_of_2(max(N, 1)))
         block_r = max(1, 2048 // block_c)
-        _launch_grad((E, triton.cdiv(N, block_c)), (d, offsets.contiguous(), db, N, d.stride(0), db.stride(0)),
+        _launch_grad((E, cdiv(N, block_c)), (d, offsets.contiguous(), db, N, d.stride(0), db.stride(0)),
                      dict(BLOCK_R=block_r, BLOCK_C=block_c), 4)
     return db
 

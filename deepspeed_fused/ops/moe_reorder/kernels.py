@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .._common import HAS_TRITON, DirectKernel, sm_count, tl, triton
+from .._common import HAS_TRITON, cdiv, next_power_of_2, DirectKernel, sm_count, tl, triton
 
 if HAS_TRITON:
 
@@ -152,18 +152,18 @@ def _tile(num_rows: int, hidden: int, elem: int, device: torch.device, max_bytes
     blocks); several rows per program so each moves ~``max_bytes`` (small H -> many rows); fewer
     rows when the grid would leave SMs idle (few rows); a warp per ``bytes_per_warp`` of tile."""
     vec = max(1, 16 // elem)
-    block_h = max(vec, min(triton.next_power_of_2(hidden), 4096 // elem, max_block))
+    block_h = max(vec, min(next_power_of_2(hidden), 4096 // elem, max_block))
     while block_h > vec * 32:
-        n = triton.cdiv(hidden, block_h)
+        n = cdiv(hidden, block_h)
         if (n * block_h - hidden) * 16 <= n * block_h:
             break
         block_h //= 2
     rows = max(1, min(128, (max_bytes // elem) // block_h))
-    rows = min(rows, triton.next_power_of_2(max(1, num_rows)))
-    n_col = triton.cdiv(hidden, block_h)
+    rows = min(rows, next_power_of_2(max(1, num_rows)))
+    n_col = cdiv(hidden, block_h)
     if device.type == "cuda":
         target = 4 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        while rows > 1 and triton.cdiv(num_rows, rows) * n_col < target:
+        while rows > 1 and cdiv(num_rows, rows) * n_col < target:
             rows //= 2
     tile_bytes = rows * block_h * elem
     num_warps = max(1, min(8, tile_bytes // bytes_per_warp))
@@ -185,8 +185,8 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, scale: Optional[torch.Te
     if out.numel() == 0:
         return out
     rows, block_h, vec, warps = _tile(n_out, hidden, src.element_size(), src.device)
-    n_col = triton.cdiv(hidden, block_h)
-    _launch_gather((triton.cdiv(n_out, rows) * n_col, ), (
+    n_col = cdiv(hidden, block_h)
+    _launch_gather((cdiv(n_out, rows) * n_col, ), (
         src, index, scale.contiguous() if scale is not None else src, out, inverse if inverse is not None else index,
         assign if assign is not None else index, n_out, src.shape[0], hidden, n_col), dict(
         HAS_SCALE=scale is not None, WRITE_INVERSE=inverse is not None, SCALE_BY_ASSIGN=assign is not None,
@@ -214,8 +214,8 @@ def combine_rows(src: torch.Tensor, slot: torch.Tensor, weights: Optional[torch.
     elem = src.element_size()
     rows, block_h, vec, warps = _tile(num_tokens, hidden, elem, src.device, max_bytes=1024 * elem, max_block=1024,
                                       bytes_per_warp=1024)
-    n_col = triton.cdiv(hidden, block_h)
-    _launch_combine((triton.cdiv(num_tokens, rows) * n_col, ), (
+    n_col = cdiv(hidden, block_h)
+    _launch_combine((cdiv(num_tokens, rows) * n_col, ), (
         src, slot, weights.contiguous() if weights is not None else src, out, num_tokens, src.shape[0], hidden,
         n_col), dict(TOP_K=top_k, HAS_WEIGHT=weights is not None, ROWS=rows, BLOCK_H=block_h, VEC=vec,
                      ALIGNED=hidden % vec == 0), warps)
@@ -233,7 +233,7 @@ def slot_pass(a_rows: torch.Tensor, b_slots: torch.Tensor, token: torch.Tensor, 
     dot = torch.empty(num_slots, dtype=torch.float32, device=b_slots.device)
     g = torch.empty_like(b_slots) if scale is not None else None
     rows, block_h, vec, warps = _tile(num_slots, hidden, b_slots.element_size(), b_slots.device, 16384)
-    _launch_combine_backward((triton.cdiv(num_slots, rows), ), (
+    _launch_combine_backward((cdiv(num_slots, rows), ), (
         a_rows, token, scale.reshape(-1).contiguous() if scale is not None else dot, b_slots,
         g if g is not None else dot, dot, assignment, num_slots, a_rows.shape[0], hidden), dict(
         ROWS=rows, BLOCK_H=block_h, VEC=vec, ALIGNED=hidden % vec == 0, SCALE_BY_ASSIGN=True,
@@ -278,7 +278,7 @@ def route_maps_into(order: torch.Tensor, positions: Optional[torch.Tensor], top_
     if num_slots:
         block = 1024
         perm = positions.contiguous() if positions is not None else srt
-        _launch_route_maps((triton.cdiv(num_slots, block), ), (perm, srt, assign, tok, slot, num_slots, n),
+        _launch_route_maps((cdiv(num_slots, block), ), (perm, srt, assign, tok, slot, num_slots, n),
                            dict(TOP_K=top_k, HAS_PERM=positions is not None, BLOCK=block), 4)
     return tok, assign, slot
 
@@ -292,7 +292,7 @@ SORT_MAX_EXPERTS = 8190  # NB <= 8192 buckets held per program
 
 def sort_buckets(num_experts: int) -> int:
     """Buckets of the counting sort: a power of two above the E experts and the sentinel bucket."""
-    return max(32, triton.next_power_of_2(num_experts + 2))  # (a GPU tl.histogram counts into >= 32 bins)
+    return max(32, next_power_of_2(num_experts + 2))  # (a GPU tl.histogram counts into >= 32 bins)
 
 
 if HAS_TRITON:
@@ -362,7 +362,7 @@ def _sort_chunk(n: int, device: torch.device) -> int:
     """Assignments per program: a power of two (at least one comparison block), as few programs as
     the work allows on the interpreter, about 128 on a GPU (each program reads every chunk's counts)."""
     target = 128 if device.type == "cuda" else 4
-    return max(SORT_SUB, triton.next_power_of_2(triton.cdiv(max(n, 1), target)))
+    return max(SORT_SUB, next_power_of_2(cdiv(max(n, 1), target)))
 
 
 def route_sort_into(expert_ids: torch.Tensor, num_experts: int, top_k: int, out: Optional[tuple] = None,
@@ -384,7 +384,7 @@ def route_sort_into(expert_ids: torch.Tensor, num_experts: int, top_k: int, out:
         return out
     nb = sort_buckets(num_experts)
     chunk = chunk or _sort_chunk(n, dev)
-    num_chunks = triton.cdiv(n, chunk)
+    num_chunks = cdiv(n, chunk)
     counts = torch.empty((num_chunks, nb), dtype=torch.int32, device=dev)
     _launch_route_sort_count((num_chunks, ), (ids, counts, n, num_experts),
                              dict(CHUNK=chunk, BLOCK=min(chunk, 1024), NB=nb), 4)

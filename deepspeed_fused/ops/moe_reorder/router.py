@@ -28,11 +28,12 @@ ops ``deepspeed_fused::moe_topk_softmax`` and ``deepspeed_fused::moe_topk_softma
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from .._common import HAS_TRITON, DirectKernel, tl, triton, warn_fallback
+from .._common import HAS_TRITON, cdiv, next_power_of_2, DirectKernel, tl, triton, warn_fallback
 from .checks import OP, kernels_take
 
 _NS = "deepspeed_fused"
@@ -314,11 +315,12 @@ def kernels_take_router(logits: torch.Tensor, top_k: int) -> tuple[bool, str]:
     return ok, why
 
 
+@functools.lru_cache(maxsize=256)
 def _meta(n_rows: int, E: int, K: int) -> tuple:
-    block_e = triton.next_power_of_2(max(E, 2))
-    block_t = max(1, min(2048 // block_e, triton.next_power_of_2(max(n_rows, 1))))
-    kp = triton.next_power_of_2(max(K, 2))
-    return (triton.cdiv(n_rows, block_t),), dict(BLOCK_T=block_t, BLOCK_E=block_e, KP=kp), 4
+    block_e = next_power_of_2(max(E, 2))
+    block_t = max(1, min(2048 // block_e, next_power_of_2(max(n_rows, 1))))
+    kp = next_power_of_2(max(K, 2))
+    return (cdiv(n_rows, block_t),), dict(BLOCK_T=block_t, BLOCK_E=block_e, KP=kp), 4
 
 
 # ---- host side shared by the two top-k softmax routers: scores and indices [T, k] forward, the
@@ -549,7 +551,7 @@ def _group_check(logits, bias, top_k, n_group, topk_group) -> None:
 
 def _group_meta(n_rows, E, K, G) -> tuple:
     grid, meta, warps = _meta(n_rows, E, K)
-    return grid, dict(meta, GP=triton.next_power_of_2(max(G, 2))), warps
+    return grid, dict(meta, GP=next_power_of_2(max(G, 2))), warps
 
 
 def _group_forward(logits, bias, top_k, n_group, topk_group, renormalize, scale):

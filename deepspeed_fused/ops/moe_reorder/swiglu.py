@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .._common import HAS_TRITON, DirectKernel, tl, triton
+from .._common import HAS_TRITON, cdiv, next_power_of_2, DirectKernel, tl, triton
 from .checks import kernel_ok
 from .expert_bias import _bias_grad_op, _check as _check_bias, _grad as _bias_grad, expert_bias
 
@@ -187,9 +187,9 @@ def _check(gate_up: torch.Tensor) -> None:
 
 
 def _tile(n_rows: int, inter: int) -> tuple:
-    block_c = min(1024, triton.next_power_of_2(max(inter, 1)))
-    block_r = max(1, min(4096 // block_c, triton.next_power_of_2(max(n_rows, 1))))
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(inter, block_c))
+    block_c = min(1024, next_power_of_2(max(inter, 1)))
+    block_r = max(1, min(4096 // block_c, next_power_of_2(max(n_rows, 1))))
+    grid = (cdiv(n_rows, block_r), cdiv(inter, block_c))
     return grid, dict(BLOCK_R=block_r, BLOCK_C=block_c), 4 if block_r * block_c >= 2048 else 2
 
 

@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._common import CachedLaunches, _current_device, _stream_capturing, triton
+from .._common import CachedLaunches, _current_device, _stream_capturing, cdiv, next_power_of_2
 from .._common import sm_count as _sm_count
 from .kernels import _rms_bwd_form_kernel, _rms_bwd_kernel, _rms_bwd_loop_form_kernel, _rms_bwd_loop_kernel
 from .reference import _ACTS, _GATES, RMSForm, _form_dtypes
@@ -117,14 +117,14 @@ def _prev_pow2(n: int) -> int:
 
 def _fwd_config(n_rows: int, N: int, elem: int, cap_rows: int, gated: bool = False) -> tuple:
     if N <= _MAX_FWD_BLOCK:
-        block_n, single = triton.next_power_of_2(N), True
+        block_n, single = next_power_of_2(N), True
     else:
         block_n, single = _LOOP_BLOCK, False
     tile, per_warp = _FWD_TILE_BYTES, _FWD_ELEMS_PER_WARP
     if gated and block_n * elem < _FWD_GATED_TILE_BYTES:
         tile, per_warp = _FWD_GATED_TILE_BYTES, _FWD_GATED_ELEMS_PER_WARP
     block_r = max(1, (tile // elem) // block_n)
-    block_r = min(block_r, triton.next_power_of_2(max(n_rows, 1)), 128)
+    block_r = min(block_r, next_power_of_2(max(n_rows, 1)), 128)
     # keep at least `cap_rows` programs busy when the input is short (decode-like shapes)
     block_r = max(1, min(block_r, _prev_pow2(max(n_rows // max(cap_rows, 1), 1))))
     num_warps = min(16, max(1, (block_r * block_n) // per_warp))
@@ -168,19 +168,19 @@ def _bwd_config(n_rows: int, N: int, wg: int = 1, gated: bool = False, esize: tu
             # the warps along the row (at most block_n * size // 512 for `size`-byte elements).
             # Keep the spread of the tiles of wg rows (as many warps along a row, a whole vector per
             # thread), so the row sums, and dx, stay bitwise those of the tiles of wg rows.
-            block_r, _, _, num_warps = _bwd_config(triton.cdiv(n_rows, wg), N, 1, gated)
+            block_r, _, _, num_warps = _bwd_config(cdiv(n_rows, wg), N, 1, gated)
             num_warps = max(num_warps, min(old_warps, max(1, block_n * esize[1] // 512)))
             block_r = min(old_r, max(block_r, 32 * num_warps * (16 // esize[0]) // block_n))
             return block_r, block_n, True, num_warps
-        block_n = min(_LOOP_BLOCK, triton.next_power_of_2(N))
+        block_n = min(_LOOP_BLOCK, next_power_of_2(N))
         return 1, block_n, False, min(16, max(4, block_n // 512))
     if N <= _MAX_BWD_BLOCK:
-        block_n = triton.next_power_of_2(N)
+        block_n = next_power_of_2(N)
         tile, per_warp = _BWD_TILE_ELEMS, _BWD_ELEMS_PER_WARP
         if gated and block_n < _BWD_GATED_TILE_ELEMS:
             tile, per_warp = _BWD_GATED_TILE_ELEMS, _BWD_GATED_ELEMS_PER_WARP
         block_r = max(1, tile // block_n)
-        block_r = min(block_r, triton.next_power_of_2(max(n_rows, 1)))
+        block_r = min(block_r, next_power_of_2(max(n_rows, 1)))
         num_warps = min(16, max(1, (block_r * block_n) // per_warp))
         return block_r, block_n, True, num_warps
     return 1, _LOOP_BLOCK, False, min(16, max(4, _LOOP_BLOCK // 512))
@@ -481,10 +481,10 @@ def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> tuple:
     serial tail (a group's rows, then the groups' rows, read by one program each) would be
     latency-bound, a second launch sums column strips in parallel. Small inputs (host-bound: the
     device waits for the launches anyway) always sum in the one launch."""
-    group = min(64, max(2, triton.next_power_of_2(math.isqrt(max(progs - 1, 0)) + 1)))
-    n_groups = triton.cdiv(progs, group)
+    group = min(64, max(2, next_power_of_2(math.isqrt(max(progs - 1, 0)) + 1)))
+    n_groups = cdiv(progs, group)
     rb_p = 16
-    rb_n = min(triton.next_power_of_2(N), 256)
+    rb_n = min(next_power_of_2(N), 256)
     finish = (group + n_groups) * N * 4 <= _MAX_TAIL_BYTES or n_rows * N <= _SMALL_ELEMS
     return group, rb_p, rb_n, progs + n_groups, n_groups + 1, finish
 
@@ -500,10 +500,10 @@ def _col_finish_meta(progs: int, N: int, on_gpu: bool, sms: int = 0, rows: Optio
     another, so none may wait for a later one). ``rows``: the partial rows summed (default: one
     per program)."""
     if on_gpu:
-        sw = max(16, triton.next_power_of_2(triton.cdiv(N, max(1, min(64, progs, sms // 2)))))
+        sw = max(16, next_power_of_2(cdiv(N, max(1, min(64, progs, sms // 2)))))
     else:
-        sw = triton.next_power_of_2(N)
-    return sw, max(1, min(4096 // sw, triton.next_power_of_2(progs if rows is None else rows)))
+        sw = next_power_of_2(N)
+    return sw, max(1, min(4096 // sw, next_power_of_2(progs if rows is None else rows)))
 
 
 # ---- forward ------------------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def _fwd_plan(x: torch.Tensor, w: Optional[torch.Tensor], write_rstd: bool, key,
     cap = _sm_count(_device_index(x)) if x.is_cuda else 1
     gated = form is not None and form.consts.get("GATE", 0) != 0
     block_r, block_n, single, num_warps = _fwd_config(n_rows, N, x.element_size(), cap, gated)
-    grid = (triton.cdiv(n_rows, block_r),)
+    grid = (cdiv(n_rows, block_r),)
     const = dict(BLOCK_R=block_r, BLOCK_N=block_n, SINGLE=single, STATS64=x.dtype == torch.float32,
                  WRITE_RSTD=write_rstd)
     if form is None:
@@ -597,7 +597,7 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     wpr = wg if byrow else 1
     if single:
         # byrow: the tiles of one weight row's rows (every wg-th row)
-        n_tiles = triton.cdiv(triton.cdiv(n_rows, wg) if byrow else n_rows, block_r)
+        n_tiles = cdiv(cdiv(n_rows, wg) if byrow else n_rows, block_r)
         kernel = kernels[0]
         ints = (n_rows, N, n_tiles) + xl + gl
         const = dict(BLOCK_R=block_r, BLOCK_N=block_n,
@@ -630,8 +630,8 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
         ws_rows, n_cnt = n_part, 2
     else:  # a second launch; narrow column strips so the partial buffer is read by many programs at once
         const.update(GROUP=group, RB_P=rb_p, RB_N=rb_n, FINISH=0)
-        rn = min(triton.next_power_of_2(NW), 32)
-        red = ReducePlan((triton.cdiv(NW, rn),), dict(BLOCK_P=min(triton.next_power_of_2(n_part), 128), BLOCK_N=rn,
+        rn = min(next_power_of_2(NW), 32)
+        red = ReducePlan((cdiv(NW, rn),), dict(BLOCK_P=min(next_power_of_2(n_part), 128), BLOCK_N=rn,
                                                       WPR=wpr))
     if form is not None:
         const.update(fconst)  # after the reduction's: the kernels' parameter order
