@@ -14,6 +14,7 @@ from deepspeed_fused.features import rms_norm as F
 from deepspeed_fused.ops import rms_norm as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
 from unit.test_rms_norm import EPS, assert_dx_close, tune, ulp, ulp_err  # noqa: F401  (tune: a fixture)
+from unit.test_rms_norm import rms_norm_dispatchers_restored  # noqa: F401  (autouse: each test restores the classes)
 
 FORM_NAMES = sorted(n for n in R.FORMS if n != "llama")
 _ACT = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
