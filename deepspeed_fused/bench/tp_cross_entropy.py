@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.linear_cross_entropy import linear_cross_entropy
-from ..ops.linear_cross_entropy.group import _CopyToGroup
+from ..ops.linear_cross_entropy.group import CopyToGroup
 from .common import Record, env_fields, write_results
 
 SUITE = "tp_cross_entropy"
@@ -196,7 +196,7 @@ def implementations(tp: int, group, start: int, end: int, deepspeed_peers: bool 
             from deepspeed.sequence.cross_entropy import vocab_parallel_cross_entropy
 
             # identity forward, gradient summed over the TP group (a column-parallel head's input)
-            x = _CopyToGroup.apply(h, tpg, False) if tpg is not None and h.requires_grad else h
+            x = CopyToGroup.apply(h, tpg, False) if tpg is not None and h.requires_grad else h
             logits = x @ w.t()
             kw = dict(vocab_start_index=start, vocab_end_index=end) if tpg is not None else {}
             return vocab_parallel_cross_entropy(logits, t, tp_group=tpg, **kw)

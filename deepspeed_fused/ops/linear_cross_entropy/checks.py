@@ -4,14 +4,14 @@
 :mod:`.reference`): it checks the arguments (:func:`_check`: types, shapes, dtypes, options;
 :class:`_ValueCheck`: targets and temperatures, one host sync, unless ``validate_targets=False``;
 the kernel entry point reads its result after queuing the kernels), resolves the
-tensor-parallel group (:func:`.group._tp_setup`), builds the call's one
+tensor-parallel group (:func:`.group.tp_setup`), builds the call's one
 :class:`.options.LCEOptions` and flattens hidden/target to rows.
 """
 import math
 
 import torch
 
-from .group import _tp_setup
+from .group import tp_setup
 from .options import LCEOptions, LossOptions
 
 
@@ -136,7 +136,7 @@ def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperatur
     accum_fp32 = _check(hidden, weight, target, bias, temperature, ignore_index=ignore_index, reduction=reduction,
                         z_loss=z_loss, label_smoothing=label_smoothing, softcap=softcap, accum_dtype=accum_dtype,
                         chunk_tokens=chunk_tokens)
-    tp = _tp_setup(tp_group, vocab_start, weight.shape[0])
+    tp = tp_setup(tp_group, vocab_start, weight.shape[0])
     if not isinstance(sequence_parallel, bool):
         raise TypeError(f"linear_cross_entropy: `sequence_parallel` must be a bool, got {sequence_parallel!r}")
     if sequence_parallel and tp is None:

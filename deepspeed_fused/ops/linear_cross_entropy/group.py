@@ -1,21 +1,22 @@
 """The tensor-parallel group of the linear cross-entropy, shared by the kernels' TP form
 (:mod:`.parallel`) and the torch reference over a group (:mod:`.reference`).
 
-* :func:`_tp_setup`: the rank's :class:`_TPInfo` (group, rank, size, shard start), or None for
+* :func:`tp_setup`: the rank's :class:`TPInfo` (group, rank, size, shard start), or None for
   the single-GPU op (called by the argument checks, :mod:`.checks`).
-* **Layout** (:func:`_tp_layout`): one small all-gather of every rank's metadata rows (shard
+* **Layout** (:func:`tp_layout`): one small all-gather of every rank's metadata rows (shard
   bounds, dtype, hidden size, token count, options, chunk size and, when validating, its
   targets' extremes and temperature flag), read on the host and checked together, so a bad
   call raises on every rank before any other collective. Issued when ``validate_targets`` or
   the first time a rank sees its shard layout; then the layout is cached and later calls with
   ``validate_targets=False`` issue none (no host sync).
-* The collectives on data: the statistics all-gather (:func:`_stats_gather`), the dhidden
-  all-reduce (:func:`_dh_reduce_start` / :func:`_dh_reduce_finish`, :class:`_CopyToGroup`),
+* The collectives on data: the statistics all-gather (:func:`stats_gather`), the dhidden
+  all-reduce (:func:`dh_reduce_start` / :func:`dh_reduce_finish`, :class:`CopyToGroup`),
   and sequence parallelism: the token shards all-gathered (:class:`_SeqGather`, backward a
   reduce-scatter of dhidden) and per-token outputs cut back to the local shard
   (:class:`_SeqLocal`, backward an all-gather of their upstream gradients).
 
-Plain torch and torch.distributed; no Triton.
+The names without a leading underscore are what the other modules (and the TP benchmark) use;
+the underscored ones are this module's own. Plain torch and torch.distributed; no Triton.
 """
 import torch
 
@@ -35,15 +36,15 @@ _META_ROWS = 4  # rows of 5 values; the layout exchange adds one row of per-rank
 _TP_LAYOUTS: dict = {}
 
 
-class _TPInfo:
+class TPInfo:
     __slots__ = ("group", "rank", "size", "start")
 
     def __init__(self, group, rank, size, start):
         self.group, self.rank, self.size, self.start = group, rank, size, start
 
 
-def _tp_setup(tp_group, vocab_start, V_local):
-    """None for the single-GPU op (no group, or a group of one rank), else the rank's _TPInfo."""
+def tp_setup(tp_group, vocab_start, V_local):
+    """None for the single-GPU op (no group, or a group of one rank), else the rank's TPInfo."""
     if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, int)
                                     or vocab_start < 0):
         raise ValueError(f"linear_cross_entropy: `vocab_start` must be None or an int >= 0, got {vocab_start!r}")
@@ -62,10 +63,10 @@ def _tp_setup(tp_group, vocab_start, V_local):
                              f"shard must be the whole vocabulary (vocab_start 0)")
         return None
     rank = dist.get_rank(tp_group)
-    return _TPInfo(tp_group, rank, size, rank * V_local if vocab_start is None else vocab_start)
+    return TPInfo(tp_group, rank, size, rank * V_local if vocab_start is None else vocab_start)
 
 
-def _tp_meta_rows(weight, h, bias, temp, opts):
+def tp_meta_rows(weight, h, bias, temp, opts):
     """This rank's metadata rows [4, 5] (exact in float64), checked by the layout exchange: its
     shard and shapes, and the options of ``opts`` (an :class:`.options.LCEOptions`)."""
     loss = opts.loss
@@ -134,7 +135,7 @@ def _value_flags(target, temp, ignore_index, device):
     return torch.stack([neg, tmax, bad_temp, z, z]).reshape(1, _NSTAT)
 
 
-def _tp_layout(opts, meta_rows, target, temp, device):
+def tp_layout(opts, meta_rows, target, temp, device):
     """(global V, largest V_local) of the group's shard layout (``opts.tp``'s).
 
     With ``opts.validate_targets``, or the first time this rank sees its layout, all-gathers every rank's
@@ -169,7 +170,7 @@ def _tp_layout(opts, meta_rows, target, temp, device):
     return V_total, V_max
 
 
-def _stats_gather(stats, tp, async_op=False):
+def stats_gather(stats, tp, async_op=False):
     """All-gather the partial statistics [rows, 5] of every rank: ([size, rows, 5], work or None)."""
     import torch.distributed as dist
 
@@ -178,7 +179,7 @@ def _stats_gather(stats, tp, async_op=False):
     return out.view(tp.size, stats.shape[0], stats.shape[1]), work
 
 
-def _dh_reduce_start(dh, group, fp32):
+def dh_reduce_start(dh, group, fp32):
     """Start the async all-reduce (sum) of the dhidden partials; fp32 when asked."""
     import torch.distributed as dist
 
@@ -186,7 +187,7 @@ def _dh_reduce_start(dh, group, fp32):
     return dist.all_reduce(buf, group=group, async_op=True), buf, dh
 
 
-def _dh_reduce_finish(handle):
+def dh_reduce_finish(handle):
     work, buf, dh = handle
     work.wait()
     if buf is not dh:
@@ -195,12 +196,12 @@ def _dh_reduce_finish(handle):
 
 
 @torch.compiler.disable
-def _tp_apply(fn, *args):
+def tp_apply(fn, *args):
     """The TP autograd functions run eagerly (torch.compile graph-breaks around them)."""
     return fn.apply(*args)
 
 
-class _CopyToGroup(torch.autograd.Function):
+class CopyToGroup(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the group (the reference's dhidden)."""
 
     @staticmethod
@@ -211,7 +212,7 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous().clone()
-        return _dh_reduce_finish(_dh_reduce_start(g, ctx.group, ctx.fp32)), None, None
+        return dh_reduce_finish(dh_reduce_start(g, ctx.group, ctx.fp32)), None, None
 
 
 class _SeqGather(torch.autograd.Function):
@@ -250,8 +251,8 @@ class _SeqGather(torch.autograd.Function):
         return out.to(g.dtype), None, None, None, None, None
 
 
-def _sp_gather(h, t, temp, tp, fp32):
-    hf, tf, tempf = _tp_apply(_SeqGather, h, t, temp, tp.group, tp.size, fp32)
+def sp_gather(h, t, temp, tp, fp32):
+    hf, tf, tempf = tp_apply(_SeqGather, h, t, temp, tp.group, tp.size, fp32)
     return hf, tf, (tempf if temp is not None else None)
 
 
@@ -276,7 +277,7 @@ class _SeqLocal(torch.autograd.Function):
         return (None, None, None) + tuple(out.unbind(1))
 
 
-def _sp_local(opts, loss, lse, ent):
+def sp_local(opts, loss, lse, ent):
     """Per-token outputs for this rank's token shard; a scalar loss stays over the group's tokens."""
     tp = opts.tp
     keys = [k for k, on in (("loss", opts.reduction == "none"), ("ent", opts.return_entropy),
@@ -284,6 +285,6 @@ def _sp_local(opts, loss, lse, ent):
     if not keys:
         return loss, lse, ent
     vals = dict(loss=loss, lse=lse, ent=ent)
-    out = _tp_apply(_SeqLocal, tp.group, tp.rank, tp.size, *(vals[k] for k in keys))
+    out = tp_apply(_SeqLocal, tp.group, tp.rank, tp.size, *(vals[k] for k in keys))
     vals.update(zip(keys, out))
     return vals["loss"], vals["lse"], vals["ent"]

@@ -55,7 +55,7 @@ class LCEOptions(NamedTuple):
     return_lse: bool
     chunk_tokens: Optional[int]  # tokens per chunk as given; None: sized automatically
     validate_targets: bool
-    tp: Optional[object]  # the rank's ``group._TPInfo`` under a tp_group of more than one rank, else None
+    tp: Optional[object]  # the rank's ``group.TPInfo`` under a tp_group of more than one rank, else None
     sequence_parallel: bool
 
     @property

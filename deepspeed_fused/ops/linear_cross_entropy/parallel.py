@@ -4,7 +4,7 @@ Each rank holds weight rows [vocab_start, vocab_start + V_local). :func:`run_tp`
 the group's setup, layout exchange and collectives are in :mod:`.group` (shared with the torch
 reference over a group, :mod:`.reference`), the chunk loops in :mod:`.chunks`. The steps:
 
-* **Layout** (:func:`.group._tp_layout`): one small all-gather of every rank's metadata rows
+* **Layout** (:func:`.group.tp_layout`): one small all-gather of every rank's metadata rows
   (shard bounds, dtype, hidden size, token count, options, chunk size and, when validating, its
   targets' extremes and temperature flag), checked on the host, so a bad call raises on every
   rank before any other collective; cached per layout (later calls with
@@ -34,8 +34,8 @@ import torch
 
 from .chunks import (_backward_vocab_chunks, _ChunkBuffers, _dhidden_into, _fused_stats, _logit_chunks,
                      _logits_into, _ParamGrads, _scale_formed_grads, _Upstream)
-from .group import (_dh_reduce_finish, _dh_reduce_start, _sp_gather, _sp_local, _stats_gather, _tp_apply, _tp_layout,
-                    _tp_meta_rows)
+from .group import (dh_reduce_finish, dh_reduce_start, sp_gather, sp_local, stats_gather, tp_apply, tp_layout,
+                    tp_meta_rows)
 from .row_kernel import _launch_rows
 from .sizing import _token_chunk
 from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
@@ -50,16 +50,16 @@ def run_tp(h, weight, bias, t, temp, opts, shape):
     tp, loss = opts.tp, opts.loss
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad
                                          or (bias is not None and bias.requires_grad))
-    V_total, V_max = _tp_layout(opts, _tp_meta_rows(weight, h, bias, temp, opts), t, temp, h.device)
+    V_total, V_max = tp_layout(opts, tp_meta_rows(weight, h, bias, temp, opts), t, temp, h.device)
     if opts.sequence_parallel:
-        h, t, temp = _sp_gather(h, t, temp, tp, loss.accum_fp32)
+        h, t, temp = sp_gather(h, t, temp, tp, loss.accum_fp32)
     fused = grads and opts.scalar_loss
     chunk = _token_chunk(opts.chunk_tokens, V_max, h.dtype, h.shape[0], fused, loss.softcap, grads)
     if fused:
-        return _tp_apply(_TPScalarLoss, h, weight, bias, t, temp, opts, V_total, chunk)
-    loss_tok, lse, ent = _tp_apply(_TPPerToken, h, weight, bias, t, temp, opts, V_total, chunk)
+        return tp_apply(_TPScalarLoss, h, weight, bias, t, temp, opts, V_total, chunk)
+    loss_tok, lse, ent = tp_apply(_TPPerToken, h, weight, bias, t, temp, opts, V_total, chunk)
     if opts.sequence_parallel:
-        loss_tok, lse, ent = _sp_local(opts, loss_tok, lse, ent)
+        loss_tok, lse, ent = sp_local(opts, loss_tok, lse, ent)
     return _pack(loss_tok, lse, ent, t != loss.ignore_index, shape, opts)
 
 
@@ -80,14 +80,14 @@ def _tp_stats_pass(h, weight, bias, t, temp, opts, chunk):
     tp, loss = opts.tp, opts.loss
     stats = _fused_stats(h, weight, bias, t, temp, loss, opts.return_entropy, vocab_start=tp.start)
     if stats is not None:
-        parts = [_stats_gather(stats[s:e], tp, async_op=True) for s, e in _bounds(h.shape[0], chunk)]
+        parts = [stats_gather(stats[s:e], tp, async_op=True) for s, e in _bounds(h.shape[0], chunk)]
     else:
         stats = torch.empty((h.shape[0], _NSTAT), dtype=torch.float32, device=h.device)
         parts = []
         for s, e, x, _, _ in _logit_chunks(h, weight, bias, chunk, loss.softcap, False):  # workspace freed after
             _launch_rows(x, t[s:e], stats=stats[s:e], need_ent=opts.return_entropy, vocab_start=tp.start,
                          **loss.kernel_kw(_rows_temp(temp, s, e)))
-            parts.append(_stats_gather(stats[s:e], tp, async_op=True))
+            parts.append(stats_gather(stats[s:e], tp, async_op=True))
     for _, work in parts:
         work.wait()
     return torch.cat([g for g, _ in parts], 1)
@@ -117,7 +117,7 @@ def _tp_fused_pass(h, weight, bias, t, temp, opts, V_total, chunk, w1, needs):
         x, _ = bufs[j % len(bufs)].views(e - s, V)
         _logits_into(h[s:e], weight, bias, x)
         _launch_rows(x, t[s:e], stats=stats[s:e], vocab_start=tp.start, **loss.kernel_kw(_rows_temp(temp, s, e)))
-        parts.append(_stats_gather(stats[s:e], tp, async_op=True))
+        parts.append(stats_gather(stats[s:e], tp, async_op=True))
 
     issue(0)
     for j, (s, e) in enumerate(bounds):
@@ -149,7 +149,7 @@ def _tp_grad_pass(h, weight, bias, t, temp, up, opts, V_total, chunk, needs, red
     if chunk >= M:
         dh, dw, db = _backward_vocab_chunks(h, weight, bias, t, temp, up, loss, weight.shape[0], needs,
                                             base=tp.start, total=V_total)
-        handle = _dh_reduce_start(dh, tp.group, loss.accum_fp32) if need_dh and reduce_dh else None
+        handle = dh_reduce_start(dh, tp.group, loss.accum_fp32) if need_dh and reduce_dh else None
         return (dh if need_dh else None), handle, dw, db
     dh = torch.empty_like(h) if need_dh else None
     pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
@@ -160,7 +160,7 @@ def _tp_grad_pass(h, weight, bias, t, temp, up, opts, V_total, chunk, needs, red
         if need_dh:
             _dhidden_into(g, weight, dh[s:e])
             if reduce_dh and e == M:  # the last chunk
-                handle = _dh_reduce_start(dh, tp.group, loss.accum_fp32)
+                handle = dh_reduce_start(dh, tp.group, loss.accum_fp32)
         pg.add(g, hc)
     dw, db = pg.result(h)
     return dh, handle, dw, db
@@ -200,8 +200,8 @@ class _TPScalarLoss(torch.autograd.Function):
         (t,) = ctx.saved_tensors
         dh, dw, db = _scale_formed_grads(g, t, ctx.ignore_index, grads, ctx.needs, kernel=not torch.is_grad_enabled())
         # sequence parallel: dhidden [tokens of the group, H] is reduce-scattered by _SeqGather
-        handle = _dh_reduce_start(dh, ctx.group, ctx.fp32) if dh is not None and not ctx.sp else None
-        return (_dh_reduce_finish(handle) if handle is not None else dh), dw, db, None, None, None, None, None
+        handle = dh_reduce_start(dh, ctx.group, ctx.fp32) if dh is not None and not ctx.sp else None
+        return (dh_reduce_finish(handle) if handle is not None else dh), dw, db, None, None, None, None, None
 
 
 class _TPPerToken(torch.autograd.Function):
@@ -239,5 +239,5 @@ class _TPPerToken(torch.autograd.Function):
         dh, handle, dw, db = _tp_grad_pass(h, weight, bias, t, temp, up, opts, V_total, chunk, needs,
                                            reduce_dh=not opts.sequence_parallel)
         if handle is not None:
-            dh = _dh_reduce_finish(handle)
+            dh = dh_reduce_finish(handle)
         return dh, (dw if needs[1] else None), (db if needs[2] else None), None, None, None, None, None

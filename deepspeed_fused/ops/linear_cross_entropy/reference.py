@@ -11,7 +11,7 @@ are sized by :func:`.sizing._reference_chunk`.
 import torch
 
 from .checks import prepare
-from .group import _CopyToGroup, _sp_gather, _sp_local, _stats_gather, _tp_layout, _tp_meta_rows
+from .group import CopyToGroup, sp_gather, sp_local, stats_gather, tp_layout, tp_meta_rows
 from .sizing import _reference_chunk
 from .stats import _finalize_stats, _pack, merge_partial_stats
 
@@ -46,13 +46,13 @@ def run_reference(h, weight, bias, t, temp, opts, shape):
     tp = opts.tp
     temp = None if temp is None else temp.detach()
     if tp is not None:
-        V_total, _ = _tp_layout(opts, _tp_meta_rows(weight, h, bias, temp, opts), t, temp, h.device)
+        V_total, _ = tp_layout(opts, tp_meta_rows(weight, h, bias, temp, opts), t, temp, h.device)
         if opts.sequence_parallel:
-            h, t, temp = _sp_gather(h, t, temp, tp, opts.loss.accum_fp32)
+            h, t, temp = sp_gather(h, t, temp, tp, opts.loss.accum_fp32)
         chunk = _reference_chunk(opts.chunk_tokens, weight.shape[0], h.shape[0])
         loss_tok, lse, ent = _reference_tp(h, weight, bias, t, temp, opts, chunk, V_total)
         if opts.sequence_parallel:
-            loss_tok, lse, ent = _sp_local(opts, loss_tok, lse, ent)
+            loss_tok, lse, ent = sp_local(opts, loss_tok, lse, ent)
     else:
         chunk = _reference_chunk(opts.chunk_tokens, weight.shape[0], h.shape[0])
         loss_tok, lse, ent = _reference_impl(h, weight, bias, t, temp, opts, chunk)
@@ -129,13 +129,13 @@ def _ref_partial_chunk(h, weight, bias, t, temp, opts):
 def _reference_tp(h, weight, bias, t, temp, opts, chunk, V_total):
     """Reference over a tensor-parallel group: local partial statistics (autograd), one
     all-gather of them (of all the tokens at once) and the kernels' merge; the other ranks'
-    statistics are constants here, and dhidden is summed over the group by _CopyToGroup (by
+    statistics are constants here, and dhidden is summed over the group by CopyToGroup (by
     _SeqGather's reduce-scatter under sequence parallelism, where ``h`` is already the group's
     gathered tokens)."""
     tp, loss = opts.tp, opts.loss
     M = h.shape[0]
     if h.requires_grad and not opts.sequence_parallel:
-        h = _CopyToGroup.apply(h, tp.group, loss.accum_fp32)
+        h = CopyToGroup.apply(h, tp.group, loss.accum_fp32)
     ckpt = torch.is_grad_enabled() and M > chunk and not torch.compiler.is_compiling()
     parts = []
     for s in range(0, max(M, 1), chunk):
@@ -149,7 +149,7 @@ def _reference_tp(h, weight, bias, t, temp, opts, chunk, V_total):
     if M == 0:  # every rank has no tokens (the layout exchange checked the counts): nothing to gather
         gathered = stats.detach().unsqueeze(0).expand(tp.size, 0, stats.shape[1])
     else:
-        gathered, _ = _stats_gather(stats.detach().contiguous(), tp)
+        gathered, _ = stats_gather(stats.detach().contiguous(), tp)
     shards = list(gathered.unbind(0))
     shards[tp.rank] = stats  # the local shard, differentiable (bitwise the gathered values)
     return _finalize_stats(merge_partial_stats(torch.stack(shards)), t != loss.ignore_index, V_total, loss.z_loss,
