@@ -340,9 +340,12 @@ def _resolve_cpmant(spec, module, hidden, gate):
 
 
 def _resolve_with_scale(spec, module, hidden, gate):
+    # the epsilon under the name the forward reads (Gemma 3n's and Gemma 4's norms read
+    # ``variance_epsilon`` in transformers 5.25, where ``module.eps`` does not exist)
+    eps = getattr(module, spec.eps_attr)
     if module.with_scale:
-        return FORMS["weight_first_fp32"], module.weight, module.eps, None
-    return FORMS["unweighted"], None, module.eps, None
+        return FORMS["weight_first_fp32"], module.weight, eps, None
+    return FORMS["unweighted"], None, eps, None
 
 
 _NOT_DIVIDED = "the input width is not a multiple of the group size (the module raises)"
