@@ -1,8 +1,8 @@
 """The package as a user installs it: a wheel built from the tree, installed into a fresh
 virtualenv and run from a directory outside the clone. Every command the README documents for an
 installed package runs there (the report, the config reference, the benchmark suites' entry point
-and a CPU suite, the e2e suite, which runs the example job under the deepspeed launcher), and none
-writes into the installed package.
+and a CPU suite, the example job's command as the README writes it, the e2e suite, which runs the
+example job under the deepspeed launcher), and none writes into the installed package.
 
 Offline and quick: ``pip wheel --no-deps --no-build-isolation`` with this environment's setuptools,
 ``pip install --no-deps --no-index`` into a venv made without pip, which then sees this
@@ -99,6 +99,37 @@ def test_report_docs_and_bench_entry_points(installed):
         assert suite in out
     out = _run([py, "-m", "deepspeed_fused.bench", "ceilings", "--quick"], work, env)
     assert os.path.isfile(work / "docs" / "benchmarks" / "ceilings.json")  # here, not in the package
+    assert _files(pkg) == before
+
+
+def _readme_job_command() -> list:
+    """The README's command for the example job from an installed package (its one
+    ``deepspeed --module deepspeed_fused.train`` line), split into words."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (line, ) = [ln.strip() for ln in f if ln.startswith("deepspeed --module deepspeed_fused.train ")]
+    return line.split()
+
+
+def test_readme_job_command_runs_from_the_wheel(installed):
+    """The README's command, word for word, from a folder without ``configs/``: the launcher is
+    ``deepspeed`` run by the venv's python (``-m deepspeed.launcher.runner``, with a free port), so
+    the ranks import the wheel's package, and ``configs/fused_all.json`` is the config it ships."""
+    from deepspeed_fused.bench.common import free_port
+
+    py, pkg, env, work = installed
+    cmd = _readme_job_command()
+    assert cmd[:2] == ["deepspeed", "--module"] and "configs/fused_all.json" in cmd
+    assert not os.path.exists(work / "configs")
+    before = _files(pkg)
+    port = free_port()
+    try:
+        out = _run([py, "-m", "deepspeed.launcher.runner", "--master_port", port] + cmd[1:], work, env, timeout=900)
+    finally:
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            os.remove(path)
+    shipped = os.path.join(pkg, "configs", "fused_all.json")
+    assert f"[train] configs/fused_all.json: the shipped {shipped}" in out
+    assert "[train] done" in out
     assert _files(pkg) == before
 
 
