@@ -249,7 +249,7 @@ def test_wide_weight_gradient_sums(interpret, tune, loop, col):
     x, w, dy = make_inputs((67, 40), torch.float16, seed=9, device=interpret)
     one = fused_grads(x, w, EPS, dy)
     tune(**knobs)
-    assert not R.plans._reduce_meta(3, 40, 67)[-1]
+    assert not R.plans._reduce_meta(3, 40, 67).finish
     two = check_against_eager(x, w, dy)
     plan = next(iter(R.plans._bwd_plans.values()))
     assert plan.const["FINISH"] == (2 if col else 0) and (plan.red is None) == col

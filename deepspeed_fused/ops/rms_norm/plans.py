@@ -475,8 +475,18 @@ _SMALL_ELEMS = 1 << 20  # inputs this small are host-bound: one launch whatever 
 _MAX_TAIL_BYTES = 65536  # in-launch weight-gradient sum only while its serial tail reads at most this
 
 
-def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> tuple:
-    """(GROUP, RB_P, RB_N, workspace rows, counters, FINISH) of the weight-gradient sum. FINISH:
+class ReduceMeta(NamedTuple):
+    """The weight-gradient sum's sizes (:func:`_reduce_meta`)."""
+    group: int  # GROUP: programs per group of the two-level sum
+    rb_p: int  # RB_P: rows per step of a sum
+    rb_n: int  # RB_N: columns per step
+    ws_rows: int  # workspace rows (the partials and the groups' sums)
+    n_cnt: int  # arrival counters
+    finish: bool  # FINISH: summed in the backward's own launch
+
+
+def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> ReduceMeta:
+    """The :class:`ReduceMeta` of the weight-gradient sum of ``progs`` partial rows. ``finish``:
     summed in the backward's own launch (the last programs, two levels); otherwise, where the
     serial tail (a group's rows, then the groups' rows, read by one program each) would be
     latency-bound, a second launch sums column strips in parallel. Small inputs (host-bound: the
@@ -486,7 +496,7 @@ def _reduce_meta(progs: int, N: int, n_rows: int = 0) -> tuple:
     rb_p = 16
     rb_n = min(next_power_of_2(N), 256)
     finish = (group + n_groups) * N * 4 <= _MAX_TAIL_BYTES or n_rows * N <= _SMALL_ELEMS
-    return group, rb_p, rb_n, progs + n_groups, n_groups + 1, finish
+    return ReduceMeta(group, rb_p, rb_n, progs + n_groups, n_groups + 1, finish)
 
 
 _COL_FINISH = True  # wide sums: finished in the launch by its last programs, a column strip each
@@ -585,7 +595,7 @@ def _bwd_plan(dy: torch.Tensor, x: torch.Tensor, w: Optional[torch.Tensor], rstd
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     probe = _reduce_meta(2048, NW)
     probe_ws = (torch.empty(1, dtype=_F32, device=x.device), torch.zeros(1, dtype=torch.int32, device=x.device))
-    red = dict(GROUP=probe[0], RB_P=probe[1], RB_N=probe[2], FINISH=1)
+    red = dict(GROUP=probe.group, RB_P=probe.rb_p, RB_N=probe.rb_n, FINISH=1)
     pargs = (gs, xs, ws, rstd, dx) + probe_ws + (ws,)
     kernels, fconst = (_rms_bwd_kernel, _rms_bwd_loop_kernel), {}
     if form is not None:
