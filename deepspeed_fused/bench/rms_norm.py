@@ -157,8 +157,7 @@ def sweep(args) -> list:
     def apply(knobs, setting):
         for k, v in zip(knobs, setting):
             setattr(_ops.plans, k, v)
-        _ops.plans._occupancy_cache.clear()
-        _ops.clear_plans()
+        _ops.clear_plans()  # the plans and the kernels' occupancy
 
     try:
         for rows, width in shapes:

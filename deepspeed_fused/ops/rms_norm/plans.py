@@ -73,16 +73,13 @@ def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-_occupancy_cache: dict = {}
-
-
 def _occupancy(kernel, args: tuple, meta: dict, t: torch.Tensor) -> int:
     """Programs of ``kernel`` (compiled for these args) resident on one SM at once, from its
     register and shared-memory use; computed once per configuration (compiles it if needed)."""
     num_warps = meta["num_warps"]
     key = (id(kernel), _device_index(t), args[0].dtype, args[1].dtype, getattr(args[2], "dtype", None),
            tuple(meta.items()))
-    occ = _occupancy_cache.get(key)
+    occ = PLANS.occupancy.get(key)
     if occ is None:
         occ = max(1, 32 // num_warps)  # a guess, used if the compiled kernel cannot be inspected
         try:
@@ -101,7 +98,7 @@ def _occupancy(kernel, args: tuple, meta: dict, t: torch.Tensor) -> int:
             occ = max(1, min(by_regs, by_threads, by_smem))
         except Exception:  # pragma: no cover - depends on the Triton version
             pass
-        _occupancy_cache[key] = occ
+        PLANS.occupancy[key] = occ
     return occ
 
 
@@ -380,6 +377,8 @@ class PlanCache:
         self.native_pending: dict = {}  # forward key -> NativePending until the build is done
         # launch descriptions -> the extension's plan id (kept by clear(): the extension keeps them)
         self.native_ids: dict = {}
+        # (kernel, device, dtypes, constexprs) -> programs resident on one SM (``_occupancy``)
+        self.occupancy: dict = {}
         self.launches = CachedLaunches()
 
     def _derived(self):
@@ -387,8 +386,9 @@ class PlanCache:
                 self.native_pending)
 
     def clear(self) -> None:
-        """Forget every plan, fast path, C++ node entry and compiled launch."""
-        for d in (self.fwd_plans, self.bwd_plans, self.form_fwd_plans, self.form_bwd_plans) + self._derived():
+        """Forget every plan, fast path, C++ node entry, occupancy and compiled launch."""
+        for d in (self.fwd_plans, self.bwd_plans, self.form_fwd_plans, self.form_bwd_plans,
+                  self.occupancy) + self._derived():
             d.clear()
         self.launches.clear()
 
