@@ -1,8 +1,9 @@
 """The package as a user installs it: a wheel built from the tree, installed into a fresh
 virtualenv and run from a directory outside the clone. Every command the README documents for an
 installed package runs there (the report, the config reference, the benchmark suites' entry point
-and a CPU suite, the example job's command as the README writes it, the e2e suite, which runs the
-example job under the deepspeed launcher), and none writes into the installed package.
+and a CPU suite, the coverage suite on one family, the example job's command as the README writes
+it, the e2e suite, which runs the example job under the deepspeed launcher), and none writes into
+the installed package.
 
 Offline and quick: ``pip wheel --no-deps --no-build-isolation`` with this environment's setuptools,
 ``pip install --no-deps --no-index`` into a venv made without pip, which then sees this
@@ -99,6 +100,12 @@ def test_report_docs_and_bench_entry_points(installed):
         assert suite in out
     out = _run([py, "-m", "deepspeed_fused.bench", "ceilings", "--quick"], work, env)
     assert os.path.isfile(work / "docs" / "benchmarks" / "ceilings.json")  # here, not in the package
+    # the coverage suite (README: --jobs 2 over every family) on one family: it re-executes itself
+    # under the interpreter and builds the model from the installed transformers
+    out = _run([py, "-m", "deepspeed_fused.bench", "coverage", "--families", "llama", "--jobs", "1", "--out",
+                work / "cov"], work, env)
+    cov = json.loads((work / "cov" / "coverage.json").read_text())
+    assert [r["status"] for r in cov["records"] if r["family"] == "llama"] == ["ok"], cov["records"]
     assert _files(pkg) == before
 
 
