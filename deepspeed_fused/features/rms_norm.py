@@ -218,7 +218,7 @@ _TEMPLATES = _build_templates()
 _HELPER_NAMES = tuple(sorted({h for t in _TEMPLATES for h, _ in t.helpers}))
 _TEMPLATE = _TEMPLATES[0].ops["variance_epsilon"]
 # names a candidate forward must use for any template to match (a cheap first filter)
-_HINTS = ("rsqrt",) + _HELPER_NAMES
+_HINTS = ("rsqrt", "rms_norm") + _HELPER_NAMES
 
 
 def _expected_global(name: str):

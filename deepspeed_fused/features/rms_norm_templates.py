@@ -83,6 +83,11 @@ def forward(self, hidden_states):
         normed_output = normed_output * self.weight.float()
     return normed_output.type_as(hidden_states)
 ''', _NORM_POW),
+    ("ergo", "weighted", "weight_first_fp32", '''
+def forward(self, hidden_states):
+    output = F.rms_norm(hidden_states.float(), self.weight.shape, self.weight.float(), self.eps)
+    return output.to(hidden_states.dtype)
+''', None),  # torch's own RMSNorm in FP32 with the weight, then the cast (transformers 5.25's Ergo)
     ("t5", "weighted", "t5", '''
 def forward(self, hidden_states):
     variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)

@@ -567,7 +567,7 @@ RECOGNISED = [
     ("deepseek_v4", "DeepseekV4RMSNorm", "olmo2"),
     ("helium", "HeliumRMSNorm", "helium"), ("nemotron_h", "NemotronHRMSNorm", "helium"),
     ("moshi", "MoshiRMSNorm", "moshi"), ("gemma3n", "Gemma3nRMSNorm", "gemma3n"),
-    ("gemma4", "Gemma4RMSNorm", "gemma3n"),
+    ("gemma4", "Gemma4RMSNorm", "gemma3n"), ("ergo", "ErgoRMSNorm", "ergo"),  # torch's F.rms_norm in FP32
     ("t5", "T5LayerNorm", "t5"), ("idefics", "IdeficsRMSNorm", "t5"),
     ("falcon_mamba", "FalconMambaWeightlessRMSNorm", "unweighted"), ("llama4", "Llama4TextL2Norm", "unweighted"),
     ("inkling2", "Inkling2UnweightedRMSNorm", "unweighted_square"),
@@ -633,6 +633,8 @@ def _instance(model, name, n, **kw):
         return cls(CpmAntConfig(hidden_size=n, eps=1e-6))
     if name in ("Llama4TextL2Norm", "Inkling2UnweightedRMSNorm", "DeepseekV4UnweightedRMSNorm"):
         return cls(1e-6)
+    if name == "ErgoRMSNorm":  # eps has no default
+        return cls(n, kw.pop("eps", 1e-6), **kw)
     if "group_size" in str(__import__("inspect").signature(cls.__init__)):
         return cls(n, group_size=kw.pop("group_size", n))
     return cls(n, **kw)

@@ -8,6 +8,7 @@ import copy
 import functools
 import io
 import os
+import types
 import warnings
 
 import pytest
@@ -109,7 +110,10 @@ def check_family(fn, form, dtype, launches, seed=0, device="cpu", **shape):
     gen = torch.Generator().manual_seed(seed)
     leaves, views, cos, sin = form_inputs(form, dtype, gen, device=device, **shape)
     g = vars(__import__(fn.__module__, fromlist=["_"]))
-    call = F._make_call(g, fn.__name__, fn, form)
+    # the module's global: fn itself, or (transformers >= 5.25) the kernels function module around it
+    original = g[fn.__name__]
+    assert F.plain_function(original) is fn
+    call = F._make_call(g, fn.__name__, original, form)
     before = launches.n
     reset_fallback_warnings()
     with warnings.catch_warnings():
@@ -153,7 +157,7 @@ def test_every_family(interpret, launches):
     import importlib
 
     for i, (m, n, _) in enumerate(recognised):
-        fn = getattr(importlib.import_module(m), n)
+        fn = F.plain_function(getattr(importlib.import_module(m), n))
         form = F.recognise(fn)
         check_family(fn, form, torch.float16, launches, seed=i)
         if (form.name, form.spec) not in seen_specs:  # fp32 once per distinct computation (interpreter time)
@@ -410,16 +414,25 @@ def test_module_global_replaced_after_patching(interpret, launches):
 def test_deepspeed_replace_rotary_pos_emb_is_left_to_it(interpret):
     from deepspeed.ops.triton_ops import fused_rotary_pos_emb as ds
 
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+
     model = build_model("qwen3-tiny")
+    original = mq.apply_rotary_pos_emb
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         n = ds.replace_rotary_pos_emb(model)
+    if n == 0:
+        # transformers >= 5.25 wraps the function in a kernels function module, whose code
+        # DeepSpeed 0.19.8's installer does not take: install its replacement as it would for the
+        # plain function
+        assert F.plain_function(original) is not original
+        mq.apply_rotary_pos_emb = ds._make_fused(F.plain_function(original))
     try:
-        assert n == 1
         rep = patch_model(model, ON)["rope"]
         assert not rep.applied and "DeepSpeed's replace_rotary_pos_emb" in rep.reason, rep.reason
     finally:
         ds.restore_rotary_pos_emb()
+        mq.apply_rotary_pos_emb = original
     rep = patch_model(model, ON)["rope"]
     assert rep.applied
     unpatch_model(model)
@@ -546,8 +559,8 @@ def test_torch_compile_traces_the_patched_call(interpret):
     forward and backward."""
     from transformers.models.qwen3 import modeling_qwen3 as mq
 
-    fn = mq.apply_rotary_pos_emb
-    call = F._make_call(vars(mq), "apply_rotary_pos_emb", fn, F.recognise(fn))
+    fn = mq.apply_rotary_pos_emb  # transformers >= 5.25: a kernels function module around the function
+    call = F._make_call(vars(mq), "apply_rotary_pos_emb", fn, F.recognise(F.plain_function(fn)))
     torch._dynamo.reset()
     compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
     gen = torch.Generator().manual_seed(5)
@@ -559,3 +572,52 @@ def test_torch_compile_traces_the_patched_call(interpret):
     ga = torch.autograd.grad(got, (qb, kb), gs)
     gb = torch.autograd.grad(want, (qb, kb), gs)
     assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+
+
+def test_kernels_function_modules(interpret, launches):
+    """transformers >= 5.25 declares apply_rotary_pos_emb for the kernels package's hub kernels: the
+    module global is a function module and the attention class routes calls through a private one
+    per instance. The function it wraps is what is recognised; a module whose private function
+    module runs a hub kernel (kernelize; here its forward replaced on the instance, as kernelize
+    does) runs its own forward, before or after the patch; the rest stay fused and equal eager."""
+    kernels = pytest.importorskip("kernels")
+    from transformers.models.llama import modeling_llama as ml
+
+    plain = F.plain_function(ml.apply_rotary_pos_emb)
+    assert isinstance(F.recognise(plain), F.Form)
+    wrapped = kernels.use_kernel_forward_from_hub("RotaryEmbeddingForTest")(plain)
+    assert isinstance(wrapped, torch.nn.Module) and F.plain_function(wrapped) is plain
+    assert F.plain_function(torch.nn.Linear(2, 2)) is None and F.plain_function(len) is None
+    if plain is ml.apply_rotary_pos_emb:
+        pytest.skip("this transformers declares no kernels function modules")
+    model = build_model("llama-tiny")
+    ref = copy.deepcopy(model)
+    attn = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    hub_calls = []
+    key = ml.apply_rotary_pos_emb.kernel_layer_name  # the private function modules' key
+    private = attn[0]._kernel_funcs[key]
+
+    def hub_kernel(self, *a, **kw):  # stands for a kernel kernelize selected (bound as kernelize binds it)
+        hub_calls.append(1)
+        return plain(*a, **kw)
+
+    private.forward = types.MethodType(hub_kernel, private)
+    rep = patch_model(model, ON)["rope"]
+    assert rep.applied and rep.where == "1 x LlamaAttention", rep.where
+    assert "hub kernel" in rep.reason, rep.reason
+    ids = _ids()
+    before = launches.n
+    with torch.no_grad():
+        out, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert torch.equal(out, want) and launches.n == before + 1 and hub_calls == [1]
+    assert not F.is_replaced(attn[0]) and F.is_replaced(attn[1])
+    del private.forward  # kernelize's revert
+    assert F.is_replaced(attn[0]) is False  # not opted in at apply time
+    private2 = attn[1]._kernel_funcs[key]
+    private2.forward = types.MethodType(hub_kernel, private2)  # kernelized after the patch: its own forward runs
+    assert not F.is_replaced(attn[1])
+    before = launches.n
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    assert torch.equal(out, want) and launches.n == before and hub_calls == [1, 1]  # attn[1] only
+    unpatch_model(model)

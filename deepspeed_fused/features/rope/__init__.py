@@ -40,7 +40,7 @@ import torch
 from ..base import FeatureConfig, FeatureReport, ReplacementFeature
 from .patch import (CALLS, MARKER, OPT_IN, OPT_IN_MARKER, PREFIX, _analyse_forward, _commit,  # noqa: F401
                     _copy_forward, _innermost, _make_call, _plan, is_replaced, replace_rope, restore_rope)
-from .recognise import Form, coverage, pair_rotation_kind, recognise, rotation_kind  # noqa: F401
+from .recognise import Form, coverage, pair_rotation_kind, plain_function, recognise, rotation_kind  # noqa: F401
 from .templates import _rh_half  # noqa: F401
 
 

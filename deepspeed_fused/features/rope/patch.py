@@ -16,7 +16,7 @@ import torch
 from ...ops._common import warn_fallback
 from ...ops.rope import RopeInputError, rope_kernel_ok, try_fused_rope
 from ..base import OptInMarker
-from .recognise import Form, _GlobalsCache, recognise
+from .recognise import Form, _cell_value, _GlobalsCache, plain_function, recognise
 
 
 MARKER = "_ds_fused_rope"  # instance attribute holding OPT_IN on opted-in modules
@@ -40,7 +40,7 @@ def _make_call(g: dict, name: str, original, form: Form):
     ud_name = form.params[form.roles.index("ud")] if "ud" in form.roles else None
     roles = form.roles
     helpers = form.helpers
-    sig = inspect.signature(original)
+    sig = inspect.signature(plain_function(original))
     where = f"{g.get('__name__', '?')}.{name}"
 
     def eager(fn, args, kwargs):
@@ -100,11 +100,19 @@ def _install_call(g: dict, name: str, original, form: Form) -> str:
     return private
 
 
-def _cell_value(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # empty cell
-        return None
+def _kernelized(module, funcs: dict) -> str:
+    """The first name of ``funcs`` (global name -> the module global) whose call in ``module`` runs
+    a hub kernel that the kernels package's ``kernelize`` selected (the module's private function
+    module, under the function's ``kernel_layer_name``, has its forward replaced on the
+    instance), or ""."""
+    private = module.__dict__.get("_kernel_funcs")
+    if not isinstance(private, dict):
+        return ""
+    for n, v in funcs.items():
+        w = private.get(getattr(v, "__name__", None) or getattr(v, "kernel_layer_name", None))
+        if isinstance(w, torch.nn.Module) and "forward" in w.__dict__:
+            return n
+    return ""
 
 
 def _innermost(fwd):
@@ -139,7 +147,8 @@ def _nested_forms(code, g) -> str:
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             for n in c.co_names:
-                if isinstance(g.get(n), types.FunctionType) and isinstance(recognise(g[n]), Form):
+                fn = plain_function(g.get(n))
+                if fn is not None and isinstance(recognise(fn), Form):
                     return n
             n = _nested_forms(c, g)
             if n:
@@ -199,11 +208,12 @@ def _rope_globals(inner) -> dict:
         if getattr(v, "_deepspeed_fused_rotary_original", None) is not None:
             out[ins.argval] = "already replaced by DeepSpeed's replace_rotary_pos_emb (left to it)"
             continue
-        if not isinstance(v, types.FunctionType):
+        fn = plain_function(v)
+        if fn is None:
             if looks:
                 out[ins.argval] = f"not a plain Python function ({type(v).__name__})"
             continue
-        form = recognise(v)
+        form = recognise(fn)
         if isinstance(form, Form) or looks:
             out[ins.argval] = form
     return out
@@ -230,8 +240,12 @@ def _count(kind: str) -> None:
 
 
 def _make_dispatcher(original, fused, forms: dict, g: dict):
+    # the functions that are kernels function modules: an instance whose hub kernel was selected
+    # (kernelize, also after the patch) runs its own forward
+    hub = {n: fn for n, (fn, _) in forms.items() if not isinstance(fn, types.FunctionType)}
+
     def forward(self, *args, **kwargs):
-        if getattr(self, MARKER, None) is OPT_IN:
+        if getattr(self, MARKER, None) is OPT_IN and not (hub and _kernelized(self, hub)):
             calls = self.__dict__.get(CALLS)
             if torch.compiler.is_compiling():  # traced: one fused count per forward, no thread-local state
                 if calls is not None:
@@ -318,6 +332,9 @@ def _classify(module) -> tuple:
     if "forward" in module.__dict__:
         return "skip", "forward patched on the instance"
     forms, refused = info
+    kernel = _kernelized(module, {n: fn for n, (fn, _) in forms.items()})
+    if kernel:
+        return "skip", f"{kernel} runs a hub kernel that the kernels package's kernelize selected (left to it)"
     return "replace", (fwd, {n: f for n, (_, f) in forms.items()}, refused)
 
 
@@ -392,5 +409,8 @@ def is_replaced(module: torch.nn.Module) -> bool:
     """Whether ``module`` runs the fused rotary embedding now (opted in, its class's dispatcher
     installed, the recognised function still its module's)."""
     fwd = type(module).forward
-    return (OPT_IN_MARKER.holds(module) and "forward" not in module.__dict__ and _is_our_dispatcher(fwd)
-            and bool(_live_forms(fwd)))
+    if not (OPT_IN_MARKER.holds(module) and "forward" not in module.__dict__ and _is_our_dispatcher(fwd)):
+        return False
+    live = _live_forms(fwd)
+    g = fwd.__ds_rope__[3]
+    return bool(live) and not _kernelized(module, {n: g[n] for n in live})

@@ -283,6 +283,34 @@ def recognise(fn):
     return why
 
 
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # empty cell
+        return None
+
+
+def _kernels_func_target(v):
+    """The plain function behind a kernels-library function module, or None. transformers 5.25
+    declares ``apply_rotary_pos_emb`` for the ``kernels`` package's hub kernels
+    (``use_kernel_forward_from_hub``): the module global is then an ``nn.Module`` instance (class
+    ``_create_func_module.<locals>.Func``) whose forward calls the function it was made from, held
+    in its closure as ``func``, unless ``kernelize`` selected a hub kernel for the calling module
+    (``_kernel_funcs``; see ``patch._kernelized``)."""
+    if not isinstance(v, torch.nn.Module) or type(v).__qualname__ != "_create_func_module.<locals>.Func":
+        return None
+    fwd = type(v).__dict__.get("forward")
+    if not isinstance(fwd, types.FunctionType) or "func" not in fwd.__code__.co_freevars:
+        return None
+    fn = _cell_value(fwd.__closure__[fwd.__code__.co_freevars.index("func")])
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
+def plain_function(v):
+    """``v`` when it is a plain Python function, the function a kernels function module wraps, or None."""
+    return v if isinstance(v, types.FunctionType) else _kernels_func_target(v)
+
+
 def coverage(module_names) -> list:
     """For each modeling module name: (module, function name, form description or None, reason):
     every module-level function whose name looks like a rotary embedding, recognised or not (the
@@ -297,7 +325,8 @@ def coverage(module_names) -> list:
             rows.append((mod_name, "", None, f"does not import ({type(e).__name__})"))
             continue
         for name, v in sorted(vars(mod).items()):
-            if not isinstance(v, types.FunctionType) or v.__module__ != mod.__name__:
+            v = plain_function(v)
+            if v is None or v.__module__ != mod.__name__:
                 continue
             low = name.lower()
             if not (low.startswith("apply_rotary") or low.startswith("apply_rope")):
