@@ -64,13 +64,15 @@ def _family_fn(family: str, name: str):
 
 
 def _ours(mod, fn):
-    """What a patched forward calls: the fused call built for the module's recognised function."""
+    """What a patched forward calls: the fused call built for the module's recognised function
+    (``fn``: the module global; from transformers 5.25 a kernels function module around it)."""
     from ..features import rope as feat
 
-    form = feat.recognise(fn)
+    plain = feat.plain_function(fn)
+    form = feat.recognise(plain) if plain is not None else f"not a plain Python function ({type(fn).__name__})"
     if not isinstance(form, feat.Form):
-        raise RuntimeError(f"{mod.__name__}.{fn.__name__} is not recognised: {form}")
-    return feat._make_call(vars(mod), fn.__name__, fn, form), form
+        raise RuntimeError(f"{mod.__name__}: {fn!r} is not recognised: {form}")
+    return feat._make_call(vars(mod), plain.__name__, fn, form), form
 
 
 def _impls(mod, fn, split_half: bool, dev: str, dtype) -> list:
