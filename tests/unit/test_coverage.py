@@ -277,3 +277,38 @@ def test_committed_coverage_md_is_rendered_from_the_committed_json():
     with open(os.path.join(coverage.DOCS_DIR, "coverage.md")) as f:
         assert f.read() == coverage.render_markdown(doc)
     assert doc["summary"]["cpu fp32"]["families"] >= 100
+
+
+def test_render_takes_each_runs_environment_from_its_full_run(tmp_path):
+    """``--render`` merges records per (family, run), the later file's winning; a run's environment
+    line comes from the file with most of that run's records (the later on a tie): a re-run of a
+    few families keeps the full run's line, a newer full run replaces an older one's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    with open(os.path.join(coverage.OUT_DIR, "coverage.json")) as f:
+        doc = json.load(f)
+    recs = [r for r in doc["records"] if coverage.run_label(r) == "cpu fp32"]
+    assert len(recs) > 10
+
+    def write(name, records, transformers_version):
+        env = dict(doc["envs"]["cpu fp32"], transformers=transformers_version)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(dict(doc, records=records, envs={"cpu fp32": env}, command=name)))
+        return str(path)
+
+    full_old, part, full_new = write("a", recs, "9.1"), write("b", recs[:2], "9.2"), write("c", recs, "9.3")
+
+    def rendered(*paths):
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        subprocess.run([sys.executable, "-m", "deepspeed_fused.bench", "coverage", "--render", *paths, "--out",
+                        str(out)], check=True, capture_output=True, env={k: v for k, v in os.environ.items()
+                                                                         if k != "TRITON_INTERPRET"})
+        with open(out / "coverage.json") as f:
+            return json.load(f)["envs"]["cpu fp32"]["transformers"]
+
+    assert rendered(full_old, part) == "9.1"
+    assert rendered(full_old, part, full_new) == "9.3"

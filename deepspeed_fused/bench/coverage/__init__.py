@@ -55,6 +55,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 
 from ..common import OUT_DIR, env_fields  # noqa: F401
 from .settings import (BATCH, BF16_FACTOR, BF16_GRAD_FLOOR, BF16_LOSS_FLOOR, DOCS_DIR, EXPERTS, FFN, FORM_TEXT,
@@ -115,11 +116,13 @@ def main(args) -> int:
                 docs.append(json.load(f))
         records = merge([d["records"] for d in docs])
         out = getattr(args, "out", None)
-        envs = {}
-        for d in docs:  # a run's environment from the first file that has it (the full run; later
-            # files re-run some families, named by their command)
+        envs, sizes = {}, {}
+        for d in docs:  # a run's environment from the file with most of its records, the later on a
+            # tie: a full run's (a newer full run's over an older one), not a re-run of a few families
+            counts = Counter(run_label(r) for r in d["records"])
             for label, env in (d.get("envs") or {run_label(r): d.get("env", {}) for r in d["records"]}).items():
-                envs.setdefault(label, env)
+                if counts[label] >= sizes.get(label, 0):
+                    envs[label], sizes[label] = env, counts[label]
         paths = write(records, out, opts.md, " + ".join(dict.fromkeys(d.get("command", "") for d in docs)), envs)
         print("wrote", ", ".join(paths.values()))
         return 0
