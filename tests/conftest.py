@@ -156,8 +156,10 @@ def pytest_runtest_teardown(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """``gpu_heavy`` tests take a lock that the xdist workers of this run share."""
-    with gpu_heavy_lock(item.get_closest_marker("gpu_heavy") is not None):
+    """GPU tests take a lock that the xdist workers of this run share: shared, or exclusive for a
+    ``gpu_heavy`` one."""
+    with gpu_heavy_lock(item.get_closest_marker("gpu_heavy") is not None,
+                        gpu=item.get_closest_marker("gpu") is not None):
         res = yield
     _check_refusals()
     return res

@@ -161,15 +161,17 @@ def _refuse_in_server(what):
 
 
 @contextlib.contextmanager
-def gpu_heavy_lock(heavy: bool):
-    """Held around a ``gpu_heavy`` test under ``pytest -n``: a lock file that the xdist workers of
-    one run share, so that one such test runs at a time (the others beside it stay small)."""
+def gpu_heavy_lock(heavy: bool, gpu: bool = False):
+    """Held around a GPU test under ``pytest -n``: a lock file that the xdist workers of one run
+    share. A ``gpu_heavy`` test (tens of GiB) holds it exclusively, every other ``gpu`` test holds
+    it shared: a heavy test runs alone on the GPU, the small ones side by side (on an 80 GiB H100
+    a heavy test beside three small ones ran out of memory). CPU tests take no lock."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not heavy or run is None:
+    if not (heavy or gpu) or run is None:
         yield
         return
     with open(os.path.join(tempfile.gettempdir(), f"deepspeed_fused-gpu-heavy-{run}.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_EX if heavy else fcntl.LOCK_SH)
         try:
             yield
         finally:

@@ -203,21 +203,22 @@ class TestHarnessOutcomes:
             monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
             assert common._visible_devices() == want
 
-    def test_gpu_heavy_tests_hold_one_lock(self, monkeypatch):
-        """Under xdist (a run id), a heavy test holds a lock file another process cannot take."""
+    def test_gpu_tests_share_a_lock_a_heavy_one_holds_alone(self, monkeypatch):
+        """Under xdist (a run id), a heavy test holds a lock file no other process can take; a small GPU
+        test holds it shared."""
         import fcntl
 
         monkeypatch.setenv("PYTEST_XDIST_TESTRUNUID", f"harness-test-{os.getpid()}")
         path = os.path.join(common.tempfile.gettempdir(), f"deepspeed_fused-gpu-heavy-harness-test-{os.getpid()}.lock")
 
-        def other_can_lock():
+        def other_can_lock(mode=fcntl.LOCK_EX):
             ctx = mp.get_context("fork")
             q = ctx.Queue()
 
             def probe():
                 with open(path, "w") as f:
                     try:
-                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        fcntl.flock(f, mode | fcntl.LOCK_NB)
                         q.put(True)
                     except BlockingIOError:
                         q.put(False)
@@ -230,9 +231,11 @@ class TestHarnessOutcomes:
 
         try:
             with common.gpu_heavy_lock(True):
-                assert not other_can_lock()
+                assert not other_can_lock() and not other_can_lock(fcntl.LOCK_SH)
             assert other_can_lock()
-            with common.gpu_heavy_lock(False):  # not heavy: no lock
+            with common.gpu_heavy_lock(False, gpu=True):  # a small GPU test: beside others, not a heavy one
+                assert other_can_lock(fcntl.LOCK_SH) and not other_can_lock()
+            with common.gpu_heavy_lock(False):  # a CPU test: no lock
                 assert other_can_lock()
         finally:
             if os.path.exists(path):
