@@ -165,7 +165,9 @@ def gpu_heavy_lock(heavy: bool, gpu: bool = False):
     """Held around a GPU test under ``pytest -n``: a lock file that the xdist workers of one run
     share. A ``gpu_heavy`` test (tens of GiB) holds it exclusively, every other ``gpu`` test holds
     it shared: a heavy test runs alone on the GPU, the small ones side by side (on an 80 GiB H100
-    a heavy test beside three small ones ran out of memory). CPU tests take no lock."""
+    a heavy test beside three small ones ran out of memory). CPU tests take no lock. Linux's
+    flock gives a waiting exclusive holder no priority, so a heavy test waits until no small test
+    is running at that moment: under -n 8 that is often near the end of the run."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not (heavy or gpu) or run is None:
         yield
