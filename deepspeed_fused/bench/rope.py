@@ -29,7 +29,7 @@ import importlib
 
 import torch
 
-from ..ops import rope as _ops
+from ..ops.rope import launch as _ops
 from ..ops.rope import fused_rope
 from .common import Record, add_graph_times, env_fields, graph_ms, loop_ms, measure
 

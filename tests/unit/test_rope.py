@@ -10,6 +10,9 @@ import torch
 import torch._dynamo  # noqa: F401  (imported once here, not in every forked test: custom ops need it)
 
 from deepspeed_fused.ops import rope as R
+from deepspeed_fused.ops.rope import api as RA
+from deepspeed_fused.ops.rope import launch as RL
+from deepspeed_fused.ops.rope import reference as RR
 from deepspeed_fused.ops._common import reset_fallback_warnings
 from deepspeed_fused.ops.rope import RopeSpec
 
@@ -99,7 +102,7 @@ def test_mixed_angle_dtype(interpret, name):
 
 def _oracle(x, cos, sin, spec, ud=1):
     """The rotation in float64 (no rounding)."""
-    return R._reference_one(x.detach().double(), cos.double(), sin.double(), ud, spec)
+    return RR._reference_one(x.detach().double(), cos.double(), sin.double(), ud, spec)
 
 
 @pytest.mark.parametrize("name", ["llama", "interleaved", "deinterleave", "glm-partial", "half-width"])
@@ -122,17 +125,17 @@ def test_poisoned_outputs(interpret):
     spec = SPECS["partial"]
     gen = torch.Generator().manual_seed(3)
     _, _, q, k, cos, sin = make_inputs(spec, torch.float16, interpret, d=12, gen=gen)
-    plan = R._get_plan(q, k, cos, sin, 1, spec)
+    plan = RL._get_plan(q, k, cos, sin, 1, spec)
     assert plan.rdim == 6 and plan.head_dim == 12
     outs = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))]
     assert outs[0].stride() == plan.geos[0].y_strides
-    R._forward(plan, q.detach(), k.detach(), cos, sin, outs=outs)
+    RL._forward(plan, q.detach(), k.detach(), cos, sin, outs=outs)
     ref = R.rope_reference(q.detach(), k.detach(), cos, sin, 1, spec)
     assert all(torch.equal(o, r) for o, r in zip(outs, ref))
     gq, gk = torch.randn(q.shape, generator=gen).half(), torch.randn(k.shape, generator=gen).half()
     dx = [torch.full(q.shape, float("nan"), dtype=q.dtype), torch.full(k.shape, float("nan"), dtype=k.dtype)]
     assert dx[0].stride() == plan.geos[0].dx_strides
-    R._backward(plan, (gq, gk), cos, sin, outs=dx)
+    RL._backward(plan, (gq, gk), cos, sin, outs=dx)
     qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
     want = torch.autograd.grad(R.rope_reference(qq, kk, cos, sin, 1, spec), (qq, kk), (gq, gk))
     assert all(torch.equal(a, b_) for a, b_ in zip(dx, want))
@@ -179,8 +182,8 @@ def test_layouts(interpret, layout):
         kb = torch.randn(s, hk, d, generator=gen).to(dev, dt).requires_grad_()
         q, k, ud = qb, kb, -2
         cos, sin = cos[0], sin[0]
-    plan = R._get_plan(q, k, cos, sin, ud, spec)
-    assert isinstance(plan, R._Plan), plan
+    plan = RL._get_plan(q, k, cos, sin, ud, spec)
+    assert isinstance(plan, RL._Plan), plan
     out = R.fused_rope(q, k, cos, sin, ud, spec)
     ref = R.rope_reference(q, k, cos, sin, ud, spec)
     for o, r, x in zip(out, ref, (q, k)):
@@ -340,7 +343,7 @@ def test_custom_op_matches_and_opcheck(interpret):
     spec = SPECS["glm-partial"]
     gen = torch.Generator().manual_seed(6)
     qb, kb, q, k, cos, sin = make_inputs(spec, torch.float32, interpret, gen=gen)
-    yq, yk = R._rope_fwd_op(q, k, cos, sin, 1, spec.code)
+    yq, yk = RA._rope_fwd_op(q, k, cos, sin, 1, spec.code)
     ref = R.rope_reference(q, k, cos, sin, 1, spec)
     assert torch.equal(yq, ref[0]) and torch.equal(yk, ref[1])
     gs = tuple(torch.randn(o.shape, generator=gen) for o in ref)
@@ -349,10 +352,10 @@ def test_custom_op_matches_and_opcheck(interpret):
     assert all(torch.equal(a, b_) for a, b_ in zip(got, want))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.library.opcheck(R._rope_fwd_op, (q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin, 1,
+        torch.library.opcheck(RA._rope_fwd_op, (q.detach().requires_grad_(), k.detach().requires_grad_(), cos, sin, 1,
                                                spec.code))
         _, _, q1, _, c1, s1 = make_inputs(R.LLAMA, torch.float32, interpret, gen=gen)
-        torch.library.opcheck(R._rope_fwd_op, (q1.detach().requires_grad_(), None, c1, s1, 1, R.LLAMA.code))
+        torch.library.opcheck(RA._rope_fwd_op, (q1.detach().requires_grad_(), None, c1, s1, 1, R.LLAMA.code))
 
 
 def test_a_cached_plan_never_skips_a_check(interpret):
@@ -372,8 +375,8 @@ def test_plans_are_reused(interpret):
     R.clear_plans()
     _, _, q, k, cos, sin = make_inputs(spec, torch.float32, interpret)
     R.fused_rope(q, k, cos, sin)
-    assert len(R._plans) == 1
+    assert len(RL._plans) == 1
     R.fused_rope(q, k, cos, sin)
-    assert len(R._plans) == 1
+    assert len(RL._plans) == 1
     R.fused_rope(q.detach().contiguous(), k, cos, sin)
-    assert len(R._plans) == 2
+    assert len(RL._plans) == 2

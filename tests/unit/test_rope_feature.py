@@ -17,6 +17,7 @@ import torch._dynamo  # noqa: F401  (imported once here, not in every forked tes
 
 from deepspeed_fused.features import rope as F
 from deepspeed_fused.ops import rope as R
+from deepspeed_fused.ops.rope import launch as RL
 from deepspeed_fused.ops._common import reset_fallback_warnings
 
 
@@ -77,17 +78,17 @@ class Launches:
         self._real = None
 
     def __enter__(self):
-        self._real = real = R._launch
+        self._real = real = RL._launch
 
         def counted(*a, **kw):
             self.n += 1
             return real(*a, **kw)
 
-        R._launch = counted
+        RL._launch = counted
         return self
 
     def __exit__(self, *exc):
-        R._launch = self._real
+        RL._launch = self._real
 
 
 def _grads_with_layout(outs, leaves, views, gs):

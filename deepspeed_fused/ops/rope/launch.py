@@ -1,0 +1,188 @@
+"""Launch plans and launches of the rotation kernel.
+
+Everything a call derives from its inputs' metadata (geometry, block sizes, program counts, the
+kernel's arguments) is a :class:`_Plan`, cached per shape/stride/dtype/device/alignment key. The
+first launch of a key goes through Triton's JIT; later ones through the compiled kernel's C
+launcher. The tuning knobs are this module's attributes (the benchmark's sweep sets them, then
+calls :func:`clear_plans`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._common import on_device as _on_device
+from .._common import _current_device, _launch_hooks, _raw_stream, cdiv, direct_launcher, next_power_of_2
+from .checks import _GRAD_REASON, _check, _check_types, _InvalidType
+from .kernels import _CODE
+from . import kernels as _kernels
+from .spec import RopeSpec, compute_dtype
+
+# Tuning knobs (module attributes: the benchmark's sweep sets them).
+_TILE_PAIRS = 2048  # rows x pairs per program
+_MAX_BLOCK_R = 64
+_NUM_WARPS = 4
+
+
+class _Plan:
+    """Everything a call derives from its inputs' metadata (one per key): the geometry of q and k,
+    block sizes, program counts, the forward's kernel arguments; the backward's per gradient
+    layout (``bwd``)."""
+
+    __slots__ = ("key", "spec", "rdim", "head_dim", "geos", "x_dtype", "prod", "acc_bwd", "common", "tail", "progs",
+                 "dev", "fwd_args", "fwd_const", "bwd")
+
+    def __init__(self, key, spec: RopeSpec, x: torch.Tensor, x_dtype: torch.dtype, angle_dtype: torch.dtype,
+                 checked: tuple):
+        rdim, pairs, geos = checked
+        self.key, self.spec, self.rdim, self.geos, self.x_dtype = key, spec, rdim, geos, x_dtype
+        self.head_dim = d = x.shape[-1]
+        ct = compute_dtype(spec, x_dtype, angle_dtype)
+        self.prod = _CODE[ct]
+        self.acc_bwd = _CODE[x_dtype if spec.grad_accum == "input" else ct]
+        block_h = next_power_of_2(pairs)
+        n_max = max(g.n_rows for g in geos)
+        cap = _MAX_BLOCK_R if x.is_cuda else 4096  # the interpreter: few programs
+        block_r = max(1, min(max(1, _TILE_PAIRS // block_h), cap, next_power_of_2(max(n_max, 1))))
+        rest = d - rdim
+        self.common = dict(BLOCK_R=block_r, BLOCK_H=block_h,
+                           BLOCK_P=next_power_of_2(min(rest, 128)) if rest else 1,
+                           PAIRS=spec.pairing == "adjacent", ANGLE_PAIR=spec.angles != "position",
+                           HALVES=spec.output == "halves", NEG=spec.negate)
+        self.tail = (pairs, d, rdim)
+        self.progs = tuple(cdiv(g.n_rows, block_r) for g in geos)
+        self.dev = x.device.index if x.is_cuda else None
+        self.bwd = {}
+        self.fwd_args = self.fwd_const = None
+
+    def set_forward(self, q: torch.Tensor, k: Optional[torch.Tensor]) -> None:
+        ints = tuple(g.ints(x.stride(), g.y_strides) for g, x in zip(self.geos, (q, k)))
+        if len(ints) == 1:
+            ints = ints * 2
+        self.fwd_args = ints[0] + ints[1] + self.tail
+        self.fwd_const = dict(self.common, BACKWARD=False, PROD=self.prod, ACC=self.prod,
+                              PASS=self.rdim < self.head_dim, TWO=len(self.geos) == 2)
+
+    def backward_entry(self, present: tuple, grads: tuple):
+        """(args, programs of the first tensor, all programs, constexprs, launch key) of the backward
+        launch for the gradients ``grads`` of the outputs ``present`` (indices into geos)."""
+        bkey = tuple((i, g.stride(), g.dtype, g.data_ptr() & 15) for i, g in zip(present, grads))
+        entry = self.bwd.get(bkey)
+        if entry is None:
+            ints = tuple(self.geos[i].ints(g.stride(), self.geos[i].dx_strides) for i, g in zip(present, grads))
+            if len(ints) == 1:
+                ints = ints * 2
+            np0 = self.progs[present[0]]
+            total = np0 + (self.progs[present[1]] if len(present) == 2 else 0)
+            const = dict(self.common, BACKWARD=True, PROD=self.prod, ACC=self.acc_bwd, PASS=self.rdim < self.head_dim,
+                         TWO=len(present) == 2)
+            entry = self.bwd[bkey] = (ints[0] + ints[1] + self.tail, np0, total, const, (self.key, "bwd", bkey))
+        return entry
+
+
+_MAX_PLANS = 1024
+_plans: dict = {}
+_direct: dict = {}  # launch key -> the compiled kernel's direct launcher
+
+
+def clear_plans() -> None:
+    """Forget the launch plans and direct launchers (the benchmark's sweep changes the knobs)."""
+    _plans.clear()
+    _direct.clear()
+
+
+def _key(q, k, cos, sin, ud, spec, tag=None):
+    """Everything the checks and the plan read: shapes, strides, dtypes, devices, 16-byte alignment."""
+    return (spec, ud, q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+            None if k is None else (k.shape, k.stride(), k.dtype, k.device, k.data_ptr() & 15),
+            cos.shape, cos.stride(), cos.dtype, cos.device, cos.data_ptr() & 15,
+            sin.shape, sin.stride(), sin.dtype, sin.device, sin.data_ptr() & 15, tag)
+
+
+def _get_plan(q, k, cos, sin, ud, spec, key=None, x_dtype=None):
+    """The plan of these inputs, or a str saying why the kernels do not take them; raises a
+    :class:`RopeInputError` for inputs eager rejects too. ``x_dtype``: the backward-only plans of
+    the custom op (q and k are then the gradients, x_dtype the inputs' dtype)."""
+    if not isinstance(spec, RopeSpec):
+        raise _InvalidType(f"rope: spec must be a RopeSpec, got {type(spec).__name__}")
+    if key is None:
+        _check_types(q, k, cos, sin, ud)
+        key = _key(q, k, cos, sin, ud, spec, x_dtype)
+    plan = _plans.get(key)
+    if plan is not None:
+        if cos.requires_grad or sin.requires_grad:
+            return _GRAD_REASON
+        return plan
+    checked = _check(q, k, cos, sin, ud, spec)
+    if isinstance(checked, str):
+        return checked  # not cached: some reasons (grad) depend on more than the key
+    if len(_plans) >= _MAX_PLANS:  # shapes that never repeat: start over rather than grow
+        _plans.clear()
+        _direct.clear()
+    plan = _Plan(key, spec, q, x_dtype or q.dtype, cos.dtype, checked)
+    if x_dtype is None:
+        plan.set_forward(q, k)
+    _plans[key] = plan
+    return plan
+
+
+
+def _launch(plan: _Plan, lkey, x0, y0, x1, y1, cos, sin, np0: int, total: int, args: tuple, const: dict) -> None:
+    """One launch: programs [0, np0) rotate x0 into y0, the rest x1 into y1. The first launch of a
+    key goes through Triton's JIT (which compiles), later ones through the compiled kernel's C
+    launcher (pointers as ints; the key fixes everything the JIT specializes on)."""
+    if total == 0:
+        return
+    dev = plan.dev
+    direct = dev is not None and not _launch_hooks() and _current_device() == dev
+    if direct:
+        fn = _direct.get(lkey)
+        if fn is not None:
+            fn(_raw_stream(dev), x0.data_ptr(), y0.data_ptr(), x1.data_ptr(), y1.data_ptr(), cos.data_ptr(),
+               sin.data_ptr(), np0, *args)
+            return
+    grid = (total,)
+    with _on_device(x0):
+        compiled = _kernels._rope_kernel[grid](x0, y0, x1, y1, cos, sin, np0, *args, **const, num_warps=_NUM_WARPS,
+                                      enable_fp_fusion=False)
+    if direct:
+        fn = direct_launcher(compiled, grid, tuple(const.values()))
+        if fn is not None:
+            _direct[lkey] = fn
+
+
+def _forward(plan: _Plan, q, k, cos, sin, outs=None):
+    """The outputs, fresh (or ``outs``, in the plan's layout: tests poison them)."""
+    g0 = plan.geos[0]
+    yq = torch.empty_strided(q.shape, g0.y_strides, dtype=g0.out_dtype, device=q.device) if outs is None else outs[0]
+    if outs is not None and any(o.stride() != g.y_strides for o, g in zip(outs, plan.geos)):
+        raise ValueError("rope: outs must have the plan's output strides")
+    if k is None:
+        _launch(plan, plan.key, q, yq, q, yq, cos, sin, plan.progs[0], plan.progs[0], plan.fwd_args, plan.fwd_const)
+        return yq, None
+    g1 = plan.geos[1]
+    yk = torch.empty_strided(k.shape, g1.y_strides, dtype=g1.out_dtype, device=k.device) if outs is None else outs[1]
+    _launch(plan, plan.key, q, yq, k, yk, cos, sin, plan.progs[0], plan.progs[0] + plan.progs[1], plan.fwd_args,
+            plan.fwd_const)
+    return yq, yk
+
+
+def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None) -> list:
+    """Input gradients of the outputs whose gradients ``grads`` holds (None: no gradient), in the
+    inputs' dtype, contiguous as eager autograd leaves them (or into ``outs``); one launch for both."""
+    present = tuple(i for i, g in enumerate(grads) if g is not None)
+    out = [None] * len(grads)
+    if not present:
+        return out
+    gs = tuple(grads[i] for i in present)
+    args, np0, total, const, lkey = plan.backward_entry(present, gs)
+    dxs = [torch.empty_strided(g.shape, plan.geos[i].dx_strides, dtype=plan.x_dtype, device=g.device)
+           if outs is None else outs[i] for i, g in zip(present, gs)]
+    if outs is not None and any(dx.stride() != plan.geos[i].dx_strides for i, dx in zip(present, dxs)):
+        raise ValueError("rope: outs must have the plan's gradient strides")
+    x1, y1 = (gs[1], dxs[1]) if len(gs) == 2 else (gs[0], dxs[0])
+    _launch(plan, lkey, gs[0], dxs[0], x1, y1, cos, sin, np0, total, args, const)
+    for i, dx in zip(present, dxs):
+        out[i] = dx
+    return out
