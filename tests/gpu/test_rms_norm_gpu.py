@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepspeed_fused.features import rms_norm as F
+from deepspeed_fused.features.rms_norm import patch as FP
 from deepspeed_fused.ops import rms_norm as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
 from unit.common import NCCL_ENV, cuda_device_count
@@ -197,13 +198,13 @@ def test_data_parallel_replicas_use_own_device(monkeypatch):
     for k, v in NCCL_ENV.items():  # DataParallel broadcasts the replicas' parameters through NCCL
         monkeypatch.setenv(k, v)
     devices = []
-    real = F.try_fused_rms_norm
+    real = FP.try_fused_rms_norm
 
     def spy(h, w, eps):
         devices.append((h.device, w.device))
         return real(h, w, eps)
 
-    monkeypatch.setattr(F, "try_fused_rms_norm", spy)
+    monkeypatch.setattr(FP, "try_fused_rms_norm", spy)
     model = _randomize_norms(build_model("llama-tiny")).cuda()
     single = copy.deepcopy(model)
     assert F.replace_rms_norm(model) == F.replace_rms_norm(single) == 5

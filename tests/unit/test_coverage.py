@@ -166,7 +166,7 @@ def test_grad_errors_treat_noise_of_an_exactly_zero_gradient_as_noise():
 def test_a_patch_that_is_slightly_wrong_is_reported(monkeypatch):
     """End to end on one family: the fused norm made 0.1 % off (as a wrong rounding could be) shows
     as a difference; the same run with the real kernels passes."""
-    from deepspeed_fused.features import rms_norm as rms_feature
+    from deepspeed_fused.features.rms_norm import patch as rms_feature
 
     fam = coverage.select(["llama"])[0]
     good = coverage.run_family(fam)

@@ -13,6 +13,7 @@ import torch._dynamo  # noqa: F401  (imported once here, not in every forked tes
 from deepspeed_fused.ops import rms_norm as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
 from deepspeed_fused.features import rms_norm as F
+from deepspeed_fused.features.rms_norm import patch as FP
 
 EPS = 1e-6
 _MANT = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}
@@ -27,17 +28,17 @@ def rms_norm_dispatchers_restored():
     a process (without ``--forked``). After the test, every class that got a dispatcher during it
     gets back the forward the dispatcher wraps, and ``_DISPATCHERS`` its earlier entries.
     test_rms_norm_forms.py imports this fixture (autouse there too)."""
-    before = dict(F._DISPATCHERS)
+    before = dict(FP._DISPATCHERS)
     yield
-    for cls, disp in list(F._DISPATCHERS.items()):
+    for cls, disp in list(FP._DISPATCHERS.items()):
         if before.get(cls) is disp or cls.__dict__.get("forward") is not disp:
             continue  # installed before the test, or wrapped again since (not ours to undo)
         original = disp.__closure__[disp.__code__.co_freevars.index("original")].cell_contents
         del cls.forward
         if cls.forward is not original:  # it was the class's own forward, not an inherited one
             cls.forward = original
-    F._DISPATCHERS.clear()
-    F._DISPATCHERS.update(before)
+    FP._DISPATCHERS.clear()
+    FP._DISPATCHERS.update(before)
 
 
 # ---- numerics helpers (the GPU tests import these) ---------------------------------------------
@@ -463,7 +464,7 @@ def _norms(model):
 @pytest.fixture
 def count_fused(monkeypatch):
     calls = []
-    real = F.try_fused_rms_norm
+    real = FP.try_fused_rms_norm
 
     def spy(h, w, eps):
         y = real(h, w, eps)
@@ -471,7 +472,7 @@ def count_fused(monkeypatch):
             calls.append((tuple(h.shape), eps))
         return y
 
-    monkeypatch.setattr(F, "try_fused_rms_norm", spy)
+    monkeypatch.setattr(FP, "try_fused_rms_norm", spy)
     return calls
 
 
@@ -665,7 +666,7 @@ def test_deepspeed_replaced_modules_are_left_to_it(interpret, monkeypatch, count
 
     monkeypatch.setattr(LlamaRMSNorm, "forward", LlamaRMSNorm.forward)  # restored after the test
     monkeypatch.setattr(ds, "_FUSED_CLASS_FORWARDS", dict(ds._FUSED_CLASS_FORWARDS))
-    monkeypatch.setattr(F, "_DISPATCHERS", dict(F._DISPATCHERS))
+    monkeypatch.setattr(FP, "_DISPATCHERS", dict(FP._DISPATCHERS))
     model = _randomize_norms(build_model("llama-tiny")).to(interpret)
     wide = LlamaRMSNorm(4096).to(interpret)  # wider than DeepSpeed's kernels take: not replaced by it
     model.model.extra = wide

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from deepspeed_fused.features import rms_norm as F
+from deepspeed_fused.features.rms_norm import patch as FP
 from deepspeed_fused.ops import rms_norm as R
 from deepspeed_fused.ops._common import reset_fallback_warnings
 from unit.test_rms_norm import EPS, assert_dx_close, tune, ulp, ulp_err  # noqa: F401  (tune: a fixture)
@@ -702,8 +703,8 @@ def test_installed_class_matches_its_own_eager_forward(interpret, model, name, t
 
 def test_torch_rmsnorm_modules(interpret, monkeypatch):
     calls = []
-    real = F.try_fused_rms_norm_form
-    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
+    real = FP.try_fused_rms_norm_form
+    monkeypatch.setattr(FP, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
     mods = torch.nn.ModuleList([torch.nn.RMSNorm(16), torch.nn.RMSNorm(16, eps=1e-5, elementwise_affine=False),
                                 torch.nn.RMSNorm(16, eps=None), torch.nn.RMSNorm((4, 16))]).to(interpret)
     _randomize(mods)
@@ -737,8 +738,8 @@ def test_per_instance_conditions_run_eager_with_a_reason(interpret, monkeypatch)
         "group_size is not a positive divisor of the weight's width 32": {"MambaRMSNormGated": 1},
         "gate activation 'gelu' (the op takes silu and sigmoid)": {"Qwen3NextRMSNormGated": 1}}
     calls = []
-    real = F.try_fused_rms_norm_form
-    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
+    real = FP.try_fused_rms_norm_form
+    monkeypatch.setattr(FP, "try_fused_rms_norm_form", lambda *a: calls.append(a[3]) or real(*a))
     x, gt = torch.randn(2, 32, device=interpret), torch.randn(2, 32, device=interpret)
     # one group: with a gate (positional or keyword) and without (no gating)
     for args, kw in (((gt,), {}), ((), {"gate": gt}), ((), {})):
@@ -787,8 +788,8 @@ def test_grouped_and_xlstm_classes_match_their_eager_forward(interpret, monkeypa
     rep = F.RmsNormFeature().apply(torch.nn.ModuleList([m]), None, F.RmsNormConfig(enabled=True))
     assert rep.details["replaced"] == {name: 1}, rep
     calls = []
-    real = F.try_fused_rms_norm_form
-    monkeypatch.setattr(F, "try_fused_rms_norm_form", lambda *a: calls.append(a) or real(*a))
+    real = FP.try_fused_rms_norm_form
+    monkeypatch.setattr(FP, "try_fused_rms_norm_form", lambda *a: calls.append(a) or real(*a))
     g = torch.Generator().manual_seed(2)
     x = torch.randn(shape, generator=g).to(interpret, dtype)
     gate = torch.randn(shape, generator=g).to(interpret, dtype) if gated else None
@@ -925,8 +926,8 @@ def test_form_family_training_step_matches_eager(interpret, monkeypatch, family)
     assert rep.details["replaced"] == replaced_names(model, expected) and not rep.details["skipped"], rep
     calls = []
     for name in ("try_fused_rms_norm", "try_fused_rms_norm_form"):
-        real = getattr(F, name)
-        monkeypatch.setattr(F, name, lambda *a, _real=real: calls.append(1) or _real(*a))
+        real = getattr(FP, name)
+        monkeypatch.setattr(FP, name, lambda *a, _real=real: calls.append(1) or _real(*a))
     ids = torch.randint(0, 257, (2, 6), generator=torch.Generator().manual_seed(1)).to(interpret)
 
     def step(m):
@@ -1092,7 +1093,7 @@ def test_gate_first_without_groups_transformers_517(interpret, dtype):
 def _class_from_template(name, **globals_):
     """A module class whose forward is template ``name``'s source, compiled in a module namespace
     with torch's names, some replaced by ``globals_``."""
-    from deepspeed_fused.features.rms_norm_templates import TEMPLATE_SOURCES
+    from deepspeed_fused.features.rms_norm.templates import TEMPLATE_SOURCES
 
     src = {t[0]: t[3] for t in TEMPLATE_SOURCES}[name]
     ns = {"torch": torch, "nn": torch.nn, "F": torch.nn.functional, "__name__": "a_model", **globals_}

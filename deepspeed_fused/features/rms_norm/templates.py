@@ -1,7 +1,18 @@
-"""The rms_norm feature's templates: each RMSNorm form as transformers spells it (sources only;
-:mod:`.rms_norm` compiles them and compares them instruction by instruction with a class's forward).
-Split from :mod:`.rms_norm` because they are data: each must compile to the bytecode of the
+"""The rms_norm feature's templates: each RMSNorm form as transformers spells it (sources, and the
+Llama form as a function; :mod:`.recognition` compiles them and compares them instruction by
+instruction with a class's forward). They are data: each must compile to the bytecode of the
 transformers code it recognises, so it repeats that code on purpose."""
+import torch
+
+
+def _llama_form(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
 
 # The forms' spellings in transformers, as templates compared instruction by instruction with a
 # class's forward (and its ``_norm`` helper, where the forward calls one). Each names the kind of
