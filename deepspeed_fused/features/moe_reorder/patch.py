@@ -1,33 +1,17 @@
-"""Feature "moe_reorder": MoE token reorder by row gathers (``deepspeed_fused.ops.moe_reorder``).
-
-Two integrations, chosen per model:
-
-* DeepSpeed AutoEP (the model holds ``AutoEPMoELayer`` modules): ``permute_by_local_expert`` and
-  ``unpermute_by_local_expert`` of ``deepspeed.module_inject.auto_ep_layer`` are looked up as
-  module globals at call time, so they are replaced there (one patch for every layer, reference
-  counted over patched models). Ours keep DeepSpeed's exact contract: the indices and aligned
-  counts come from DeepSpeed's ``generate_permute_indices`` with its alignment constant, built the
-  way ``permute_by_local_expert`` builds them (checked against the installed version's own function
-  when installing; if that check fails, every call lets DeepSpeed's function build them from a
-  zero-width copy of the tokens), and only the rows move through our gathers.
-* transformers experts (no AutoEP): an experts implementation named ``"deepspeed_fused"`` is
-  registered in ``ALL_EXPERTS_FUNCTIONS`` and selected with ``model.set_experts_implementation``.
-  It is transformers' ``grouped_mm`` path with our gather for the dispatch and the fused
-  gather-weight-sum for the combine; the GEMMs go through transformers' own ``_grouped_linear``.
-"""
+"""Applying and reverting the moe_reorder feature: the AutoEP patches (DeepSpeed's permute /
+unpermute functions and the fused local token path), the transformers experts implementation
+(the fused call), and the router dispatchers."""
 from __future__ import annotations
 
-import functools
-import warnings
+import collections
 import weakref
 from typing import Any
 
 import torch
-from pydantic import StrictBool
 
-from ..ops import moe_reorder as reorder
-from .base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, SharedCallCounts
-from .moe_routers import _ROUTER_OPT_IN, _code_key, _opt_in_routers, router_form  # noqa: F401  (router_form: API)
+from ...ops import moe_reorder as reorder
+from ..base import OptInMarker, SharedCallCounts
+from .recognition import _local_path_mismatch, fused_gate, oai_gate_of, router_form
 
 IMPL_NAME = "deepspeed_fused"
 _STATE_ATTR = "_deepspeed_fused_moe_reorder"
@@ -57,19 +41,6 @@ def _restore_state(d: dict) -> "_State":
         except Exception:  # transformers missing there: the load still succeeds
             pass
     return _State(d)
-
-
-with warnings.catch_warnings():  # "validate" shadows pydantic's deprecated BaseModel.validate: intended
-    warnings.filterwarnings("ignore", message='Field name "validate"')
-
-    class MoeReorderConfig(FeatureConfig):
-        """Options of the "moe_reorder" feature."""
-
-        validate: StrictBool = False
-        """Check on every AutoEP reorder that the permutation indices are a one-to-one map of the
-        token rows, raising a ValueError that names the first duplicate, out-of-range or missing
-        entry. Costs a device-to-host sync per layer: for debugging. The alignment of each expert's
-        group is DeepSpeed's (``deepspeed.moe.ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M``)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,43 +167,9 @@ def _uninstall_autoep(validate: bool) -> None:
 
 
 # ---- the whole local token path (DeepSpeed 0.19.8's AutoEPMoELayer._forward) ----------------------
-# What is taken over is checked by source hash at install: the layer's forward, the combine and
-# the pre-expert score step must be the code this path was written against (DeepSpeed 0.19.8).
-# Any other version keeps DeepSpeed's forward (and still gets the gathers above), and the
-# report says why. Per call, folded tensor parallelism, DeepEP and inputs the kernels cannot take
-# run DeepSpeed's forward.
-_LOCAL_SOURCES = {
-    "AutoEPMoELayer._forward": "aaeba465e7dff210",
-    "AutoEPMoELayer.forward": "44c146856ba8aea4",
-    "combine_from_routed": "452b0879012446b1",
-    "apply_scores_before_experts_if_enabled": "932035ecfee91ba9",
-}
+# What is taken over is checked by source hash at install (recognition._local_path_mismatch).
+# Per call, folded tensor parallelism, DeepEP and inputs the kernels cannot take run DeepSpeed's forward.
 _LOCAL = {"count": 0, "original": None, "why": ""}
-
-
-def _source_hash(fn) -> str:
-    import hashlib
-    import inspect
-    import textwrap
-
-    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
-
-
-def _local_path_mismatch(layer) -> str:
-    """Empty when this DeepSpeed's AutoEP code is the code the local path replaces; else why not."""
-    try:
-        cls = layer.AutoEPMoELayer
-        found = {"AutoEPMoELayer._forward": getattr(cls, "_forward", None), "AutoEPMoELayer.forward": cls.forward,
-                 "combine_from_routed": layer.combine_from_routed,
-                 "apply_scores_before_experts_if_enabled": layer.apply_scores_before_experts_if_enabled}
-        for name, fn in found.items():
-            if fn is None:
-                return f"DeepSpeed has no {name}"
-            if _source_hash(fn) != _LOCAL_SOURCES[name]:
-                return f"DeepSpeed's {name} differs from the 0.19.8 code this path replaces"
-        return ""
-    except Exception as e:  # source not readable (zipped install, ...)
-        return f"DeepSpeed's AutoEP source could not be checked ({type(e).__name__})"
 
 
 def _fused_local_forward(self, hidden_states):
@@ -349,66 +286,6 @@ def _autoep_layers(model: torch.nn.Module) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _silu_forwards() -> tuple:
-    fns = [torch.nn.SiLU.forward]
-    try:
-        from transformers.activations import SiLUActivation
-
-        fns.append(SiLUActivation.forward)
-    except ImportError:  # pragma: no cover - transformers without it
-        pass
-    return tuple(fns)
-
-
-def fused_gate(experts: torch.nn.Module) -> bool:
-    """Whether an experts module's gate is transformers' default, ``act_fn(gate) * up`` of the
-    chunked gate-up projection (the class keeps ``_default_apply_gate``: a family with its own
-    gate, GPT-OSS's clamped one or a soft-capped one, does not), with SiLU as ``act_fn`` (the
-    forward of ``torch.nn.SiLU`` or of transformers' ``SiLUActivation``, not a hub kernel's):
-    then :func:`~deepspeed_fused.ops.moe_reorder.swiglu` computes it."""
-    if _gate_form(getattr(type(experts), "_apply_gate", None)) != "default" or "_apply_gate" in experts.__dict__:
-        return False
-    act = getattr(experts, "act_fn", None)
-    return (isinstance(act, torch.nn.Module) and getattr(type(act), "forward", None) in _silu_forwards()
-            and not (act._forward_hooks or act._forward_pre_hooks))
-
-
-def _gate_oai(self, gate_up: torch.Tensor) -> torch.Tensor:  # GPT-OSS, as transformers 5.24 writes it
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(min=None, max=self.limit)
-    up = up.clamp(min=-self.limit, max=self.limit)
-    glu = gate * torch.sigmoid(gate * self.alpha)
-    gated_output = (up + 1) * glu
-    return gated_output
-
-
-@functools.lru_cache(maxsize=None)
-def _gate_form(fn) -> Any:
-    """What an experts class's ``_apply_gate`` is: ``"default"`` (transformers'
-    ``_default_apply_gate`` itself), ``"oai"`` (the bytecode of :func:`_gate_oai`, its module's
-    ``torch`` torch's own) or None. Read once per function (the experts forward asks per call)."""
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:  # pragma: no cover - transformers without the experts interface
-        _default_apply_gate = None
-    if fn is not None and fn is _default_apply_gate:
-        return "default"
-    if hasattr(fn, "__code__") and fn.__globals__.get("torch") is torch and _code_key(fn) == _code_key(_gate_oai):
-        return "oai"
-    return None
-
-
-def oai_gate_of(experts: torch.nn.Module) -> bool:
-    """Whether an experts module's gate is GPT-OSS's clamped gate (its class's ``_apply_gate`` has
-    the bytecode of :func:`_gate_oai`, its module's ``torch`` is torch, ``alpha`` and ``limit`` are
-    Python numbers): then :func:`~deepspeed_fused.ops.moe_reorder.oai_gate` computes it."""
-    if _gate_form(getattr(type(experts), "_apply_gate", None)) != "oai" or "_apply_gate" in experts.__dict__:
-        return False
-    return all(isinstance(getattr(experts, a, None), (int, float)) and not isinstance(getattr(experts, a), bool)
-               for a in ("alpha", "limit"))
-
-
 def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts forward with gathers for the dispatch and the combine.
@@ -502,131 +379,75 @@ def _get_impl(model) -> Any:
     return model.config._experts_implementation
 
 
-# ----------------------------------------------------------------------------------------------
-# The feature
-# ----------------------------------------------------------------------------------------------
+# ---- the routers: their selection fused (ops/moe_reorder/router.py) --------------------------------
+_ROUTER_OPT_IN = OptInMarker("moe_reorder", "_deepspeed_fused_router", "_deepspeed_fused_router_calls")
+_ROUTER_DISPATCHERS: dict = {}  # class -> its dispatcher (installed once per process)
 
 
-class MoeReorderFeature(Feature):
-    name = "moe_reorder"
-    config_model = MoeReorderConfig
 
-    def is_supported(self, env: Environment) -> tuple[bool, str]:
-        if not env.kernels_available:
-            return False, ("the gathers need Triton and a CUDA GPU (or TRITON_INTERPRET=1); on CPU the "
-                           "eager reorder is already what would run")
-        return True, ""
+def _logits_first_forward(self, original, variant, hidden_states):
+    # [tokens, hidden] states only (the templates' softmax over dim 1 is over the k there); Cohere2's
+    # sigmoid branch keeps its code
+    if hidden_states.dim() != 2 or (variant == "selectable" and self.expert_selection_fn != "softmax"):
+        return original(self, hidden_states)
+    bias = self.bias if variant == "bias" else None
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight, bias)
+    if variant == "selectable":  # an FP32 softmax, cast to the hidden states' dtype
+        scores, indices = reorder.topk_logits_softmax(router_logits, self.top_k, torch.float32, hidden_states.dtype)
+    else:  # the softmax in the logits' dtype
+        scores, indices = reorder.topk_logits_softmax(router_logits, self.top_k)
+    return router_logits, scores, indices
 
-    def apply(self, model, engine, cfg) -> FeatureReport:
-        rep = FeatureReport(name=self.name, enabled=True)
-        if getattr(model, _STATE_ATTR, None) is not None:
-            if self.is_applied(model):
-                rep.applied, rep.reason = True, "already applied"
-                if model.__dict__[_STATE_ATTR].get("path") == "transformers":
-                    # a model loaded from a pickle has its routers' opt-in off: on again
-                    routers, _ = _opt_in_routers(model)
-                    rep.reason += f"; routers fused: {routers}"
-                return rep
-            model.__dict__.pop(_STATE_ATTR, None)  # a stale record (copied or loaded): apply afresh
-        n_autoep = _autoep_layers(model)
-        if n_autoep:
-            _install_autoep(cfg.validate)
-            _install_local_path()
-            model.__dict__[_STATE_ATTR] = _State(path="autoep", layers=n_autoep, validate=cfg.validate)
-            _AUTOEP_OWNERS.add(model)
-            from deepspeed.moe import ep_kernels
 
-            replaces = ("DeepSpeed's Triton permute_rows/unpermute_rows" if hasattr(ep_kernels, "permute_rows")
-                        else "DeepSpeed's vstack+index / zero+index_put reorder")
-            rep.applied = True
-            rep.where = f"{n_autoep} x AutoEPMoELayer (DeepSpeed AutoEP permute/unpermute_by_local_expert)"
-            rep.reason = f"replaces {replaces}" + ("; validate=on (host sync per layer)" if cfg.validate else "")
-            rep.details = {"path": "autoep", "layers": n_autoep}
-            rep.calls = _AUTOEP_CALLS.since_now()  # AutoEP layer forwards in this process from now on
-            if not _AUTOEP["direct"]:
-                rep.reason += "; indices built by DeepSpeed's own function (probe)"
-            if local_path_patched():
-                rep.reason += ("; the local token path (routed gather, scores, reorder, combine) runs as fused "
-                               "gathers (DeepSpeed's forward where TP folding, DeepEP or the input dtype/device "
-                               "rule it out)")
-            else:
-                rep.reason += f"; local token path kept: {_LOCAL['why']}"
-            return rep
+def _router_dispatcher(original, renorm, cast):
+    def forward(self, hidden_states):
+        if self.__dict__.get(_ROUTER_OPT_IN.marker) is not _ROUTER_OPT_IN.value:
+            return original(self, hidden_states)
+        if renorm == "grouped":
+            hidden_states = hidden_states.view(-1, self.hidden_dim)
+            router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32),
+                                                       self.weight.type(torch.float32))
+            weights, indices = reorder.group_topk_sigmoid(
+                router_logits, self.e_score_correction_bias, self.top_k, self.num_group, self.topk_group,
+                bool(self.norm_topk_prob), self.routed_scaling_factor)
+            return router_logits, weights, indices
+        if renorm == "logits_first":
+            return _logits_first_forward(self, original, cast, hidden_states)
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+        norm = bool(getattr(self, renorm)) if isinstance(renorm, str) else renorm
+        scores, indices = reorder.topk_softmax(router_logits, self.top_k, norm,
+                                               router_logits.dtype if cast else None)
+        return router_logits, scores, indices
 
-        experts = _experts_modules(model)
-        if not experts:
-            rep.reason = "no DeepSpeed AutoEP layers and no transformers experts modules in the model"
-            return rep
-        if not hasattr(model, "set_experts_implementation"):
-            rep.reason = "the model has no set_experts_implementation (not a transformers PreTrainedModel)"
-            return rep
-        register_experts_implementation()
-        previous = _get_impl(model)
-        try:
-            model.set_experts_implementation(IMPL_NAME)
-            selected = [m for m in experts if m.config._experts_implementation == IMPL_NAME]
-            if not selected:
-                raise RuntimeError("set_experts_implementation did not select it for any experts module")
-        except Exception:
-            model.set_experts_implementation(previous)
-            raise
-        model.__dict__[_STATE_ATTR] = _State(path="transformers", layers=len(selected), previous=previous)
-        rep.calls = CallCounts()  # experts forwards through the implementation (it has no eager branch)
-        for m in selected:
-            m.__dict__[_CALLS_ATTR] = rep.calls
-        kinds = sorted({type(m).__name__ for m in selected})
-        rep.applied = True
-        rep.where = f"{len(selected)} x {', '.join(kinds)} (transformers experts implementation {IMPL_NAME!r})"
-        prev = previous.get("", previous) if isinstance(previous, dict) else previous
-        rep.reason = f"replaces experts implementation {prev!r}"
-        if len(selected) < len(experts):
-            rep.reason += f"; {len(experts) - len(selected)} experts modules kept their implementation"
-        fused = sum(1 for m in selected if getattr(m, "has_gate", True) and (fused_gate(m) or oai_gate_of(m)))
-        gated = sum(1 for m in selected if getattr(m, "has_gate", True))
-        if gated:
-            rep.reason += f"; gate fused in {fused} of {gated} experts modules" + (
-                "" if fused == gated
-                else " (the others: neither transformers' default gate with SiLU nor GPT-OSS's, kept)")
-        routers, kept = _opt_in_routers(model)
-        rep.reason += f"; routers fused: {routers}"
-        if kept:
-            rep.reason += (" (kept: " + ", ".join(f"{n} x {c}" for c, n in sorted(kept.items()))
-                           + ": not a known router forward)")
-        rep.details = {"path": "transformers", "layers": len(selected), "previous": previous, "fused_gate": fused,
-                       "routers": routers, "routers_kept": dict(kept)}
-        return rep
+    forward.__deepspeed_fused_original__ = original
+    forward.__wrapped__ = original
+    forward.__name__ = getattr(original, "__name__", "forward")
+    forward.__doc__ = original.__doc__
+    return forward
 
-    def is_applied(self, model) -> bool:
-        """AutoEP: the process-wide patch is in place (a copy of a patched model runs it too,
-        until the original is unpatched). transformers: the model's experts modules select the
-        implementation and it is registered in this process."""
-        state = model.__dict__.get(_STATE_ATTR)
-        if state is None:
-            return False
-        if state.get("path") == "autoep":
-            return autoep_patched()
-        try:
-            from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-            registered = ALL_EXPERTS_FUNCTIONS.get(IMPL_NAME, None) is deepspeed_fused_experts_forward
-        except Exception:
-            return False
-        return registered and any(getattr(m.config, "_experts_implementation", None) == IMPL_NAME
-                                  for m in _experts_modules(model))
-
-    def revert(self, model) -> int:
-        state = model.__dict__.pop(_STATE_ATTR, None)
-        if state is None:
-            return 0
-        if state["path"] == "autoep":
-            if model not in _AUTOEP_OWNERS:  # a copy: the patch belongs to the model that installed it
-                return state["layers"]
-            _AUTOEP_OWNERS.discard(model)
-            _uninstall_local_path()
-            _uninstall_autoep(state["validate"])
-        else:
-            model.set_experts_implementation(state["previous"])
-            _ROUTER_OPT_IN.clear(model)
-            for m in model.modules():
-                m.__dict__.pop(_CALLS_ATTR, None)
-        return state["layers"]
+def _opt_in_routers(model: torch.nn.Module) -> tuple:
+    """Opt the model's recognised top-k softmax routers in (installing their classes' dispatchers
+    once); returns (routers fused, {class name: count} of the experts' sibling gates kept)."""
+    fused, kept = 0, collections.Counter()
+    for parent in model.modules():
+        if not any(n == "experts" for n, _ in parent.named_children()):
+            continue
+        for name in ("gate", "router"):
+            gate = getattr(parent, name, None)
+            if not isinstance(gate, torch.nn.Module):
+                continue
+            cls = type(gate)
+            form = router_form(cls)
+            if form == ("logits_first", "selectable") and getattr(gate, "expert_selection_fn", None) != "softmax":
+                form = None  # Cohere2-MoE's sigmoid selection: its own code
+            if form is None or "forward" in gate.__dict__:
+                kept[cls.__name__] += 1
+                continue
+            if cls not in _ROUTER_DISPATCHERS:
+                _ROUTER_DISPATCHERS[cls] = _router_dispatcher(cls.forward, *form)
+                cls.forward = _ROUTER_DISPATCHERS[cls]
+            _ROUTER_OPT_IN.mark(gate)
+            fused += 1
+    return fused, kept

@@ -1,18 +1,11 @@
-"""The moe_reorder feature's routers: transformers' router forwards recognised by their bytecode
-and their selection handed to the fused router ops (:mod:`deepspeed_fused.ops.moe_reorder.router`).
-Split from :mod:`.moe_reorder` (the experts implementation and AutoEP), which opts the routers of
-the experts modules it takes in."""
-from __future__ import annotations
-
-import collections
-from typing import Any
-
+"""The moe_reorder feature's templates: the forms it recognises, written as their sources write
+them (:mod:`.recognition` compares a candidate's bytecode with these, so each repeats that code on
+purpose): transformers' router forwards, GPT-OSS's experts gate, and the source hashes of the
+DeepSpeed AutoEP code the fused local token path replaces."""
 import torch
 import torch.nn.functional as F  # noqa: F401  (the name the router templates below use, as transformers does)
 from torch import nn  # noqa: F401  (likewise)
 
-from ..ops import moe_reorder as reorder
-from .base import OptInMarker, global_names
 
 # ---- the router: its selection fused (ops/moe_reorder/router.py) ----------------------------------
 # Templates of transformers' top-k softmax router forwards, written as transformers 5.24 writes them:
@@ -121,98 +114,27 @@ _ROUTER_FORMS = ((_router_norm_optional, "norm_topk_prob", True), (_router_norm_
                  (_router_norm_fp32, True, False), (_router_grouped_sigmoid, "grouped", None),
                  (_router_logits_first_bias, "logits_first", "bias"), (_router_logits_first, "logits_first", "plain"),
                  (_router_logits_first_selectable, "logits_first", "selectable"))
-_TORCH_GLOBALS = {"F": torch.nn.functional, "torch": torch, "nn": torch.nn}
-_ROUTER_OPT_IN = OptInMarker("moe_reorder", "_deepspeed_fused_router", "_deepspeed_fused_router_calls")
-_ROUTER_DISPATCHERS: dict = {}  # class -> its dispatcher (installed once per process)
 
 
-def _code_key(fn) -> tuple:
-    co = fn.__code__
-    return (co.co_code, co.co_names, co.co_consts, co.co_varnames, co.co_argcount)
+def _gate_oai(self, gate_up: torch.Tensor) -> torch.Tensor:  # GPT-OSS, as transformers 5.24 writes it
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=self.limit)
+    up = up.clamp(min=-self.limit, max=self.limit)
+    glu = gate * torch.sigmoid(gate * self.alpha)
+    gated_output = (up + 1) * glu
+    return gated_output
 
 
-def router_form(cls) -> Any:
-    """``(renormalise, cast)`` when ``cls.forward`` is one of transformers' top-k softmax router
-    forwards, ``("grouped", None)`` for DeepSeek-V3's grouped sigmoid router, ``("logits_first",
-    variant)`` for the routers that take the top-k of the logits before the softmax (bytecode equal
-    to a template above, each of ``F`` / ``torch`` / ``nn`` it names torch's own), else None."""
-    fwd = getattr(cls, "forward", None)
-    fwd = getattr(fwd, "__deepspeed_fused_original__", fwd)
-    if not hasattr(fwd, "__code__"):
-        return None
-    g = fwd.__globals__
-    if any(name in global_names(fwd.__code__) and g.get(name) is not obj for name, obj in _TORCH_GLOBALS.items()):
-        return None
-    key = _code_key(fwd)
-    for template, renorm, cast in _ROUTER_FORMS:
-        if _code_key(template) == key:
-            return renorm, cast
-    return None
 
-
-def _logits_first_forward(self, original, variant, hidden_states):
-    # [tokens, hidden] states only (the templates' softmax over dim 1 is over the k there); Cohere2's
-    # sigmoid branch keeps its code
-    if hidden_states.dim() != 2 or (variant == "selectable" and self.expert_selection_fn != "softmax"):
-        return original(self, hidden_states)
-    bias = self.bias if variant == "bias" else None
-    router_logits = torch.nn.functional.linear(hidden_states, self.weight, bias)
-    if variant == "selectable":  # an FP32 softmax, cast to the hidden states' dtype
-        scores, indices = reorder.topk_logits_softmax(router_logits, self.top_k, torch.float32, hidden_states.dtype)
-    else:  # the softmax in the logits' dtype
-        scores, indices = reorder.topk_logits_softmax(router_logits, self.top_k)
-    return router_logits, scores, indices
-
-
-def _router_dispatcher(original, renorm, cast):
-    def forward(self, hidden_states):
-        if self.__dict__.get(_ROUTER_OPT_IN.marker) is not _ROUTER_OPT_IN.value:
-            return original(self, hidden_states)
-        if renorm == "grouped":
-            hidden_states = hidden_states.view(-1, self.hidden_dim)
-            router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32),
-                                                       self.weight.type(torch.float32))
-            weights, indices = reorder.group_topk_sigmoid(
-                router_logits, self.e_score_correction_bias, self.top_k, self.num_group, self.topk_group,
-                bool(self.norm_topk_prob), self.routed_scaling_factor)
-            return router_logits, weights, indices
-        if renorm == "logits_first":
-            return _logits_first_forward(self, original, cast, hidden_states)
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = torch.nn.functional.linear(hidden_states, self.weight)
-        norm = bool(getattr(self, renorm)) if isinstance(renorm, str) else renorm
-        scores, indices = reorder.topk_softmax(router_logits, self.top_k, norm,
-                                               router_logits.dtype if cast else None)
-        return router_logits, scores, indices
-
-    forward.__deepspeed_fused_original__ = original
-    forward.__wrapped__ = original
-    forward.__name__ = getattr(original, "__name__", "forward")
-    forward.__doc__ = original.__doc__
-    return forward
-
-
-def _opt_in_routers(model: torch.nn.Module) -> tuple:
-    """Opt the model's recognised top-k softmax routers in (installing their classes' dispatchers
-    once); returns (routers fused, {class name: count} of the experts' sibling gates kept)."""
-    fused, kept = 0, collections.Counter()
-    for parent in model.modules():
-        if not any(n == "experts" for n, _ in parent.named_children()):
-            continue
-        for name in ("gate", "router"):
-            gate = getattr(parent, name, None)
-            if not isinstance(gate, torch.nn.Module):
-                continue
-            cls = type(gate)
-            form = router_form(cls)
-            if form == ("logits_first", "selectable") and getattr(gate, "expert_selection_fn", None) != "softmax":
-                form = None  # Cohere2-MoE's sigmoid selection: its own code
-            if form is None or "forward" in gate.__dict__:
-                kept[cls.__name__] += 1
-                continue
-            if cls not in _ROUTER_DISPATCHERS:
-                _ROUTER_DISPATCHERS[cls] = _router_dispatcher(cls.forward, *form)
-                cls.forward = _ROUTER_DISPATCHERS[cls]
-            _ROUTER_OPT_IN.mark(gate)
-            fused += 1
-    return fused, kept
+# ---- the whole local token path (DeepSpeed 0.19.8's AutoEPMoELayer._forward) ----------------------
+# What is taken over is checked by source hash at install: the layer's forward, the combine and
+# the pre-expert score step must be the code this path was written against (DeepSpeed 0.19.8).
+# Any other version keeps DeepSpeed's forward (and still gets the gathers above), and the
+# report says why. Per call, folded tensor parallelism, DeepEP and inputs the kernels cannot take
+# run DeepSpeed's forward.
+_LOCAL_SOURCES = {
+    "AutoEPMoELayer._forward": "aaeba465e7dff210",
+    "AutoEPMoELayer.forward": "44c146856ba8aea4",
+    "combine_from_routed": "452b0879012446b1",
+    "apply_scores_before_experts_if_enabled": "932035ecfee91ba9",
+}
