@@ -15,7 +15,7 @@ import torch
 import deepspeed_fused.ops.linear_cross_entropy as lce_op
 from deepspeed_fused.config import parse_config
 from deepspeed_fused.features import linear_cross_entropy as lce
-from deepspeed_fused.features import lm_heads
+from deepspeed_fused.features.linear_cross_entropy import recognition as lm_heads
 from deepspeed_fused.features.registry import get_feature
 from lce_families import FAMILIES, V, image_batch, text_batch
 from unit.common import DistributedTest

@@ -24,6 +24,9 @@ Conditions and scalars are evaluated per call from the model (``_value``: attrib
 methods ``get_text_config``/``get_decoder``, ``getattr`` with a default, arithmetic and
 comparisons; ``labels`` is known to be set and ``return_dict`` true on the fused path).
 Anything else is refused with the statement that stands in the way.
+
+The class-level entry points (:func:`causal_lm_support`, :func:`_analyze`, :func:`_is_lm_candidate`)
+are at the end of this module; the fixed spellings it accepts are in :mod:`.templates`.
 """
 from __future__ import annotations
 
@@ -35,9 +38,9 @@ import math
 import textwrap
 from typing import Optional
 
-_PURE_METHODS = ("get_text_config", "get_decoder")  # zero-argument config/submodule getters
-_TANH = ("torch.tanh", "nn.functional.tanh", "torch.nn.functional.tanh", "F.tanh")
-_COPIES = ("float", "contiguous")  # no change to the values once the op computes in fp32
+from .templates import _COPIES, _PURE_METHODS, _TANH
+
+_ORIG = "_deepspeed_fused_lce_original"  # on the dispatcher: the class's original forward
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -543,3 +546,58 @@ def blocked(chain) -> str:
         except _Unknown as e:
             return f"{text} (cannot evaluate its condition: {e})"
     return ""
+
+
+
+# --------------------------------------------------------------------------------------------
+# Which classes qualify: the reading above applied to the class's original forward.
+
+
+def _original_forward(cls):
+    fwd = cls.forward
+    return getattr(fwd, _ORIG, fwd)
+
+
+@functools.lru_cache(maxsize=None)
+def _analyze(cls) -> tuple[Optional[HeadSpec], str]:
+    """(spec, "") when ``cls.forward`` follows the supported pattern, else (None, why not)."""
+    return read_class(cls, _original_forward(cls))
+
+
+def causal_lm_support(cls) -> tuple[bool, str]:
+    """Whether instances of ``cls`` can take the fused loss path, and why not (from its forward's
+    source: a vocabulary projection whose logits reach ``self.loss_function``; the head module,
+    the loss and the scalars are checked per instance)."""
+    try:
+        from transformers import PreTrainedModel
+    except Exception as e:  # pragma: no cover
+        return False, f"transformers not importable ({e})"
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        return False, "not a transformers PreTrainedModel"
+    spec, why = _analyze(cls)
+    return spec is not None, why
+
+
+def _is_lm_candidate(model) -> bool:
+    """A PreTrainedModel with a head: an output embedding, or a forward calling
+    ``self.loss_function`` (patched, or reported with the reason it is not)."""
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    if not isinstance(model, PreTrainedModel):
+        return False
+    try:
+        if model.get_output_embeddings() is not None:
+            return True
+    except Exception:
+        pass
+    return _calls_loss_function(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_loss_function(cls) -> bool:
+    try:
+        return "self.loss_function" in inspect.getsource(inspect.unwrap(_original_forward(cls)))
+    except (OSError, TypeError):
+        return False

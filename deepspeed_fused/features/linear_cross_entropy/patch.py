@@ -1,47 +1,6 @@
-"""Feature "linear_cross_entropy": Hugging Face language models compute their training loss with
-the fused LM-head + cross-entropy op, so the [tokens, vocab] logits are never materialized.
-
-One generic mechanism serves every model whose forward has a vocabulary projection feeding
-transformers' ``ForCausalLMLoss`` (``*ForCausalLM``, ``*LMHeadModel``, the language model's head
-of a ``*ForConditionalGeneration`` vision-language model, ...): hidden states ->
-``logits = self.<head>(hidden)`` (scaled, soft-capped) -> ``self.loss_function(logits, labels,
-vocab_size, **kwargs)``, optional router aux loss. Which forwards qualify, and what the op must
-do to the logits, is read from the forward's source (``lm_heads.py``), never from a class name:
-
-* The class's ``forward`` is wrapped once by a dispatcher; only instances that opted in (a state
-  object in their ``__dict__``) take the fused path, and only when training with labels and with
-  transformers' own ``ForCausalLMLoss``. Everything else (eval, generation, no labels, a user's own
-  ``loss_function``) runs the original forward unchanged and gets real logits.
-* On the fused path the model's own forward runs with two per-call substitutions in the instance
-  ``__dict__``: the head (``self.lm_head``, or whatever the forward calls) becomes a capture that
-  records the (already ``logits_to_keep`` sliced) hidden states and returns a zero-width tensor
-  (reads of the head's attributes pass through), and ``self.loss_function`` becomes a loss
-  that shifts/pads labels exactly as ``ForCausalLMLoss`` does (or takes ``shift_labels`` as given),
-  then calls the real head *as a module* with its forward swapped for the op. When the logits
-  are those of an inner model called without labels (``outputs = self.language_model(...)``;
-  ``logits = outputs[0]``), the capture goes on the inner model's head. Calling the
-  module keeps DeepSpeed ZeRO-3's hooks in charge: the partitioned weight is gathered for the op's
-  forward and backward and its gradient reaches the partitioned parameter like an ``nn.Linear``'s.
-  The model's code therefore still does the slicing, router aux loss, output class and
-  ``return_dict`` handling; the output is rebuilt with ``logits=None`` (training mode with labels
-  returns no logits: code that reads ``out.logits`` there must compute them itself or run eval).
-* A patched model called in training mode without labels runs its eager head (the logits are
-  materialized): it warns once, naming the cause when it is the HF Trainer's
-  ``label_smoothing_factor`` or ``compute_loss_func`` (which take the labels out before the
-  forward). The report counts fused and eager forwards since the feature was applied.
-* Between the head and the loss the logits may only be upcast or copied, multiplied or divided
-  by scalars read from the model (-> the op's ``temperature``) and go through one ``tanh``
-  (-> ``softcap``), under conditions on such scalars; after the loss they may be read only where
-  the fused path does not go. The scalars and conditions are evaluated per call; the head must be
-  an ``nn.Linear`` (or an AutoTP vocabulary shard). Anything else is reported and left
-  unpatched (or, found at call time, runs eager with a warning), never silently changed.
-* DeepSpeed AutoTP heads split by vocabulary (``tensor_parallel``: ``VocabParallelLinear`` with
-  DeepSpeed's ``VocabParallelCausalLMLoss``, or the training-mode ``LinearLayer`` that all-gathers
-  the logits) take the op's vocab-parallel path with the layer's TP group (``mp_group``) and its
-  shard's ``vocab_start``: small all-gathers of per-token statistics (one per token chunk)
-  instead of DeepSpeed's logits gather or its three-collective loss. The layer's own forward (with its input-gradient
-  all-reduce) is swapped out for the call, so dhidden is summed over the group once, by the op.
-"""
+"""Applying and reverting the linear_cross_entropy feature: the per-call machinery (the head's
+capture, the fused loss, the AutoTP vocabulary shard), the class dispatcher and its fused forward,
+and the per-instance opt-in state."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,104 +8,20 @@ import functools
 import inspect
 import sys
 import warnings
-from typing import Literal, Optional, Union
+from typing import Optional
 
 import torch
-from pydantic import Field, StrictBool, StrictFloat, StrictInt
-from typing_extensions import Annotated
 
-from .base import CallCounts, Feature, FeatureConfig, FeatureReport
-from .lm_heads import HeadSpec, Unsupported, blocked, locate, logit_transform, read_class
+from ..base import CallCounts
+from .recognition import _ORIG, HeadSpec, Unsupported, _analyze, blocked, locate, logit_transform
+from .templates import _causal_lm_loss
 
 _STATE = "_deepspeed_fused_lce"  # instance __dict__ key: the per-instance opt-in
-_ORIG = "_deepspeed_fused_lce_original"  # on the dispatcher: the class's original forward
 _MISSING = object()
-
-
-class LinearCrossEntropyConfig(FeatureConfig):
-    """Options of the "linear_cross_entropy" feature."""
-
-    ignore_index: StrictInt = -100
-    """Label value that contributes no loss and no gradient (used unless the call passes its own
-    ``ignore_index``; transformers' default is -100)."""
-    chunk_tokens: Union[Literal["auto"], Annotated[StrictInt, Field(gt=0)]] = "auto"
-    """Tokens per chunk of the fused op ("auto": the op picks one that bounds its workspace)."""
-    accum_dtype: Literal["auto", "fp32"] = "auto"
-    """Accumulation of gradients summed over the op's chunks (the LM-head weight over token chunks,
-    the hidden states over vocabulary chunks): "auto" lets the op choose (may keep partial sums in
-    the parameter's dtype), "fp32" keeps fp32 accumulators (more memory)."""
-    z_loss: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)] = 0.0
-    """Weight of the z-loss term ``z_loss * logsumexp(logits)**2`` added per token (0: off)."""
-    label_smoothing: Annotated[StrictFloat, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
-    """Label smoothing of the cross-entropy, as in ``torch.nn.functional.cross_entropy``."""
-    validate_targets: StrictBool = True
-    """Check that every label is in [0, vocab) or ``ignore_index`` (a device reduction, read once
-    per call after the op's kernels are queued; turn off for CUDA-graph capture). Unchecked, a label
-    outside [0, vocab) has no target logit: its loss is the logsumexp (it still counts as a token)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Which forwards qualify: a static reading of the class's forward source (lm_heads.py).
-
-
-def _original_forward(cls):
-    fwd = cls.forward
-    return getattr(fwd, _ORIG, fwd)
-
-
-@functools.lru_cache(maxsize=None)
-def _analyze(cls) -> tuple[Optional[HeadSpec], str]:
-    """(spec, "") when ``cls.forward`` follows the supported pattern, else (None, why not)."""
-    return read_class(cls, _original_forward(cls))
-
-
-def causal_lm_support(cls) -> tuple[bool, str]:
-    """Whether instances of ``cls`` can take the fused loss path, and why not (from its forward's
-    source: a vocabulary projection whose logits reach ``self.loss_function``; the head module,
-    the loss and the scalars are checked per instance)."""
-    try:
-        from transformers import PreTrainedModel
-    except Exception as e:  # pragma: no cover
-        return False, f"transformers not importable ({e})"
-    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
-        return False, "not a transformers PreTrainedModel"
-    spec, why = _analyze(cls)
-    return spec is not None, why
-
-
-def _is_lm_candidate(model) -> bool:
-    """A PreTrainedModel with a head: an output embedding, or a forward calling
-    ``self.loss_function`` (patched, or reported with the reason it is not)."""
-    try:
-        from transformers import PreTrainedModel
-    except Exception:  # pragma: no cover
-        return False
-    if not isinstance(model, PreTrainedModel):
-        return False
-    try:
-        if model.get_output_embeddings() is not None:
-            return True
-    except Exception:
-        pass
-    return _calls_loss_function(type(model))
-
-
-@functools.lru_cache(maxsize=None)
-def _calls_loss_function(cls) -> bool:
-    try:
-        return "self.loss_function" in inspect.getsource(inspect.unwrap(_original_forward(cls)))
-    except (OSError, TypeError):
-        return False
 
 
 # --------------------------------------------------------------------------------------------
 # The per-call machinery.
-
-
-def _causal_lm_loss():
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return ForCausalLMLoss
 
 
 @dataclasses.dataclass(eq=False)
@@ -274,7 +149,7 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard:
 
     def loss_function(logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=None,
                       shift_labels=None, **kwargs):
-        from ..ops.linear_cross_entropy import linear_cross_entropy
+        from ...ops.linear_cross_entropy import linear_cross_entropy
 
         counter[0] += 1
         hidden = cap.hidden
@@ -295,7 +170,7 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard:
         if h.shape[0] != targets.numel():
             raise ValueError(f"labels: {targets.numel()} (shifted) labels for {h.shape[0]} positions whose logits "
                              "are kept; with logits_to_keep, labels must cover the kept positions")
-        temperature, softcap = transform  # the forward's scalings of the logits (lm_heads.logit_transform)
+        temperature, softcap = transform  # the forward's scalings of the logits (recognition.logit_transform)
         reduction = "mean" if num_items_in_batch is None else "sum"
 
         def head_forward(x):
@@ -343,7 +218,7 @@ def _labels_of(sig_names, args, kwargs):
 
 
 def _head(model, spec: HeadSpec):
-    """(module holding the head, the head's attribute name, the chain for lm_heads); raises Unsupported."""
+    """(module holding the head, the head's attribute name, the chain for recognition); raises Unsupported."""
     return locate(spec, model, _analyze)
 
 
@@ -594,97 +469,3 @@ def fused_state(module) -> Optional[_State]:
 
 def is_patched(module) -> bool:
     return fused_state(module) is not None
-
-
-class LinearCrossEntropyFeature(Feature):
-    name = "linear_cross_entropy"
-    config_model = LinearCrossEntropyConfig
-
-    def is_supported(self, env):
-        if env.transformers_version is None:
-            return False, "transformers is not importable"
-        return True, ""
-
-    def apply(self, model, engine, cfg):
-        report = FeatureReport(name=self.name, enabled=True)
-        plans, skipped = [], {}
-        for name, m in model.named_modules():
-            cls = type(m)
-            if is_patched(m) or not _is_lm_candidate(m):
-                continue
-            ok, why = causal_lm_support(cls)
-            if ok:
-                if "forward" in m.__dict__:
-                    ok, why = False, "forward is overridden on the instance"
-                else:
-                    why = _unfused_reason(m, _analyze(cls)[0])
-                    ok = not why
-            if ok:
-                plans.append((name, m, _analyze(cls)[0]))
-            else:
-                skipped.setdefault(cls.__name__, why)
-        already = [m for _, m in model.named_modules() if is_patched(m)]
-        # Mutate only after every check passed (nothing below can fail half-way).
-        counts: dict = {}
-        calls = CallCounts()
-        for name, m, spec in plans:
-            _patch_class(type(m))
-            st = _state_from_cfg(spec, cfg)
-            st.owner = type(m)
-            st.calls = calls
-            _PATCHED_CLASSES[type(m)][2].add(st)
-            m.__dict__[_STATE] = st
-            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
-        for m in already:
-            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
-            fused_state(m).calls = calls  # counted from this apply on
-        # AutoTP heads split by vocabulary (the op runs over their TP group): by module name.
-        vocab_parallel, modes = {}, {}
-        for name, m in model.named_modules():
-            shard = _vocab_shard(_head_module(m)) if is_patched(m) else None
-            if shard is not None:
-                vocab_parallel[name or "<root>"] = {"tp": shard.tp, "vocab": shard.vocab, "vocab_start": shard.start,
-                                                    "head": shard.kind}
-                modes.setdefault(type(m).__name__, set()).add(_shard_text(shard))
-        report.applied = bool(counts)
-        report.calls = calls if counts else None
-        report.where = ", ".join(f"{n} x {c}" + (f": {'; '.join(sorted(modes[c]))}" if c in modes else "")
-                                 for c, n in counts.items())
-        report.details = {"patched": counts, "skipped": skipped,
-                          "modules": [n or "<root>" for n, _, _ in plans]}
-        if vocab_parallel:
-            report.details["vocab_parallel"] = vocab_parallel
-            report.details["mode"] = "; ".join(sorted(set().union(*modes.values())))
-        if not counts:
-            report.reason = "no supported language-model head found" + (
-                "; " + "; ".join(f"{c}: {w}" for c, w in skipped.items()) if skipped else "")
-        elif skipped:
-            report.reason = "skipped " + "; ".join(f"{c}: {w}" for c, w in skipped.items())
-        if counts:
-            note = "training forwards with labels return logits=None"
-            report.reason = f"{report.reason}; {note}" if report.reason else note
-        return report
-
-    def revert(self, model):
-        n = 0
-        for _, m in model.named_modules():
-            st = _own_state(m)
-            m.__dict__.pop(_STATE, None)
-            if st is None:
-                continue
-            n += int(not st.revoked and type(m) in _PATCHED_CLASSES)
-            st.revoked = True
-            entry = _PATCHED_CLASSES.get(type(m))
-            if entry is not None:
-                entry[2].discard(st)
-                if not len(entry[2]):
-                    _unpatch_class(type(m))
-        return n
-
-    def is_applied(self, model):
-        return any(is_patched(m) for m in model.modules())
-
-    def fallback(self, env):
-        if env.triton_version is None:
-            return "torch reference: no Triton"
-        return "" if env.kernels_available else "torch reference: no GPU"
