@@ -26,7 +26,7 @@ exactly as the original forward would honour it. DeepSpeed's own ``replace_rotar
 patch, when present, is left to it and reported.
 
 The package, one concern per file: ``templates`` (the known forms, written as Hugging Face writes
-them), ``recognise`` (bytecode normalisation, :func:`recognise`, :func:`coverage`), ``patch``
+them), ``recognition`` (bytecode normalisation, :func:`recognise`, :func:`coverage`), ``patch``
 (the fused call, the forward's copy, the dispatcher and the opt-in); here the feature itself
 (its config, apply and its report, revert).
 """
@@ -40,7 +40,7 @@ import torch
 from ..base import FeatureConfig, FeatureReport, ReplacementFeature
 from .patch import (CALLS, MARKER, OPT_IN, OPT_IN_MARKER, PREFIX, _analyse_forward, _commit,  # noqa: F401
                     _copy_forward, _innermost, _make_call, _plan, is_replaced, replace_rope, restore_rope)
-from .recognise import Form, coverage, pair_rotation_kind, plain_function, recognise, rotation_kind  # noqa: F401
+from .recognition import Form, coverage, pair_rotation_kind, plain_function, recognise, rotation_kind  # noqa: F401
 from .templates import _rh_half  # noqa: F401
 
 

@@ -16,7 +16,7 @@ import torch
 from ...ops._common import warn_fallback
 from ...ops.rope import RopeInputError, rope_kernel_ok, try_fused_rope
 from ..base import OptInMarker
-from .recognise import Form, _cell_value, _GlobalsCache, plain_function, recognise
+from .recognition import Form, _cell_value, _GlobalsCache, plain_function, recognise
 
 
 MARKER = "_ds_fused_rope"  # instance attribute holding OPT_IN on opted-in modules

@@ -1,7 +1,7 @@
 """The known rotary-embedding forms of the ``rope`` feature, as templates compiled here.
 
 Each template is a function written as Hugging Face writes one of its rotary functions (or a
-rotate-half helper); :mod:`.recognise` compares the bytecode of a model's function with these.
+rotate-half helper); :mod:`.recognition` compares the bytecode of a model's function with these.
 Nothing here is called.
 """
 from __future__ import annotations
