@@ -113,7 +113,7 @@ def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
     (an occasional last-bit difference of a logit), and within the usual bounds of float64.
     "ragged": tokens and vocabulary off the tile sizes (1000 x 50001: odd rows, padded dlogits
     rows) and a small workspace, so the backward's fused GEMM takes several vocabulary slices."""
-    from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as kernels, sizing as api
+    from deepspeed_fused.ops.linear_cross_entropy import launch as kernels, sizing as api
 
     M, H, V = 1024, 2048, 151936
     if opts == "ragged":
@@ -375,7 +375,7 @@ def test_upstream_gradient_scaling(dtype, g):
     """The eager scalar loss's in-place scaling by the upstream gradient: the product in fp32, one
     rounding; nothing changes when g == 1. Rows of ignored targets (dhidden's) are left as they
     are, and so is a tensor whose gate is False (dweight with no labelled token)."""
-    from deepspeed_fused.ops.linear_cross_entropy import scale_kernel as kernels
+    from deepspeed_fused.ops.linear_cross_entropy import launch as kernels
 
     x = torch.randn(1000, 777, device=DEV).to(dtype)
     gt = torch.tensor(g, dtype=torch.float32, device=DEV)

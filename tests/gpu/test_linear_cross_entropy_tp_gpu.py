@@ -32,7 +32,7 @@ class TestVocabParallelFusedNCCL(tp.DistributedTest):
         import torch
         import torch.distributed as dist
         from lce_testing import rel, weighted_backward
-        from deepspeed_fused.ops.linear_cross_entropy import chunks as single, gemm_kernels as kernels, linear_cross_entropy
+        from deepspeed_fused.ops.linear_cross_entropy import chunks as single, launch as kernels, linear_cross_entropy
 
         dt = getattr(torch, dtype)
         rank = dist.get_rank()

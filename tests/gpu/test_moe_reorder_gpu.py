@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepspeed_fused.ops import moe_reorder as rg
-from deepspeed_fused.ops.moe_reorder import kernels, route
+from deepspeed_fused.ops.moe_reorder import launch as kernels, route
 from unit.common import DistributedTest
 
 pytestmark = pytest.mark.gpu

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
-from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as lce_gemm, row_kernel as lce_rows
-from deepspeed_fused.ops.linear_cross_entropy import scale_kernel as lce_scale, stats as lce_stats
+from deepspeed_fused.ops.linear_cross_entropy import launch as lce_gemm, launch as lce_rows
+from deepspeed_fused.ops.linear_cross_entropy import launch as lce_scale, stats as lce_stats
 from deepspeed_fused.ops.linear_cross_entropy import (auto_chunk_tokens, linear_cross_entropy,
                                                       linear_cross_entropy_reference, merge_partial_stats)
 
@@ -481,7 +481,7 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
     memory bound)."""
     if interpret == "cuda":
         pytest.skip("the interpreter's tile sizes")
-    from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as kernels, sizing
+    from deepspeed_fused.ops.linear_cross_entropy import launch as kernels, sizing
 
     cfg = kernels._GEMM_STATS_CFG_INTERP
     monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
@@ -532,7 +532,7 @@ def test_fused_gemm_agrees_with_row_kernel(interpret, monkeypatch, case):
     outputs and gradients, with the fused GEMMs and without."""
     if interpret == "cuda":
         pytest.skip("CPU")
-    from deepspeed_fused.ops.linear_cross_entropy import chunks, gemm_kernels as kernels
+    from deepspeed_fused.ops.linear_cross_entropy import chunks, launch as kernels
 
     h, w, t, b = _inputs(13, 16, 150, torch.float32, interpret, bias=True)
     kw = dict(reduction="none", return_lse=True, return_entropy=True)
@@ -572,7 +572,7 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
         pytest.skip("the interpreter's tile sizes")
     if store == "pointer" and subtile == 1:
         pytest.skip("pointer stores always take the column halves")
-    from deepspeed_fused.ops.linear_cross_entropy import chunks, gemm_kernels as kernels, row_kernel, sizing
+    from deepspeed_fused.ops.linear_cross_entropy import chunks, launch as kernels, launch as row_kernel, sizing
 
     cfg = kernels._GEMM_STATS_CFG_INTERP
     monkeypatch.setattr(kernels, "_GEMM_STATS_CFG_INTERP", cfg[:-1] + (subtile,))
@@ -630,7 +630,7 @@ def test_fused_gemm_failure_falls_back(interpret, monkeypatch):
     per-token forward runs cuBLAS and the row kernel with the same results."""
     if interpret == "cuda":
         pytest.skip("CPU: a stand-in kernel that raises")
-    from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as kernels
+    from deepspeed_fused.ops.linear_cross_entropy import launch as kernels
 
     h, w, t, _ = _inputs(13, 16, 37, torch.float32, interpret)
     want = linear_cross_entropy(h, w, t, reduction="none", return_lse=True, return_entropy=True)

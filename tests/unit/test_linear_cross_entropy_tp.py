@@ -15,7 +15,7 @@ from unit.common import DistributedTest, cuda_device_count
 
 from deepspeed_fused.ops import _common
 from lce_testing import rel, weighted_backward
-from deepspeed_fused.ops.linear_cross_entropy import gemm_kernels as lce_gemm
+from deepspeed_fused.ops.linear_cross_entropy import launch as lce_gemm
 from deepspeed_fused.ops.linear_cross_entropy import parallel as lce_parallel
 from deepspeed_fused.ops.linear_cross_entropy import chunks as lce_chunks
 from deepspeed_fused.ops.linear_cross_entropy import group as lce_group

@@ -16,7 +16,7 @@ from deepspeed_fused import patch_model, unpatch_model
 from deepspeed_fused.features import moe_reorder
 from deepspeed_fused.ops import _common
 from deepspeed_fused.ops import moe_reorder as mr
-from deepspeed_fused.ops.moe_reorder import kernels, permute, reference, route
+from deepspeed_fused.ops.moe_reorder import api as permute, launch as kernels, reference, route
 from unit.common import DistributedTest
 
 # Import the model classes once here (and in the worker server the ranks fork from), not in every rank.

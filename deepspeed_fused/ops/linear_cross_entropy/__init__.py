@@ -9,10 +9,11 @@ The package, one module per part; each imports only modules listed above it:
 
 * :mod:`.options`: the call's options as one frozen record (:class:`~.options.LCEOptions`), and
   the flattening of its loss part for the custom ops.
-* :mod:`.row_kernel`: the Triton row kernel (the math) and its launch helper.
-* :mod:`.gemm_kernels`: the Hopper fused GEMMs (the logits GEMM with the row kernel's statistics
-  or gradient in its epilogue) and their launch helpers.
-* :mod:`.scale_kernel`: the in-place scaling of forward-formed gradients by the upstream gradient.
+* :mod:`.kernels`: the Triton kernels, one family per module: :mod:`.kernels.row` (the row kernel,
+  the math), :mod:`.kernels.gemm` (the Hopper fused GEMMs: the logits GEMM with the row kernel's
+  statistics or gradient in its epilogue), :mod:`.kernels.scale` (the in-place scaling of
+  forward-formed gradients by the upstream gradient).
+* :mod:`.launch`: the kernels' configurations, support checks and launches.
 * :mod:`.stats`: per-token partial statistics: merge over vocabulary shards, finalize into
   loss / lse / entropy, pack the returned value.
 * :mod:`.sizing`: chunk sizing for every path (token and vocabulary chunks, the reference's).

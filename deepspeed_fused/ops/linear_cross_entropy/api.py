@@ -12,7 +12,7 @@ from .._common import kernel_device_ok, warn_fallback
 from .checks import prepare
 from .parallel import run_tp
 from .reference import run_reference
-from .row_kernel import _KERNEL_DTYPES
+from .kernels.row import _KERNEL_DTYPES
 from .single import run_single
 
 

@@ -3,7 +3,7 @@ and the tensor-parallel form (:mod:`.parallel`).
 
 Per chunk, cuBLAS writes the chunk's logits into one reused workspace (:class:`_ChunkBuffers`,
 :func:`_logit_chunks` over tokens, :func:`_vocab_chunks` over vocabulary rows) and the row
-kernel (:mod:`.row_kernel`) walks each row; where the fused GEMMs run (:mod:`.gemm_kernels`:
+kernel (:mod:`.kernels.row`) walks each row; where the fused GEMMs run (:mod:`.kernels.gemm`:
 Hopper, fp16/bf16) the statistics or dlogits come from the GEMM's epilogue instead
 (:func:`_fused_stats`, :func:`_vocab_grad_chunks`). The dhidden / dweight GEMMs
 (:func:`_dhidden_into`, :class:`_ParamGrads`), the per-token backward over vocabulary chunks
@@ -15,9 +15,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .gemm_kernels import gemm_grad, gemm_grad_supported, gemm_stats, gemm_stats_supported
-from .row_kernel import _launch_rows
-from .scale_kernel import _scale_masked_torch_, _scale_unless_one_
+from .launch import gemm_grad, gemm_grad_supported, gemm_stats, gemm_stats_supported
+from .launch import _launch_rows
+from .launch import _scale_masked_torch_, _scale_unless_one_
 from .sizing import _fp32_logits_failed, fp32_logits
 
 
@@ -208,7 +208,7 @@ class _Upstream(NamedTuple):
 
 def _fused_stats(hidden, weight, bias, target, temp, loss, need_ent, vocab_start=0):
     """The row statistics [M, 5] of ``weight``'s vocabulary rows (a TP shard from ``vocab_start``)
-    from one fused GEMM, no logits in memory (:func:`.gemm_kernels.gemm_stats`: Hopper, fp16/bf16),
+    from one fused GEMM, no logits in memory (:func:`.launch.gemm_stats`: Hopper, fp16/bf16),
     the logits taken as the backward's cuBLAS GEMM forms them; None where it cannot run or failed
     (the caller then runs cuBLAS and the row kernel). ``loss``: the :class:`.options.LossOptions`."""
     if not gemm_stats_supported(hidden, weight):

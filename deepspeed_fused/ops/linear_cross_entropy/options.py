@@ -35,8 +35,8 @@ class LossOptions(NamedTuple):
         return tuple.__new__(cls, args)
 
     def kernel_kw(self, temp) -> dict:
-        """The keyword options of the row kernel's launch (``row_kernel._launch_rows``) and of the
-        fused gradient GEMM (``gemm_kernels.gemm_grad``); ``temp``: the rows' temperatures or None."""
+        """The keyword options of the row kernel's launch (``launch._launch_rows``) and of the
+        fused gradient GEMM (``launch.gemm_grad``); ``temp``: the rows' temperatures or None."""
         return dict(temp=temp, inv_temp=self.inv_temp, ignore_index=self.ignore_index, z_loss=self.z_loss,
                     smoothing=self.smoothing, softcap=self.softcap)
 

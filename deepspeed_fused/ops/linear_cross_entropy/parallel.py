@@ -10,7 +10,7 @@ reference over a group, :mod:`.reference`), the chunk loops in :mod:`.chunks`. T
   rank before any other collective; cached per layout (later calls with
   ``validate_targets=False`` issue none).
 * **Statistics, per token chunk**: the chunk's local logits GEMM, the row kernel's partial
-  statistics of the shard (:mod:`.row_kernel`), an asynchronous all-gather of them ([rows, 5]
+  statistics of the shard (:mod:`.kernels.row`), an asynchronous all-gather of them ([rows, 5]
   fp32 per rank). Every rank merges the same gathered values in the same order
   (:func:`.stats.merge_partial_stats`), so loss / lse / entropy are bitwise the same on every
   rank.
@@ -36,7 +36,7 @@ from .chunks import (_backward_vocab_chunks, _ChunkBuffers, _dhidden_into, _fuse
                      _logits_into, _ParamGrads, _scale_formed_grads, _Upstream)
 from .group import (dh_reduce_finish, dh_reduce_start, sp_gather, sp_local, stats_gather, tp_apply, tp_layout,
                     tp_meta_rows)
-from .row_kernel import _launch_rows
+from .launch import _launch_rows
 from .sizing import _token_chunk
 from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
 
@@ -74,7 +74,7 @@ def _rows_temp(temp, s, e):
 def _tp_stats_pass(h, weight, bias, t, temp, opts, chunk):
     """Statistics of every shard [size, M, 5]: per chunk the local logits GEMM, the shard's
     statistics and their asynchronous all-gather, which the next chunk's GEMM overlaps. Where the
-    fused GEMM runs (:func:`.gemm_kernels.gemm_stats`, Hopper) it forms the shard's statistics of all
+    fused GEMM runs (:func:`.launch.gemm_stats`, Hopper) it forms the shard's statistics of all
     tokens at once, without logits in memory; they are gathered in the same chunks, so every rank
     issues the same collectives whichever way its statistics were formed."""
     tp, loss = opts.tp, opts.loss

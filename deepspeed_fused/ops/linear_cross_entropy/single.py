@@ -3,7 +3,7 @@ ops (``deepspeed_fused::lce_fused``, ``lce_forward``, ``lce_backward``) and the 
 function; :func:`run_single` picks the path for one call.
 
 The tokens are processed in chunks (:func:`.chunks._logit_chunks`): per chunk, cuBLAS writes
-the chunk's logits into one reused workspace and the row kernel (:mod:`.row_kernel`) walks each
+the chunk's logits into one reused workspace and the row kernel (:mod:`.kernels.row`) walks each
 row. Two gradient strategies:
 
 * **Scalar loss** (``reduction`` "mean"/"sum", no entropy/lse output) while gradients are
@@ -30,7 +30,7 @@ import torch
 from .chunks import (_backward_vocab_chunks, _dhidden_into, _fused_stats, _logit_chunks, _ParamGrads,
                      _scale_formed_grads, _Upstream, _vocab_chunks)
 from .options import LossOptions
-from .row_kernel import _launch_rows
+from .launch import _launch_rows
 from .sizing import _token_chunk, _vocab_chunk
 from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
 
@@ -99,7 +99,7 @@ def _fused_impl(hidden, weight, target, bias, temp, loss, mean, chunk, needs):
 
 def _forward_impl(hidden, weight, target, bias, temp, loss, chunk, vchunk, need_ent):
     """Per-token (loss, lse, entropy) in fp32; one GEMM: the fused GEMM with the statistics in its
-    epilogue where it runs (:func:`.gemm_kernels.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and
+    epilogue where it runs (:func:`.launch.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and
     the row kernel over token chunks of ``chunk`` rows or, with ``vchunk`` > 0, vocabulary chunks
     of that many columns (partial statistics per chunk, merged)."""
     M = hidden.shape[0]

@@ -1,6 +1,6 @@
 """Per-token partial statistics: merge over vocabulary shards, finalize, pack the outputs.
 
-The row kernel (:mod:`.row_kernel`) emits per-token *partial statistics* [tokens, 5]: running max
+The row kernel (:mod:`.kernels.row`) emits per-token *partial statistics* [tokens, 5]: running max
 ``m``, ``d = sum exp(z-m)``, ``a = sum exp(z-m)(z-m)``, ``sum z`` and the target logit if the
 target falls in the ``[vocab_start, vocab_start + V)`` shard. :func:`_finalize_stats` turns
 them into loss, lse and entropy. :func:`merge_partial_stats` combines the statistics of

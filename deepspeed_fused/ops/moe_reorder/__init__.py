@@ -5,11 +5,14 @@ kind of kernel, a padded row gather (``out[i] = src[index[i]]``, a zero row wher
 padding), whose backward is again a gather: no scatter-add, no atomics. One module per part:
 
 * :mod:`.kernels`: the Triton kernels (one family: gather, combine, combine backward, route
-  maps, and the expert sort that builds route maps from expert ids) and their launches;
+  maps, and the expert sort that builds route maps from expert ids);
+* :mod:`.launch`: their launches (the only way the other modules start them);
 * :mod:`.checks`: argument checks and where the kernels run (:func:`kernels_take`);
 * :mod:`.reference`: the torch references (the eager formulations) and :class:`RouteMaps`;
-* :mod:`.permute`: DeepSpeed AutoEP's padded permute and its inverse (:func:`permute_rows`,
-  :func:`unpermute_rows`, :func:`inverse_permutation`, :func:`validate_permutation`);
+* :mod:`.api`: the reorder's own autograd Functions, custom ops and public functions: DeepSpeed
+  AutoEP's padded permute and its inverse (:func:`permute_rows`, :func:`unpermute_rows`,
+  :func:`inverse_permutation`, :func:`validate_permutation`); the sub-ops below each keep their
+  kernel, its launch, autograd and custom ops in their own module;
 * :mod:`.route`: the routed dispatch and combine of a top-k layer (:func:`route_maps`,
   :func:`route_dispatch`, :func:`route_combine`), the one API of both integrations, and
   :func:`route_sort` (expert ids -> expert order, route maps and grouped GEMM offsets);
@@ -32,7 +35,7 @@ same kernels. This module is the public API.
 """
 from .checks import kernels_take
 from .expert_bias import expert_bias, expert_bias_reference
-from .permute import inverse_permutation, permute_rows, permute_rows_with_inverse, unpermute_rows, validate_permutation
+from .api import inverse_permutation, permute_rows, permute_rows_with_inverse, unpermute_rows, validate_permutation
 from .reference import (RouteMaps, RouteSort, combine_reference, permute_rows_reference, route_combine_reference,
                         route_dispatch_reference, route_maps_reference, route_sort_reference,
                         unpermute_rows_reference)

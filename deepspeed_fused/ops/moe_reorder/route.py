@@ -29,7 +29,8 @@ import torch
 
 from .._common import kernel_device_ok, warn_fallback
 from .checks import OP, check_device, check_index, check_rows, kernel_ok, kernels_take
-from .kernels import SORT_MAX_EXPERTS, combine_rows, gather_rows, route_maps_into, route_sort_into, slot_pass
+from .kernels import SORT_MAX_EXPERTS
+from .launch import combine_rows, gather_rows, route_maps_into, route_sort_into, slot_pass
 from .reference import (RouteMaps, RouteSort, per_assignment, route_combine_reference, route_dispatch_reference,
                         route_maps_reference, route_sort_reference, slot_dot_reference)
 

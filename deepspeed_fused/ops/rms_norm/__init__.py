@@ -46,11 +46,12 @@ Files (the kernels know nothing of the plans, the plans nothing of autograd):
 * ``launch.py``: the forward and backward launches from a plan, and the fast closures;
 * ``native.py`` (with ``ops/csrc/rms_norm_node.cpp``): the C++ autograd node, its build and the
   hand-over of launch plans to it;
-* ``api.py``: argument checks, the custom ops, the autograd Functions and the public functions.
+* ``checks.py``: argument checks and whether the kernels take the inputs.
+* ``api.py``: the custom ops, the autograd Functions and the public functions.
 """
 from __future__ import annotations
 
-from . import api, kernels, launch, native, plans, reference  # noqa: F401  (the parts, for tests and benchmarks)
+from . import api, checks, kernels, launch, native, plans, reference  # noqa: F401  (the parts, for tests and benchmarks)
 from .api import (fused_rms_norm, fused_rms_norm_form, rms_norm_form_kernel_ok, rms_norm_kernel_ok,
                   try_fused_rms_norm, try_fused_rms_norm_form)
 from .plans import PLANS, clear_plans

@@ -1,11 +1,11 @@
-"""The Triton row kernel of the fused linear cross-entropy and its launch helper.
+"""The Triton row kernel of the fused linear cross-entropy.
 
 ``_lce_rows_kernel`` runs one program per row of a logits chunk (written by cuBLAS, see
-:mod:`.chunks`) and, in fp32, either writes the row's partial statistics (finalized and merged
-by :mod:`.stats`) or overwrites the row with ``dL/dlogits``, or both in two passes over it.
-:func:`_launch_rows` is the only way the other modules start it. The kernels are defined when
+:mod:`..chunks`) and, in fp32, either writes the row's partial statistics (finalized and merged
+by :mod:`..stats`) or overwrites the row with ``dL/dlogits``, or both in two passes over it.
+:func:`..launch._launch_rows` is the only way the other modules start it. The kernels are defined when
 this module is imported, so ``TRITON_INTERPRET`` must be set before (tests/conftest.py does).
-The fused GEMMs' epilogues (:mod:`.gemm_kernels`) take their logits with this module's
+The fused GEMMs' epilogues (:mod:`.gemm`) take their logits with this module's
 ``_softcap``, so both agree bit for bit.
 
 Math per token with ``s`` the raw logits, ``T`` the temperature, ``c`` the soft cap:
@@ -17,7 +17,7 @@ Math per token with ``s`` the raw logits, ``T`` the temperature, ``c`` the soft 
 """
 import torch
 
-from .._common import HAS_TRITON, next_power_of_2, interpreter_active, tl, triton
+from ..._common import HAS_TRITON, tl, triton
 
 
 # dtypes the kernel takes (float64 runs the torch reference)
@@ -149,52 +149,3 @@ if HAS_TRITON:
                     g = g * (1.0 - th * th)
                 g = g * inv_t
                 tl.store(g_row + cols, g.to(g_ptr.dtype.element_ty), mask=mask)
-
-
-def _row_config(V):
-    """(BLOCK, num_warps) of the row kernel for rows of V logits."""
-    if interpreter_active():
-        return min(64, next_power_of_2(V)), 1
-    # swept on the H200 (scratch rows A/B, 2026-11-30): software-pipelined loops (num_stages 2-3)
-    # and BLOCK 1024-8192 with 4-16 warps are no faster over the suite's chunk shapes
-    block = min(4096, next_power_of_2(V))
-    return block, 8 if block >= 2048 else 4
-
-
-def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0,
-                 ignore_index=-100, vocab_start=0, vocab_total=None, stats=None, lse=None, ent=None,
-                 g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None, out=None):
-    """Run the row kernel over the chunk ``x`` [rows, V] (contiguous rows).
-
-    ``stats`` given: write partial statistics there. ``g_loss`` given: write dlogits to ``out``
-    (default ``x`` itself; else a ``[rows, V]`` buffer with contiguous rows, in its own dtype)
-    (``per_token``: g_loss is [rows]; else a 1-element weight for valid rows), from
-    ``lse`` or, with ``merged`` (the partial statistics of every vocabulary shard for these
-    rows, [shards, rows, 5] fp32, rows contiguous), from the lse the kernel merges from them.
-    """
-    n, V = x.shape
-    if n == 0:
-        return
-    assert x.stride(1) == 1
-    out = x if out is None else out
-    assert out.shape == x.shape and out.stride(1) == 1 and out.device == x.device
-    dummy = torch.empty(1, dtype=torch.float32, device=x.device)
-    block, warps = _row_config(V)
-    grad = g_loss is not None
-    merge = merged is not None
-    if merge:
-        assert grad and stats is None and g_ent is None and merged.dtype == torch.float32
-        assert merged.shape[1:] == (n, 5) and merged.stride(1) == 5 and merged.stride(2) == 1
-    _lce_rows_kernel[(n,)](
-        x, x.stride(0), V, out, out.stride(0),
-        target, ignore_index, vocab_start,
-        temp if temp is not None else dummy, float(inv_temp), float(softcap or 1.0), float(z_loss),
-        float(smoothing), 1.0 / float(vocab_total or V),
-        merged if merge else (stats if stats is not None else dummy), lse if lse is not None else dummy,
-        ent if ent is not None else dummy, g_loss if grad else dummy,
-        g_ent if g_ent is not None else dummy, g_lse if g_lse is not None else dummy,
-        merged.shape[0] if merge else 0, merged.stride(0) if merge else 0,
-        HAS_TEMP=temp is not None, HAS_CAP=bool(softcap), STATS=stats is not None, GRAD=grad,
-        PER_TOKEN=per_token, HAS_GE=g_ent is not None, HAS_GS=g_lse is not None,
-        NEED_ENT=need_ent, NEED_SUMZ=smoothing != 0.0, MERGE=merge, BLOCK=block, num_warps=warps,
-    )

@@ -1,4 +1,5 @@
-"""The padded permute of DeepSpeed AutoEP and its inverse, as row gathers.
+"""The token reorder's public API: the padded permute of DeepSpeed AutoEP and its inverse, as row
+gathers (autograd Functions, custom ops, the public functions).
 
 * :func:`permute_rows` ``[N, H] -> [NP, H]``: rows into the padded order of ``permuted_indices``
   (as from ``deepspeed.moe.ep_kernels.generate_permute_indices``); zeros at padding slots.
@@ -20,7 +21,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .checks import check_device, check_index, check_num_rows, check_rows, kernel_ok
-from .kernels import gather_rows
+from .launch import gather_rows
 from .reference import invert, permute_rows_reference, unpermute_rows_reference
 
 _inverse_cache = WeakTensorKeyDictionary()
