@@ -115,12 +115,12 @@ def test_the_check_fails_on_a_missing_or_empty_part_and_a_long_file(tmp_path):
     write("features/worse/__init__.py", "")
     write("features/worse/patch.py", "if True:\n    def f():\n        pass\n")
     write("features/worse/recognition.py", "Z = 3\n")
-    write("ops/rope.py", "def f():\n    pass\n")
+    write("ops/lonely.py", "def f():\n    pass\n")
     write("ops/good/launch.py", "A = 1\n" * (MAX_LINES + 1))
     problems = layout_problems(str(tmp_path))
     assert "bad: no launch module or package" in problems
     assert "bad: api defines nothing of its own" in problems
     assert "worse: no templates module or package" in problems
-    assert "ops/rope.py: an op outside a package" in problems
+    assert "ops/lonely.py: an op outside a package" in problems
     assert any(p.startswith("ops/good/launch.py: ") for p in problems)
     assert len(problems) == 5, problems

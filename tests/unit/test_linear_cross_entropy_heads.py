@@ -15,7 +15,7 @@ import torch
 import deepspeed_fused.ops.linear_cross_entropy as lce_op
 from deepspeed_fused.config import parse_config
 from deepspeed_fused.features import linear_cross_entropy as lce
-from deepspeed_fused.features.linear_cross_entropy import recognition as lm_heads
+from deepspeed_fused.features.linear_cross_entropy import recognition as lce_recognition
 from deepspeed_fused.features.registry import get_feature
 from lce_families import FAMILIES, V, image_batch, text_batch
 from unit.common import DistributedTest
@@ -359,7 +359,7 @@ def test_logits_of_an_inner_model(op_calls):
 def _read(src):
     import ast
 
-    return lm_heads.read_forward(ast.parse(textwrap.dedent(src)).body[0])
+    return lce_recognition.read_forward(ast.parse(textwrap.dedent(src)).body[0])
 
 
 @pytest.mark.parametrize("body,reason", [
@@ -428,17 +428,17 @@ def test_accepted_forward_patterns():
             return type("D", (), {"config": Cfg(cap=self._cap)})()
 
     chain = ((spec, M(3.0)),)
-    assert lm_heads.logit_transform(chain) == (2.0, 3.0) and lm_heads.blocked(chain) == ""
-    assert lm_heads.logit_transform(((spec, M(None)),)) == (2.0, None)
-    assert lm_heads.logit_transform(((spec, M(3.0, use_cap=False)),)) == (2.0, None)
-    why = lm_heads.blocked(((spec, M(3.0, z=1)),))
+    assert lce_recognition.logit_transform(chain) == (2.0, 3.0) and lce_recognition.blocked(chain) == ""
+    assert lce_recognition.logit_transform(((spec, M(None)),)) == (2.0, None)
+    assert lce_recognition.logit_transform(((spec, M(3.0, use_cap=False)),)) == (2.0, None)
+    why = lce_recognition.blocked(((spec, M(3.0, z=1)),))
     assert "loss = loss + logits.sum()" in why and "`self.config.z > 0` holds" in why
-    with pytest.raises(lm_heads.Unsupported, match="cannot evaluate the logits' scale `self.config.get_text_config"):
-        lm_heads.logit_transform(((spec, object()),))
+    with pytest.raises(lce_recognition.Unsupported, match="cannot evaluate the logits' scale `self.config.get_text_config"):
+        lce_recognition.logit_transform(((spec, object()),))
     m = M(3.0)
     m.config.mult = torch.tensor(0.5)  # a tensor (a learnt scale would need its gradient): not a number
-    with pytest.raises(lm_heads.Unsupported, match="as a number .Tensor, not a number"):
-        lm_heads.logit_transform(((spec, m),))
+    with pytest.raises(lce_recognition.Unsupported, match="as a number .Tensor, not a number"):
+        lce_recognition.logit_transform(((spec, m),))
 
 
 # ---------------------------------------------------------------------------------------------
