@@ -1,0 +1,463 @@
+"""TRL's fused LM head, served by the fused linear cross-entropy op.
+
+TRL (``trl.trainer.utils.add_fused_lm_head``) replaces ``model.forward`` on the instance with its
+own wrapper: a call with ``fused_lm_head=True`` runs the backbone and TRL's chunked log-prob head
+and returns a ``FusedCausalLMOutput`` (loss, log_probs, entropy, log_sum_sq_probs, mean_logits,
+is_top1, label_mask, aux_loss); a call without the flag runs the model's own forward. Every
+TRL trainer (SFT, DPO, GRPO, KTO, RLOO) trains through such calls.
+
+Here the flagged calls are answered with :func:`~deepspeed_fused.ops.linear_cross_entropy.linear_cross_entropy`:
+the same output class and fields, TRL's semantics for each argument (labels with ``-100`` and
+the one-token shift, ``shift_labels``, ``num_items_in_batch``, the head's temperature, soft cap
+and logit scale, ``cast_lm_head_to_fp32``, the requested ``outputs``, the MoE ``aux_loss``).
+Calls without the flag go to TRL's wrapper unchanged.
+
+What TRL's head was configured with is read from TRL's public protocol, never copied: the
+wrapper is recognised as the function ``add_fused_lm_head`` builds (its code object is one of
+``add_fused_lm_head``'s), its settings are the values it closed over (by name), its keyword
+parameters and the fields of ``FusedCausalLMOutput`` are checked against the ones known here. A
+TRL whose wrapper takes another argument, closes over another setting, or whose output has
+another field keeps its own head, and the feature's report says which.
+
+TRL's transform of the logits ``x`` is ``softcap(x * scale) / temperature``; the op's is
+``softcap'(x / temperature')``. They are the same function with ``temperature' = temperature /
+scale`` and ``softcap' = softcap / temperature`` (a positive scale). Fields the op does not form
+(``log_sum_sq_probs``, ``mean_logits``, ``is_top1``) come from a no-gradient pass over token
+chunks of the same transformed logits (at most ``_EXTRA_BYTES`` of fp32 logits at a time).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import sys
+import types
+import warnings
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from .base import CallCounts
+
+_SERVED = "_deepspeed_fused_trl"  # attribute of the serving function: its _Served record
+_EXTRA_BYTES = 256 << 20  # fp32 logits per chunk of the no-gradient pass (extra fields)
+
+# TRL's protocol as known here: the wrapper's parameters, the settings it closes over, the
+# output's fields and the per-token outputs it can be asked for.
+KNOWN_PARAMETERS = ("self", "args", "fused_lm_head", "labels", "shift_labels", "num_items_in_batch", "kwargs")
+KNOWN_SETTINGS = ("backbone_attr", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale",
+                  "original_forward", "outputs", "temperature", "text_config")
+KNOWN_FIELDS = ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask",
+                "aux_loss")
+KNOWN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_EXTRA = ("log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _trl_utils():
+    return sys.modules.get("trl.trainer.utils")
+
+
+@dataclasses.dataclass
+class TrlHead:
+    """What a TRL fused head on a model was configured with (read from TRL's wrapper)."""
+
+    temperature: float
+    cast_lm_head_to_fp32: bool
+    outputs: tuple
+    softcap: Optional[float]
+    logit_scale: float
+    backbone_attr: str
+    text_config: object
+    output_class: type
+
+
+@dataclasses.dataclass(eq=False)
+class _Served:
+    """The record a serving forward carries: TRL's wrapper, its settings, the counts."""
+
+    trl_forward: object  # TRL's bound wrapper (the flag-less calls and the calls kept eager go there)
+    head: TrlHead
+    calls: CallCounts
+    options: dict  # the feature's op options (ignore_index is TRL's -100, not the section's)
+    revoked: bool = False
+    warned: set = dataclasses.field(default_factory=set)
+
+
+def _trl_wrapper_codes(utils) -> tuple:
+    add = getattr(utils, "add_fused_lm_head", None)
+    code = getattr(add, "__code__", None)
+    if code is None:
+        return ()
+    return tuple(c for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def trl_forward_of(model):
+    """TRL's fused-head wrapper installed on ``model`` (the bound method in its ``__dict__``), or
+    None. A serving forward installed here is looked through (its TRL wrapper is returned)."""
+    fwd = model.__dict__.get("forward")
+    if fwd is None:
+        return None
+    rec = served(model)
+    if rec is not None:
+        return rec.trl_forward
+    utils = _trl_utils()
+    if utils is None or not isinstance(fwd, types.MethodType) or fwd.__self__ is not model:
+        return None
+    return fwd if fwd.__func__.__code__ in _trl_wrapper_codes(utils) else None
+
+
+def served(model) -> Optional[_Served]:
+    """The serving record of ``model`` when its forward is the one installed here and in force."""
+    fwd = model.__dict__.get("forward")
+    rec = getattr(getattr(fwd, "__func__", None), _SERVED, None)
+    return rec if isinstance(rec, _Served) and not rec.revoked else None
+
+
+def read_trl_head(trl_forward) -> tuple[Optional[TrlHead], str]:
+    """(settings, "") of a TRL wrapper whose protocol is the one known here, else (None, why not)."""
+    utils = _trl_utils()
+    fn = trl_forward.__func__
+    try:
+        params = tuple(inspect.signature(fn, follow_wrapped=False).parameters)
+    except (TypeError, ValueError) as e:
+        return None, f"TRL's fused head has no readable signature ({e})"
+    if params != KNOWN_PARAMETERS:
+        extra = [p for p in params if p not in KNOWN_PARAMETERS] or [p for p in KNOWN_PARAMETERS if p not in params]
+        return None, f"TRL's fused head takes parameters {list(params)} (unknown here: {extra})"
+    names = fn.__code__.co_freevars
+    unknown = [n for n in names if n not in KNOWN_SETTINGS]
+    missing = [n for n in KNOWN_SETTINGS if n not in names]
+    if unknown or missing:
+        return None, f"TRL's fused head has settings {list(names)} (unknown here: {unknown or missing})"
+    cells = dict(zip(names, (c.cell_contents for c in fn.__closure__)))
+    out_cls = getattr(utils, "FusedCausalLMOutput", None)
+    if out_cls is None or not dataclasses.is_dataclass(out_cls):
+        return None, "trl.trainer.utils.FusedCausalLMOutput is missing"
+    fields = tuple(f.name for f in dataclasses.fields(out_cls))
+    if fields != KNOWN_FIELDS:
+        return None, f"TRL's FusedCausalLMOutput has fields {list(fields)} (known here: {list(KNOWN_FIELDS)})"
+    outputs = tuple(cells["outputs"])
+    bad = [o for o in outputs if o not in KNOWN_OUTPUTS]
+    if bad:
+        return None, f"TRL's fused head asks for outputs {bad}, unknown here"
+    head = TrlHead(temperature=cells["temperature"], cast_lm_head_to_fp32=bool(cells["cast_lm_head_to_fp32"]),
+                   outputs=outputs, softcap=cells["final_logit_softcapping"], logit_scale=cells["logit_scale"],
+                   backbone_attr=cells["backbone_attr"], text_config=cells["text_config"], output_class=out_cls)
+    why = _settings_reason(head)
+    return (None, why) if why else (head, "")
+
+
+def _settings_reason(head: TrlHead) -> str:
+    """Why the op cannot reproduce these settings exactly ("" if it can)."""
+    for name in ("temperature", "logit_scale"):
+        v = getattr(head, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            return f"TRL's fused head has {name}={v!r} (the fused op takes a finite value > 0)"
+    c = head.softcap
+    if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
+        return f"TRL's fused head has final_logit_softcapping={c!r} (the fused op takes a finite value > 0 or None)"
+    return ""
+
+
+def op_transform(head: TrlHead) -> tuple[float, Optional[float]]:
+    """(temperature, softcap) of the op that give TRL's ``softcap(x * scale) / temperature``."""
+    temperature = float(head.temperature) / float(head.logit_scale)
+    softcap = None if head.softcap is None else float(head.softcap) / float(head.temperature)
+    return temperature, softcap
+
+
+# --------------------------------------------------------------------------------------------
+# The fields the op does not form: a no-gradient pass over token chunks.
+
+
+def extra_fields(hidden, weight, bias, target, temperature, softcap, which) -> dict:
+    """``log_sum_sq_probs`` / ``mean_logits`` / ``is_top1`` of rows ``hidden`` [M, H] against
+    ``target`` [M], for the op's (temperature, softcap) transform, without gradient; the logits
+    are formed in fp32 chunks of at most ``_EXTRA_BYTES``."""
+    M, V = hidden.shape[0], weight.shape[0]
+    res = {}
+    if "log_sum_sq_probs" in which:
+        res["log_sum_sq_probs"] = torch.empty(M, device=hidden.device, dtype=torch.float32)
+    if "mean_logits" in which:
+        res["mean_logits"] = torch.empty(M, device=hidden.device, dtype=torch.float32)
+    if "is_top1" in which:
+        res["is_top1"] = torch.empty(M, device=hidden.device, dtype=torch.bool)
+    rows = max(1, _EXTRA_BYTES // max(1, V * 4))
+    with torch.no_grad():
+        for s in range(0, M, rows):
+            e = min(M, s + rows)
+            x = hidden[s:e] @ weight.t()
+            if bias is not None:
+                x = x + bias
+            z = x.float() / temperature
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            if "log_sum_sq_probs" in res:
+                res["log_sum_sq_probs"][s:e] = torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
+            if "mean_logits" in res:
+                res["mean_logits"][s:e] = z.mean(-1)
+            if "is_top1" in res:
+                res["is_top1"][s:e] = z.argmax(-1) == target[s:e]  # the first maximum, as TRL's
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# The serving forward.
+
+
+def _warn_once(rec: _Served, model, why: str) -> None:
+    if why not in rec.warned:
+        rec.warned.add(why)
+        warnings.warn(f"deepspeed_fused.linear_cross_entropy: {type(model).__name__}: TRL's fused LM head kept for "
+                      f"this call: {why}", RuntimeWarning, stacklevel=4)
+
+
+def _call_reason(model, lm_head, hidden) -> str:
+    """Why this call keeps TRL's head ("" when the op serves it)."""
+    if type(lm_head) is not torch.nn.Linear and type(lm_head).forward is not torch.nn.Linear.forward:
+        return f"the output embedding is {type(lm_head).__name__}, not nn.Linear"
+    if "forward" in lm_head.__dict__:
+        return "the output embedding's forward is overridden on the instance"
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(lm_head.weight, getattr(dtensor, "DTensor", ())):
+        return "the output embedding's weight is a DTensor (FSDP2)"
+    return ""
+
+
+def _moe_aux_loss(model, head: TrlHead, backbone_outputs, attention_mask):
+    """The load-balancing loss of the model's own family module (``load_balancing_loss_func``,
+    the one TRL uses), with the config's expert counts; None if the family has none."""
+    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    tc = head.text_config
+    num_experts = getattr(tc, "num_experts", None)
+    if num_experts is None:
+        num_experts = getattr(tc, "num_local_experts", None)
+    if fn is None or num_experts is None:
+        return None
+    return fn(backbone_outputs.router_logits, num_experts, tc.num_experts_per_tok, attention_mask)
+
+
+def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
+    """Per-token (log_probs, entropy or None, extras) of the labelled rows, by calling the head as
+    a module with its forward swapped for the op (ZeRO-3's hooks gather a partitioned weight)."""
+    from ..ops.linear_cross_entropy import linear_cross_entropy
+
+    temperature, softcap = op_transform(head)
+    want_entropy = "entropy" in head.outputs
+    extras = tuple(o for o in _EXTRA if o in head.outputs)
+    result = {}
+
+    def op_forward(h):
+        w, b = lm_head.weight, lm_head.bias
+        if head.cast_lm_head_to_fp32:
+            h, w = h.float(), w.float()
+            b = None if b is None else b.float()
+        elif torch.is_autocast_enabled(h.device.type):
+            dt = torch.get_autocast_dtype(h.device.type)
+            h, w = h.to(dt), w.to(dt)
+            b = None if b is None else b.to(dt)
+        elif w.dtype != h.dtype:  # TRL's head computes in the hidden states' dtype
+            w = w.to(h.dtype)
+            b = None if b is None else b.to(h.dtype)
+        with torch.autocast(h.device.type, enabled=False):
+            out = linear_cross_entropy(h, w, target, bias=b, ignore_index=-100, reduction="none",
+                                       temperature=temperature, softcap=softcap, return_entropy=want_entropy,
+                                       **rec.options)
+            if extras:
+                result.update(extra_fields(h.detach(), w.detach(), None if b is None else b.detach(), target,
+                                           temperature, softcap, extras))
+        return out
+
+    lm_head.__dict__["forward"] = op_forward
+    try:
+        out = lm_head(hidden)
+    finally:
+        lm_head.__dict__.pop("forward", None)
+    loss, entropy = (out if want_entropy else (out, None))
+    return -loss, entropy, result
+
+
+def _serve(model, rec: _Served, args, kwargs, labels, shift_labels, num_items_in_batch):
+    head = rec.head
+    kwargs = dict(kwargs)
+    kwargs["use_cache"] = False
+    if getattr(head.text_config, "output_router_logits", False):
+        kwargs.setdefault("output_router_logits", True)
+    lm_head = model.get_output_embeddings()
+    why = _call_reason(model, lm_head, None)
+    aux_needed = bool(kwargs.get("output_router_logits"))
+    if not why and aux_needed and getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func",
+                                          None) is None:
+        why = f"{type(model).__module__} has no load_balancing_loss_func for the MoE aux_loss"
+    if why:
+        return None, why
+    backbone_outputs = getattr(model, head.backbone_attr)(*args, **kwargs)
+    if shift_labels is None:
+        hidden = backbone_outputs.last_hidden_state[:, :-1]
+        labels = labels[:, 1:]
+    else:
+        hidden = backbone_outputs.last_hidden_state
+        labels = shift_labels
+    dev = lm_head.weight.device
+    hidden, labels = hidden.to(dev), labels.to(dev)
+    mask = labels != -100
+    log_probs, entropy, extra = _run_head(lm_head, hidden[mask], labels[mask], rec, head)
+
+    def scatter(x):
+        return x.new_zeros(mask.shape).masked_scatter(mask, x)  # stays connected when nothing is labelled
+
+    log_probs = scatter(log_probs)
+    fields = {"log_probs": log_probs, "entropy": None if entropy is None else scatter(entropy)}
+    for name, x in extra.items():
+        fields[name] = scatter(x)
+    denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -log_probs.sum() / denom
+    aux_loss = None
+    if aux_needed:
+        aux_loss = _moe_aux_loss(model, head, backbone_outputs, kwargs.get("attention_mask"))
+        loss = loss + getattr(head.text_config, "router_aux_loss_coef", 0.0) * aux_loss
+    out = head.output_class(loss=loss, label_mask=mask, aux_loss=aux_loss,
+                            **{n: fields.get(n) for n in KNOWN_OUTPUTS})
+    return out, ""
+
+
+def _make_serving_forward(trl_forward, rec: _Served):
+    trl_fn = trl_forward.__func__
+
+    @functools.wraps(trl_fn)  # keeps TRL's signature (generate validates its kwargs against it)
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                **kwargs):
+        if not fused_lm_head or rec.revoked:
+            for k, v in (("labels", labels), ("shift_labels", shift_labels),
+                         ("num_items_in_batch", num_items_in_batch)):
+                if v is not None:
+                    kwargs[k] = v
+            return rec.trl_forward(*args, fused_lm_head=fused_lm_head, **kwargs)
+        out, why = _serve(self, rec, args, kwargs, labels, shift_labels, num_items_in_batch)
+        if out is None:
+            rec.calls.eager += 1
+            _warn_once(rec, self, why)
+            return rec.trl_forward(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
+                                   num_items_in_batch=num_items_in_batch, **kwargs)
+        rec.calls.fused += 1
+        return out
+
+    setattr(forward, _SERVED, rec)
+    return forward
+
+
+def serve(model, calls: CallCounts, options: dict) -> tuple[bool, str]:
+    """Serve the flagged calls of ``model``'s TRL fused head with the op. (True, "") when done (or
+    already served: its counts then go to ``calls``), (False, why) when the model has no TRL head
+    or TRL's protocol is not the one known here (the model keeps TRL's head)."""
+    rec = served(model)
+    if rec is not None:
+        rec.calls = calls
+        return True, ""
+    trl_forward = trl_forward_of(model)
+    if trl_forward is None:
+        return False, "no TRL fused LM head"
+    head, why = read_trl_head(trl_forward)
+    if head is None:
+        return False, why
+    rec = _Served(trl_forward=trl_forward, head=head, calls=calls, options=dict(options))
+    model.__dict__["forward"] = types.MethodType(_make_serving_forward(trl_forward, rec), model)
+    return True, ""
+
+
+def unserve(model) -> bool:
+    """Give ``model`` back TRL's own head. True if it was served."""
+    rec = served(model)
+    if rec is None:
+        return False
+    rec.revoked = True
+    model.__dict__["forward"] = rec.trl_forward
+    return True
+
+
+def head_text(model) -> str:
+    rec = served(model)
+    if rec is None:
+        return ""
+    h = rec.head
+    parts = [f"outputs {', '.join(h.outputs)}"]
+    if h.temperature != 1.0:
+        parts.append(f"temperature {h.temperature:g}")
+    if h.logit_scale != 1.0:
+        parts.append(f"logit scale {h.logit_scale:g}")
+    if h.softcap is not None:
+        parts.append(f"soft cap {h.softcap:g}")
+    if h.cast_lm_head_to_fp32:
+        parts.append("fp32 head")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# A TRL head added after deepspeed.initialize: served from the engine's next forward on.
+
+
+def install_late_serving(engine, model, calls: CallCounts, options: dict, on_served=None):
+    """A forward pre-hook on ``engine`` (a module wrapping ``model``) that serves any TRL fused head
+    added to a language model inside ``model`` after the feature was applied. Returns the hook's
+    handle (None when ``engine`` is not a module)."""
+    if not isinstance(engine, torch.nn.Module) or engine is model:
+        return None
+    tried = set()
+
+    def hook(module, args):
+        for m in model.modules():
+            key = id(m.__dict__.get("forward"))
+            if "forward" not in m.__dict__ or served(m) is not None or key in tried:
+                continue
+            tried.add(key)
+            if trl_forward_of(m) is None:
+                continue
+            ok, why = serve(m, calls, options)
+            if on_served is not None:
+                on_served(m, ok, why)
+        return None
+
+    return engine.register_forward_pre_hook(hook)
+
+
+# --------------------------------------------------------------------------------------------
+# Clients that read training logits: the HF Trainer subclass whose compute_loss reads ``.logits``.
+
+
+def _reads_logits(code) -> bool:
+    import dis
+
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "logits":
+            return True
+        if ins.opname == "LOAD_CONST" and ins.argval == "logits":  # outputs["logits"]
+            return True
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType) and _reads_logits(c):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _code_reads_logits(code) -> bool:
+    return _reads_logits(code)
+
+
+def logits_client(start_frame=None) -> Optional[str]:
+    """The qualified name of the HF Trainer ``compute_loss`` on the calling stack that reads the
+    outputs' ``logits`` (its bytecode loads an attribute or key ``logits``), or None. Every
+    ``compute_loss`` frame of the calling Trainer (an override and the ``super()`` calls it makes)
+    is read."""
+    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    if trainer_cls is None:
+        return None
+    frame = start_frame if start_frame is not None else sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compute_loss" and isinstance(frame.f_locals.get("self"), trainer_cls):
+            if _code_reads_logits(code):
+                return code.co_qualname if hasattr(code, "co_qualname") else code.co_name
+        frame = frame.f_back
+    return None

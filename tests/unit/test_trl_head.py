@@ -1,0 +1,255 @@
+"""TRL's fused LM head (``add_fused_lm_head``; calls with ``fused_lm_head=True``) served by the
+fused op: every field of ``FusedCausalLMOutput`` and the gradients of the loss and of the entropy
+equal TRL's own head's (fp32 on CPU, kernels under Triton's interpreter), for ignored rows, an
+all-ignored micro-batch, soft cap, temperature, logit scale, bias, ``shift_labels``,
+``num_items_in_batch``, fp32 head, tied embeddings, the MoE aux loss and a PEFT model."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+trl_utils = pytest.importorskip("trl.trainer.utils")
+
+from deepspeed_fused.features import trl_head  # noqa: E402
+from deepspeed_fused.features.base import CallCounts  # noqa: E402
+from tiny_models import build_model  # noqa: E402
+
+ALL = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+RTOL = 1e-5
+
+
+def _models(name="llama-tiny", bias=False, seed=0, **cfg):
+    m = build_model(name, seed=seed, **cfg)
+    if bias:
+        old = m.get_output_embeddings()
+        head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(old.weight)
+            head.bias.normal_(0, 0.5)
+        m.lm_head = head
+    return m, copy.deepcopy(m)
+
+
+def _add(model, **kw):
+    trl_utils.add_fused_lm_head(model, **kw)
+    return model
+
+
+def _serve(model, **kw):
+    _add(model, **kw)
+    calls = CallCounts()
+    ok, why = trl_head.serve(model, calls, {})
+    assert ok, why
+    return calls
+
+
+def _inputs(B=2, T=9, V=257, ignore=(), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    labels = ids.clone()
+    drop = torch.rand(B, T, generator=g) < 0.3
+    labels[drop] = -100
+    for b, t in ignore:
+        labels[b, t] = -100
+    return ids, labels
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _compare(ref, ours, call, ent_weight_seed=3):
+    """Run ``call(model)`` on both, compare every field and the gradients of loss + <w, entropy>."""
+    outs, grads = [], []
+    for m in (ref, ours):
+        m.zero_grad(set_to_none=True)
+        out = call(m)
+        assert isinstance(out, trl_utils.FusedCausalLMOutput)
+        total = out.loss
+        if out.entropy is not None:
+            w = torch.randn(out.entropy.shape, generator=torch.Generator().manual_seed(ent_weight_seed))
+            total = total + (out.entropy * w).sum()
+        total.backward()
+        outs.append(out)
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    a, b = outs
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert (x is None) == (y is None), f.name
+        if x is None:
+            continue
+        assert x.shape == y.shape and x.dtype == y.dtype, (f.name, x.shape, y.shape, x.dtype, y.dtype)
+        if x.dtype == torch.bool:
+            assert torch.equal(x, y), f.name
+        elif x.numel() and x.abs().max() > 0:
+            assert _rel(y, x) <= RTOL, (f.name, _rel(y, x))
+        else:
+            assert torch.equal(x, y), f.name
+    if a.label_mask is not None:  # every per-token field is zero where the label is ignored
+        for n in ALL:
+            v = getattr(b, n)
+            if v is not None:
+                assert not v[~b.label_mask].any(), n
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[0].items():
+        h = grads[1][n]
+        if g.norm() == 0:
+            assert h.norm() == 0, n
+        else:
+            assert (h - g).norm() <= 1e-4 * g.norm(), (n, ((h - g).norm() / g.norm()).item())
+    return a, b
+
+
+def test_all_fields_and_gradients_with_ignored_rows(interpret):
+    ref, ours = _models()
+    _add(ref, outputs=ALL)
+    calls = _serve(ours, outputs=ALL)
+    ids, labels = _inputs(ignore=[(0, 1), (1, 8)])
+    _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+    assert (calls.fused, calls.eager) == (1, 0)
+
+
+def test_softcap_temperature_logit_scale_bias(interpret):
+    ref, ours = _models(bias=True, final_logit_softcapping=2.5, logit_scale=1.7)
+    _add(ref, outputs=ALL, temperature=0.7)
+    _serve(ours, outputs=ALL, temperature=0.7)
+    rec = trl_head.served(ours)
+    assert rec.head.logit_scale == 1.7 and rec.head.softcap == 2.5 and rec.head.temperature == 0.7
+    ids, labels = _inputs(seed=4)
+    _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+
+
+def test_logits_scaling_divides(interpret):
+    ref, ours = _models(logits_scaling=4.0)
+    _add(ref, outputs=("log_probs", "entropy"))
+    _serve(ours, outputs=("log_probs", "entropy"))
+    assert trl_head.served(ours).head.logit_scale == 0.25
+    ids, labels = _inputs(seed=5)
+    _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+
+
+def test_shift_labels_and_num_items(interpret):
+    ref, ours = _models()
+    _add(ref, outputs=("log_probs", "entropy", "is_top1"))
+    _serve(ours, outputs=("log_probs", "entropy", "is_top1"))
+    ids, labels = _inputs(seed=6)
+    shift = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    a, _ = _compare(ref, ours, lambda m: m(input_ids=ids, shift_labels=shift, num_items_in_batch=torch.tensor(23),
+                                          fused_lm_head=True))
+    assert a.log_probs.shape == ids.shape
+
+
+def test_all_ignored_micro_batch(interpret):
+    ref, ours = _models()
+    _add(ref, outputs=ALL)
+    _serve(ours, outputs=ALL)
+    ids, _ = _inputs(seed=7)
+    labels = torch.full_like(ids, -100)
+    a, b = _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+    assert b.loss.item() == 0.0 and b.loss.grad_fn is not None
+    assert all(p.grad is not None and p.grad.abs().max() == 0 for p in ours.parameters() if p.requires_grad
+               and p.grad is not None)
+
+
+def test_default_outputs_and_fp32_head(interpret):
+    ref, ours = _models()
+    _add(ref, cast_lm_head_to_fp32=True)
+    _serve(ours, cast_lm_head_to_fp32=True)
+    ids, labels = _inputs(seed=8)
+    a, b = _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+    assert b.entropy is None and b.is_top1 is None
+
+
+def test_tied_embeddings(interpret):
+    ref, ours = _models("llama-tied-tiny")
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+    _add(ref, outputs=("log_probs", "entropy"))
+    _serve(ours, outputs=("log_probs", "entropy"))
+    ids, labels = _inputs(seed=9)
+    _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+
+
+def test_moe_aux_loss(interpret):
+    ref, ours = _models("qwen3-moe-tiny")
+    _add(ref, outputs=("log_probs", "entropy"))
+    _serve(ours, outputs=("log_probs", "entropy"))
+    ids, labels = _inputs(seed=10)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    a, b = _compare(ref, ours, lambda m: m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True))
+    assert b.aux_loss is not None and b.aux_loss.item() > 0
+
+
+def test_calls_without_the_flag_go_to_trl(interpret):
+    ref, ours = _models()
+    _add(ref)
+    calls = _serve(ours)
+    ids, labels = _inputs(seed=11)
+    x, y = ref(input_ids=ids, labels=labels), ours(input_ids=ids, labels=labels)
+    assert torch.equal(x.logits, y.logits) and torch.equal(x.loss, y.loss)
+    assert (calls.fused, calls.eager) == (0, 0)
+    assert trl_head.unserve(ours) and trl_head.trl_forward_of(ours) is ours.forward
+    assert trl_head.served(ours) is None
+
+
+def test_peft_base_model(interpret):
+    peft = pytest.importorskip("peft")
+    ref, ours = _models(seed=2)
+    models = []
+    for m in (ref, ours):
+        pm = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                    init_lora_weights=False))
+        models.append(pm)
+    _add(models[0].get_base_model(), outputs=("log_probs", "entropy"))
+    _serve(models[1].get_base_model(), outputs=("log_probs", "entropy"))
+    ids, labels = _inputs(seed=12)
+    models[1].load_state_dict(models[0].state_dict())
+    _compare(models[0], models[1], lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+
+
+def test_unknown_protocol_keeps_trl_head(monkeypatch):
+    m, _ = _models()
+    _add(m)
+
+    @dataclasses.dataclass
+    class Newer(trl_utils.FusedCausalLMOutput):
+        top_k: torch.Tensor = None
+
+    monkeypatch.setattr(trl_utils, "FusedCausalLMOutput", Newer)
+    ok, why = trl_head.serve(m, CallCounts(), {})
+    assert not ok and "top_k" in why and "fields" in why
+    assert trl_head.served(m) is None and trl_head.trl_forward_of(m) is m.forward
+
+
+def test_unknown_argument_keeps_trl_head():
+    m, _ = _models()
+    _add(m)
+    fn = m.forward.__func__
+
+    def newer(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+              completion_mask=None, **kwargs):
+        return fn(self, *args, fused_lm_head=fused_lm_head, labels=labels, **kwargs)
+
+    head, why = trl_head.read_trl_head(type(m.forward)(newer, m))
+    assert head is None and "completion_mask" in why
+
+
+def test_non_positive_scale_keeps_trl_head():
+    m, _ = _models(logit_scale=-2.0)
+    _add(m)
+    ok, why = trl_head.serve(m, CallCounts(), {})
+    assert not ok and "logit_scale=-2.0" in why
+
+
+def test_extra_fields_match_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(13, 16, generator=g), torch.randn(37, 16, generator=g), torch.randn(37, generator=g)
+    t = torch.randint(0, 37, (13,), generator=g)
+    res = trl_head.extra_fields(h, w, b, t, 0.8, 3.0, ("log_sum_sq_probs", "mean_logits", "is_top1"))
+    z = (h.double() @ w.double().t() + b.double()) / 0.8
+    z = 3.0 * torch.tanh(z / 3.0)
+    p = torch.softmax(z, -1)
+    assert _rel(res["log_sum_sq_probs"], torch.log((p * p).sum(-1))) < 1e-6
+    assert _rel(res["mean_logits"], z.mean(-1)) < 1e-6
+    assert torch.equal(res["is_top1"], z.argmax(-1) == t)
