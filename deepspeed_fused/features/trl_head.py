@@ -395,69 +395,62 @@ def head_text(model) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# A TRL head added after deepspeed.initialize: served from the engine's next forward on.
+# The feature's side: serve the heads found at apply, and those TRL adds later.
+
+_LATE = "_deepspeed_fused_trl_late"  # model __dict__: the engine pre-hook's handle
 
 
-def install_late_serving(engine, model, calls: CallCounts, options: dict, on_served=None):
-    """A forward pre-hook on ``engine`` (a module wrapping ``model``) that serves any TRL fused head
-    added to a language model inside ``model`` after the feature was applied. Returns the hook's
-    handle (None when ``engine`` is not a module)."""
+def apply_trl(found, calls: CallCounts, options: dict, skipped: dict) -> dict:
+    """Serve the TRL heads of ``found`` [(name, module)]; {class name: count served}. A head kept
+    (unknown protocol) is reported in ``skipped`` with why."""
+    served_counts: dict = {}
+    for _, m in found:
+        ok, why = serve(m, calls, options)
+        if ok:
+            served_counts[type(m).__name__] = served_counts.get(type(m).__name__, 0) + 1
+        else:
+            skipped.setdefault(type(m).__name__, f"TRL's fused LM head kept: {why}")
+    return served_counts
+
+
+def install_late(model, engine, calls: CallCounts, options: dict, served_counts: dict, skipped: dict) -> bool:
+    """Serve a TRL head added to a language model inside ``model`` after this apply (TRL's
+    ``add_fused_lm_head`` run after ``deepspeed.initialize``): a forward pre-hook on ``engine``
+    (the module that calls ``model``) looks once per new instance forward, before ``model`` runs.
+    ``served_counts`` / ``skipped`` (the report's) are updated in place. False when there is no
+    such engine module."""
     if not isinstance(engine, torch.nn.Module) or engine is model:
-        return None
-    tried = set()
+        return False
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover
+        return False
+    lms = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    seen = {id(m): m.__dict__.get("forward") for m in lms}
 
     def hook(module, args):
-        for m in model.modules():
-            key = id(m.__dict__.get("forward"))
-            if "forward" not in m.__dict__ or served(m) is not None or key in tried:
+        for m in lms:
+            fwd = m.__dict__.get("forward")
+            if fwd is seen[id(m)]:
                 continue
-            tried.add(key)
-            if trl_forward_of(m) is None:
+            seen[id(m)] = fwd
+            if fwd is None or served(m) is not None or trl_forward_of(m) is None:
                 continue
-            ok, why = serve(m, calls, options)
-            if on_served is not None:
-                on_served(m, ok, why)
+            served_counts.update(apply_trl([("", m)], calls, options, skipped) or {})
+            seen[id(m)] = m.__dict__.get("forward")
         return None
 
-    return engine.register_forward_pre_hook(hook)
+    model.__dict__[_LATE] = engine.register_forward_pre_hook(hook)
+    return True
 
 
-# --------------------------------------------------------------------------------------------
-# Clients that read training logits: the HF Trainer subclass whose compute_loss reads ``.logits``.
+def late_hook(model):
+    return model.__dict__.get(_LATE)
 
 
-def _reads_logits(code) -> bool:
-    import dis
-
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "logits":
-            return True
-        if ins.opname == "LOAD_CONST" and ins.argval == "logits":  # outputs["logits"]
-            return True
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType) and _reads_logits(c):
-            return True
-    return False
-
-
-@functools.lru_cache(maxsize=None)
-def _code_reads_logits(code) -> bool:
-    return _reads_logits(code)
-
-
-def logits_client(start_frame=None) -> Optional[str]:
-    """The qualified name of the HF Trainer ``compute_loss`` on the calling stack that reads the
-    outputs' ``logits`` (its bytecode loads an attribute or key ``logits``), or None. Every
-    ``compute_loss`` frame of the calling Trainer (an override and the ``super()`` calls it makes)
-    is read."""
-    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
-    if trainer_cls is None:
-        return None
-    frame = start_frame if start_frame is not None else sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "compute_loss" and isinstance(frame.f_locals.get("self"), trainer_cls):
-            if _code_reads_logits(code):
-                return code.co_qualname if hasattr(code, "co_qualname") else code.co_name
-        frame = frame.f_back
-    return None
+def revert_trl(model) -> int:
+    """Give every served model inside ``model`` TRL's own head back and remove the engine hook."""
+    handle = model.__dict__.pop(_LATE, None)
+    if handle is not None:
+        handle.remove()
+    return sum(unserve(m) for m in model.modules())
