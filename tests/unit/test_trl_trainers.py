@@ -1,0 +1,203 @@
+"""TRL's trainers (SFT, DPO, GRPO) under DeepSpeed ZeRO-2 with the linear_cross_entropy section:
+TRL's fused LM head is served by the fused op (the report says so, with the live counts) and the
+first step is the one without the section: fp32 loss within 1e-5 relative, every parameter's
+update (plain SGD, lr 1: the gradient) within 1e-3 of its norm. TRL 0.29 (no fused head; its
+SFTTrainer reads the training logits) trains through the eager head with one warning.
+CPU, gloo, one rank, tiny models, kernels under Triton's interpreter."""
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from deepspeed_fused.models import build_model  # noqa: E402
+from deepspeed_fused.tiny_tokenizer import tiny_tokenizer  # noqa: E402
+from unit.common import DistributedTest  # noqa: E402
+
+SECTION = {"linear_cross_entropy": {"enabled": True}}
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-3
+
+
+def ds_config(section=None):
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2},
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    if section is not None:
+        cfg["deepspeed_fused"] = section
+    return cfg
+
+
+def common_args(tmp_path, key, section):
+    return dict(output_dir=str(tmp_path / key), deepspeed=ds_config(section), per_device_train_batch_size=2,
+                max_steps=1, learning_rate=1.0, optim="sgd", max_grad_norm=0.0, use_cpu=True, report_to=[],
+                save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, bf16=False)
+
+
+def run_pair(make_trainer, tmp_path):
+    """Train one step without and with the section; returns {key: (first log, updates, trainer)}."""
+    out = {}
+    for key, section in (("off", None), ("on", SECTION)):
+        model = build_model("llama-tiny")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = make_trainer(model, key, section)
+        trainer.train()
+        updates = {n: before[n] - p.detach() for n, p in trainer.model.named_parameters()}
+        out[key] = (trainer.state.log_history[0], updates, trainer)
+    return out
+
+
+def check_pair(out, loss_key="loss", expect_fused=1):
+    (log_off, up_off, _), (log_on, up_on, trainer) = out["off"], out["on"]
+    a, b = log_off[loss_key], log_on[loss_key]
+    assert abs(a - b) <= LOSS_RTOL * max(abs(a), 1e-6), (a, b)
+    assert up_off.keys() == up_on.keys()
+    moved = 0
+    for n, g in up_off.items():
+        h = up_on[n]
+        assert (h - g).norm() <= GRAD_RTOL * g.norm() + 1e-12, (n, (h - g).norm().item(), g.norm().item())
+        moved += int(g.norm() > 0)
+    assert moved > 0
+    rep = trainer.model_wrapped.deepspeed_fused_report
+    f = next(f for f in rep.features if f.name == "linear_cross_entropy")
+    assert f.applied and "TRL fused LM head served" in f.where, str(rep)
+    assert f.calls.fused >= expect_fused and f.calls.eager == 0, str(rep)
+    return f
+
+
+class TestTrlTrainers(DistributedTest):
+    world_size = 1
+    init_distributed = False  # the Trainer sets up the process group
+
+    def test_sft_first_step(self, tmp_path):
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        data = Dataset.from_dict({"text": [f"The quick brown fox {i} jumps over {i * 7}." for i in range(4)]})
+
+        def make(model, key, section):
+            return SFTTrainer(model=model, args=SFTConfig(max_length=32, **common_args(tmp_path, key, section)),
+                              train_dataset=data, processing_class=tiny_tokenizer())
+
+        out = run_pair(make, tmp_path)
+        f = check_pair(out)
+        assert f.calls.fused == 1
+        for k in ("entropy", "mean_token_accuracy"):
+            assert abs(out["off"][0][k] - out["on"][0][k]) <= 1e-5 * max(1.0, abs(out["off"][0][k])), k
+
+    def test_dpo_first_step(self, tmp_path):
+        import copy
+
+        from datasets import Dataset
+        from trl import DPOConfig, DPOTrainer
+
+        data = Dataset.from_dict({"prompt": [f"Q{i}: 2+{i}=" for i in range(4)],
+                                  "chosen": [f" {2 + i}." for i in range(4)],
+                                  "rejected": [f" {3 * i + 1} maybe" for i in range(4)]})
+
+        def make(model, key, section):
+            args = DPOConfig(max_length=32, **common_args(tmp_path, key, section))
+            return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data,
+                              processing_class=tiny_tokenizer())
+
+        out = run_pair(make, tmp_path)
+        check_pair(out)
+        # the reference model's forwards are served too (its own engine, the same section)
+        ref = out["on"][2].ref_model
+        rep = ref.deepspeed_fused_report
+        f = next(f for f in rep.features if f.name == "linear_cross_entropy")
+        assert f.applied and "TRL fused LM head served" in f.where and f.calls.fused >= 1, str(rep)
+
+    def test_grpo_first_step(self, tmp_path):
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        data = Dataset.from_dict({"prompt": [f"Count {i}:" for i in range(4)]})
+
+        def reward(completions, **kw):
+            return [sum(map(ord, c)) % 97 / 97.0 for c in completions]
+
+        def make(model, key, section):
+            args = GRPOConfig(num_generations=2, max_completion_length=6, **common_args(tmp_path, key, section))
+            return GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                               processing_class=tiny_tokenizer())
+
+        out = run_pair(make, tmp_path)
+        f = check_pair(out)
+
+
+def _trl029_path():
+    """TRL 0.29.1 installed with pip --target into a temporary folder (no network: None)."""
+    target = os.environ.get("DSF_TRL029_DIR") or os.path.join(os.environ.get("TMPDIR", "/tmp"), "dsf-trl029")
+    if os.path.isfile(os.path.join(target, "trl", "__init__.py")):
+        return target
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target,
+                        "trl==0.29.1"], capture_output=True, text=True, timeout=300)
+    return target if r.returncode == 0 else None
+
+
+_SFT029 = r'''
+import json, os, sys, warnings
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[2])
+import torch
+import deepspeed_fused
+import trl
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+from deepspeed_fused.models import build_model
+from deepspeed_fused.tiny_tokenizer import tiny_tokenizer
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from test_trl_trainers import common_args
+import pathlib
+assert trl.__version__ == "0.29.1", trl.__version__
+tmp = pathlib.Path(sys.argv[3])
+data = Dataset.from_dict({"text": [f"The quick brown fox {i} jumps over {i * 7}." for i in range(4)]})
+res = {}
+for key, section in (("off", None), ("on", {"linear_cross_entropy": {"enabled": True}})):
+    args = common_args(tmp, key, section)
+    args["max_steps"] = 2
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tr = SFTTrainer(model=build_model("llama-tiny"), args=SFTConfig(max_length=32, **args), train_dataset=data,
+                        processing_class=tiny_tokenizer())
+        tr.train()
+    msgs = [str(x.message) for x in w if "deepspeed_fused.linear_cross_entropy" in str(x.message)]
+    rep = tr.model_wrapped.deepspeed_fused_report
+    f = next(f for f in rep.features if f.name == "linear_cross_entropy")
+    res[key] = {"losses": [h["loss"] for h in tr.state.log_history if "loss" in h], "warnings": msgs,
+                "calls": [f.calls.fused, f.calls.eager] if f.calls else None}
+print("RESULT" + json.dumps(res))
+'''
+
+
+def test_trl029_sft_reads_logits_runs_eager(tmp_path):
+    """TRL 0.29.1's SFTTrainer reads outputs.logits in its compute_loss: the eager head runs for it
+    (one warning naming it) and the losses are those without the section."""
+    import json
+
+    target = _trl029_path()
+    if target is None:
+        pytest.skip("trl==0.29.1 could not be installed (no package index reachable)")
+    script = tmp_path / "sft029.py"
+    script.write_text(_SFT029)
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, repo, os.path.dirname(here), here]),
+           "TRITON_INTERPRET": "1"}
+    port = str(29600 + os.getpid() % 300)
+    r = subprocess.run([sys.executable, str(script), os.path.abspath(__file__), port, str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    res = json.loads(r.stdout.split("RESULT", 1)[1].strip().splitlines()[0])
+    off, on = res["off"], res["on"]
+    assert len(off["losses"]) == len(on["losses"]) == 2
+    for a, b in zip(off["losses"], on["losses"]):
+        assert abs(a - b) <= LOSS_RTOL * abs(a), (off, on)
+    assert on["calls"] == [0, 2], on
+    assert len(on["warnings"]) == 1 and "SFTTrainer.compute_loss" in on["warnings"][0], on["warnings"]
+    assert "logits" in on["warnings"][0]
