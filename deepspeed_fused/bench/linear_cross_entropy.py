@@ -10,6 +10,9 @@ peak above the allocation at its start is net of both.
 (per-token loss + lse) and forward+backward (mean loss) at several ``chunk_tokens`` instead (the
 automatic size and smaller chunks whose logits fit in L2), with the target check on and off, and
 T beside them: to see what the chunk size and the check cost before changing the defaults.
+
+``--case trl`` runs only TRL's fused LM head against ours for the field sets of its SFT, GRPO and
+DPO trainers (:mod:`.lce_trl`; files ``linear_cross_entropy_trl.*``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from .common import measure
 SUITE = "linear_cross_entropy"
 TITLE = "fused linear cross-entropy (LM head + CE)"
 NOTES = ""
+RESULT = None  # the files' name when not the suite's (a case)
+COMMAND = None  # the command line the files name, when not the suite's
 SHAPES = [(4096, 4096, 131072), (8192, 2048, 151936), (8192, 4096, 128256), (16384, 4096, 131072)]
 TARGETS = {"fwd": 1.05, "fb_mean": 3.35, "fb_token": 4.25, "mib": 512, "tp1": 1.02}
 CCE = "Apple CCE (filtered)"
@@ -177,10 +182,31 @@ def sweep(args) -> list:
     return recs
 
 
+CASES = ("trl",)
+
+
+def _case(args):
+    extra = list(getattr(args, "extra", None) or [])
+    if "--case" not in extra:
+        return None
+    i = extra.index("--case")
+    case = extra[i + 1] if i + 1 < len(extra) else None
+    if case not in CASES:
+        raise ValueError(f"--case: expected one of {', '.join(CASES)}, got {case!r}")
+    return case
+
+
 def run(args) -> list:
+    global NOTES, RESULT, TITLE, COMMAND
+    if _case(args) == "trl":
+        from . import lce_trl
+
+        recs = lce_trl.run(args)
+        NOTES, RESULT, TITLE = lce_trl.NOTES, lce_trl.RESULT, lce_trl.TITLE
+        COMMAND = "python -m deepspeed_fused.bench linear_cross_entropy --case trl"
+        return recs
     if "--sweep" in (getattr(args, "extra", None) or []):
         return sweep(args)
-    global NOTES
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     dt = torch.bfloat16 if cuda else torch.float32
