@@ -201,3 +201,133 @@ def test_trl029_sft_reads_logits_runs_eager(tmp_path):
     assert on["calls"] == [0, 2], on
     assert len(on["warnings"]) == 1 and "SFTTrainer.compute_loss" in on["warnings"][0], on["warnings"]
     assert "logits" in on["warnings"][0]
+
+
+def _ids(n, seq=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (seq,), generator=g) for _ in range(n)]
+
+
+class TestTrlHeadOrder(DistributedTest):
+    """TRL's head added before Accelerate's prepare (ZeRO-3: the partitioned head is gathered), or
+    after deepspeed.initialize: served either way, the losses those of TRL's own head."""
+    world_size = 1
+    init_distributed = False
+
+    def test_accelerate_zero3_head_added_first(self):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DeepSpeedPlugin
+        from trl.trainer.utils import add_fused_lm_head
+
+        losses = {}
+        for key, section in (("off", None), ("on", SECTION)):
+            cfg = ds_config(section)
+            cfg["zero_optimization"]["stage"] = 3
+            cfg.update(gradient_accumulation_steps=1, gradient_clipping=1.0, train_micro_batch_size_per_gpu=2,
+                       train_batch_size=2)
+            cfg["bf16"] = {"enabled": False}
+            acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+            model = build_model("llama-tied-tiny")
+            add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            loader = torch.utils.data.DataLoader(_ids(6), batch_size=2)
+            engine, opt, loader = acc.prepare(model, opt, loader)
+            engine.train()
+            losses[key] = []
+            for ids in loader:
+                out = engine(input_ids=ids, labels=ids, fused_lm_head=True)
+                acc.backward(out.loss + 0.01 * out.entropy.sum())
+                opt.step()
+                opt.zero_grad()
+                losses[key].append(out.loss.item())
+            rep = engine.deepspeed_fused_report
+            AcceleratorState._reset_state(True)
+        f = rep["linear_cross_entropy"]
+        assert f.applied and "TRL fused LM head served" in f.where and (f.calls.fused, f.calls.eager) == (3, 0), str(rep)
+        for a, b in zip(losses["on"], losses["off"]):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), losses
+
+    def test_head_added_after_initialize(self):
+        import deepspeed
+        from trl.trainer.utils import add_fused_lm_head
+
+        import deepspeed_fused  # noqa: F401
+
+        losses = {}
+        for key, section in (("off", None), ("on", SECTION)):
+            cfg = ds_config(section)
+            cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, gradient_clipping=0.0,
+                       train_batch_size=2, bf16={"enabled": False})
+            model = build_model("llama-tiny")
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                              config=cfg)
+            add_fused_lm_head(engine.module, temperature=0.8, outputs=("log_probs", "entropy", "is_top1"))
+            losses[key] = []
+            for ids in _ids(6, seed=3)[::2]:
+                ids = ids[None].repeat(2, 1)
+                out = engine(input_ids=ids, labels=ids, fused_lm_head=True)
+                engine.backward(out.loss)
+                engine.step()
+                losses[key].append((out.loss.item(), out.is_top1.sum().item()))
+        rep = engine.deepspeed_fused_report
+        f = rep["linear_cross_entropy"]
+        assert (f.calls.fused, f.calls.eager) == (3, 0) and f.details["trl_served"] == {"LlamaForCausalLM": 1}, str(rep)
+        for (a, ta), (b, tb) in zip(losses["on"], losses["off"]):
+            assert abs(a - b) <= LOSS_RTOL * abs(b) and ta == tb, losses
+
+
+def _logits_metric_trainer():
+    from transformers import Trainer
+
+    class LogitsMetricTrainer(Trainer):
+        """A client that reads the training logits (an accuracy metric from outputs.logits)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            self.last_accuracy = (outputs.logits[:, :-1].argmax(-1) == inputs["labels"][:, 1:]).float().mean()
+            return (loss, outputs) if return_outputs else loss
+
+    return LogitsMetricTrainer
+
+
+class TestTrainingLogitsClient(DistributedTest):
+    """A Trainer whose compute_loss reads the outputs' logits in training: the eager head runs for
+    it, one warning names it, the losses are those without the section."""
+    world_size = 1
+    init_distributed = False
+
+    def test_compute_loss_reading_logits(self, tmp_path):
+        from transformers import TrainingArguments
+
+        cls = _logits_metric_trainer()
+        data = [{"input_ids": ids, "labels": ids} for ids in _ids(6)]
+        res = {}
+        for key, section in (("off", None), ("on", SECTION)):
+            args = TrainingArguments(**{**common_args(tmp_path, key, section), "max_steps": 3, "learning_rate": 0.1})
+            trainer = cls(model=build_model("llama-tiny"), args=args, train_dataset=data)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.train()
+            res[key] = ([h["loss"] for h in trainer.state.log_history if "loss" in h],
+                        [str(w.message) for w in caught if "deepspeed_fused.linear_cross_entropy" in str(w.message)])
+        f = trainer.model_wrapped.deepspeed_fused_report["linear_cross_entropy"]
+        assert (f.calls.fused, f.calls.eager) == (0, 3), str(f)
+        warned = res["on"][1]
+        assert len(warned) == 1 and "LogitsMetricTrainer.compute_loss" in warned[0] and "logits" in warned[0], warned
+        for a, b in zip(res["on"][0], res["off"][0]):
+            assert abs(a - b) <= LOSS_RTOL * abs(b), res
+
+
+def test_logits_client_reading():
+    from deepspeed_fused.features.training_logits import _reads_logits
+    from transformers import Trainer
+
+    assert _reads_logits(_logits_metric_trainer().compute_loss.__code__)
+    assert not _reads_logits(Trainer.compute_loss.__code__)
+
+    def keyed(outputs):
+        return outputs["logits"]
+
+    assert _reads_logits(keyed.__code__)
