@@ -24,10 +24,12 @@ setup(
     install_requires=install_requires,
     # pytest-forked 1.7.5 cannot marshal pytest 9.1+ reports (every forked test "EXITED with status 3").
     # numpy<2.4: Triton's interpreter (the CPU kernel tests). accelerate: the Accelerate integration test.
-    # pytest-xdist: the GPU tests' command (pytest tests/gpu -n 4 --forked).
+    # pytest-xdist: the GPU tests' command (pytest tests/gpu -n 4 --forked). trl 1.16.0 (with datasets):
+    # the TRL head tests and recipes (the protocol they check is that release's).
     extras_require={
-        "test": ["pytest>=7,<9.1", "pytest-forked", "pytest-xdist", "numpy<2.4", "tqdm", "accelerate"],
-        "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib"],
+        "test": ["pytest>=7,<9.1", "pytest-forked", "pytest-xdist", "numpy<2.4", "tqdm", "accelerate",
+                 "trl==1.16.0", "datasets"],
+        "bench": ["liger-kernel", "cut-cross-entropy", "matplotlib", "trl"],
     },
     entry_points={"console_scripts": ["deepspeed-fused=deepspeed_fused.__main__:main"]},
     license="Apache-2.0",
