@@ -19,11 +19,12 @@ SUITES = {
     "tp_cross_entropy": "deepspeed_fused.bench.tp_cross_entropy",
     "multi_gpu": "deepspeed_fused.bench.multi_gpu",
     "coverage": "deepspeed_fused.bench.coverage",
+    "trl_sft_e2e": "deepspeed_fused.bench.trl_e2e",
 }
 # not in "all": the end-to-end runs, and the suites for several GPUs (run under torch.distributed.run
-# or launching their own multi-GPU jobs), and the coverage suite (a correctness check over every
+# or launching their own multi-GPU jobs), the TRL end-to-end pair, and the coverage suite (a correctness check over every
 # model family of the installed transformers, not a timing)
-NOT_IN_ALL = ("e2e", "tp_cross_entropy", "multi_gpu", "coverage")
+NOT_IN_ALL = ("e2e", "tp_cross_entropy", "multi_gpu", "coverage", "trl_sft_e2e")
 
 
 def main(argv=None) -> int:

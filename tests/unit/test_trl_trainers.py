@@ -331,3 +331,23 @@ def test_logits_client_reading():
         return outputs["logits"]
 
     assert _reads_logits(keyed.__code__)
+
+
+def test_trl_sft_e2e_pair_runs_tiny(tmp_path):
+    """The end-to-end pair's code path (two launcher jobs, tiny model, CPU): both arms train, the
+    plugin's arm serves TRL's head, the losses agree, the files are written."""
+    import argparse
+    import json
+
+    from deepspeed_fused.bench import trl_e2e
+
+    doc = trl_e2e.main(argparse.Namespace(out=str(tmp_path), quick=False, extra=[
+        "--tiny", "--steps", "2", "--warmup", "1", "--seq-len", "32", "--batch-size", "2", "--arms", "trl,lce"]))
+    arms = doc["arms"]
+    assert "error" not in arms["trl"] and "error" not in arms["lce"], arms
+    assert arms["lce"]["calls"]["linear_cross_entropy"]["fused"] == 3, arms["lce"]
+    assert "TRL fused LM head served" in arms["lce"]["report"]
+    for a, b in zip(arms["lce"]["losses"], arms["trl"]["losses"]):
+        assert abs(a - b) <= LOSS_RTOL * abs(b)
+    assert json.load(open(tmp_path / "e2e_trl_sft.json"))["arms"].keys() == {"trl", "lce"}
+    assert "| lce |" in (tmp_path / "e2e_trl_sft.md").read_text()
