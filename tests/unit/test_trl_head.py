@@ -19,11 +19,11 @@ ALL = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 RTOL = 1e-5
 
 
-def _models(name="llama-tiny", bias=False, seed=0, **cfg):
-    m = build_model(name, seed=seed, **cfg)
+def _models(name="llama-tiny", bias=False, seed=0, device="cpu", **cfg):
+    m = build_model(name, seed=seed, **cfg).to(device)
     if bias:
         old = m.get_output_embeddings()
-        head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+        head = torch.nn.Linear(old.in_features, old.out_features, bias=True, device=device)
         with torch.no_grad():
             head.weight.copy_(old.weight)
             head.bias.normal_(0, 0.5)
@@ -44,7 +44,7 @@ def _serve(model, **kw):
     return calls
 
 
-def _inputs(B=2, T=9, V=257, ignore=(), seed=1):
+def _inputs(B=2, T=9, V=257, ignore=(), seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (B, T), generator=g)
     labels = ids.clone()
@@ -52,7 +52,7 @@ def _inputs(B=2, T=9, V=257, ignore=(), seed=1):
     labels[drop] = -100
     for b, t in ignore:
         labels[b, t] = -100
-    return ids, labels
+    return ids.to(device), labels.to(device)
 
 
 def _rel(a, b):
@@ -69,6 +69,7 @@ def _compare(ref, ours, call, ent_weight_seed=3):
         total = out.loss
         if out.entropy is not None:
             w = torch.randn(out.entropy.shape, generator=torch.Generator().manual_seed(ent_weight_seed))
+            w = w.to(out.entropy.device)
             total = total + (out.entropy * w).sum()
         total.backward()
         outs.append(out)
@@ -102,49 +103,49 @@ def _compare(ref, ours, call, ent_weight_seed=3):
 
 
 def test_all_fields_and_gradients_with_ignored_rows(interpret):
-    ref, ours = _models()
+    ref, ours = _models(device=interpret)
     _add(ref, outputs=ALL)
     calls = _serve(ours, outputs=ALL)
-    ids, labels = _inputs(ignore=[(0, 1), (1, 8)])
+    ids, labels = _inputs(ignore=[(0, 1), (1, 8)], device=interpret)
     _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
     assert (calls.fused, calls.eager) == (1, 0)
 
 
 def test_softcap_temperature_logit_scale_bias(interpret):
-    ref, ours = _models(bias=True, final_logit_softcapping=2.5, logit_scale=1.7)
+    ref, ours = _models(bias=True, final_logit_softcapping=2.5, logit_scale=1.7, device=interpret)
     _add(ref, outputs=ALL, temperature=0.7)
     _serve(ours, outputs=ALL, temperature=0.7)
     rec = trl_head.served(ours)
     assert rec.head.logit_scale == 1.7 and rec.head.softcap == 2.5 and rec.head.temperature == 0.7
-    ids, labels = _inputs(seed=4)
+    ids, labels = _inputs(seed=4, device=interpret)
     _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
 
 
 def test_logits_scaling_divides(interpret):
-    ref, ours = _models(logits_scaling=4.0)
+    ref, ours = _models(logits_scaling=4.0, device=interpret)
     _add(ref, outputs=("log_probs", "entropy"))
     _serve(ours, outputs=("log_probs", "entropy"))
     assert trl_head.served(ours).head.logit_scale == 0.25
-    ids, labels = _inputs(seed=5)
+    ids, labels = _inputs(seed=5, device=interpret)
     _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
 
 
 def test_shift_labels_and_num_items(interpret):
-    ref, ours = _models()
+    ref, ours = _models(device=interpret)
     _add(ref, outputs=("log_probs", "entropy", "is_top1"))
     _serve(ours, outputs=("log_probs", "entropy", "is_top1"))
-    ids, labels = _inputs(seed=6)
+    ids, labels = _inputs(seed=6, device=interpret)
     shift = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
-    a, _ = _compare(ref, ours, lambda m: m(input_ids=ids, shift_labels=shift, num_items_in_batch=torch.tensor(23),
+    a, _ = _compare(ref, ours, lambda m: m(input_ids=ids, shift_labels=shift, num_items_in_batch=torch.tensor(23, device=interpret),
                                           fused_lm_head=True))
     assert a.log_probs.shape == ids.shape
 
 
 def test_all_ignored_micro_batch(interpret):
-    ref, ours = _models()
+    ref, ours = _models(device=interpret)
     _add(ref, outputs=ALL)
     _serve(ours, outputs=ALL)
-    ids, _ = _inputs(seed=7)
+    ids, _ = _inputs(seed=7, device=interpret)
     labels = torch.full_like(ids, -100)
     a, b = _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
     assert b.loss.item() == 0.0 and b.loss.grad_fn is not None
@@ -153,28 +154,28 @@ def test_all_ignored_micro_batch(interpret):
 
 
 def test_default_outputs_and_fp32_head(interpret):
-    ref, ours = _models()
+    ref, ours = _models(device=interpret)
     _add(ref, cast_lm_head_to_fp32=True)
     _serve(ours, cast_lm_head_to_fp32=True)
-    ids, labels = _inputs(seed=8)
+    ids, labels = _inputs(seed=8, device=interpret)
     a, b = _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
     assert b.entropy is None and b.is_top1 is None
 
 
 def test_tied_embeddings(interpret):
-    ref, ours = _models("llama-tied-tiny")
+    ref, ours = _models("llama-tied-tiny", device=interpret)
     assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
     _add(ref, outputs=("log_probs", "entropy"))
     _serve(ours, outputs=("log_probs", "entropy"))
-    ids, labels = _inputs(seed=9)
+    ids, labels = _inputs(seed=9, device=interpret)
     _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
 
 
 def test_moe_aux_loss(interpret):
-    ref, ours = _models("qwen3-moe-tiny")
+    ref, ours = _models("qwen3-moe-tiny", device=interpret)
     _add(ref, outputs=("log_probs", "entropy"))
     _serve(ours, outputs=("log_probs", "entropy"))
-    ids, labels = _inputs(seed=10)
+    ids, labels = _inputs(seed=10, device=interpret)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     a, b = _compare(ref, ours, lambda m: m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True))
@@ -182,10 +183,10 @@ def test_moe_aux_loss(interpret):
 
 
 def test_calls_without_the_flag_go_to_trl(interpret):
-    ref, ours = _models()
+    ref, ours = _models(device=interpret)
     _add(ref)
     calls = _serve(ours)
-    ids, labels = _inputs(seed=11)
+    ids, labels = _inputs(seed=11, device=interpret)
     x, y = ref(input_ids=ids, labels=labels), ours(input_ids=ids, labels=labels)
     assert torch.equal(x.logits, y.logits) and torch.equal(x.loss, y.loss)
     assert (calls.fused, calls.eager) == (0, 0)
@@ -195,7 +196,7 @@ def test_calls_without_the_flag_go_to_trl(interpret):
 
 def test_peft_base_model(interpret):
     peft = pytest.importorskip("peft")
-    ref, ours = _models(seed=2)
+    ref, ours = _models(seed=2, device=interpret)
     models = []
     for m in (ref, ours):
         pm = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
@@ -203,7 +204,7 @@ def test_peft_base_model(interpret):
         models.append(pm)
     _add(models[0].get_base_model(), outputs=("log_probs", "entropy"))
     _serve(models[1].get_base_model(), outputs=("log_probs", "entropy"))
-    ids, labels = _inputs(seed=12)
+    ids, labels = _inputs(seed=12, device=interpret)
     models[1].load_state_dict(models[0].state_dict())
     _compare(models[0], models[1], lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
 
