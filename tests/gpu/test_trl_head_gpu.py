@@ -1,7 +1,7 @@
 """TRL's fused LM head served by the fused op on CUDA: the fields and gradients of TRL's own head
 (its Triton ChunkedLogProbFunction), fp32 tight and bf16 within bf16 bounds, at a vocabulary that
-spans several of the op's chunks; and TRL's SFTTrainer under ZeRO-2 with the section, bf16.
-(tests/unit/test_trl_head.py runs the exact checks on CPU; it runs here too, on CUDA kernels.)"""
+spans several of the op's chunks. (tests/unit/test_trl_head.py runs the exact checks on CPU; on a
+machine with CUDA it runs them on the CUDA kernels.)"""
 import copy
 
 import pytest
