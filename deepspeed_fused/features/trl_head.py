@@ -324,7 +324,7 @@ def _serve(model, rec: _Served, args, kwargs, labels, shift_labels, num_items_in
 
 
 def _make_serving_forward(trl_forward, rec: _Served):
-    trl_fn = trl_forward.__func__
+    trl_fn = trl_forward.__func__  # called on the instance at hand (a deep copy's own, like TRL's wrapper)
 
     @functools.wraps(trl_fn)  # keeps TRL's signature (generate validates its kwargs against it)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
@@ -334,13 +334,13 @@ def _make_serving_forward(trl_forward, rec: _Served):
                          ("num_items_in_batch", num_items_in_batch)):
                 if v is not None:
                     kwargs[k] = v
-            return rec.trl_forward(*args, fused_lm_head=fused_lm_head, **kwargs)
+            return trl_fn(self, *args, fused_lm_head=fused_lm_head, **kwargs)
         out, why = _serve(self, rec, args, kwargs, labels, shift_labels, num_items_in_batch)
         if out is None:
             rec.calls.eager += 1
             _warn_once(rec, self, why)
-            return rec.trl_forward(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
-                                   num_items_in_batch=num_items_in_batch, **kwargs)
+            return trl_fn(self, *args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
+                          num_items_in_batch=num_items_in_batch, **kwargs)
         rec.calls.fused += 1
         return out
 

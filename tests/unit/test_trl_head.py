@@ -254,3 +254,16 @@ def test_extra_fields_match_float64_reference():
     assert _rel(res["log_sum_sq_probs"], torch.log((p * p).sum(-1))) < 1e-6
     assert _rel(res["mean_logits"], z.mean(-1)) < 1e-6
     assert torch.equal(res["is_top1"], z.argmax(-1) == t)
+
+
+def test_adapter_on_the_head_keeps_trl_head_for_the_call():
+    peft = pytest.importorskip("peft")
+    m, _ = _models(seed=3)
+    pm = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["lm_head", "q_proj"], lora_dropout=0.0))
+    calls = _serve(pm.get_base_model(), outputs=("log_probs", "entropy"))
+    ids, labels = _inputs(seed=13)
+    with pytest.warns(RuntimeWarning, match="TRL's fused LM head kept for this call: the output embedding is"):
+        out = pm(input_ids=ids, labels=labels, fused_lm_head=True)
+    rec = trl_head.served(pm.get_base_model())
+    ref = rec.trl_forward(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert torch.equal(out.log_probs, ref.log_probs) and (calls.fused, calls.eager) == (0, 1)
