@@ -267,3 +267,39 @@ def test_adapter_on_the_head_keeps_trl_head_for_the_call():
     rec = trl_head.served(pm.get_base_model())
     ref = rec.trl_forward(input_ids=ids, labels=labels, fused_lm_head=True)
     assert torch.equal(out.log_probs, ref.log_probs) and (calls.fused, calls.eager) == (0, 1)
+
+
+SECTION = {"linear_cross_entropy": {"enabled": True}}
+
+
+def test_feature_report_serves_and_reverts(interpret):
+    from deepspeed_fused.hook import patch_model, unpatch_model
+
+    m, _ = _models(device=interpret)
+    _add(m, outputs=("log_probs", "entropy"))
+    trl_forward = m.forward
+    rep = patch_model(m, SECTION)["linear_cross_entropy"]
+    assert rep.applied and rep.where == "1 x LlamaForCausalLM (TRL fused LM head served)", str(rep)
+    assert rep.details["trl_served"] == {"LlamaForCausalLM": 1}
+    ids, labels = _inputs(seed=14, device=interpret)
+    m(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert (rep.calls.fused, rep.calls.eager) == (1, 0) and "1 fused, 0 eager" in str(rep)
+    assert unpatch_model(m)["linear_cross_entropy"] == 1
+    assert m.forward == trl_forward and trl_head.served(m) is None
+
+
+def test_feature_report_says_why_trl_head_is_kept(monkeypatch):
+    from deepspeed_fused.hook import patch_model
+
+    m, _ = _models()
+    _add(m)
+
+    @dataclasses.dataclass
+    class Newer(trl_utils.FusedCausalLMOutput):
+        top_k: torch.Tensor = None
+
+    monkeypatch.setattr(trl_utils, "FusedCausalLMOutput", Newer)
+    with pytest.warns(RuntimeWarning, match="not applied"):
+        rep = patch_model(m, SECTION)["linear_cross_entropy"]
+    assert not rep.applied and "TRL's fused LM head kept: TRL's FusedCausalLMOutput has fields" in rep.reason
+    assert trl_head.served(m) is None
