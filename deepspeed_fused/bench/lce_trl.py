@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..features.trl_head import extra_fields
+from ..features.linear_cross_entropy.trl import extra_fields
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from .common import measure
 

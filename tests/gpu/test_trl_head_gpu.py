@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from deepspeed_fused.features import trl_head  # noqa: E402
+from deepspeed_fused.features.linear_cross_entropy import trl as trl_head  # noqa: E402
 from deepspeed_fused.features.base import CallCounts  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 

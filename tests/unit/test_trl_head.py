@@ -11,7 +11,7 @@ import torch
 
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
-from deepspeed_fused.features import trl_head  # noqa: E402
+from deepspeed_fused.features.linear_cross_entropy import trl as trl_head  # noqa: E402
 from deepspeed_fused.features.base import CallCounts  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 

@@ -321,7 +321,7 @@ class TestTrainingLogitsClient(DistributedTest):
 
 
 def test_logits_client_reading():
-    from deepspeed_fused.features.training_logits import _reads_logits
+    from deepspeed_fused.features.linear_cross_entropy.clients import _reads_logits
     from transformers import Trainer
 
     assert _reads_logits(_logits_metric_trainer().compute_loss.__code__)

@@ -41,11 +41,18 @@ do to the logits, is read from the forward's source (``recognition.py``), never 
   shard's ``vocab_start``: small all-gathers of per-token statistics (one per token chunk)
   instead of DeepSpeed's logits gather or its three-collective loss. The layer's own forward (with its input-gradient
   all-reduce) is swapped out for the call, so dhidden is summed over the group once, by the op.
+* A model carrying TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``: ``forward``
+  replaced on the instance) is not class-patched: its ``fused_lm_head=True`` calls are served by
+  the op with TRL's output and semantics (``trl``), found at apply or, when TRL adds the head
+  later, at the engine's next forward. The report says "TRL fused LM head served".
+* A Trainer whose ``compute_loss`` reads the outputs' ``logits`` in training (``clients``) gets the
+  eager head for its forwards, with one warning naming it.
 
 The package: ``recognition`` (the reading of a forward's source, :func:`causal_lm_support`),
-``templates`` (the fixed spellings that reading accepts and the loss it must find), ``patch`` (the
-per-call machinery, the dispatcher, the opt-in state); here the feature (its config, apply,
-report, revert).
+``templates`` (the fixed spellings that reading accepts and the loss it must find), ``clients``
+(Trainers that read the training logits), ``patch`` (the per-call machinery, the dispatcher, the
+opt-in state), ``trl`` (serving TRL's fused head); here the feature (its config, apply, report,
+revert).
 """
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ from ..base import CallCounts, Feature, FeatureConfig, FeatureReport
 from .patch import (_PATCHED_CLASSES, _STATE, _head_module, _own_state, _patch_class, _shard_text,  # noqa: F401
                     _state_from_cfg, _unfused_reason, _unpatch_class, _vocab_shard, fused_state, is_patched)
 from .recognition import _analyze, _is_lm_candidate, causal_lm_support  # noqa: F401
+from . import trl
 
 
 class LinearCrossEntropyConfig(FeatureConfig):
@@ -83,6 +91,16 @@ class LinearCrossEntropyConfig(FeatureConfig):
 
 
 
+def _trl_options(cfg) -> dict:
+    """The section's options that serving TRL's head takes (TRL defines its loss: no z-loss or
+    smoothing, ignore index -100)."""
+    import torch
+
+    return {"chunk_tokens": None if cfg.chunk_tokens == "auto" else int(cfg.chunk_tokens),
+            "accum_dtype": torch.float32 if cfg.accum_dtype == "fp32" else None,
+            "validate_targets": bool(cfg.validate_targets)}
+
+
 class LinearCrossEntropyFeature(Feature):
     name = "linear_cross_entropy"
     config_model = LinearCrossEntropyConfig
@@ -94,10 +112,13 @@ class LinearCrossEntropyFeature(Feature):
 
     def apply(self, model, engine, cfg):
         report = FeatureReport(name=self.name, enabled=True)
-        plans, skipped = [], {}
+        plans, skipped, trl_models = [], {}, []
         for name, m in model.named_modules():
             cls = type(m)
             if is_patched(m) or not _is_lm_candidate(m):
+                continue
+            if trl.trl_forward_of(m) is not None:  # TRL's fused head: its flagged calls are served
+                trl_models.append((name, m))
                 continue
             ok, why = causal_lm_support(cls)
             if ok:
@@ -114,6 +135,9 @@ class LinearCrossEntropyFeature(Feature):
         # Mutate only after every check passed (nothing below can fail half-way).
         counts: dict = {}
         calls = CallCounts()
+        served = trl.apply_trl(trl_models, calls, _trl_options(cfg), skipped)
+        for cls_name, n in served.items():
+            counts[f"{cls_name} (TRL fused LM head served)"] = n
         for name, m, spec in plans:
             _patch_class(type(m))
             st = _state_from_cfg(spec, cfg)
@@ -147,13 +171,16 @@ class LinearCrossEntropyFeature(Feature):
                 "; " + "; ".join(f"{c}: {w}" for c, w in skipped.items()) if skipped else "")
         elif skipped:
             report.reason = "skipped " + "; ".join(f"{c}: {w}" for c, w in skipped.items())
-        if counts:
+        if counts:  # a TRL head added after this apply is served from the engine's next forward on
+            trl.install_late(model, engine, calls, _trl_options(cfg), served, skipped)
+            report.details["trl_served"] = served
+        if counts and len(served) < len(counts):
             note = "training forwards with labels return logits=None"
             report.reason = f"{report.reason}; {note}" if report.reason else note
         return report
 
     def revert(self, model):
-        n = 0
+        n = trl.revert_trl(model)
         for _, m in model.named_modules():
             st = _own_state(m)
             m.__dict__.pop(_STATE, None)
@@ -169,7 +196,8 @@ class LinearCrossEntropyFeature(Feature):
         return n
 
     def is_applied(self, model):
-        return any(is_patched(m) for m in model.modules())
+        return (any(is_patched(m) or trl.served(m) is not None for m in model.modules())
+                or trl.late_hook(model) is not None)
 
     def fallback(self, env):
         if env.triton_version is None:

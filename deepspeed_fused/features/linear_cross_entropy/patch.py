@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..base import CallCounts
+from .clients import logits_client
 from .recognition import _ORIG, HeadSpec, Unsupported, _analyze, blocked, locate, logit_transform
 from .templates import _causal_lm_loss
 
@@ -47,6 +48,7 @@ class _State:
     # fused and eager forwards since applied, shared by the instances patched in one apply (the report's)
     calls: CallCounts = dataclasses.field(default_factory=CallCounts, repr=False)
     warned_no_labels: bool = False
+    warned_clients: set = dataclasses.field(default_factory=set)
 
     def __deepcopy__(self, memo):
         import copy
@@ -408,6 +410,16 @@ def _make_dispatcher(orig):
                 st.warned_no_labels = True
                 _warn_no_labels(self, out)
             return out
+        client = logits_client(sys._getframe(1))
+        if client is not None:  # it reads the training logits: the eager head forms them
+            st.calls.eager += 1
+            if client not in st.warned_clients:
+                st.warned_clients.add(client)
+                warnings.warn(f"deepspeed_fused.linear_cross_entropy: {type(self).__name__}: not fused for {client}: "
+                              "it reads the outputs' logits in training, which the fused loss does not form; the "
+                              "eager head runs for its forwards (the [tokens, vocab] logits are materialized)",
+                              RuntimeWarning, stacklevel=2)
+            return orig(self, *args, **kwargs)
         why = _unfused_reason(self, st.spec)
         if why:
             st.calls.eager += 1

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from .base import CallCounts
+from ..base import CallCounts
 
 _SERVED = "_deepspeed_fused_trl"  # attribute of the serving function: its _Served record
 _EXTRA_BYTES = 256 << 20  # fp32 logits per chunk of the no-gradient pass (extra fields)
@@ -242,7 +242,7 @@ def _moe_aux_loss(model, head: TrlHead, backbone_outputs, attention_mask):
 def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
     """Per-token (log_probs, entropy or None, extras) of the labelled rows, by calling the head as
     a module with its forward swapped for the op (ZeRO-3's hooks gather a partitioned weight)."""
-    from ..ops.linear_cross_entropy import linear_cross_entropy
+    from ...ops.linear_cross_entropy import linear_cross_entropy
 
     temperature, softcap = op_transform(head)
     want_entropy = "entropy" in head.outputs
