@@ -189,7 +189,9 @@ def test_trl029_sft_reads_logits_runs_eager(tmp_path):
     repo = os.path.dirname(os.path.dirname(here))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, repo, os.path.dirname(here), here]),
            "TRITON_INTERPRET": "1"}
-    port = str(29600 + os.getpid() % 300)
+    from unit.common import _free_port
+
+    port = str(_free_port())
     r = subprocess.run([sys.executable, str(script), os.path.abspath(__file__), port, str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
