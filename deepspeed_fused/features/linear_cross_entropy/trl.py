@@ -214,7 +214,7 @@ def _warn_once(rec: _Served, model, why: str) -> None:
                       f"this call: {why}", RuntimeWarning, stacklevel=4)
 
 
-def _call_reason(model, lm_head, hidden) -> str:
+def _call_reason(lm_head) -> str:
     """Why this call keeps TRL's head ("" when the op serves it)."""
     if type(lm_head) is not torch.nn.Linear and type(lm_head).forward is not torch.nn.Linear.forward:
         return f"the output embedding is {type(lm_head).__name__}, not nn.Linear"
@@ -226,17 +226,21 @@ def _call_reason(model, lm_head, hidden) -> str:
     return ""
 
 
-def _moe_aux_loss(model, head: TrlHead, backbone_outputs, attention_mask):
-    """The load-balancing loss of the model's own family module (``load_balancing_loss_func``,
-    the one TRL uses), with the config's expert counts; None if the family has none."""
+def _aux_loss_of(model, head: TrlHead):
+    """(loss function, experts, experts per token) of the MoE load-balancing loss: the model's own
+    family module's ``load_balancing_loss_func`` (Mixtral's, which TRL uses and the MoE families
+    share) with the config's counts; or (None, why not)."""
     fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     tc = head.text_config
     num_experts = getattr(tc, "num_experts", None)
     if num_experts is None:
         num_experts = getattr(tc, "num_local_experts", None)
-    if fn is None or num_experts is None:
-        return None
-    return fn(backbone_outputs.router_logits, num_experts, tc.num_experts_per_tok, attention_mask)
+    top_k = getattr(tc, "num_experts_per_tok", None)
+    if fn is None:
+        return None, f"{type(model).__module__} has no load_balancing_loss_func for the MoE aux_loss"
+    if num_experts is None or top_k is None:
+        return None, "the config has no num_experts / num_experts_per_tok for the MoE aux_loss"
+    return (fn, num_experts, top_k), ""
 
 
 def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
@@ -286,11 +290,11 @@ def _serve(model, rec: _Served, args, kwargs, labels, shift_labels, num_items_in
     if getattr(head.text_config, "output_router_logits", False):
         kwargs.setdefault("output_router_logits", True)
     lm_head = model.get_output_embeddings()
-    why = _call_reason(model, lm_head, None)
+    why = _call_reason(lm_head)
     aux_needed = bool(kwargs.get("output_router_logits"))
-    if not why and aux_needed and getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func",
-                                          None) is None:
-        why = f"{type(model).__module__} has no load_balancing_loss_func for the MoE aux_loss"
+    aux = None
+    if not why and aux_needed:
+        aux, why = _aux_loss_of(model, head)
     if why:
         return None, why
     backbone_outputs = getattr(model, head.backbone_attr)(*args, **kwargs)
@@ -316,7 +320,8 @@ def _serve(model, rec: _Served, args, kwargs, labels, shift_labels, num_items_in
     loss = -log_probs.sum() / denom
     aux_loss = None
     if aux_needed:
-        aux_loss = _moe_aux_loss(model, head, backbone_outputs, kwargs.get("attention_mask"))
+        fn, num_experts, top_k = aux
+        aux_loss = fn(backbone_outputs.router_logits, num_experts, top_k, kwargs.get("attention_mask"))
         loss = loss + getattr(head.text_config, "router_aux_loss_coef", 0.0) * aux_loss
     out = head.output_class(loss=loss, label_mask=mask, aux_loss=aux_loss,
                             **{n: fields.get(n) for n in KNOWN_OUTPUTS})
