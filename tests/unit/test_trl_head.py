@@ -171,8 +171,9 @@ def test_tied_embeddings(interpret):
     _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
 
 
-def test_moe_aux_loss(interpret):
-    ref, ours = _models("qwen3-moe-tiny", device=interpret)
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny"])
+def test_moe_aux_loss(interpret, name):
+    ref, ours = _models(name, device=interpret)
     _add(ref, outputs=("log_probs", "entropy"))
     _serve(ours, outputs=("log_probs", "entropy"))
     ids, labels = _inputs(seed=10, device=interpret)
