@@ -22,7 +22,8 @@ _OP = "linear_cross_entropy"
 def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean", temperature=1.0,
                          return_entropy=False, return_lse=False, z_loss=0.0, label_smoothing=0.0, softcap=None,
                          accum_dtype=None, chunk_tokens=None, validate_targets=True, tp_group=None,
-                         vocab_start=None, sequence_parallel=False):
+                         vocab_start=None, sequence_parallel=False, return_mean_logits=False, return_is_top1=False,
+                         return_log_sum_sq=False):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing logits.
 
     Args:
@@ -79,10 +80,18 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             returns per-token outputs for the local shard ("mean"/"sum": the scalar over all
             the group's tokens, identical on every rank) and reduce-scatters dhidden instead
             of the all-reduce. Per-token outputs all-gather their upstream gradients in backward.
+        return_mean_logits / return_is_top1 / return_log_sum_sq: also return, per token and
+            without gradient, computed in the same pass as the loss statistics (the row kernel
+            or the fused GEMM's epilogue; one device only, not with a ``tp_group``):
+            ``mean_logits`` (fp32 mean over the vocabulary of the transformed logits z),
+            ``is_top1`` (bool: ``z.argmax(-1) == target``, torch's first index on ties and a NaN's
+            index on a row with NaN; False for ignored targets) and ``log_sum_sq_probs`` (fp32
+            ``logsumexp(2z) - 2 logsumexp(z)``). Asking for any makes the call take the per-token path.
 
     Returns:
-        ``loss`` alone, or the tuple ``(loss, entropy, lse)`` restricted to what was asked,
-        in that order (e.g. ``(loss, lse)`` with only ``return_lse``).
+        ``loss`` alone, or the tuple ``(loss, entropy, lse, mean_logits, is_top1,
+        log_sum_sq_probs)`` restricted to what was asked, in that order (e.g. ``(loss, lse)``
+        with only ``return_lse``).
 
     Note: the scalar-loss path ("mean"/"sum" without entropy/lse) forms the gradients in the
     forward and scales them in place in backward: do not backward through it twice.
@@ -91,7 +100,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction, temperature=temperature,
         return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss, label_smoothing=label_smoothing,
         softcap=softcap, accum_dtype=accum_dtype, chunk_tokens=chunk_tokens, validate_targets=validate_targets,
-        tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel, defer=True)
+        tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel,
+        return_mean_logits=return_mean_logits, return_is_top1=return_is_top1, return_log_sum_sq=return_log_sum_sq,
+        defer=True)
     M = h.shape[0]
     ok, reason = kernel_device_ok(hidden)
     if ok and hidden.dtype not in _KERNEL_DTYPES:

@@ -13,6 +13,7 @@ import torch
 
 from .group import tp_setup
 from .options import LCEOptions, LossOptions
+from .stats import EXTRA_MEAN, EXTRA_SQ, EXTRA_TOP1
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -126,7 +127,8 @@ class _ValueCheck:
 
 def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperature, return_entropy, return_lse,
             z_loss, label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start,
-            sequence_parallel, defer=False):
+            sequence_parallel, return_mean_logits=False, return_is_top1=False, return_log_sum_sq=False,
+            defer=False):
     """Check one call's arguments (those of :func:`.api.linear_cross_entropy`); returns
     ``(opts, h, t, temp, check)``: the call's :class:`.options.LCEOptions`, hidden as rows
     ``[M, H]``, target ``[M]``, the per-token temperature ``[M]`` or None, and ``check``: a started
@@ -142,6 +144,11 @@ def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperatur
     if sequence_parallel and tp is None:
         raise ValueError("linear_cross_entropy: `sequence_parallel=True` needs a `tp_group` of more than one rank "
                          "(hidden/target are then this rank's token shard of the group's sequence)")
+    extras = ((EXTRA_MEAN if return_mean_logits else 0) | (EXTRA_TOP1 if return_is_top1 else 0)
+              | (EXTRA_SQ if return_log_sum_sq else 0))
+    if extras and tp is not None:
+        raise ValueError("linear_cross_entropy: return_mean_logits / return_is_top1 / return_log_sum_sq are formed "
+                         "on one device only; they are not available with a `tp_group` of more than one rank")
     V, H = weight.shape
     check = None
     if validate_targets and target.numel() and tp is None:  # TP: checked against the global V after the gather
@@ -161,5 +168,6 @@ def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperatur
     opts = LCEOptions(loss, None if per_token else float(temperature), reduction,  # loss, temperature, reduction
                       bool(return_entropy), bool(return_lse),  # return_entropy, return_lse
                       chunk_tokens if isinstance(chunk_tokens, int) else None,  # chunk_tokens
-                      bool(validate_targets), tp, sequence_parallel)  # validate_targets, tp, sequence_parallel
+                      bool(validate_targets), tp, sequence_parallel,  # validate_targets, tp, sequence_parallel
+                      extras)  # extras
     return opts, h, t, temp, check

@@ -206,16 +206,18 @@ class _Upstream(NamedTuple):
                     g_lse=None if self.g_lse is None else self.g_lse[s:e])
 
 
-def _fused_stats(hidden, weight, bias, target, temp, loss, need_ent, vocab_start=0):
+def _fused_stats(hidden, weight, bias, target, temp, loss, need_ent, vocab_start=0, xt=None, extras=0):
     """The row statistics [M, 5] of ``weight``'s vocabulary rows (a TP shard from ``vocab_start``)
     from one fused GEMM, no logits in memory (:func:`.launch.gemm_stats`: Hopper, fp16/bf16),
     the logits taken as the backward's cuBLAS GEMM forms them; None where it cannot run or failed
-    (the caller then runs cuBLAS and the row kernel). ``loss``: the :class:`.options.LossOptions`."""
+    (the caller then runs cuBLAS and the row kernel). ``loss``: the :class:`.options.LossOptions`;
+    ``xt``/``extras``: the forward-only fields' statistics, see :func:`.launch.gemm_stats`."""
     if not gemm_stats_supported(hidden, weight):
         return None
     return gemm_stats(hidden, weight, bias, target, temp=temp, inv_temp=loss.inv_temp, softcap=loss.softcap,
                       ignore_index=loss.ignore_index, need_ent=need_ent, need_sumz=loss.smoothing != 0.0,
-                      fp32_logits=_fp32_logits_probed(hidden, weight, loss.softcap), vocab_start=vocab_start)
+                      fp32_logits=_fp32_logits_probed(hidden, weight, loss.softcap), vocab_start=vocab_start,
+                      xt=xt, extras=extras)
 
 
 def _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, base=0, total=None):

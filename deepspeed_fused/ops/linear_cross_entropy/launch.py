@@ -9,6 +9,7 @@ import torch
 
 from .._common import HAS_TRITON, cdiv, interpreter_active, next_power_of_2, sm_count
 from .kernels.row import _KERNEL_DTYPES
+from .stats import EXTRA_MEAN as _EXTRA_MEAN, EXTRA_SQ as _EXTRA_SQ, EXTRA_TOP1 as _EXTRA_TOP1
 
 if HAS_TRITON:
     from .kernels.gemm import _lce_gemm_grad_kernel, _lce_gemm_stats_kernel, _merge_tile_stats_kernel
@@ -29,7 +30,8 @@ def _row_config(V):
 
 def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0, smoothing=0.0,
                  ignore_index=-100, vocab_start=0, vocab_total=None, stats=None, lse=None, ent=None,
-                 g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None, out=None):
+                 g_loss=None, g_ent=None, g_lse=None, per_token=False, need_ent=False, merged=None, out=None,
+                 xt=None, extras=0):
     """Run the row kernel over the chunk ``x`` [rows, V] (contiguous rows).
 
     ``stats`` given: write partial statistics there. ``g_loss`` given: write dlogits to ``out``
@@ -51,6 +53,10 @@ def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0,
     if merge:
         assert grad and stats is None and g_ent is None and merged.dtype == torch.float32
         assert merged.shape[1:] == (n, 5) and merged.stride(1) == 5 and merged.stride(2) == 1
+    need_top, need_sq = bool(extras & _EXTRA_TOP1), bool(extras & _EXTRA_SQ)
+    if need_top or need_sq:
+        assert stats is not None and xt is not None and xt.shape == (n, 3) and xt.stride() == (3, 1)
+    xt = xt if (need_top or need_sq) else dummy
     _lce_rows_kernel[(n,)](
         x, x.stride(0), V, out, out.stride(0),
         target, ignore_index, vocab_start,
@@ -59,10 +65,11 @@ def _launch_rows(x, target, *, temp=None, inv_temp=1.0, softcap=0.0, z_loss=0.0,
         merged if merge else (stats if stats is not None else dummy), lse if lse is not None else dummy,
         ent if ent is not None else dummy, g_loss if grad else dummy,
         g_ent if g_ent is not None else dummy, g_lse if g_lse is not None else dummy,
-        merged.shape[0] if merge else 0, merged.stride(0) if merge else 0,
+        merged.shape[0] if merge else 0, merged.stride(0) if merge else 0, xt, xt.view(torch.int32),
         HAS_TEMP=temp is not None, HAS_CAP=bool(softcap), STATS=stats is not None, GRAD=grad,
         PER_TOKEN=per_token, HAS_GE=g_ent is not None, HAS_GS=g_lse is not None,
-        NEED_ENT=need_ent, NEED_SUMZ=smoothing != 0.0, MERGE=merge, BLOCK=block, num_warps=warps,
+        NEED_ENT=need_ent, NEED_SUMZ=smoothing != 0.0 or bool(extras & _EXTRA_MEAN), MERGE=merge,
+        NEED_TOP=need_top, NEED_SQ=need_sq, BLOCK=block, num_warps=warps,
     )
 
 
@@ -153,7 +160,7 @@ def _fused_failed(flag, which, path, e):
 
 
 def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap=0.0, ignore_index=-100,
-               need_ent=False, need_sumz=False, fp32_logits=False, vocab_start=0):
+               need_ent=False, need_sumz=False, fp32_logits=False, vocab_start=0, xt=None, extras=0):
     """Row statistics [M, 5] (fp32, as ``stats._finalize_stats`` reads them) of the logits
     ``hidden @ weight.T (+ bias)`` from the fused GEMM (``_lce_gemm_stats_kernel``) and a merge over
     its vocabulary tiles. The logits are taken as cuBLAS would write them: rounded to the input
@@ -161,7 +168,9 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     backward that recomputes them. ``weight`` may be a vocabulary shard starting at column
     ``vocab_start``: the target logit is then this shard's (0 for targets outside it), as the row
     kernel's partial statistics of a shard. None when the kernel failed (one warning; the caller
-    runs cuBLAS and the row kernel instead)."""
+    runs cuBLAS and the row kernel instead). ``extras`` (a mask of ``stats.EXTRA_*``): also the
+    forward-only fields' statistics into ``xt`` [M, 3] fp32, as the row kernel writes them (and the
+    sum of the logits for ``EXTRA_MEAN``)."""
     M, K = hidden.shape
     V = weight.shape[0]
     interp = interpreter_active()
@@ -169,7 +178,11 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     n_n = cdiv(V, BN)
     # token chunks so the per-tile partials stay within _GEMM_STATS_PART_BYTES (one chunk up to
     # M x V = 2^33 (bf16 sizes: 8192 x 1M vocabulary) with two fields)
-    nf = 2 + int(need_ent) + int(need_sumz)
+    need_sumz = need_sumz or bool(extras & _EXTRA_MEAN)
+    need_top, need_sq = bool(extras & _EXTRA_TOP1), bool(extras & _EXTRA_SQ)
+    if need_top or need_sq:
+        assert xt is not None and xt.shape == (M, 3) and xt.stride() == (3, 1) and xt.dtype == torch.float32
+    nf = 2 + int(need_ent) + int(need_sumz) + 2 * int(need_top) + int(need_sq)
     rows = max(BM, _GEMM_STATS_PART_BYTES // (n_n * 4 * nf) // BM * BM)
     rows = min(rows, M)
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -187,17 +200,24 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
                 e = min(M, s + rows)
                 n = e - s
                 m, d = bufs[0][:n_n * n].view(n_n, n), bufs[1][:n_n * n].view(n_n, n)
-                a = bufs[2][:n_n * n].view(n_n, n) if need_ent else m
-                sz = bufs[-1][:n_n * n].view(n_n, n) if need_sumz else m
+                fields = iter(bufs[2:])
+                a = next(fields)[:n_n * n].view(n_n, n) if need_ent else m
+                sz = next(fields)[:n_n * n].view(n_n, n) if need_sumz else m
+                bv = next(fields)[:n_n * n].view(n_n, n) if need_top else m
+                bi = next(fields)[:n_n * n].view(torch.int32).view(n_n, n) if need_top else m.view(torch.int32)
+                q = next(fields)[:n_n * n].view(n_n, n) if need_sq else m
+                xs = xt[s:e] if (need_top or need_sq) else stats[s:e]
                 h_desc = _TensorDescriptor.from_tensor(hidden[s:e], [BM, BK])
                 _COMPILED["stats"] = _lce_gemm_stats_kernel[(min(sms, cdiv(n, BM) * n_n),)](
                     h_desc, w_desc, bias if bias is not None else m, target[s:e], temp[s:e] if temp is not None else m,
-                    m, d, a, sz, zt[s:e], n, V, K, ignore_index, vocab_start, float(inv_temp), float(softcap or 1.0),
+                    m, d, a, sz, zt[s:e], bv, bi, q, n, V, K, ignore_index, vocab_start, float(inv_temp),
+                    float(softcap or 1.0),
                     ROUND=rnd, HAS_BIAS=bias is not None, HAS_TEMP=temp is not None, HAS_CAP=bool(softcap),
-                    NEED_ENT=need_ent, NEED_SUMZ=need_sumz, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
+                    NEED_ENT=need_ent, NEED_SUMZ=need_sumz, NEED_TOP=need_top, NEED_SQ=need_sq, SUBTILE=subtile, BM=BM, BN=BN, BK=BK, GROUP_M=group_m,
                     NUM_SMS=sms, num_stages=stages, num_warps=warps)
                 _merge_tile_stats_kernel[(cdiv(n, block),)](
-                    m, d, a, sz, zt[s:e], stats[s:e], n_n, n, NEED_ENT=need_ent, NEED_SUMZ=need_sumz, BLOCK=block,
+                    m, d, a, sz, zt[s:e], stats[s:e], n_n, n, bv, bi, q, xs, xs.view(torch.int32),
+                    NEED_ENT=need_ent, NEED_SUMZ=need_sumz, NEED_TOP=need_top, NEED_SQ=need_sq, BLOCK=block,
                     num_warps=1 if interp else 4)
     except torch.OutOfMemoryError:
         raise

@@ -57,6 +57,7 @@ class LCEOptions(NamedTuple):
     validate_targets: bool
     tp: Optional[object]  # the rank's ``group.TPInfo`` under a tp_group of more than one rank, else None
     sequence_parallel: bool
+    extras: int = 0  # the forward-only fields asked for: a mask of stats.EXTRA_MEAN / EXTRA_TOP1 / EXTRA_SQ
 
     @property
     def mean(self) -> bool:
@@ -64,6 +65,6 @@ class LCEOptions(NamedTuple):
 
     @property
     def scalar_loss(self) -> bool:
-        """A "mean"/"sum" loss alone (no entropy or lse returned): with gradients, the path that
-        forms them in the forward."""
-        return self.reduction != "none" and not (self.return_entropy or self.return_lse)
+        """A "mean"/"sum" loss alone (no entropy, lse or forward-only field returned): with
+        gradients, the path that forms them in the forward."""
+        return self.reduction != "none" and not (self.return_entropy or self.return_lse or self.extras)

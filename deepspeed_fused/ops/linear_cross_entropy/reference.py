@@ -13,13 +13,14 @@ import torch
 from .checks import prepare
 from .group import CopyToGroup, sp_gather, sp_local, stats_gather, tp_layout, tp_meta_rows
 from .sizing import _reference_chunk
-from .stats import _finalize_stats, _pack, merge_partial_stats
+from .stats import EXTRA_NAMES, _finalize_stats, _pack, merge_partial_stats
 
 
 def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
                                    temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
                                    label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
-                                   validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False):
+                                   validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False,
+                                   return_mean_logits=False, return_is_top1=False, return_log_sum_sq=False):
     """Plain torch version of :func:`.api.linear_cross_entropy` (same API and semantics).
 
     Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
@@ -34,7 +35,8 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
         hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction, temperature=temperature,
         return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss, label_smoothing=label_smoothing,
         softcap=softcap, accum_dtype=accum_dtype, chunk_tokens=chunk_tokens, validate_targets=validate_targets,
-        tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel)
+        tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel,
+        return_mean_logits=return_mean_logits, return_is_top1=return_is_top1, return_log_sum_sq=return_log_sum_sq)
     return run_reference(h, weight, bias, t, temp, opts, target.shape)
 
 
@@ -56,7 +58,28 @@ def run_reference(h, weight, bias, t, temp, opts, shape):
     else:
         chunk = _reference_chunk(opts.chunk_tokens, weight.shape[0], h.shape[0])
         loss_tok, lse, ent = _reference_impl(h, weight, bias, t, temp, opts, chunk)
-    return _pack(loss_tok, lse, ent, t != opts.loss.ignore_index, shape, opts)
+    extra = _reference_extras(h, weight, bias, t, temp, opts, chunk) if opts.extras else None
+    return _pack(loss_tok, lse, ent, t != opts.loss.ignore_index, shape, opts, extra)
+
+
+def _reference_extras(h, weight, bias, t, temp, opts, chunk):
+    """The forward-only fields (no gradient) from the transformed logits in plain torch:
+    ``z.mean(-1)``, ``z.argmax(-1) == t`` (False for ignored targets) and
+    ``logsumexp(2z) - 2 logsumexp(z)``, fp32 (float64 for float64 inputs)."""
+    names = [n for bit, n in EXTRA_NAMES if opts.extras & bit]
+    outs = {n: [] for n in names}
+    with torch.no_grad():
+        for s in range(0, max(h.shape[0], 1), chunk):
+            e = min(h.shape[0], s + chunk)
+            z = _ref_logits(h[s:e], weight, bias, None if temp is None else temp[s:e], opts)
+            if "mean_logits" in outs:
+                outs["mean_logits"].append(z.mean(-1))
+            if "is_top1" in outs:
+                ts = t[s:e]
+                outs["is_top1"].append((ts != opts.loss.ignore_index) & (z.argmax(-1) == ts))
+            if "log_sum_sq_probs" in outs:
+                outs["log_sum_sq_probs"].append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+    return {n: torch.cat(v) for n, v in outs.items()}
 
 
 def _ref_logits(h, weight, bias, temp, opts):

@@ -32,7 +32,8 @@ from .chunks import (_backward_vocab_chunks, _dhidden_into, _fused_stats, _logit
 from .options import LossOptions
 from .launch import _launch_rows
 from .sizing import _token_chunk, _vocab_chunk
-from .stats import _NSTAT, _finalize_stats, _pack, merge_partial_stats
+from .stats import (EXTRA_NAMES, EXTRA_TOP1, _NSTAT, _finalize_extras, _finalize_stats, _pack, merge_partial_extras,
+                    merge_partial_stats)
 
 
 def run_single(h, weight, bias, t, temp, opts, shape, check):
@@ -54,10 +55,21 @@ def run_single(h, weight, bias, t, temp, opts, shape, check):
             out = _FusedScalarLoss.apply(h, weight, t, bias, temp, loss, opts.mean, chunk, needs)
         return _finish(check, out)
     vchunk = _vocab_chunk(opts.chunk_tokens, chunk, V, h.dtype, M, loss.softcap, grads)
-    loss_tok, lse, ent = _lce_forward_op(h, weight, t, bias, temp, opts.return_entropy, chunk, vchunk,
-                                         *loss.to_args())
+    loss_tok, lse, ent, xf = _lce_forward_op(h, weight, t, bias, temp, opts.return_entropy, chunk, vchunk,
+                                             opts.extras, *loss.to_args())
     _finish(check)  # the targets were checked on the device while the kernels were queued
-    return _pack(loss_tok, lse, ent, t != loss.ignore_index, shape, opts)
+    return _pack(loss_tok, lse, ent, t != loss.ignore_index, shape, opts, _unpack_extras(xf, opts.extras))
+
+
+def _unpack_extras(xf, extras):
+    """The forward-only fields by name from the op's [3, M] fp32 output (is_top1 as 0/1)."""
+    if not extras:
+        return None
+    out = {}
+    for i, (bit, name) in enumerate(EXTRA_NAMES):
+        if extras & bit:
+            out[name] = xf[i] != 0 if bit == EXTRA_TOP1 else xf[i]
+    return out
 
 
 def _finish(check, out=None):
@@ -97,29 +109,43 @@ def _fused_impl(hidden, weight, target, bias, temp, loss, mean, chunk, needs):
     return out, dh, dw, db
 
 
-def _forward_impl(hidden, weight, target, bias, temp, loss, chunk, vchunk, need_ent):
-    """Per-token (loss, lse, entropy) in fp32; one GEMM: the fused GEMM with the statistics in its
-    epilogue where it runs (:func:`.launch.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and
+def _forward_impl(hidden, weight, target, bias, temp, loss, chunk, vchunk, need_ent, extras=0):
+    """Per-token (loss, lse, entropy, extras) in fp32; one GEMM: the fused GEMM with the statistics in
+    its epilogue where it runs (:func:`.launch.gemm_stats`: Hopper, fp16/bf16), else cuBLAS and
     the row kernel over token chunks of ``chunk`` rows or, with ``vchunk`` > 0, vocabulary chunks
-    of that many columns (partial statistics per chunk, merged)."""
+    of that many columns (partial statistics per chunk, merged). ``extras`` (a mask of
+    ``stats.EXTRA_*``): the forward-only fields, formed in the same pass, as [3, M] fp32 rows
+    (mean_logits, is_top1 as 0/1, log_sum_sq_probs; those not asked for unwritten), else empty."""
     M = hidden.shape[0]
     V = weight.shape[0]
-    stats = _fused_stats(hidden, weight, bias, target, temp, loss, need_ent)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    xt = torch.empty((M, 3), **f32) if extras else None
+    stats = _fused_stats(hidden, weight, bias, target, temp, loss, need_ent, xt=xt, extras=extras)
     if stats is None and vchunk:
         n_v = -(-V // vchunk)
-        parts = torch.empty((n_v, M, _NSTAT), dtype=torch.float32, device=hidden.device)
+        parts = torch.empty((n_v, M, _NSTAT), **f32)
+        xparts = torch.empty((n_v, M, 3), **f32) if extras else None
         kw = loss.kernel_kw(temp)
         for j, (v0, _, x, _) in enumerate(_vocab_chunks(hidden, weight, bias, vchunk, loss.softcap, False)):
-            _launch_rows(x, target, stats=parts[j], need_ent=need_ent, vocab_start=v0, vocab_total=V, **kw)
+            _launch_rows(x, target, stats=parts[j], need_ent=need_ent, vocab_start=v0, vocab_total=V,
+                         xt=None if xparts is None else xparts[j], extras=extras, **kw)
         stats = merge_partial_stats(parts) if n_v > 1 else parts[0]
+        if extras:
+            xt = merge_partial_extras(parts, xparts) if n_v > 1 else xparts[0]
     elif stats is None:
-        stats = torch.empty((M, _NSTAT), dtype=torch.float32, device=hidden.device)
+        stats = torch.empty((M, _NSTAT), **f32)
         for s, e, x, _, _ in _logit_chunks(hidden, weight, bias, chunk, loss.softcap, False):
-            _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent,
-                         **loss.kernel_kw(None if temp is None else temp[s:e]))
+            _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent, xt=None if xt is None else xt[s:e],
+                         extras=extras, **loss.kernel_kw(None if temp is None else temp[s:e]))
     valid = target != loss.ignore_index
     loss_tok, lse, ent = _finalize_stats(stats, valid, V, loss.z_loss, loss.smoothing, need_ent)
-    return loss_tok, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32)
+    xf = hidden.new_empty(0, dtype=torch.float32)
+    if extras:
+        xf = torch.zeros((3, M), **f32)
+        for i, (bit, name) in enumerate(EXTRA_NAMES):
+            if extras & bit:
+                xf[i] = _finalize_extras(stats, xt, target, valid, V, bit)[name]
+    return loss_tok, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32), xf
 
 
 def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, needs):
@@ -231,17 +257,19 @@ class _FusedScalarLoss(torch.autograd.Function):
         return dh, dw, None, db, None, None, None, None, None
 
 
-@_custom_op("lce_forward", f"{_TENSORS}, bool need_ent, SymInt chunk, SymInt vchunk", "(Tensor, Tensor, Tensor)")
-def _lce_forward_op(hidden, weight, target, bias, temp, need_ent, chunk, vchunk, *loss_args):
+@_custom_op("lce_forward", f"{_TENSORS}, bool need_ent, SymInt chunk, SymInt vchunk, int extras",
+            "(Tensor, Tensor, Tensor, Tensor)")
+def _lce_forward_op(hidden, weight, target, bias, temp, need_ent, chunk, vchunk, extras, *loss_args):
     return _forward_impl(hidden, weight, target, bias, temp, LossOptions.from_args(*loss_args), chunk, vchunk,
-                         need_ent)
+                         need_ent, extras)
 
 
 @_lce_forward_op.register_fake
-def _(hidden, weight, target, bias, temp, need_ent, chunk, vchunk, *loss_args):
+def _(hidden, weight, target, bias, temp, need_ent, chunk, vchunk, extras, *loss_args):
     M = hidden.shape[0]
     f = dict(dtype=torch.float32)
-    return hidden.new_empty(M, **f), hidden.new_empty(M, **f), hidden.new_empty(M if need_ent else 0, **f)
+    return (hidden.new_empty(M, **f), hidden.new_empty(M, **f), hidden.new_empty(M if need_ent else 0, **f),
+            hidden.new_empty((3, M) if extras else (0,), **f))
 
 
 @_custom_op("lce_backward", f"{_TENSORS}, Tensor lse, Tensor ent, Tensor? g_loss, Tensor? g_ent, Tensor? g_lse, "
@@ -265,8 +293,9 @@ def _(hidden, weight, target, bias, temp, lse, ent, g_loss, g_ent, g_lse, chunk,
 
 
 def _forward_setup(ctx, inputs, output):
-    hidden, weight, target, bias, temp, need_ent, chunk, vchunk, *loss_args = inputs
-    _, lse, ent = output
+    hidden, weight, target, bias, temp, need_ent, chunk, vchunk, _extras, *loss_args = inputs
+    _, lse, ent, xf = output
+    ctx.mark_non_differentiable(xf)
     ctx.n_inputs = len(inputs)
     ctx.has_bias = bias is not None
     ctx.need_ent = need_ent
@@ -275,7 +304,7 @@ def _forward_setup(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, target, bias, temp, lse, ent)
 
 
-def _forward_backward(ctx, g_loss, g_lse, g_ent):
+def _forward_backward(ctx, g_loss, g_lse, g_ent, _g_extras):
     hidden, weight, target, bias, temp, lse, ent = ctx.saved_tensors
     need_dh, need_dw, _, need_db = ctx.needs_input_grad[:4]
     if not (need_dh or need_dw or need_db):

@@ -66,7 +66,7 @@ if HAS_TRITON:
     def _tile_part_stats(acc, offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
                          ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
                          HAS_CAP: tl.constexpr, NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr,
-                         W: tl.constexpr):
+                         NEED_TOP: tl.constexpr, NEED_SQ: tl.constexpr, W: tl.constexpr):
         # (max, sum exp, entropy term, sum z, target z) per row of one accumulator block (W columns
         # from n0; lt: each row's target column relative to n0, int32, -1 for none), from the
         # logits as the row kernel would read them: (acc + bias) rounded to the input dtype as
@@ -93,7 +93,39 @@ if HAS_TRITON:
         # int32 compares against the block's own column numbers: no int64 tile, no second reduction
         # for whether the block holds the target (the caller checks lt's range)
         zt = tl.sum(tl.where(lt[:, None] == cols[None, :], z, 0.0), axis=1)
-        return m, d, a, sz, zt
+        if NEED_TOP:
+            # torch.argmax's choice within the block: the first NaN, else the first largest value
+            # (bv NaN marks a NaN); columns past the vocabulary are -inf and never chosen first
+            isnan = z != z
+            nan_i = tl.min(tl.where(isnan, cols[None, :], W), axis=1)
+            zz = tl.where(isnan, float("-inf"), z)
+            bmax = tl.max(zz, axis=1)
+            bi = tl.min(tl.where((zz == bmax[:, None]) & cmask, cols[None, :], W), axis=1)
+            bv = tl.where(nan_i < W, float("nan"), bmax)
+            bi = tl.where(nan_i < W, nan_i, bi) + n0
+        else:
+            bv = tl.zeros_like(d)
+            bi = tl.zeros_like(lt)
+        if NEED_SQ:
+            q = tl.sum(e * e, axis=1)
+        else:
+            q = tl.zeros_like(d)
+        return m, d, a, sz, zt, bv, bi, q
+
+    @triton.jit
+    def _combine_top(v0, i0, v1, i1):
+        # two blocks' (largest value or NaN, its first index) of the same rows, the second block
+        # after the first: the first NaN, else the larger value, the first block's on ties
+        take1 = (v0 == v0) & ((v1 != v1) | (v1 > v0))
+        return tl.where(take1, v1, v0), tl.where(take1, i1, i0)
+
+    @triton.jit
+    def _combine_sq(m0, q0, m1, q1):
+        # two blocks' sum exp(2(z - m)) of the same rows, to the larger max
+        m = tl.maximum(m0, m1)
+        s0 = tl.exp(m0 - m)
+        s1 = tl.exp(m1 - m)
+        return q0 * s0 * s0 + q1 * s1 * s1
 
     @triton.jit
     def _combine_stats(m0, d0, a0, m1, d1, a1):
@@ -105,10 +137,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _lce_gemm_stats_kernel(
-        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, M, V, K,
-        ignore_index, vocab_start, inv_temp, cap,
+        h_desc, w_desc, bias_ptr, tgt_ptr, temp_ptr, m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, bv_ptr, bi_ptr, q_ptr,
+        M, V, K, ignore_index, vocab_start, inv_temp, cap,
         ROUND: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr,
-        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, SUBTILE: tl.constexpr, BM: tl.constexpr,
+        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, NEED_TOP: tl.constexpr, NEED_SQ: tl.constexpr,
+        SUBTILE: tl.constexpr, BM: tl.constexpr,
         BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     ):
         """The logits GEMM with the row statistics in its epilogue: persistent programs walk the
@@ -116,7 +149,9 @@ if HAS_TRITON:
         the tile's partial statistics per row (the row kernel's, over the tile's BN vocabulary
         columns), written field by field to ``m_ptr``, ``d_ptr`` (and ``a_ptr``, ``sz_ptr`` when
         needed), each [V tiles, M]; the target logit goes to ``zt_ptr`` [M] from the one tile
-        that holds it. The logits never reach memory. TMA descriptors load the operands
+        that holds it. NEED_TOP / NEED_SQ: per tile also the largest logit (NaN if any), its first
+        column in the whole vocabulary (``bi_ptr``, int32) and ``sum exp(2(z-m))`` (``q_ptr``),
+        each [V tiles, M]. The logits never reach memory. TMA descriptors load the operands
         (zero-filled past the edges). SUBTILE 2: the epilogue takes the tile in two column
         halves (fewer registers live at once)."""
         start = tl.program_id(0)
@@ -138,19 +173,23 @@ if HAS_TRITON:
             lt = tl.where(inside, t - c0, -1).to(tl.int32)
             if SUBTILE == 2:
                 halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-                m, d, a_, sz, zt = _tile_part_stats(
+                m, d, a_, sz, zt, bv, bi, q = _tile_part_stats(
                     halves[0], offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
-                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN // 2)
-                m1, d1, a1, sz1, zt1 = _tile_part_stats(
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, NEED_TOP, NEED_SQ, BN // 2)
+                m1, d1, a1, sz1, zt1, bv1, bi1, q1 = _tile_part_stats(
                     halves[1], offs_m, n0 + BN // 2, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt - BN // 2,
-                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN // 2)
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, NEED_TOP, NEED_SQ, BN // 2)
+                if NEED_TOP:
+                    bv, bi = _combine_top(bv, bi, bv1, bi1)
+                if NEED_SQ:
+                    q = _combine_sq(m, q, m1, q1)
                 m, d, a_ = _combine_stats(m, d, a_, m1, d1, a1)
                 sz += sz1
                 zt += zt1
             else:
-                m, d, a_, sz, zt = _tile_part_stats(
+                m, d, a_, sz, zt, bv, bi, q = _tile_part_stats(
                     acc, offs_m, n0, rmask, V, bias_ptr, temp_ptr, inv_temp, cap, lt,
-                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, BN)
+                    ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP, NEED_ENT, NEED_SUMZ, NEED_TOP, NEED_SQ, BN)
             o = pid_n.to(tl.int64) * M + offs_m
             tl.store(m_ptr + o, m, mask=rmask)
             tl.store(d_ptr + o, d, mask=rmask)
@@ -158,19 +197,36 @@ if HAS_TRITON:
                 tl.store(a_ptr + o, a_, mask=rmask)
             if NEED_SUMZ:
                 tl.store(sz_ptr + o, sz, mask=rmask)
+            if NEED_TOP:
+                tl.store(bv_ptr + o, bv, mask=rmask)
+                tl.store(bi_ptr + o, (bi + vocab_start).to(tl.int32), mask=rmask)
+            if NEED_SQ:
+                tl.store(q_ptr + o, q, mask=rmask)
             tl.store(zt_ptr + offs_m, zt, mask=rmask & inside)
 
     @triton.jit
     def _merge_tile_stats_kernel(m_ptr, d_ptr, a_ptr, sz_ptr, zt_ptr, out_ptr, n_tiles, M,
-                                 NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, BLOCK: tl.constexpr):
+                                 bv_ptr, bi_ptr, q_ptr, xt_ptr, xi_ptr,
+                                 NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, NEED_TOP: tl.constexpr,
+                                 NEED_SQ: tl.constexpr, BLOCK: tl.constexpr):
         """Merge the fused GEMM's per-tile statistics ([n_tiles, M] per field) into the row
-        statistics [M, 5] that ``stats._finalize_stats`` reads, in tile order."""
+        statistics [M, 5] that ``stats._finalize_stats`` reads, in tile order; with NEED_TOP /
+        NEED_SQ also the extra statistics [M, 3] at ``xt_ptr`` (``xi_ptr``: the same memory as
+        int32), as the row kernel writes them."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < M
         m = tl.full((BLOCK,), -1e30, tl.float32)
         d = tl.zeros((BLOCK,), tl.float32)
         a = tl.zeros((BLOCK,), tl.float32)
         sz = tl.zeros((BLOCK,), tl.float32)
+        q = tl.zeros((BLOCK,), tl.float32)
+        # tile 0 always holds vocabulary columns: it starts the (value, index) pair
+        if NEED_TOP:
+            bv = tl.load(bv_ptr + offs, mask=mask, other=0.0)
+            bi = tl.load(bi_ptr + offs, mask=mask, other=0)
+        else:
+            bv = tl.zeros((BLOCK,), tl.float32)
+            bi = tl.zeros((BLOCK,), tl.int32)
         for r in range(0, n_tiles):
             o = r * M + offs
             m_r = tl.load(m_ptr + o, mask=mask, other=0.0)
@@ -179,6 +235,11 @@ if HAS_TRITON:
                 a_r = tl.load(a_ptr + o, mask=mask, other=0.0)
             else:
                 a_r = tl.zeros_like(d_r)
+            if NEED_TOP:
+                bv, bi = _combine_top(bv, bi, tl.load(bv_ptr + o, mask=mask, other=0.0),
+                                      tl.load(bi_ptr + o, mask=mask, other=0))
+            if NEED_SQ:
+                q = _combine_sq(m, q, m_r, tl.load(q_ptr + o, mask=mask, other=0.0))
             m, d, a = _combine_stats(m, d, a, m_r, d_r, a_r)
             if NEED_SUMZ:
                 sz += tl.load(sz_ptr + o, mask=mask, other=0.0)
@@ -188,6 +249,12 @@ if HAS_TRITON:
         tl.store(p + 2, a if NEED_ENT else tl.zeros_like(a), mask=mask)
         tl.store(p + 3, sz, mask=mask)
         tl.store(p + 4, tl.load(zt_ptr + offs, mask=mask, other=0.0), mask=mask)
+        x = offs.to(tl.int64) * 3
+        if NEED_TOP:
+            tl.store(xt_ptr + x, bv, mask=mask)
+            tl.store(xi_ptr + x + 1, bi, mask=mask)
+        if NEED_SQ:
+            tl.store(xt_ptr + x + 2, q, mask=mask)
 
 
 if HAS_TRITON:

@@ -40,14 +40,32 @@ if HAS_TRITON:
         return z
 
     @triton.jit
+    def _first_max_update(z, cols, V, best, best_i, first):
+        # torch.argmax's choice over the columns seen so far, one more block ``z`` (columns
+        # ``cols``, those >= V set to -inf) taken in: the first NaN if any, else the first of
+        # the largest values (a later block replaces the running one only when strictly larger)
+        isnan = z != z
+        nan_i = tl.min(tl.where(isnan, cols, V), axis=0)
+        zz = tl.where(isnan, float("-inf"), z)
+        bmax = tl.max(zz, axis=0)
+        bi = tl.min(tl.where((zz == bmax) & (cols < V), cols, V), axis=0)
+        seen_nan = best != best
+        take_nan = (nan_i < V) & ~seen_nan
+        take = ~seen_nan & ((bmax > best) | first)
+        best_i = tl.where(take_nan, nan_i, tl.where(take, bi, best_i))
+        best = tl.where(take_nan, float("nan"), tl.where(take, bmax, best))
+        return best, best_i
+
+    @triton.jit
     def _lce_rows_kernel(
         x_ptr, stride_x, V, g_ptr, stride_g,
         tgt_ptr, ignore_index, vocab_start,
         temp_ptr, inv_temp, cap, z_loss, smooth, inv_vocab_total,
-        stat_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr, n_shard, shard_stride,
+        stat_ptr, lse_ptr, ent_ptr, gl_ptr, ge_ptr, gs_ptr, n_shard, shard_stride, xt_ptr, xi_ptr,
         HAS_TEMP: tl.constexpr, HAS_CAP: tl.constexpr, STATS: tl.constexpr, GRAD: tl.constexpr,
         PER_TOKEN: tl.constexpr, HAS_GE: tl.constexpr, HAS_GS: tl.constexpr,
-        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, MERGE: tl.constexpr, BLOCK: tl.constexpr,
+        NEED_ENT: tl.constexpr, NEED_SUMZ: tl.constexpr, MERGE: tl.constexpr, NEED_TOP: tl.constexpr,
+        NEED_SQ: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """One program per row of the logits chunk ``x`` [rows, V].
 
@@ -59,6 +77,10 @@ if HAS_TRITON:
         from the partial statistics of ``n_shard`` vocabulary shards at ``stat_ptr``
         ([n_shard, rows, 5], ``shard_stride`` elements apart). PER_TOKEN: loss upstream
         gradient per row from ``gl_ptr``; else ``gl_ptr[0]`` for every valid row.
+        With STATS, the forward-only extras (see :mod:`..stats`) to ``xt_ptr`` [rows, 3] fp32
+        (``xi_ptr``: the same memory as int32): NEED_TOP: the row's largest logit (NaN if it has
+        a NaN) at column 0 and its first index in the whole vocabulary (the first NaN's if any:
+        ``torch.argmax``'s choice) as int32 at column 1; NEED_SQ: ``sum exp(2(z-m))`` at column 2.
         """
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
@@ -78,6 +100,9 @@ if HAS_TRITON:
             d = 0.0
             a = 0.0
             sz = 0.0
+            q = 0.0
+            best = float("-inf")  # the largest logit so far (NaN once a NaN is seen)
+            best_i = 0  # its first column
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 mask = cols < V
@@ -85,11 +110,15 @@ if HAS_TRITON:
                 if NEED_SUMZ:
                     sz += tl.sum(tl.where(mask, z, 0.0), axis=0)
                 z = tl.where(mask, z, float("-inf"))
+                if NEED_TOP:
+                    best, best_i = _first_max_update(z, cols, V, best, best_i, start == 0)
                 m_new = tl.maximum(m, tl.max(z, axis=0))
                 e = tl.exp(z - m_new)
                 alpha = tl.exp(m - m_new)
                 if NEED_ENT:
                     a = alpha * (a + (m - m_new) * d) + tl.sum(e * tl.where(mask, z - m_new, 0.0), axis=0)
+                if NEED_SQ:
+                    q = q * alpha * alpha + tl.sum(e * e, axis=0)
                 d = d * alpha + tl.sum(e, axis=0)
                 m = m_new
             zt = tl.load(x_row + lt).to(tl.float32) * inv_t
@@ -102,6 +131,11 @@ if HAS_TRITON:
             tl.store(sp + 2, a)
             tl.store(sp + 3, sz)
             tl.store(sp + 4, zt)
+            if NEED_TOP:
+                tl.store(xt_ptr + row * 3, best)
+                tl.store(xi_ptr + row * 3 + 1, (best_i + vocab_start).to(tl.int32))
+            if NEED_SQ:
+                tl.store(xt_ptr + row * 3 + 2, q)
             lse = m + tl.log(d)
             s_pz = m + a / d
         if GRAD:
