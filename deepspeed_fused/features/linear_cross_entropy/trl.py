@@ -21,9 +21,12 @@ another field keeps its own head, and the feature's report says which.
 
 TRL's transform of the logits ``x`` is ``softcap(x * scale) / temperature``; the op's is
 ``softcap'(x / temperature')``. They are the same function with ``temperature' = temperature /
-scale`` and ``softcap' = softcap / temperature`` (a positive scale). Fields the op does not form
-(``log_sum_sq_probs``, ``mean_logits``, ``is_top1``) come from a no-gradient pass over token
-chunks of the same transformed logits (at most ``_EXTRA_BYTES`` of fp32 logits at a time).
+scale`` and ``softcap' = softcap / temperature`` (a positive scale). The forward-only fields
+(``log_sum_sq_probs``, ``mean_logits``, ``is_top1``) are formed by the op in the same pass as the
+log-probs (``return_log_sum_sq`` / ``return_mean_logits`` / ``return_is_top1``); only where the op
+cannot form them (options with a ``tp_group``: it forms them on one device only) do they come
+from :func:`extra_fields`, a no-gradient pass over token chunks of the same transformed logits (at
+most ``_EXTRA_BYTES`` of fp32 logits at a time).
 """
 from __future__ import annotations
 
@@ -53,6 +56,9 @@ KNOWN_FIELDS = ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits
                 "aux_loss")
 KNOWN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _EXTRA = ("log_sum_sq_probs", "mean_logits", "is_top1")
+# the op's keyword (after ``return_``) for each, and the order it returns them in
+_OP_FLAG = {"log_sum_sq_probs": "log_sum_sq", "mean_logits": "mean_logits", "is_top1": "is_top1"}
+_OP_ORDER = ("mean_logits", "is_top1", "log_sum_sq_probs")
 
 
 def _trl_utils():
@@ -169,7 +175,7 @@ def op_transform(head: TrlHead) -> tuple[float, Optional[float]]:
 
 
 # --------------------------------------------------------------------------------------------
-# The fields the op does not form: a no-gradient pass over token chunks.
+# The forward-only fields where the op cannot form them: a no-gradient pass over token chunks.
 
 
 def extra_fields(hidden, weight, bias, target, temperature, softcap, which) -> dict:
@@ -252,6 +258,10 @@ def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
     want_entropy = "entropy" in head.outputs
     extras = tuple(o for o in _EXTRA if o in head.outputs)
     result = {}
+    # the op forms the fields in its own pass, on one device; over a tensor-parallel group the
+    # extra pass forms them instead
+    in_op = extras if rec.options.get("tp_group") is None else ()
+    flags = {"return_" + _OP_FLAG[o]: True for o in in_op}
 
     def op_forward(h):
         w, b = lm_head.weight, lm_head.bias
@@ -268,8 +278,13 @@ def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
         with torch.autocast(h.device.type, enabled=False):
             out = linear_cross_entropy(h, w, target, bias=b, ignore_index=-100, reduction="none",
                                        temperature=temperature, softcap=softcap, return_entropy=want_entropy,
-                                       **rec.options)
-            if extras:
+                                       **flags, **rec.options)
+            if in_op:  # the op's order: (loss, entropy, mean_logits, is_top1, log_sum_sq_probs)
+                names = [n for n in _OP_ORDER if n in in_op]
+                result.update(zip(names, out[len(out) - len(names):]))
+                out = out[:len(out) - len(names)]
+                out = out[0] if len(out) == 1 else out
+            elif extras:
                 result.update(extra_fields(h.detach(), w.detach(), None if b is None else b.detach(), target,
                                            temperature, softcap, extras))
         return out
