@@ -180,7 +180,7 @@ def test_non_finite_logits(interpret, monkeypatch, path):
     _force_path(monkeypatch, path, V)
     h, w, _, _ = _inputs(M, H, V, torch.float32, seed=5, bias=False)
     b = torch.zeros(V)
-    b[[40, 120]] = float("nan") if path != "vocab_chunks" else float("nan")
+    b[[40, 120]] = float("nan")
     t = torch.tensor([40, 120, 0, 40, -100, 7, 40, 120])
     z = _z(h, w, b, 1.0, None)
     out = linear_cross_entropy(h, w, t, bias=b, reduction="none", **FIELDS)
@@ -195,6 +195,14 @@ def test_non_finite_logits(interpret, monkeypatch, path):
     assert torch.equal(out[2], e_top1) and out[2][[0, 3, 6]].all() and not out[2][[1, 7]].any()
     assert torch.equal(out[1].double(), e_mean)  # inf
     assert torch.equal(torch.isnan(out[3]), torch.isnan(e_sq))
+    # +inf before a NaN (another tile, block or vocabulary chunk): the NaN is eager's argmax
+    b = torch.zeros(V)
+    b[10] = float("inf")
+    b[V - 7] = float("nan")
+    t = torch.tensor([10, V - 7, 0, 10, -100, V - 7, 10, 1])
+    z = _z(h, w, b, 1.0, None)
+    out = linear_cross_entropy(h, w, t, bias=b, reduction="none", **FIELDS)
+    assert torch.equal(out[2], (t != -100) & (z.argmax(-1) == t)) and out[2][[1, 5]].all() and not out[2][0]
     # a NaN in one row only (a NaN hidden state): that row NaN, the others finite and exact
     h2 = h.clone()
     h2[2, 3] = float("nan")
