@@ -13,8 +13,8 @@ the rows are forward+backward time and peak extra memory of
 * ``TRL ChunkedLogProbFunction``: TRL's kernel as its head calls it (only the labelled rows, TRL's
   vocabulary chunk), the gradient through the log-probs only;
 * ``ours: served head``: what the linear_cross_entropy feature runs for TRL's head (the labelled
-  rows; the op's per-token path for log-probs and entropy, and the no-gradient chunked pass for
-  is_top1 / mean_logits when asked);
+  rows; the op's per-token path for log-probs and entropy, with is_top1 / mean_logits formed in
+  the same pass when asked);
 * ``ours: op`` (the op on all rows with ignored targets): SFT on the mean-loss path (gradient formed
   in the forward, no per-token fields), GRPO/DPO per-token loss and entropy;
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from ..features.linear_cross_entropy.trl import extra_fields
 from ..ops.linear_cross_entropy import linear_cross_entropy
 from .common import measure
 
@@ -48,10 +47,11 @@ def _trl_fn():
 
 def _served(h, w, t, outputs):
     """The feature's computation for TRL's head on labelled rows: (log_probs, entropy, extras)."""
-    loss, ent = linear_cross_entropy(h, w, t, reduction="none", return_entropy=True)
-    extras = tuple(o for o in ("log_sum_sq_probs", "mean_logits", "is_top1") if o in outputs)
-    extra = extra_fields(h.detach(), w.detach(), None, t, 1.0, None, extras) if extras else {}
-    return -loss, ent, extra
+    names = [n for n in ("mean_logits", "is_top1", "log_sum_sq_probs") if n in outputs]  # the op's order
+    out = linear_cross_entropy(h, w, t, reduction="none", return_entropy=True,
+                               return_mean_logits="mean_logits" in names, return_is_top1="is_top1" in names,
+                               return_log_sum_sq="log_sum_sq_probs" in names)
+    return -out[0], out[1], dict(zip(names, out[2:]))
 
 
 def run(args) -> list:
