@@ -253,3 +253,17 @@ def test_no_fields_no_extra_work(interpret, monkeypatch):
     h, w, t, _ = _inputs(7, 24, 150, torch.float32, seed=7, bias=False)
     out = linear_cross_entropy(h, w, t, reduction="none", return_entropy=True)
     assert len(out) == 2 and seen == [("gemm", 0)]
+
+
+def test_fields_with_a_tp_group_raise(monkeypatch):
+    """Over a tensor-parallel group the fields are not formed: a ValueError naming them, before
+    anything runs (a group of one rank is the single-device op and forms them)."""
+    from deepspeed_fused.ops.linear_cross_entropy import checks
+
+    h, w, t, _ = _inputs(4, 8, 16, torch.float32, seed=8, bias=False)
+    monkeypatch.setattr(checks, "tp_setup", lambda group, start, V: object())
+    for kw in ({"return_is_top1": True}, {"return_mean_logits": True}, {"return_log_sum_sq": True}):
+        with pytest.raises(ValueError, match="return_mean_logits / return_is_top1 / return_log_sum_sq"):
+            linear_cross_entropy(h, w, t, reduction="none", **kw)
+        with pytest.raises(ValueError, match="tp_group"):
+            linear_cross_entropy_reference(h, w, t, reduction="none", **kw)

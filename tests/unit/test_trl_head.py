@@ -5,6 +5,7 @@ all-ignored micro-batch, soft cap, temperature, logit scale, bias, ``shift_label
 ``num_items_in_batch``, fp32 head, tied embeddings, the MoE aux loss and a PEFT model."""
 import copy
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -109,6 +110,35 @@ def test_all_fields_and_gradients_with_ignored_rows(interpret):
     ids, labels = _inputs(ignore=[(0, 1), (1, 8)], device=interpret)
     _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
     assert (calls.fused, calls.eager) == (1, 0)
+
+
+@pytest.mark.parametrize("outputs", [ALL, ("log_probs", "entropy", "is_top1"), ("log_probs", "mean_logits")])
+def test_forward_only_fields_come_from_the_op(interpret, monkeypatch, outputs):
+    """is_top1 / mean_logits / log_sum_sq_probs are the op's own (no extra logits pass), in any
+    subset TRL asks for; the extra pass runs only for an op given a tp_group."""
+    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api
+
+    def no_pass(*a, **k):
+        raise AssertionError("the extra logits pass ran")
+
+    monkeypatch.setattr(trl_head, "extra_fields", no_pass)
+    asked = []
+    real = lce_api.linear_cross_entropy
+
+    def spy(*a, **k):
+        asked.append(sorted(n for n, v in k.items() if n.startswith("return_") and v))
+        return real(*a, **k)
+
+    monkeypatch.setattr(lce_api, "linear_cross_entropy", spy)
+    monkeypatch.setattr(sys.modules["deepspeed_fused.ops.linear_cross_entropy"], "linear_cross_entropy", spy)
+    ref, ours = _models(bias=True, final_logit_softcapping=2.5, device=interpret)
+    _add(ref, outputs=outputs, temperature=0.7)
+    calls = _serve(ours, outputs=outputs, temperature=0.7)
+    ids, labels = _inputs(seed=5, ignore=[(0, 2)], device=interpret)
+    _compare(ref, ours, lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
+    want = {"entropy": "return_entropy", "is_top1": "return_is_top1", "mean_logits": "return_mean_logits",
+            "log_sum_sq_probs": "return_log_sum_sq"}
+    assert asked == [sorted(want[o] for o in outputs if o in want)] and (calls.fused, calls.eager) == (1, 0)
 
 
 def test_softcap_temperature_logit_scale_bias(interpret):
