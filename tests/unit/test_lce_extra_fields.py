@@ -267,3 +267,25 @@ def test_fields_with_a_tp_group_raise(monkeypatch):
             linear_cross_entropy(h, w, t, reduction="none", **kw)
         with pytest.raises(ValueError, match="tp_group"):
             linear_cross_entropy_reference(h, w, t, reduction="none", **kw)
+
+
+def test_torch_compile_with_fields(interpret):
+    """The fields through torch.compile (the per-token custom op, fullgraph): the same values as
+    eager, and the loss and entropy gradients unchanged by them."""
+    h, w, t, _ = _inputs(11, 24, 37, torch.float32, seed=9, bias=False)
+
+    def f(h, w, t):
+        loss, ent, mean, top1, sq = linear_cross_entropy(h, w, t, reduction="none", return_entropy=True,
+                                                         validate_targets=False, **FIELDS)
+        return loss.sum() + 0.5 * ent.sum(), mean, top1, sq
+
+    res = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        total, mean, top1, sq = fn(hh, ww, t)
+        total.backward()
+        assert not (mean.requires_grad or sq.requires_grad)
+        res.append((total, mean, top1, sq, hh.grad, ww.grad))
+    for a, b in zip(*res):
+        assert torch.equal(a, b) if a.dtype == torch.bool else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    _check(res[0][:4], _z(h, w, None, 1.0, None), t)
