@@ -203,6 +203,13 @@ def test_non_finite_logits(interpret, monkeypatch, path):
     z = _z(h, w, b, 1.0, None)
     out = linear_cross_entropy(h, w, t, bias=b, reduction="none", **FIELDS)
     assert torch.equal(out[2], (t != -100) & (z.argmax(-1) == t)) and out[2][[1, 5]].all() and not out[2][0]
+    # +inf then a NaN in the same tile / block: the NaN
+    b = torch.zeros(V)
+    b[20], b[21] = float("inf"), float("nan")
+    t = torch.tensor([20, 21, 0, 21, -100, 20, 21, 1])
+    z = _z(h, w, b, 1.0, None)
+    out = linear_cross_entropy(h, w, t, bias=b, reduction="none", **FIELDS)
+    assert torch.equal(out[2], (t != -100) & (z.argmax(-1) == t)) and out[2][[1, 3, 6]].all() and not out[2][0]
     # a NaN in one row only (a NaN hidden state): that row NaN, the others finite and exact
     h2 = h.clone()
     h2[2, 3] = float("nan")

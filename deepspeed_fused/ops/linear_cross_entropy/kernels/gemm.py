@@ -95,14 +95,17 @@ if HAS_TRITON:
         zt = tl.sum(tl.where(lt[:, None] == cols[None, :], z, 0.0), axis=1)
         if NEED_TOP:
             # torch.argmax's choice within the block: the first NaN, else the first largest value
-            # (bv NaN marks a NaN); columns past the vocabulary are -inf and never chosen first
+            # (bv NaN marks a NaN). Two reductions: a NaN counts as +inf for the max, and among
+            # the columns at the max a NaN's key (its column) comes before any other's (column + W).
+            # Columns past the vocabulary are -inf and never chosen first.
             isnan = z != z
-            nan_i = tl.min(tl.where(isnan, cols[None, :], W), axis=1)
-            zz = tl.where(isnan, float("-inf"), z)
+            zz = tl.where(isnan, float("inf"), z)
             bmax = tl.max(zz, axis=1)
-            bi = tl.min(tl.where((zz == bmax[:, None]) & cmask, cols[None, :], W), axis=1)
-            bv = tl.where(nan_i < W, float("nan"), bmax)
-            bi = tl.where(nan_i < W, nan_i, bi) + n0
+            key = tl.min(tl.where((zz == bmax[:, None]) & cmask, cols[None, :] + tl.where(isnan, 0, W), 2 * W),
+                         axis=1)
+            has_nan = key < W
+            bv = tl.where(has_nan, float("nan"), bmax)
+            bi = tl.where(has_nan, key, key - W) + n0
         else:
             bv = tl.zeros_like(d)
             bi = tl.zeros_like(lt)
