@@ -7,7 +7,7 @@ from deepspeed_fused.config import ConfigError, parse_config
 from deepspeed_fused.docs import config_reference
 from deepspeed_fused.features.registry import all_features
 
-FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder"]
+FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder", "mlp_act"]
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
@@ -34,7 +34,7 @@ def test_every_feature_has_enabled_default_false():
 
 @pytest.mark.parametrize("section, path, expect", [
     ({"rms_norm": {"enabeld": True}}, "deepspeed_fused.rms_norm.enabeld", "allowed keys: enabled"),
-    ({"rms_nrom": {"enabled": True}}, "deepspeed_fused.rms_nrom", "allowed keys: linear_cross_entropy, moe_reorder"),
+    ({"rms_nrom": {"enabled": True}}, "deepspeed_fused.rms_nrom", "allowed keys: linear_cross_entropy, mlp_act, moe_reorder"),
     ({"linear_cross_entropy": {"enabled": True, "bogus": 1}}, "deepspeed_fused.linear_cross_entropy.bogus",
      "unknown key"),
     ({"moe_reorder": {"enable": True}}, "deepspeed_fused.moe_reorder.enable", "allowed keys"),

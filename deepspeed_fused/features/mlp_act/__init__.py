@@ -2,9 +2,9 @@
 
 What is recognised is the math of the module, never a class name. An MLP qualifies when its
 ``forward`` compiles to exactly one of the known gated forms (:mod:`.templates`: Llama's
-``down(act(gate(x)) * up(x))`` in its three spellings; one gate-up projection split by
-``chunk(2, -1)`` with the gate first, as Phi-3, GLM and Granite's shared MLP write it, or second,
-as Moonshine's decoder MLP does), whatever its attributes are named, and its activation is SiLU,
+``down(act(gate(x)) * up(x))`` in its three spellings and with a dropout module before ``down``
+(T5Gemma, GTE); one gate-up projection split by ``chunk(2, -1)`` with the gate first, as Phi-3,
+GLM and Granite's shared MLP write it, or second, as Moonshine's decoder MLP does), whatever its attributes are named, and its activation is SiLU,
 GELU with the tanh approximation or exact GELU as torch computes them (``torch.nn.SiLU``,
 ``torch.nn.GELU``, or a module whose forward compiles to ``nn.functional.silu(input)`` or to
 ``self.act(input)`` with ``act`` one of ``F.silu``, ``F.gelu``, ``partial(F.gelu,

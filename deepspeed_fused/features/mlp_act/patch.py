@@ -36,6 +36,7 @@ def _make_fused(form: Form):
 
     if layout == "split":
         gate_name, up_name = form.attr("gate"), form.attr("up")
+        drop_name = dict(form.roles).get("dropout")
 
         def fused(self, x):
             act_mod = getattr(self, act_name)
@@ -46,8 +47,12 @@ def _make_fused(form: Form):
             up = getattr(self, up_name)(x)
             ok, why = kernels_take(gate, up)
             if ok and gate.shape == up.shape:
-                return getattr(self, down_name)(mlp_act(gate, up, act)), ""
-            return getattr(self, down_name)(_eager_tail(act_mod, gate, up)), why or "gate and up of different shapes"
+                h, why = mlp_act(gate, up, act), ""
+            else:
+                h, why = _eager_tail(act_mod, gate, up), why or "gate and up of different shapes"
+            if drop_name is not None:
+                h = getattr(self, drop_name)(h)
+            return getattr(self, down_name)(h), why
     else:
         gu_name = form.attr("gate_up")
         gate_first = layout == "gate_up"

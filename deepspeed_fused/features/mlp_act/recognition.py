@@ -48,7 +48,8 @@ class Form:
     def describe(self) -> str:
         r = dict(self.roles)
         if self.layout == "split":
-            return f"{r['down']}({r['act']}({r['gate']}(x)) * {r['up']}(x))"
+            h = f"{r['act']}({r['gate']}(x)) * {r['up']}(x)"
+            return f"{r['down']}({r['dropout']}({h}))" if "dropout" in r else f"{r['down']}({h})"
         first, second = ("gate", "up") if self.layout == "gate_up" else ("up", "gate")
         return f"{r['down']}({r['act']}(gate) * up), {first}, {second} = {r['gate_up']}(x).chunk(2, -1)"
 
@@ -226,7 +227,8 @@ def coverage(module_names) -> list:
             if not (isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == mod.__name__
                     and name.endswith("MLP")):
                 continue
-            form = recognise(v.forward)
+            fwd = getattr(v.forward, "__ds_mlp_act__", (v.forward,))[0]  # the class's own forward when patched
+            form = recognise(fwd)
             rows.append((mod_name, name, form.describe(), "") if isinstance(form, Form) else (mod_name, name, None, form))
     return rows
 

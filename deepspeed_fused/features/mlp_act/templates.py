@@ -27,6 +27,13 @@ def _t_split_named(self, x):
     return self.down_proj(hidden_states)
 
 
+def _t_split_dropout(self, x):  # T5Gemma, GTE: the product dropped out before the down projection
+    hidden_states = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+    hidden_states = self.dropout(hidden_states)
+    down_proj = self.down_proj(hidden_states)
+    return down_proj
+
+
 def _t_fused_up_times_act(self, hidden_states):  # Phi-3, GLM, GLM-4
     up_states = self.gate_up_proj(hidden_states)
     gate, up_states = up_states.chunk(2, dim=-1)
@@ -55,6 +62,7 @@ FORMS = [
     (_t_split, "split", SPLIT_ROLES),
     (_t_split_return, "split", SPLIT_ROLES),
     (_t_split_named, "split", ("act", "gate", "up", "down")),
+    (_t_split_dropout, "split", ("act", "gate", "up", "dropout", "down")),
     (_t_fused_up_times_act, "gate_up", ("gate_up", "act", "down")),
     (_t_fused_indexed, "gate_up", ("gate_up", "act", "down")),
     (_t_fused_gate_second, "up_gate", ("gate_up", "act", "down")),
