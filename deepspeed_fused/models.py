@@ -40,6 +40,10 @@ MODELS = {
     "llama-tied-tiny": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=257,
                                             tie_word_embeddings=True)),
+    "gemma3-tiny": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                             vocab_size=257, sliding_window=16, tie_word_embeddings=True,
+                                             hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16)),
     # small: one GPU, quick
     "llama-small": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                                         num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)),
@@ -58,6 +62,21 @@ MODELS = {
                                                     num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
                                                     vocab_size=151936, output_router_logits=True,
                                                     router_aux_loss_coef=0.001)),
+    # the dense end-to-end pairs: full depth, the published shapes (random weights)
+    "llama-3.2-3b": ("LlamaConfig", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                         num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                                         vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True)),
+    "qwen3-1.7b": ("Qwen3Config", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                       vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen3-4b": ("Qwen3Config", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                     vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "gemma3-1b": ("Gemma3TextConfig", dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                           num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                           vocab_size=262144, sliding_window=512, query_pre_attn_scalar=256,
+                                           hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                                           max_position_embeddings=32768)),
 }
 
 

@@ -94,9 +94,11 @@ def micro_batches(step: int, accum: int, batch: int, args, world: int, rank: int
             for m in range(accum)]
 
 
-def apply_liger(model_name: str, swiglu: bool) -> str:
+def apply_liger(model_name: str, swiglu: bool, defaults: bool = False) -> str:
     """Liger-Kernel's patches for the model's type, before the model is built: RoPE, RMSNorm and
-    the fused linear cross-entropy; its SwiGLU/experts only with ``swiglu``. Returns a description."""
+    the fused linear cross-entropy; its SwiGLU/experts only with ``swiglu``; with ``defaults`` the
+    patch function's own defaults (``apply_liger_kernel_to_<family>()``: for the dense families
+    also its SwiGLU or GeGLU MLP). Returns a description."""
     from importlib.metadata import version
 
     from liger_kernel.transformers import monkey_patch
@@ -107,9 +109,25 @@ def apply_liger(model_name: str, swiglu: bool) -> str:
     fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if fn is None:
         raise SystemExit(f"liger-kernel {version('liger_kernel')} has no patch for {model_type}")
+    if defaults:
+        fn()
+        return f"liger-kernel {version('liger_kernel')}: {fn.__name__}() (its defaults)"
     kw = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, swiglu=swiglu)
     fn(**kw)
     return f"liger-kernel {version('liger_kernel')}: {fn.__name__}({', '.join(f'{k}={v}' for k, v in kw.items())})"
+
+
+def enable_grad_ckpt(model, mode: str) -> None:
+    """Hugging Face gradient checkpointing (``mode``: "off", "non-reentrant", "reentrant"): each
+    decoder layer's activations recomputed in the backward, through transformers' own
+    ``gradient_checkpointing_enable`` (``torch.utils.checkpoint`` with ``use_reentrant`` false or
+    true)."""
+    if mode == "off":
+        return
+    if mode not in ("non-reentrant", "reentrant"):
+        raise ValueError(f"grad_ckpt: expected off, non-reentrant or reentrant, got {mode!r}")
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
 
 
 def is_oom(e: BaseException) -> bool:
@@ -134,6 +152,11 @@ def parse_args(argv=None):
     p.add_argument("--liger", action="store_true",
                    help="apply Liger-Kernel (RoPE, RMSNorm, fused linear cross-entropy) before building the model")
     p.add_argument("--liger-swiglu", action="store_true", help="with --liger: also Liger's SwiGLU/experts")
+    p.add_argument("--liger-defaults", action="store_true",
+                   help="with --liger: the patch function's own defaults (apply_liger_kernel_to_<family>())")
+    p.add_argument("--grad-ckpt", default="off", choices=("off", "non-reentrant", "reentrant"),
+                   help="Hugging Face gradient checkpointing of the decoder layers "
+                        "(model.gradient_checkpointing_enable, use_reentrant false or true)")
     p.add_argument("--batch-sizes", default=None,
                    help="search mode: comma-separated ascending micro-batch sizes, each run for --steps steps "
                         "(--warmup of them untimed) in this process; the first that runs out of memory is "
@@ -327,7 +350,7 @@ def main(argv=None) -> dict:
     bf16 = ds_config.get("bf16", {}).get("enabled", False)
     dtype = torch.bfloat16 if bf16 else torch.float32
 
-    liger = apply_liger(args.model, args.liger_swiglu) if args.liger else None
+    liger = apply_liger(args.model, args.liger_swiglu, args.liger_defaults) if args.liger else None
     if not cuda:
         note_cpu_op_build()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
@@ -336,6 +359,7 @@ def main(argv=None) -> dict:
         print(f"[train] {liger}", flush=True)
     with torch.device(device):
         model = build_model(args.model, dtype=dtype, seed=args.seed)
+    enable_grad_ckpt(model, args.grad_ckpt)
     vocab = model.config.vocab_size
     opt_kw = dict(lr=args.lr, weight_decay=0.0, **({"fused": True} if cuda else {}))
     if ds_config.get("expert_parallel", {}).get("enabled"):
@@ -357,6 +381,7 @@ def main(argv=None) -> dict:
             print("[train] deepspeed_fused hook did not run")
     engine.train()
     common = dict(model=args.model, config=args.deepspeed_config, liger=liger, seq_len=args.seq_len,
+                  grad_ckpt=args.grad_ckpt,
                   world_size=deepspeed.comm.get_world_size(), report=report.to_dict() if report is not None else None)
 
     if sizes:
