@@ -120,14 +120,18 @@ def apply_liger(model_name: str, swiglu: bool, defaults: bool = False) -> str:
 def enable_grad_ckpt(model, mode: str) -> None:
     """Hugging Face gradient checkpointing (``mode``: "off", "non-reentrant", "reentrant"): each
     decoder layer's activations recomputed in the backward, through transformers' own
-    ``gradient_checkpointing_enable`` (``torch.utils.checkpoint`` with ``use_reentrant`` false or
-    true)."""
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` in transformers before 5.25)
+    with ``torch.utils.checkpoint``'s ``use_reentrant`` false or true."""
     if mode == "off":
         return
     if mode not in ("non-reentrant", "reentrant"):
         raise ValueError(f"grad_ckpt: expected off, non-reentrant or reentrant, got {mode!r}")
     model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    kw = {"use_reentrant": mode == "reentrant"}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
 def is_oom(e: BaseException) -> bool:
