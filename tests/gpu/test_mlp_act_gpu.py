@@ -57,16 +57,22 @@ def _both(layout, act, xs, dh):
     return out
 
 
-@pytest.mark.parametrize("layout", ["split", "gate_up", "up_gate"])
-@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ACTS)
-def test_bitwise_equal_to_cuda_eager(act, dtype, shape, layout):
-    xs, dh = _inputs(*shape, dtype, layout, seed=shape[0] + shape[1])
-    (y, g), (yr, gr) = _both(layout, act, xs, dh)
-    assert y.dtype == yr.dtype and not _mismatch(y, yr), _mismatch(y, yr)
-    for a, b in zip(g, gr):
-        assert a.dtype == b.dtype and not _mismatch(a, b), _mismatch(a, b)
+def test_bitwise_equal_to_cuda_eager(act, dtype):
+    # every shape and layout in one worker (a clean worker per test costs seconds)
+    bad = []
+    for shape in SHAPES:
+        for layout in ("split", "gate_up", "up_gate"):
+            if layout != "split" and shape[0] * shape[1] > 2 ** 26:
+                continue  # the gate-up layouts at the smaller shapes
+            xs, dh = _inputs(*shape, dtype, layout, seed=shape[0] + shape[1])
+            (y, g), (yr, gr) = _both(layout, act, xs, dh)
+            for what, a, b in [("out", y, yr)] + [(f"grad {i}", x, z) for i, (x, z) in enumerate(zip(g, gr))]:
+                if a.dtype != b.dtype or _mismatch(a, b):
+                    bad.append(f"{shape} {layout} {what}: {_mismatch(a, b)}")
+            del xs, dh, y, g, yr, gr
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
