@@ -20,7 +20,10 @@ Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two
   - MLP modules (class names ending in ``MLP``: transformers' dense MLPs, Liger's SwiGLU/GeGLU
     MLPs): ``mlp``, split by kernel name into the projection GEMMs and the gated activation;
   - decoder layers (class names ending in ``DecoderLayer``): ``decoder_layer``; the kernels left
-    there after the ranges inside it (norms, attention, MLP, MoE) are the residual adds;
+    there after the ranges inside it (norms, attention, MLP, MoE) are the residual adds. Under
+    Hugging Face gradient checkpointing a layer's recomputation runs inside its own call (its hooks
+    do not fire again, its submodules' do): the recomputed residual adds take the category of the
+    autograd node whose backward started the recomputation;
   - ``engine.backward`` / ``engine.step``, DeepSpeed ZeRO-3's parameter fetch and release.
 
 * :func:`attribute` reads the profiler's Chrome trace and sums device activity (kernels, memcpy,
@@ -453,7 +456,9 @@ def _open_close(module, name: str, r: Ranges, open_on=None, close_on=None):
         r.handles.append(module.register_forward_pre_hook(enter))  # after ZeRO-3's fetch hook
     else:
         r.handles.append(open_on.register_forward_hook(enter))
-    r.handles.append((close_on or module).register_forward_hook(leave, prepend=True))  # before ZeRO's release
+    # before ZeRO's release; also when the forward raises: non-reentrant gradient checkpointing stops a
+    # layer's recomputation with an exception once it has the tensors it needs, and the range must close
+    r.handles.append((close_on or module).register_forward_hook(leave, prepend=True, always_call=True))
 
 
 def install_ranges(engine_or_model) -> Ranges:

@@ -170,3 +170,58 @@ def test_breakdown_real_cpu_trace_of_a_tiny_dense_model():
     assert any(k["category"] == "mlp activation" and k["name"] in ("aten::silu", "aten::mul", "aten::silu_backward")
                for k in b["top_kernels"])
     _sums_to_total(b)
+
+
+def test_ranges_close_when_checkpointing_stops_a_recomputation_early(monkeypatch):
+    """Non-reentrant checkpointing ends a layer's recomputation with an exception once it has what it
+    needs: the ranges opened in that layer close all the same (no range left open on the thread)."""
+    from deepspeed_fused import train
+    from deepspeed_fused.models import build_model
+
+    model = build_model("llama-tiny", seed=0)
+    model.train()
+    train.enable_grad_ckpt(model, "non-reentrant")
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    events = []
+
+    class Counting:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            events.append(("open", self.name))
+
+        def __exit__(self, *exc):
+            events.append(("close", self.name))
+
+    monkeypatch.setattr(torch.profiler, "record_function", Counting)
+    with bd.install_ranges(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for name in ("e2e::mlp", "e2e::decoder_layer", "e2e::attention", "e2e::rms_norm"):
+        opened, closed = events.count(("open", name)), events.count(("close", name))
+        assert opened == closed > 0, (name, opened, closed)
+    assert events.count(("open", "e2e::mlp")) > 2  # the forward and the recomputations
+
+
+def test_dense_suite_smoke_on_cpu(tmp_path):
+    """A dense pair through the deepspeed launcher on a tiny stand-in (Qwen3 shape, gradient
+    checkpointing): both arms run, with the dense categories in their breakdowns."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=e2e.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-m", "deepspeed_fused.bench", "e2e", "--quick", "--out", str(tmp_path),
+                        "--pairs", "dense_qwen3_1_7b", "--dense-model", "qwen3-tiny", "--arms", "baseline,fused",
+                        "--arm-timeout", "400"], cwd=e2e.ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((tmp_path / "e2e.json").read_text())
+    z = d["results"]["dense_qwen3_1_7b"]
+    for arm in ("baseline", "fused"):
+        assert "error" not in z[arm], z[arm].get("error")
+        assert z[arm]["model"] == "qwen3-tiny" and z[arm]["grad_ckpt"] == "non-reentrant"
+        c = z[arm]["breakdown"]["categories"]
+        assert c["mlp activation"] > 0 and c["rope + attention elementwise"] > 0 and c["rms_norm"] > 0
+    assert z["compare"]["max_loss_rel_diff"] <= 0.005
+    assert d["meta"]["pair_models"]["dense_qwen3_1_7b"]["model"] == "qwen3-tiny"
+    assert "`dense_qwen3_1_7b`: `qwen3-tiny`" in (tmp_path / "e2e.md").read_text()
