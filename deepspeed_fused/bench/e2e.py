@@ -20,7 +20,7 @@ Arms of each pair (``--arms``, default ``baseline,liger,fused``):
 * ``fused``: every feature on (``configs/*fused*.json``).
 
 The fused configs turn every feature on (``rms_norm``, ``linear_cross_entropy``, ``moe_reorder``,
-``rope``); each arm's row says which features ran, from the plugin's report at the end of the run
+``rope``, ``mlp_act``); each arm's row says which features ran, from the plugin's report at the end of the run
 (the features applied, with their fused/eager call counts where an eager call happened) and the
 Liger patches applied.
 
@@ -29,7 +29,7 @@ models of the Llama-3.2-3B, Qwen3-1.7B, Qwen3-4B and Gemma-3-1B shapes (random w
 Hugging Face gradient checkpointing (non-reentrant; ``dense_llama3_3b_reentrant`` the reentrant
 variant), the same three arms at the same micro-batch, the liger arm with the family's patch
 function's defaults (its SwiGLU/GeGLU MLP included) and the fused arm with every feature on,
-``mlp_act`` included (``configs/dense_fused.json``). ``--dense-model NAME`` runs them all on
+``mlp_act`` included (``configs/fused_all.json``). ``--dense-model NAME`` runs them all on
 another model (a tiny stand-in for a quick check).
 
 Pairs (``--pairs``, default ``zero2,zero2_accum8,autoep,zero3``; ``none`` for none): ZeRO-2,
@@ -136,7 +136,7 @@ DEFAULT_PAIRS = "zero2,zero2_accum8,autoep,zero3"
 # The dense pairs: pair -> (model, train.py arguments). Full-depth models of published shapes
 # (random weights), ZeRO-2 on one GPU, Hugging Face gradient checkpointing (non-reentrant; the
 # ``_reentrant`` pair the reentrant variant); the fused arm turns every feature on, ``mlp_act``
-# included (``configs/dense_fused.json``); the liger arm applies the family's
+# included (``configs/fused_all.json``, as the MoE pairs); the liger arm applies the family's
 # ``apply_liger_kernel_to_<family>()`` with its own defaults (its SwiGLU or GeGLU MLP included).
 DENSE_PAIRS = {
     "dense_llama3_3b": ("llama-3.2-3b", ["--grad-ckpt", "non-reentrant"]),
@@ -145,7 +145,7 @@ DENSE_PAIRS = {
     "dense_gemma3_1b": ("gemma3-1b", ["--grad-ckpt", "non-reentrant"]),
     "dense_llama3_3b_reentrant": ("llama-3.2-3b", ["--grad-ckpt", "reentrant"]),
 }
-PAIRS.update({p: ("configs/baseline.json", "configs/dense_fused.json", 1) for p in DENSE_PAIRS})
+PAIRS.update({p: ("configs/baseline.json", "configs/fused_all.json", 1) for p in DENSE_PAIRS})
 # ``--pairs dense``: the four dense pairs with non-reentrant checkpointing
 DENSE_ALIAS = [p for p in DENSE_PAIRS if not p.endswith("_reentrant")]
 

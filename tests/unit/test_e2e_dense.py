@@ -36,18 +36,12 @@ def test_dense_fused_config_turns_every_feature_on():
     from deepspeed_fused.config import parse_config
     from deepspeed_fused.features import all_features
 
-    for d in (e2e.PACKAGE, e2e.ROOT):
-        path = os.path.join(d, "configs", "dense_fused.json")
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            cfg = json.load(f)
-        parsed = parse_config(cfg)
-        assert all(getattr(parsed, f.name).enabled for f in all_features())
-        with open(os.path.join(d, "configs", "baseline.json")) as f:
-            base = json.load(f)
-        assert {k: v for k, v in cfg.items() if k != "deepspeed_fused"} == \
-            {k: v for k, v in base.items() if k != "deepspeed_fused"}  # only the features differ
+    for pair in e2e.DENSE_PAIRS:
+        base, fused, gpus = e2e.PAIRS[pair]
+        assert gpus == 1 and (base, fused, gpus) == e2e.PAIRS["zero2"]  # ZeRO-2, as the MoE pair
+        with open(e2e.config_file(fused)) as f:
+            parsed = parse_config(json.load(f))
+        assert parsed.mlp_act.enabled and all(getattr(parsed, f.name).enabled for f in all_features())
 
 
 def test_run_arm_launches_each_dense_arm(tmp_path, monkeypatch):
@@ -72,7 +66,7 @@ def test_run_arm_launches_each_dense_arm(tmp_path, monkeypatch):
         assert args[args.index("--model") + 1] == "gemma3-1b"
         assert args[args.index("--grad-ckpt") + 1] == "non-reentrant"
     assert os.path.basename(base[base.index("--deepspeed_config") + 1]) == "baseline.json"
-    assert os.path.basename(fused[fused.index("--deepspeed_config") + 1]) == "dense_fused.json"
+    assert os.path.basename(fused[fused.index("--deepspeed_config") + 1]) == "fused_all.json"
     assert "--liger" in liger and "--liger-defaults" in liger and "--liger-defaults" not in base
     # a stand-in model for every dense pair; the MoE pairs keep the suite's model
     o = _opts("--pairs", "dense_qwen3_4b", "--dense-model", "llama-tiny")

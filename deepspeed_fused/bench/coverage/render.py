@@ -159,6 +159,7 @@ def render_markdown(doc: dict) -> str:
                   f" x the eager bf16 run's error plus {tol.get('bf16_loss_floor', BF16_LOSS_FLOOR):g} (loss, "
                   f"relative) or {tol.get('bf16_grad_floor', BF16_GRAD_FLOOR):g} (each gradient, relative to its "
                   "norm).", ""]
+    mlp_col = any("mlp_act" in r for r in recs)
     for mode, s in summ.items():
         lines += [f"## Summary ({mode})", "",
                   "| | families |", "|---|---:|",
@@ -176,12 +177,14 @@ def render_markdown(doc: dict) -> str:
                   f"| linear_cross_entropy: image-text models with the loss fused | {s['vlm_loss_fused']} of "
                   f"{s['vlm_ran']} |",
                   f"| with transformers experts modules | {s['with_experts']} |",
-                  f"| moe_reorder: experts ran the gathers | {s['experts_gathers']} of {s['with_experts']} |",
-                  f"| with gated MLPs of a recognised form | {s.get('with_gated_mlp', 0)} |",
-                  f"| mlp_act: gated activation fused | {s.get('mlp_act_fused', 0)} of {s.get('with_gated_mlp', 0)} |",
-                  f"| mlp_act: every gated MLP replaced | {s.get('mlp_act_all_replaced', 0)} of "
-                  f"{s.get('with_gated_mlp', 0)} |",
-                  ""]
+                  f"| moe_reorder: experts ran the gathers | {s['experts_gathers']} of {s['with_experts']} |"]
+        if mlp_col:  # records of runs with the mlp_act feature
+            lines += [f"| with gated MLPs of a recognised form | {s.get('with_gated_mlp', 0)} |",
+                      f"| mlp_act: gated activation fused | {s.get('mlp_act_fused', 0)} of "
+                      f"{s.get('with_gated_mlp', 0)} |",
+                      f"| mlp_act: every gated MLP replaced | {s.get('mlp_act_all_replaced', 0)} of "
+                      f"{s.get('with_gated_mlp', 0)} |"]
+        lines.append("")
         lines += ["Every feature: families where it applied, and where its patched code ran fused (its own call "
                   "count):", "", "| feature | applied | ran fused |", "|---|---:|---:|"]
         for name, c in s.get("features", {}).items():
@@ -208,16 +211,18 @@ def render_markdown(doc: dict) -> str:
         rs = [r for r in recs if run_label(r) == mode]
         lines += [f"## Families ({mode})", "",
                   "RMSNorm: replaced/present modules per class (form). Loss: fused (op calls) or why not. "
-                  "Experts: gathers (calls) or why not; - where there are no experts modules. Gated MLP: "
-                  "replaced/recognised gated MLPs (fused calls) or why not; - where there is none. Differences: "
+                  "Experts: gathers (calls) or why not; - where there are no experts modules. "
+                  + ("Gated MLP: replaced/recognised gated MLPs (fused calls) or why not; - where there is none. "
+                     if mlp_col else "") + "Differences: "
                   "the loss relative to its value, the largest gradient difference relative to its norm "
                   "(fp32 noise excluded, see above).", "",
-                  "| family | class | status | RMSNorm replaced/present | loss | experts | gated MLP | loss diff | "
-                  "grad diff |",
-                  "|---|---|---|---|---|---|---|---:|---:|"]
+                  "| family | class | status | RMSNorm replaced/present | loss | experts | "
+                  + ("gated MLP | " if mlp_col else "") + "loss diff | grad diff |",
+                  "|---|---|---|---|---|---|" + ("---|" if mlp_col else "") + "---:|---:|"]
         for r in rs:
             if r["status"] not in ("ok", "differs"):
-                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} (below) | | | | | | |")
+                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} (below) | | | | | |"
+                             + (" |" if mlp_col else ""))
                 continue
             lf = r["loss_fused"]
             loss = f"fused ({lf['fused_calls']})" if lf["fused"] else \
@@ -232,7 +237,8 @@ def render_markdown(doc: dict) -> str:
             status = "**differs**" if r["status"] == "differs" else "ok"
             d = r["diff"]
             lines.append(f"| {r['family']} | {r['cls']} | {status} | {_short(_norm_cell(r), 160)} | {loss} | "
-                         f"{experts} | {_mlp_cell(r)} | {_fmt_e(d['loss_rel'])} | {_fmt_e(d['grad_rel'])} |")
+                         f"{experts} | " + (f"{_mlp_cell(r)} | " if mlp_col else "")
+                         + f"{_fmt_e(d['loss_rel'])} | {_fmt_e(d['grad_rel'])} |")
         lines.append("")
         bad = [r for r in rs if r["status"] not in ("ok", "differs")]
         if bad:
