@@ -226,3 +226,22 @@ def test_coverage_of_transformers_mlps():
                   for p in glob.glob(os.path.join(root, "models", "*", "modeling_*.py")))
     rows = R.coverage(mods)
     assert sum(desc is not None for _, _, desc, _ in rows) >= 100
+
+
+def test_torch_compile_traces_the_patched_mlp_in_one_graph(interpret):
+    model = build("gemma3")
+    ref = copy.deepcopy(model)
+    patch_model(model, SECTION)
+    mlp, mlp_ref = model.model.layers[0].mlp, ref.model.layers[0].mlp
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(mlp)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = compiled(a), mlp_ref(b)
+    ya.sum().backward()
+    yb.sum().backward()
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)

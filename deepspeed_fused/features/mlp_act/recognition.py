@@ -157,18 +157,23 @@ def recognise(fwd) -> Union[Form, str]:
 _F = torch.nn.functional
 
 
-@functools.lru_cache(maxsize=256)
-def _act_class_kind(cls, fwd, code):
-    """What ``cls.forward`` computes: an activation name, "delegate" (``self.act(input)``), or None."""
-    if not _plain(fwd):
-        return None
-    norm = _normalized(fwd)
-    if norm is None:
-        return None
-    for t_ops, kind in _act_templates():
-        if norm[0] == t_ops:
-            return kind or "delegate"
-    return None
+_ACT_CLASSES: dict = {}  # class -> (its forward when read, what it computes): read once per class
+
+
+def _act_class_kind(cls):
+    """What ``cls.forward`` computes: an activation name, "delegate" (``self.act(input)``), or None.
+    A plain dict lookup after the first call (the patched forward calls this on every call, also
+    while torch.compile traces it)."""
+    fwd = cls.forward
+    hit = _ACT_CLASSES.get(cls)
+    if hit is not None and hit[0] is fwd:
+        return hit[1]
+    kind = None
+    norm = _normalized(fwd) if _plain(fwd) else None
+    if norm is not None:
+        kind = next((k or "delegate" for t_ops, k in _act_templates() if norm[0] == t_ops), None)
+    _ACT_CLASSES[cls] = (fwd, kind)
+    return kind
 
 
 def _function_kind(f) -> Optional[str]:
@@ -199,8 +204,7 @@ def activation_of(act) -> Union[str, tuple]:
         if cls is torch.nn.GELU:
             kind = {"tanh": "gelu_tanh", "none": "gelu"}.get(act.approximate)
             return kind if kind else (None, f"GELU(approximate={act.approximate!r})")
-        fwd = cls.forward
-        kind = _act_class_kind(cls, fwd, getattr(fwd, "__code__", None))
+        kind = _act_class_kind(cls)
         if kind == "delegate":
             kind = _function_kind(d.get("act"))
         if kind is None:
