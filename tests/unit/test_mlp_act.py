@@ -249,3 +249,11 @@ def test_experts_gate_runs_the_same_kernels(interpret):
     y1, (d1,) = _run(mr.swiglu, xs, dh)
     y2, (d2,) = _run(lambda gu: M.mlp_act_fused(gu, "silu", True), xs, dh)
     assert torch.equal(y1, y2) and torch.equal(d1, d2)
+
+
+def test_double_backward_raises_not_silently_wrong(interpret):
+    g = torch.randn(4, 8, device=interpret, requires_grad=True)
+    u = torch.randn(4, 8, device=interpret, requires_grad=True)
+    (dg, _) = torch.autograd.grad(M.mlp_act(g, u, "silu").sum(), (g, u), create_graph=True)
+    with pytest.raises(RuntimeError):
+        dg.sum().backward()

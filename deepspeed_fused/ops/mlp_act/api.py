@@ -18,6 +18,7 @@ class _SplitFn(torch.autograd.Function):
         return launch.split_forward(gate, up, act)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a double backward raises (the kernels have no graph)
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         dg, du = launch.split_backward(gate, up, dh, ctx.act)
@@ -32,6 +33,7 @@ class _FusedFn(torch.autograd.Function):
         return launch.fused_forward(gate_up, act, gate_first)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dh):
         (gate_up,) = ctx.saved_tensors
         return launch.fused_backward(gate_up, dh, *ctx.args), None, None
