@@ -220,7 +220,7 @@ def plots(results: dict, search: dict, out_dir: str) -> None:
                     if (_accum_of(results[k][a]) or 1) > 1 and b.get("micro_step_mean"):
                         rows.append((f"{k} {a}: one micro-step's fwd+bwd", b["micro_step_mean"]))
         if rows:
-            cats = list(rows[0][1]["categories"])
+            cats = _categories(b for _, b in rows)
             fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 2))
             left = [0.0] * len(rows)
             cmap = plt.get_cmap("tab20")
@@ -260,6 +260,12 @@ def plots(results: dict, search: dict, out_dir: str) -> None:
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "e2e_throughput.png"), dpi=110)
         plt.close(fig)
+
+
+def _categories(breakdowns) -> list:
+    """The categories of several breakdowns, in order of first appearance (runs of different
+    versions of the breakdown, merged by --render, may differ in their categories)."""
+    return list(dict.fromkeys(c for b in breakdowns for c in b["categories"]))
 
 
 def _attributed(b) -> bool:
@@ -396,15 +402,17 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                   "autograd node; `AccumulateGrad` (where ZeRO's gradient hooks run) is `zero: gradients`. The "
                   "categories add up to the total. With gradient accumulation the profiled optimizer step has all "
                   "its micro-steps. See `deepspeed_fused/bench/breakdown.py`.", ""]
-        cats, earlier = None, False
+        cats = _categories(v[arm]["breakdown"] for v in results.values() for arm in _arms_of(v)
+                           if _ok(v[arm]) and _attributed(v[arm].get("breakdown")))
+        cats, earlier, header = cats or None, False, False
         for k, v in results.items():
             for arm in _arms_of(v):
                 b = v[arm].get("breakdown") if _ok(v[arm]) else None
                 earlier = earlier or (bool(b) and not _attributed(b))
                 if not _attributed(b):
                     continue
-                if cats is None:
-                    cats = list(b["categories"])
+                if not header:
+                    header = True
                     lines += ["| pair | arm | total | " + " | ".join(cats) + " |",
                               "|---|---|---:|" + "---:|" * len(cats)]
                 lines.append(f"| {k} | {arm} | {b['total_gpu_ms']:.1f} | " +
@@ -412,7 +420,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
         micro = [(k, arm, v[arm]["breakdown"]) for k, v in results.items() for arm in _arms_of(v)
                  if _ok(v[arm]) and _attributed(v[arm].get("breakdown")) and v[arm]["breakdown"].get("micro_step_mean")]
         if micro:
-            mcats = list(micro[0][2]["micro_step_mean"]["categories"])
+            mcats = _categories(b["micro_step_mean"] for _, _, b in micro)
             lines += ["", "### Forward+backward of one micro-step (ms)", "",
                       "The kernels launched during one micro-step's forward and `engine.backward` (a range around "
                       "them; autograd's backward runs while the main thread waits in `engine.backward`), by the same "

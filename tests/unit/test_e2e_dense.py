@@ -219,3 +219,22 @@ def test_dense_suite_smoke_on_cpu(tmp_path):
     assert z["compare"]["max_loss_rel_diff"] <= 0.005
     assert d["meta"]["pair_models"]["dense_qwen3_1_7b"]["model"] == "qwen3-tiny"
     assert "`dense_qwen3_1_7b`: `qwen3-tiny`" in (tmp_path / "e2e.md").read_text()
+
+
+def test_report_breakdown_columns_are_the_union_of_the_arms_categories():
+    old = dict(total_gpu_ms=3.0, categories={"rms_norm": 1.0, "attention": 2.0}, how={}, n_kernels=2,
+               method="kernels once each, by name/range (deepspeed_fused.bench.breakdown)")
+    new = dict(total_gpu_ms=6.0, categories={"rms_norm": 1.0, "attention": 1.0, "residual adds": 4.0}, how={},
+               n_kernels=3, method=old["method"])
+
+    def arm(b):
+        hist = [dict(step=0, loss=1.0, step_s=1.0, tokens_per_s=1.0)]
+        return dict(median_step_s=1.0, step_s_p10=1.0, step_s_p90=1.0, median_tokens_per_s=1.0,
+                    peak_alloc_mib=1.0, peak_reserved_mib=1.0, history=hist, breakdown=b)
+
+    results = {"zero2": {"fused": arm(old)}, "dense_qwen3_1_7b": {"fused": arm(new)}}
+    meta = dict(date="2026-12-05", gpu="cpu", torch="-", triton="-", model="m", batch=2, seq=8, steps=1, warmup=0)
+    md = e2e_report.markdown(results, {}, meta)
+    assert "| pair | arm | total | rms_norm | attention | residual adds |" in md
+    assert "| dense_qwen3_1_7b | fused | 6.0 | 1.0 | 1.0 | 4.0 |" in md
+    assert "| zero2 | fused | 3.0 | 1.0 | 2.0 | 0.0 |" in md
