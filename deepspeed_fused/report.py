@@ -3,13 +3,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from . import compat
 from .features.base import Environment, FeatureReport
+
+
+CALLS_NOTE = ("calls: how often each applied feature's fused path and the eager code it falls back to ran since it "
+              "was applied; a run's counts are live in engine.deepspeed_fused_report")
 
 
 @dataclasses.dataclass
 class Report:
     env: Environment
     features: list  # list[FeatureReport]
+    notes: list = dataclasses.field(default_factory=list)  # compatibility fixes in force (deepspeed_fused.compat)
 
     def __getitem__(self, name: str) -> FeatureReport:
         for f in self.features:
@@ -22,7 +28,8 @@ class Report:
         return [f.name for f in self.features if f.applied]
 
     def to_dict(self) -> dict:
-        return dict(env=dataclasses.asdict(self.env), features=[f.to_dict() for f in self.features])
+        return dict(env=dataclasses.asdict(self.env), features=[f.to_dict() for f in self.features],
+                    notes=list(self.notes))
 
     def table(self) -> str:
         """One row per feature; ``calls`` is read now (the fused and eager calls of the patched code
@@ -48,7 +55,7 @@ class Report:
         head = (f"deepspeed_fused report (torch {e.torch_version}, triton {e.triton_version}, "
                 f"deepspeed {e.deepspeed_version}, transformers {e.transformers_version}, "
                 f"GPU {e.gpu_name or 'none'})")
-        return head + "\n" + self.table()
+        return head + "".join(f"\n{n}" for n in self.notes) + "\n" + self.table()
 
 
 def environment_text(env: Environment) -> str:
@@ -59,6 +66,7 @@ def environment_text(env: Environment) -> str:
         f"transformers:  {env.transformers_version or 'not installed'}",
         f"GPU:           {env.gpu_name or 'none (CPU only)'}",
         f"AutoEP:        {'present' if env.autoep_available else 'absent'}",
+        f"AutoEP compat: {compat.autoep_status()}",
         f"kernels:       {'available' if env.kernels_available else 'unavailable (torch references run)'}"
         + (" [Triton interpreter]" if env.interpreter else ""),
     ]

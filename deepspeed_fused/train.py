@@ -30,23 +30,16 @@ import torch
 
 import deepspeed_fused  # noqa: F401  (installs the deepspeed.initialize hook)
 from deepspeed_fused.models import MODELS, build_model
-
-# the ready ds_configs, shipped inside the package (in a clone: a link to the top-level configs/)
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+from deepspeed_fused.shipped import CONFIGS_DIR, resolve_config  # noqa: F401  (CONFIGS_DIR: importable here too)
 
 
 def find_config(path: str) -> str:
     """``path`` if it exists, else the shipped config of that name (``configs/fused_all.json``,
     ``fused_all.json`` or ``fused_all``); SystemExit naming the shipped ones otherwise."""
-    if os.path.exists(path):
-        return path
-    name = os.path.basename(path)
-    for candidate in (name, name + ".json"):
-        shipped = os.path.join(CONFIGS_DIR, candidate)
-        if os.path.isfile(shipped):
-            return shipped
-    names = ", ".join(sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".json")))
-    raise SystemExit(f"--deepspeed_config {path}: no such file, nor a shipped config of that name ({names})")
+    try:
+        return resolve_config(path)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--deepspeed_config {e}") from None
 
 
 def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, device) -> torch.Tensor:

@@ -46,12 +46,97 @@ def test_cli_report_config_and_model():
     assert "0 fused, 0 eager" in line and "calls: how often each applied feature's fused path" in out
 
 
+def _cli(args, cwd=ROOT, env=None):
+    return subprocess.run([sys.executable, "-m", "deepspeed_fused", "report", *args], cwd=cwd, env=env or _env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_line_error(p, *expect):
+    """A bad input: exit status 2, one line on stderr naming it, no traceback anywhere."""
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("python -m deepspeed_fused report: "), lines
+    assert "Traceback" not in p.stdout + p.stderr
+    for e in expect:
+        assert e in lines[0], (e, lines[0])
+    return lines[0]
+
+
 def test_cli_rejects_a_bare_section_with_an_unknown_key(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"rms_norm": {"enabled": True}, "lce": {"enabled": True}}))
-    p = subprocess.run([sys.executable, "-m", "deepspeed_fused", "report", "--config", str(bad)], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "deepspeed_fused.lce: unknown key" in p.stderr
+    _one_line_error(_cli(["--config", str(bad)]), str(bad), "deepspeed_fused.lce: unknown key")
+
+
+@pytest.mark.parametrize("case", ["missing", "not_json", "auto", "bad_value", "unknown_model", "folder_without_config"])
+def test_cli_bad_input_is_one_line_and_exit_status_2(tmp_path, case):
+    bad = tmp_path / "ds_config.json"
+    if case == "missing":
+        args, expect = ["--config", str(tmp_path / "nope.json")], [str(tmp_path / "nope.json"), "no such file",
+                                                                   "fused_all.json"]
+    elif case == "not_json":
+        bad.write_text('{"deepspeed_fused": {"rms_norm": {"enabled": true,}}}')
+        args, expect = ["--config", str(bad)], [str(bad), "not JSON", "line 1"]
+    elif case == "auto":
+        bad.write_text(json.dumps({"deepspeed_fused": {"rms_norm": {"enabled": "auto"}}}))
+        args, expect = ["--config", str(bad)], [str(bad), "deepspeed_fused.rms_norm.enabled", '"auto" resolution']
+    elif case == "bad_value":
+        bad.write_text(json.dumps({"deepspeed_fused": {"linear_cross_entropy": {"enabled": True, "z_loss": -1.0}}}))
+        args, expect = ["--config", str(bad), "--model", "llama-tiny"], [str(bad),
+                                                                         "deepspeed_fused.linear_cross_entropy.z_loss"]
+    elif case == "unknown_model":
+        args, expect = ["--model", "llama-huge"], ["--model llama-huge", "not a named model", "qwen3-moe-tiny"]
+    else:
+        args, expect = ["--model", str(tmp_path)], [f"--model {tmp_path}", "no config.json in this folder"]
+    p = _cli(args)
+    _one_line_error(p, *expect)
+    assert "deepspeed_fused environment" not in p.stdout  # inputs are checked before anything is printed
+
+
+def test_cli_model_from_a_hugging_face_config_outside_a_clone(tmp_path):
+    """--model takes a local model folder or its config.json (built on the meta device, no download);
+    --config configs/fused_all.json outside a clone is the shipped config; --model alone enables
+    every feature."""
+    from deepspeed_fused.models import model_config
+
+    cfg = model_config("qwen3-moe-tiny", num_hidden_layers=3)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path / "my-model")
+    for model in (str(tmp_path / "my-model"), str(tmp_path / "my-model" / "config.json")):
+        p = _cli(["--config", "configs/fused_all.json", "--model", model], cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = p.stdout
+        assert re.search(r"config configs/fused_all.json \(the shipped .*fused_all.json\): enabled features: "
+                         r"rms_norm, linear_cross_entropy, moe_reorder", out), out
+        assert f"model {model} (Qwen3MoeForCausalLM):" in out
+        for name in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"):
+            line = next(line for line in out.splitlines() if line.startswith(name + " "))
+            assert line.split()[1] == "yes", line
+    p = _cli(["--model", str(tmp_path / "my-model")], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "config: none given; every feature enabled" in p.stdout
+    rows = [line for line in p.stdout.splitlines() if line.split()[:1] in (["rms_norm"], ["linear_cross_entropy"],
+                                                                           ["moe_reorder"], ["rope"])]
+    assert len(rows) == 4 and all(r.split()[1] == "yes" for r in rows), p.stdout
+
+
+def test_model_from_a_config_is_built_on_the_meta_device(tmp_path):
+    """A model far larger than this machine's memory is cheap: built from its config on meta."""
+    import torch
+
+    from deepspeed_fused.models import build_model_from_path, model_config
+
+    cfg = model_config("qwen3-moe-30b-a3b-4l", num_hidden_layers=48)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    model = build_model_from_path(str(tmp_path / "config.json"))
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and len(model.model.layers) == 48
+    assert all(p.device == torch.device("meta") for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) > 2e10
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + ".*not a readable Hugging Face config"):
+        build_model_from_path(str(tmp_path))
 
 
 @pytest.mark.parametrize("argv0, prog", [("/usr/local/bin/deepspeed-fused", "deepspeed-fused"),
@@ -68,9 +153,7 @@ def test_cli_usage_names_how_it_was_called(monkeypatch, capsys, argv0, prog):
 def test_cli_rejects_bad_config(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"deepspeed_fused": {"rms_norm": {"enabeld": True}}}))
-    p = subprocess.run([sys.executable, "-m", "deepspeed_fused", "report", "--config", str(bad)], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "deepspeed_fused.rms_norm.enabeld" in p.stderr
+    _one_line_error(_cli(["--config", str(bad)]), str(bad), "deepspeed_fused.rms_norm.enabeld")
 
 
 def test_example_job_runs_under_launcher(tmp_path):

@@ -153,24 +153,49 @@ class TestHookOffIsInvisible(DistributedTest):
 class TestHookApplies(DistributedTest):
     world_size = 1
 
-    def test_unsupported_feature_warns_and_leaves_model(self):
-        with dummy_registered():
+    @staticmethod
+    @contextlib.contextmanager
+    def _logged():
+        """The records of the package logger, and the warnings raised, while the block runs."""
+        import warnings
+
+        from deepspeed_fused.hook import report_logger
+
+        records = []
+        catch = logging.Handler()
+        catch.emit = records.append
+        logger = report_logger()
+        logger.addHandler(catch)
+        try:
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                yield records, warned
+        finally:
+            logger.removeHandler(catch)
+
+    def test_unsupported_feature_is_reported_once_and_leaves_model(self):
+        with dummy_registered(), self._logged() as (records, warned):
             _STATE["supported"] = False
             model = build_model("llama-tiny")
-            with pytest.warns(RuntimeWarning, match="dummy support check failed"):
-                engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True}}), steps=1)
+            engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True}}), steps=1)
             rep = engine.deepspeed_fused_report["dummy"]
             assert rep.enabled and not rep.applied and "no widget" in rep.reason
             assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
             assert "dummy support check failed" in str(engine.deepspeed_fused_report)
+            # one notice: the report, logged as a warning; no RuntimeWarning besides it
+            notices = [r for r in records if "dummy support check failed" in r.getMessage()]
+            assert len(notices) == 1 and notices[0].levelno == logging.WARNING, records
+            assert not [w for w in warned if "dummy" in str(w.message)], [str(w.message) for w in warned]
 
     def test_failing_apply_is_rolled_back(self):
-        with dummy_registered():
+        with dummy_registered(), self._logged() as (records, warned):
             model = build_model("llama-tiny")
-            with pytest.warns(RuntimeWarning, match="failed to apply"):
-                engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True, "explode": True}}), steps=1)
+            engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True, "explode": True}}), steps=1)
             assert not engine.deepspeed_fused_report["dummy"].applied
             assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
+            notices = [r for r in records if "failed to apply" in r.getMessage()]
+            assert len(notices) == 1 and notices[0].levelno == logging.WARNING, records
+            assert not [w for w in warned if "failed to apply" in str(w.message)]
 
     def test_applied_feature_reported_once_per_model(self):
         with dummy_registered():
@@ -394,6 +419,22 @@ def test_patch_model_without_engine(dummy):
     assert again["dummy"].applied and DummyFeature.applies == 1
     assert unpatch_model(model) == {"dummy": 15}
     assert unpatch_model(model) == {}
+
+
+def test_patch_model_called_directly_warns(dummy):
+    """Without an engine (no report shown), each enabled feature that is not applied warns once,
+    pointing at the caller; with warn=False it is only in the returned report."""
+    _STATE["supported"] = False
+    with pytest.warns(RuntimeWarning, match="dummy support check failed") as warned:
+        rep = patch_model(build_model("llama-tiny"), {"dummy": {"enabled": True}})
+    mine = [w for w in warned if "dummy" in str(w.message)]
+    assert len(mine) == 1 and mine[0].filename == __file__
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        quiet = patch_model(build_model("llama-tiny"), {"dummy": {"enabled": True}}, warn=False)
+    assert quiet["dummy"].reason == rep["dummy"].reason and not quiet["dummy"].applied
 
 
 def test_report_to_dict_and_text(dummy):
