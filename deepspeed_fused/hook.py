@@ -238,7 +238,7 @@ def _after_initialize(engine) -> Optional[Report]:
     cfg = parse_config(_engine_config_dict(engine), ds_config=True)
     report = patch_model(model, cfg, engine=engine, warn=False)  # the report shown below is the notice
     engine.deepspeed_fused_report = report
-    if cfg.show_report and any(f.enabled or f.applied for f in report.features):
+    if cfg.show_report and (report.notes or any(f.enabled or f.applied for f in report.features)):
         _show(report)
     return report
 

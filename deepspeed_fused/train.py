@@ -120,7 +120,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", default=None, help="write per-step metrics as JSON here")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal, e.g. a log file)")
     p.add_argument("--profile-out", default=None,
                    help="after the timed steps, profile one more step and write its GPU time per category here")
     p.add_argument("--trace-out", default=None, help="keep the profiled step's Chrome trace here")
@@ -164,6 +165,21 @@ def note_cpu_op_build() -> None:
     if not built and int(os.environ.get("RANK", "0")) == 0:
         print("[train] first CPU run: DeepSpeed now compiles its shm_comm op (about 2-3 minutes without output; "
               "later runs reuse it)", flush=True)
+
+
+def progress_bar(args, rank: int):
+    """The progress bar of rank 0 on a terminal, else None (a log file gets the per-step lines only:
+    a bar redrawn with carriage returns between them would garble it). While the bar is shown the
+    per-step lines go through ``tqdm.write``, above it."""
+    import sys
+
+    if args.no_progress or rank != 0 or not (sys.stderr.isatty() and sys.stdout.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=args.steps, desc="train", dynamic_ncols=True)
 
 
 def run_steps(engine, args, batch: int, steps: int, rank: int, device, vocab: int, bar=None) -> list:
@@ -364,11 +380,7 @@ def main(argv=None) -> dict:
 
     accum = accumulation_steps(engine)
     tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size() * accum
-    try:
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, disable=args.no_progress or rank != 0, desc="train", dynamic_ncols=True)
-    except ImportError:  # pragma: no cover
-        bar = None
+    bar = progress_bar(args, rank)
     history = run_steps(engine, args, args.batch_size, args.steps, rank, device, vocab, bar)
     if bar is not None:
         bar.close()

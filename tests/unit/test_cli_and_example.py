@@ -172,6 +172,9 @@ def test_example_job_runs_under_launcher(tmp_path):
         remove_shm_buffers(port)
     assert "[train] step    2" in out
     assert out.count("deepspeed_fused report") == 1  # shown once, by the hook
+    for name in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"):  # each feature's status once
+        assert len(re.findall(rf"^{name} +yes ", out, flags=re.M)) == 1, out[-3000:]
+    assert "is enabled but not applied" not in out
     assert re.search(r"\] deepspeed_fused report \(torch ", out)  # on the log line itself, no empty first line
     if not torch.cuda.is_available():
         assert re.search(r"linear_cross_entropy +yes +applied \(torch reference: no GPU\)", out), out[-3000:]
@@ -192,6 +195,42 @@ def test_example_job_runs_under_launcher(tmp_path):
     for cat in ("rms_norm", "lm_head + loss", "attention", "optimizer step", "zero: step (grad norm, clip, copies)",
                 "zero: gradients"):
         assert b["categories"][cat] > 0, (cat, b["categories"])
+
+
+@pytest.mark.parametrize("config", ["autoep_fused.json", "autoep_baseline.json"])
+def test_example_job_with_autoep_under_launcher(tmp_path, config):
+    """The README job with the AutoEP configs on CPU (bf16 turned off by the job): DeepSpeed's AutoEP
+    builds its layers with the transformers installed here (the plugin's compatibility fix applied
+    by the hook where this transformers needs it, and named in the report), and trains."""
+    from deepspeed_fused import compat
+    from unit.common import _free_port, remove_shm_buffers
+
+    needs_fix = compat.output_capture_needs_fix()
+    metrics = tmp_path / "metrics.json"
+    port = _free_port()
+    try:
+        out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
+                    "examples/train.py", "--deepspeed_config", f"configs/{config}", "--model", "qwen3-moe-tiny",
+                    "--steps", "2", "--seq-len", "16", "--metrics-out", str(metrics)])
+    finally:
+        remove_shm_buffers(port)
+    assert "[train] step    1" in out and "TypeError" not in out
+    assert "it/s" not in out  # stderr is not a terminal: no progress bar between the step lines
+    summary = json.loads(metrics.read_text())
+    assert len(summary["history"]) == 2 and all(r["loss"] > 0 for r in summary["history"])
+    report = summary["report"]
+    assert (len(report["notes"]) == 1 and "AutoEP compatibility" in report["notes"][0]) if needs_fix \
+        else report["notes"] == []
+    assert out.count("deepspeed_fused report") == (1 if needs_fix or "fused" in config else 0)
+    if needs_fix:
+        assert out.count("AutoEP compatibility: transformers") == 1
+    fused = "fused" in config
+    for f in report["features"]:
+        assert f["enabled"] == (fused and f["name"] in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"))
+    if fused:  # each feature's status once: its row of the report (no warning besides it)
+        for name in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"):
+            assert len(re.findall(rf"^{name} +yes ", out, flags=re.M)) == 1, out[-3000:]
+        assert "is enabled but not applied" not in out
 
 
 def test_example_job_search_mode_records_each_size(tmp_path):
