@@ -7,8 +7,10 @@ from . import compat
 from .features.base import Environment, FeatureReport
 
 
-CALLS_NOTE = ("calls: how often each applied feature's fused path and the eager code it falls back to ran since it "
-              "was applied; a run's counts are live in engine.deepspeed_fused_report")
+CALLS_NOTE = ("fused / reference / eager: the calls of each applied feature's patched code since it was applied, "
+              "by what ran: our kernels, the op's torch reference (no GPU, or an input the kernels cannot take), "
+              "or the model's own code; a run's counts are live in engine.deepspeed_fused_report")
+COUNT_COLUMNS = ("fused", "reference", "eager")
 
 
 @dataclasses.dataclass
@@ -32,15 +34,16 @@ class Report:
                     notes=list(self.notes))
 
     def table(self) -> str:
-        """One row per feature; ``calls`` is read now (the fused and eager calls of the patched code
-        since it was applied)."""
-        rows = [("feature", "enabled", "status", "calls", "where / why")]
+        """One row per feature; the counts are read now (the calls of the patched code since it was
+        applied, by what ran: :data:`COUNT_COLUMNS`)."""
+        rows = [("feature", "enabled", "status") + COUNT_COLUMNS + ("where / why",)]
         for f in self.features:
             detail = f.where if f.applied else f.reason
             if f.applied and f.reason:
                 detail = f"{f.where} ({f.reason})"
-            calls = str(f.calls) if f.applied and f.calls is not None else "-"
-            rows.append((f.name, "yes" if f.enabled else "no", f.status, calls, detail or "-"))
+            counted = f.applied and f.calls is not None
+            counts = tuple(str(getattr(f.calls, c)) if counted else "-" for c in COUNT_COLUMNS)
+            rows.append((f.name, "yes" if f.enabled else "no", f.status) + counts + (detail or "-",))
         n = len(rows[0]) - 1
         widths = [max(len(r[i]) for r in rows) for i in range(n)]
         out = []

@@ -12,9 +12,11 @@ token batches (a learnable bigram-like stream, the same for every run with the s
 step prints the loss, step time, tokens/s and peak GPU memory (with ``gradient_accumulation_steps``
 above 1 in the config, a step is one optimizer step of that many micro-steps: the mean of their
 losses, the tokens of all of them, and the median forward+backward time of one); the feature report is shown once,
-by the plugin's hook, after initialisation. On a CPU-only machine bf16 is turned off and the fused
-paths fall back to eager (the report says so); the first CPU run waits a few minutes, silent,
-while DeepSpeed compiles its shm_comm op (said before it starts).
+by the plugin's hook, after initialisation, and the calls of each feature (fused, torch reference,
+eager) at the end. On a CPU-only machine bf16 is turned off, the features that need the kernels
+are not applied and the loss runs the op's torch reference (the report says so); the first CPU run
+waits a few minutes, silent, while DeepSpeed compiles its shm_comm op (said before it starts).
+A progress bar is shown only on a terminal.
 """
 from __future__ import annotations
 
@@ -404,7 +406,7 @@ def main(argv=None) -> dict:
                  "each (median)" if accum > 1 else ""))
         counted = [f"{f.name} {f.calls}" for f in (report.features if report is not None else [])
                    if f.applied and f.calls is not None]
-        if counted:  # the fused paths really ran (eager: the model's own code ran instead)
+        if counted:  # what ran: our kernels (fused), the ops' torch references, the model's own code (eager)
             print(f"[train] deepspeed_fused calls: {'; '.join(counted)}")
         if args.metrics_out:
             with open(args.metrics_out, "w") as f:
