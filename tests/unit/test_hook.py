@@ -349,7 +349,7 @@ def test_initialize_bound_before_the_import(tmp_path):
     assert "REJECTED invalid deepspeed_fused config: deepspeed_fused.linear_cross_entropy.enabeld" in out, out
     assert "SANITY_BEFORE 0" in out  # DeepSpeedEngine.__init__ did not get to its own work
     assert "APPLIES 1 SANITY 1" in out, out  # applied once, for the one engine built
-    assert "APPLIED True CALLS 2 fused, 0 eager" in out, out
+    assert "APPLIED True CALLS 2 fused, 0 reference, 0 eager" in out, out
 
 
 # ---- issue 26, item 2: live counts of the fused and eager calls ------------------------------------------
@@ -367,15 +367,15 @@ def test_report_counts_fused_and_eager_calls_live(interpret):
     model.eval()
     with torch.no_grad():
         model(input_ids=ids, labels=ids)  # eval: eager
-    assert (lce.calls.fused, lce.calls.eager) == (2, 2)
-    assert (norms.calls.fused, norms.calls.eager) == (5 * 4, 0)  # 5 norms per forward
+    assert (lce.calls.fused, lce.calls.reference, lce.calls.eager) == (2, 0, 2)
+    assert (norms.calls.fused, norms.calls.reference, norms.calls.eager) == (5 * 4, 0, 0)  # 5 norms per forward
     # the report reads them when it is printed (the same objects the engine holds)
     table = rep.table()
-    assert "calls" in table.splitlines()[0]
-    assert next(r for r in table.splitlines() if r.startswith("linear_cross_entropy")).count("2 fused, 2 eager") == 1
-    assert "20 fused, 0 eager" in next(r for r in table.splitlines() if r.startswith("rms_norm"))
+    assert table.splitlines()[0].split()[3:6] == ["fused", "reference", "eager"]
+    assert next(r for r in table.splitlines() if r.startswith("linear_cross_entropy")).split()[3:6] == ["2", "0", "2"]
+    assert next(r for r in table.splitlines() if r.startswith("rms_norm")).split()[3:6] == ["20", "0", "0"]
     d = rep.to_dict()
-    assert d["features"][1]["calls"] == {"fused": 2, "eager": 2}
+    assert d["features"][1]["calls"] == {"fused": 2, "reference": 0, "eager": 2}
     json.dumps(d)  # plain data
     # the same report object comes back while the options are unchanged, and keeps counting
     assert patch_model(model, CFG)["linear_cross_entropy"] is lce
