@@ -144,9 +144,10 @@ def patch_model(model: torch.nn.Module, config: Any = None, engine: Any = None,
                         feature.revert(model)
                     except Exception:
                         pass
-            if not rep.applied and warn:
-                warnings.warn(f"deepspeed_fused: feature {feature.name!r} is enabled but not applied: "
-                              f"{rep.reason}", RuntimeWarning, stacklevel=2)
+            if not rep.applied:
+                if warn:
+                    warnings.warn(f"deepspeed_fused: feature {feature.name!r} is enabled but not applied: "
+                                  f"{rep.reason}", RuntimeWarning, stacklevel=2)
             else:
                 rep.fallback = feature.fallback(env)
                 if note:

@@ -186,6 +186,11 @@ class TestHookApplies(DistributedTest):
             notices = [r for r in records if "dummy support check failed" in r.getMessage()]
             assert len(notices) == 1 and notices[0].levelno == logging.WARNING, records
             assert not [w for w in warned if "dummy" in str(w.message)], [str(w.message) for w in warned]
+            # not recorded as applied: once supported, the next patch applies it
+            assert "dummy" not in model.__dict__.get("_deepspeed_fused_applied", {})
+            _STATE["supported"] = True
+            assert patch_model(model, {"dummy": {"enabled": True}})["dummy"].applied
+            assert DummyFeature.applies == 1
 
     def test_failing_apply_is_rolled_back(self):
         with dummy_registered(), self._logged() as (records, warned):
@@ -431,10 +436,13 @@ def test_patch_model_called_directly_warns(dummy):
     assert len(mine) == 1 and mine[0].filename == __file__
     import warnings
 
+    model = build_model("llama-tiny")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        quiet = patch_model(build_model("llama-tiny"), {"dummy": {"enabled": True}}, warn=False)
+        quiet = patch_model(model, {"dummy": {"enabled": True}}, warn=False)
     assert quiet["dummy"].reason == rep["dummy"].reason and not quiet["dummy"].applied
+    assert "dummy" not in model.__dict__.get("_deepspeed_fused_applied", {})  # not recorded as applied
+    assert unpatch_model(model) == {}
 
 
 def test_report_to_dict_and_text(dummy):
