@@ -72,10 +72,6 @@ def _model_for_path(model: type, path: tuple) -> type | None:
     return model
 
 
-def _format_error(err: ValidationError, model: type, prefix: tuple = ()) -> str:
-    return "invalid deepspeed_fused config: " + "; ".join(_error_lines(err, model, prefix))
-
-
 def _error_lines(err: ValidationError, model: type, prefix: tuple = ()) -> list:
     """One line per error of ``err``, raised by ``model`` for the part of the section at ``prefix``."""
     lines = []
@@ -195,6 +191,8 @@ def parse_config(config: Any, ds_config: Optional[bool] = None) -> Any:
                 values[name] = model.model_fields[name].annotation(strict=True, **dict(value))
             except ValidationError as err:
                 errors += _error_lines(err, model.model_fields[name].annotation, (name,))
+            except AssertionError as err:  # DeepSpeed's deprecated-field check (old and new name given together)
+                errors.append(f"{SECTION}.{name}: {err}")
         else:
             values[name] = value
     try:

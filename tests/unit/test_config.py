@@ -224,3 +224,10 @@ def test_non_string_keys_are_rejected_naming_the_path(section, where, monkeypatc
     with pytest.raises(ConfigError, match=match):
         patch_model(torch.nn.Linear(4, 4), section)
     _initialize_raises(section, match, monkeypatch)
+
+
+def test_deprecated_and_new_name_together_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"deepspeed_fused\.rms_norm: Cannot provide deprecated parameter "
+                                          r"'match_llama_form' and replacing parameter 'match_forms' together"):
+        parse_config({"rms_norm": {"match_forms": True, "match_llama_form": False}})
+    assert parse_config({"rms_norm": {"match_llama_form": False}}).rms_norm.match_forms is False
