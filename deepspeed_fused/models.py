@@ -102,3 +102,42 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, at
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model
+
+
+def is_model_path(path: str) -> bool:
+    """Whether ``path`` is a local Hugging Face model folder (with a ``config.json``) or a config file."""
+    import os
+
+    return os.path.isfile(path) or os.path.isfile(os.path.join(path, "config.json"))
+
+
+def build_model_from_path(path: str, dtype: torch.dtype = torch.float32, device="meta"):
+    """A model of a local Hugging Face model folder or ``config.json``, built from its config with
+    random weights (the folder's weights are not read, nothing is downloaded; no remote code runs),
+    by default on the meta device (no memory, so a model of any size is cheap). The class is the
+    first of the config's ``architectures`` that transformers has, else ``AutoModelForCausalLM``'s
+    (then ``AutoModel``'s) class for the config. Raises ValueError naming ``path`` when the config
+    cannot be read or no class takes it."""
+    import transformers
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable config is the user's input
+        raise ValueError(f"{path}: not a readable Hugging Face config ({_first_line(e)})") from None
+    classes = [getattr(transformers, a, None) for a in (getattr(cfg, "architectures", None) or [])]
+    cls = next((c for c in classes if isinstance(c, type) and hasattr(c, "_from_config")), None)
+    errors = []
+    with torch.device(device):
+        for build in ([cls._from_config] if cls is not None else []) + [AutoModelForCausalLM.from_config,
+                                                                         AutoModel.from_config]:
+            try:
+                return build(cfg, dtype=dtype)
+            except Exception as e:  # noqa: BLE001 - the next class, then one error naming the config
+                errors.append(_first_line(e))
+    raise ValueError(f"{path}: no transformers model class builds from this config ({errors[0]})")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

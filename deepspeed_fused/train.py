@@ -12,9 +12,11 @@ token batches (a learnable bigram-like stream, the same for every run with the s
 step prints the loss, step time, tokens/s and peak GPU memory (with ``gradient_accumulation_steps``
 above 1 in the config, a step is one optimizer step of that many micro-steps: the mean of their
 losses, the tokens of all of them, and the median forward+backward time of one); the feature report is shown once,
-by the plugin's hook, after initialisation. On a CPU-only machine bf16 is turned off and the fused
-paths fall back to eager (the report says so); the first CPU run waits a few minutes, silent,
-while DeepSpeed compiles its shm_comm op (said before it starts).
+by the plugin's hook, after initialisation, and the calls of each feature (fused, torch reference,
+eager) at the end. On a CPU-only machine bf16 is turned off, the features that need the kernels
+are not applied and the loss runs the op's torch reference (the report says so); the first CPU run
+waits a few minutes, silent, while DeepSpeed compiles its shm_comm op (said before it starts).
+A progress bar is shown only on a terminal.
 """
 from __future__ import annotations
 
@@ -30,23 +32,16 @@ import torch
 
 import deepspeed_fused  # noqa: F401  (installs the deepspeed.initialize hook)
 from deepspeed_fused.models import MODELS, build_model
-
-# the ready ds_configs, shipped inside the package (in a clone: a link to the top-level configs/)
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+from deepspeed_fused.shipped import CONFIGS_DIR, resolve_config  # noqa: F401  (CONFIGS_DIR: importable here too)
 
 
 def find_config(path: str) -> str:
     """``path`` if it exists, else the shipped config of that name (``configs/fused_all.json``,
     ``fused_all.json`` or ``fused_all``); SystemExit naming the shipped ones otherwise."""
-    if os.path.exists(path):
-        return path
-    name = os.path.basename(path)
-    for candidate in (name, name + ".json"):
-        shipped = os.path.join(CONFIGS_DIR, candidate)
-        if os.path.isfile(shipped):
-            return shipped
-    names = ", ".join(sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".json")))
-    raise SystemExit(f"--deepspeed_config {path}: no such file, nor a shipped config of that name ({names})")
+    try:
+        return resolve_config(path)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--deepspeed_config {e}") from None
 
 
 def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, device) -> torch.Tensor:
@@ -149,7 +144,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", default=None, help="write per-step metrics as JSON here")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal, e.g. a log file)")
     p.add_argument("--profile-out", default=None,
                    help="after the timed steps, profile one more step and write its GPU time per category here")
     p.add_argument("--trace-out", default=None, help="keep the profiled step's Chrome trace here")
@@ -198,6 +194,21 @@ def note_cpu_op_build() -> None:
     if not built and int(os.environ.get("RANK", "0")) == 0:
         print("[train] first CPU run: DeepSpeed now compiles its shm_comm op (about 2-3 minutes without output; "
               "later runs reuse it)", flush=True)
+
+
+def progress_bar(args, rank: int):
+    """The progress bar of rank 0 on a terminal, else None (a log file gets the per-step lines only:
+    a bar redrawn with carriage returns between them would garble it). While the bar is shown the
+    per-step lines go through ``tqdm.write``, above it."""
+    import sys
+
+    if args.no_progress or rank != 0 or not (sys.stderr.isatty() and sys.stdout.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=args.steps, desc="train", dynamic_ncols=True)
 
 
 def run_steps(engine, args, batch: int, steps: int, rank: int, device, vocab: int, bar=None) -> list:
@@ -400,11 +411,7 @@ def main(argv=None) -> dict:
 
     accum = accumulation_steps(engine)
     tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size() * accum
-    try:
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, disable=args.no_progress or rank != 0, desc="train", dynamic_ncols=True)
-    except ImportError:  # pragma: no cover
-        bar = None
+    bar = progress_bar(args, rank)
     history = run_steps(engine, args, args.batch_size, args.steps, rank, device, vocab, bar)
     if bar is not None:
         bar.close()
@@ -428,7 +435,7 @@ def main(argv=None) -> dict:
                  "each (median)" if accum > 1 else ""))
         counted = [f"{f.name} {f.calls}" for f in (report.features if report is not None else [])
                    if f.applied and f.calls is not None]
-        if counted:  # the fused paths really ran (eager: the model's own code ran instead)
+        if counted:  # what ran: our kernels (fused), the ops' torch references, the model's own code (eager)
             print(f"[train] deepspeed_fused calls: {'; '.join(counted)}")
         if args.metrics_out:
             with open(args.metrics_out, "w") as f:

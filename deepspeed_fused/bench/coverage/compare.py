@@ -54,9 +54,9 @@ class GatherCounter:
 
 
 def _calls(report) -> dict:
-    """The feature's own count of its patched code's calls (fused / eager) since it was applied."""
+    """The feature's own count of its patched code's calls (fused / reference / eager) since it was applied."""
     calls = getattr(report, "calls", None)
-    return calls.as_dict() if calls is not None else {"fused": 0, "eager": 0}
+    return calls.as_dict() if calls is not None else {"fused": 0, "reference": 0, "eager": 0}
 
 
 # ---- one family -----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 from ...ops._common import warn_fallback
 from ...ops.mlp_act import kernels_take, mlp_act, mlp_act_fused
-from ..base import OptInMarker
+from ..base import OptInMarker, count_op_call, op_call_mark
 from .recognition import Form, activation_of, recognise
 
 MARKER = "_ds_fused_mlp_act"  # instance attribute holding OPT_IN on opted-in modules
@@ -79,13 +79,14 @@ def _make_dispatcher(original, form: Form):
     def forward(self, *args, **kwargs):
         if getattr(self, MARKER, None) is OPT_IN and len(args) == 1 and not kwargs:
             calls = self.__dict__.get(CALLS)
+            mark = op_call_mark()
             out, why = fused(self, args[0])
             if out is not None:
                 if calls is not None:
                     if why:
                         calls.eager += 1
                     else:
-                        calls.fused += 1
+                        count_op_call(calls, mark)  # fused, or reference when the op ran its torch code
                 if why:
                     warn_fallback("mlp_act", f"{why}; {type(self).__name__} runs its eager math")
                 return out
