@@ -8,6 +8,7 @@ The config reference in the docs is generated from these models by :mod:`deepspe
 """
 from __future__ import annotations
 
+import typing
 from typing import Any, Mapping, Optional
 
 from pydantic import StrictBool, ValidationError, create_model
@@ -71,18 +72,73 @@ def _model_for_path(model: type, path: tuple) -> type | None:
     return model
 
 
-def _format_error(err: ValidationError, model: type) -> str:
+def _error_lines(err: ValidationError, model: type, prefix: tuple = ()) -> list:
+    """One line per error of ``err``, raised by ``model`` for the part of the section at ``prefix``."""
     lines = []
     for e in err.errors():
-        loc = tuple(p for p in e["loc"])
+        loc = tuple(prefix) + tuple(p for p in e["loc"])
         path = ".".join([SECTION] + [str(p) for p in loc])
         if e["type"] == "extra_forbidden":
-            parent = _model_for_path(model, loc[:-1])
+            parent = _model_for_path(model, loc[len(prefix):-1])
             allowed = sorted(parent.model_fields) if parent is not None else []
             lines.append(f"{path}: unknown key; allowed keys: {', '.join(allowed)}")
         else:
             lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
-    return "invalid deepspeed_fused config: " + "; ".join(lines)
+    return lines
+
+
+AUTO = "auto"
+
+
+def _admits_auto(annotation: Any) -> bool:
+    """Whether a field's type lists ``"auto"`` as one of its values (``Literal["auto", ...]``, alone
+    or in a union): the key documents what "auto" means for it."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return AUTO in typing.get_args(annotation)
+    return any(_admits_auto(a) for a in typing.get_args(annotation))
+
+
+def _auto_keys() -> list:
+    """The section's keys whose type admits ``"auto"`` (each documents what it means)."""
+    out = []
+
+    def walk(model, path):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, DeepSpeedConfigModel):
+                walk(ann, path + (name,))
+            elif _admits_auto(ann):
+                out.append(".".join((SECTION,) + path + (name,)))
+
+    walk(_section_model(), ())
+    return out
+
+
+def _check_keys_and_auto(value: Any, model: Optional[type], path: tuple) -> None:
+    """A pre-pass over the section before DeepSpeed's config models read it: every key is a string
+    (a Python dict can hold others; JSON cannot) and ``"auto"`` appears only where the key's type
+    admits it. DeepSpeed's ``DeepSpeedConfigModel`` drops ``"auto"`` values of nested models before
+    validation (they would silently become the defaults), so they are refused here, by key path."""
+    where = ".".join((SECTION,) + path)
+    if isinstance(value, Mapping):
+        for k in value:
+            if not isinstance(k, str):
+                raise ConfigError(f"{where}: key {k!r} ({type(k).__name__}): keys must be strings, "
+                                  f"as in JSON")
+        for k, v in value.items():
+            field = model.model_fields.get(k) if model is not None else None
+            sub = field.annotation if field is not None and isinstance(field.annotation, type) and \
+                issubclass(field.annotation, DeepSpeedConfigModel) else None
+            _check_keys_and_auto(v, sub, path + (k,))
+            if isinstance(v, str) and v == AUTO and field is not None and not _admits_auto(field.annotation):
+                takers = ", ".join(_auto_keys()) or "none"
+                raise ConfigError(
+                    f"{where}.{k}: \"auto\" is not a value of this key: the {SECTION} section has no \"auto\" "
+                    f"resolution (neither DeepSpeed nor the Hugging Face Trainer fills it in here); give the value "
+                    f"itself (keys that say what \"auto\" means for them: {takers})")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_keys_and_auto(v, None, path + (str(i),))
 
 
 def parse_config(config: Any, ds_config: Optional[bool] = None) -> Any:
@@ -119,15 +175,35 @@ def parse_config(config: Any, ds_config: Optional[bool] = None) -> Any:
         raise ConfigError(f"{SECTION}: expected a dict (the ds_config or its section), got {type(config).__name__}")
     if not isinstance(section, Mapping):
         raise ConfigError(f"{SECTION}: expected an object, got {type(section).__name__}")
+    _check_keys_and_auto(section, model, ())
     features = _feature_names(model)
     for name, value in section.items():
         if name in features and not isinstance(value, Mapping):
             raise ConfigError(f"{SECTION}.{name}: expected an object like {{\"enabled\": true}}, "
                               f"got {type(value).__name__}")
+    # Each feature's options are validated by its own model, built strict (DeepSpeed's non-strict
+    # construction, which pydantic uses for a nested model, drops "auto" values): a value is
+    # honoured or rejected, never dropped.
+    values, errors = {}, []
+    for name, value in section.items():
+        if name in features:
+            try:
+                values[name] = model.model_fields[name].annotation(strict=True, **dict(value))
+            except ValidationError as err:
+                errors += _error_lines(err, model.model_fields[name].annotation, (name,))
+            except AssertionError as err:  # DeepSpeed's deprecated-field check (old and new name given together)
+                errors.append(f"{SECTION}.{name}: {err}")
+        else:
+            values[name] = value
     try:
-        return model(strict=True, **dict(section))
-    except ValidationError as err:
-        msg = _format_error(err, model)
+        if not errors:
+            return model(strict=True, **values)
+        model(strict=True, **{k: v for k, v in values.items() if k not in features})  # its own errors too
+        raise ConfigError("invalid deepspeed_fused config: " + "; ".join(errors))
+    except (ValidationError, ConfigError) as err:
+        if isinstance(err, ValidationError):
+            errors += _error_lines(err, model)
+        msg = "invalid deepspeed_fused config: " + "; ".join(errors)
         if bare and any(k not in model.model_fields for k in section):
             msg += (" (read as a bare deepspeed_fused section: the dict has no DeepSpeed top-level key such as "
                     "train_batch_size or zero_optimization; a whole ds_config holds the features under "

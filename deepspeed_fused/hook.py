@@ -8,7 +8,8 @@ section before the engine's own code runs; when the engine is built it applies e
 to ``engine.module`` once, attaches the report as ``engine.deepspeed_fused_report`` and shows it on
 rank 0 (``"show_report": false`` in the section keeps it quiet). ``deepspeed.initialize`` is also
 wrapped, to check the section before DeepSpeed does any work.
-An enabled feature that cannot apply warns and leaves the model as it was; a malformed section
+An enabled feature that cannot apply leaves the model as it was and is named in the report (logged
+as a warning then, at INFO otherwise); a malformed section
 raises before the engine is built, however the config is given (a dict or a file, through
 ``config=``, ``config_params=`` or ``args.deepspeed_config``).
 """
@@ -22,6 +23,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from . import compat
 from .config import SECTION, parse_config
 from .features.base import Environment, FeatureReport
 from .features.registry import all_features, get_feature
@@ -88,7 +90,8 @@ def report_logger():
 
 
 def _show(report: Report) -> None:
-    """The report on rank 0: one table, as a warning when an enabled feature is not applied."""
+    """The report on rank 0: one table, logged at INFO, or as a warning when an enabled feature
+    failed or did not apply (the one notice of it: ``patch_model`` does not warn here)."""
     if _rank() != 0:
         return
     problem = any(f.enabled and not f.applied for f in report.features)
@@ -96,7 +99,7 @@ def _show(report: Report) -> None:
 
 
 def patch_model(model: torch.nn.Module, config: Any = None, engine: Any = None,
-                env: Optional[Environment] = None) -> Report:
+                env: Optional[Environment] = None, warn: bool = True) -> Report:
     """Make ``model`` match ``config`` (a ds_config dict, its ``deepspeed_fused`` section, or a
     parsed config): each enabled feature is applied with the config's options, each feature that
     is off is reverted if it was applied. Returns the :class:`Report`.
@@ -105,7 +108,9 @@ def patch_model(model: torch.nn.Module, config: Any = None, engine: Any = None,
     options is reverted and applied again with the new ones. What counts as applied is read from
     the model's state (a model loaded from a pickle, or a copy whose patch was undone, is patched
     afresh). A feature that fails to apply is rolled back and reported; it never raises (a
-    malformed config does)."""
+    malformed config does). With ``warn`` each enabled feature that is not applied also warns
+    (RuntimeWarning, once per feature and call); the engine hook and the report CLI pass False: the
+    report they show is the one notice."""
     cfg = parse_config(config)
     env = env or Environment.detect()
     rec = _record(model)
@@ -140,8 +145,9 @@ def patch_model(model: torch.nn.Module, config: Any = None, engine: Any = None,
                     except Exception:
                         pass
             if not rep.applied:
-                warnings.warn(f"deepspeed_fused: feature {feature.name!r} is enabled but not applied: "
-                              f"{rep.reason}", RuntimeWarning, stacklevel=2)
+                if warn:
+                    warnings.warn(f"deepspeed_fused: feature {feature.name!r} is enabled but not applied: "
+                                  f"{rep.reason}", RuntimeWarning, stacklevel=2)
             else:
                 rep.fallback = feature.fallback(env)
                 if note:
@@ -150,7 +156,7 @@ def patch_model(model: torch.nn.Module, config: Any = None, engine: Any = None,
         reports.append(rep)
     if not rec:
         model.__dict__.pop(_APPLIED_ATTR, None)
-    return Report(env=env, features=reports)
+    return Report(env=env, features=reports, notes=compat.notes())
 
 
 def unpatch_model(model: torch.nn.Module) -> dict:
@@ -217,10 +223,13 @@ def _config_from_call(fn, args, kwargs) -> Optional[Mapping]:
 
 
 def _validate_call(fn, args, kwargs) -> None:
-    """A malformed section raises here, before the call builds anything."""
+    """A malformed section raises here, before the call builds anything; with AutoEP enabled, the
+    compatibility fix it needs is applied (:mod:`deepspeed_fused.compat`)."""
     early = _config_from_call(fn, args, kwargs)
     if early is not None:
         parse_config(early, ds_config=True)
+        if compat.autoep_enabled(early):
+            compat.fix_autoep_output_capture()  # where this transformers needs it, before DeepSpeed's AutoEP runs
 
 
 def _after_initialize(engine) -> Optional[Report]:
@@ -228,9 +237,9 @@ def _after_initialize(engine) -> Optional[Report]:
     if model is None:
         return None
     cfg = parse_config(_engine_config_dict(engine), ds_config=True)
-    report = patch_model(model, cfg, engine=engine)
+    report = patch_model(model, cfg, engine=engine, warn=False)  # the report shown below is the notice
     engine.deepspeed_fused_report = report
-    if cfg.show_report and any(f.enabled or f.applied for f in report.features):
+    if cfg.show_report and (report.notes or any(f.enabled or f.applied for f in report.features)):
         _show(report)
     return report
 

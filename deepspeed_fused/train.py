@@ -12,9 +12,11 @@ token batches (a learnable bigram-like stream, the same for every run with the s
 step prints the loss, step time, tokens/s and peak GPU memory (with ``gradient_accumulation_steps``
 above 1 in the config, a step is one optimizer step of that many micro-steps: the mean of their
 losses, the tokens of all of them, and the median forward+backward time of one); the feature report is shown once,
-by the plugin's hook, after initialisation. On a CPU-only machine bf16 is turned off and the fused
-paths fall back to eager (the report says so); the first CPU run waits a few minutes, silent,
-while DeepSpeed compiles its shm_comm op (said before it starts).
+by the plugin's hook, after initialisation, and the calls of each feature (fused, torch reference,
+eager) at the end. On a CPU-only machine bf16 is turned off, the features that need the kernels
+are not applied and the loss runs the op's torch reference (the report says so); the first CPU run
+waits a few minutes, silent, while DeepSpeed compiles its shm_comm op (said before it starts).
+A progress bar is shown only on a terminal.
 """
 from __future__ import annotations
 
@@ -30,23 +32,16 @@ import torch
 
 import deepspeed_fused  # noqa: F401  (installs the deepspeed.initialize hook)
 from deepspeed_fused.models import MODELS, build_model
-
-# the ready ds_configs, shipped inside the package (in a clone: a link to the top-level configs/)
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+from deepspeed_fused.shipped import CONFIGS_DIR, resolve_config  # noqa: F401  (CONFIGS_DIR: importable here too)
 
 
 def find_config(path: str) -> str:
     """``path`` if it exists, else the shipped config of that name (``configs/fused_all.json``,
     ``fused_all.json`` or ``fused_all``); SystemExit naming the shipped ones otherwise."""
-    if os.path.exists(path):
-        return path
-    name = os.path.basename(path)
-    for candidate in (name, name + ".json"):
-        shipped = os.path.join(CONFIGS_DIR, candidate)
-        if os.path.isfile(shipped):
-            return shipped
-    names = ", ".join(sorted(f for f in os.listdir(CONFIGS_DIR) if f.endswith(".json")))
-    raise SystemExit(f"--deepspeed_config {path}: no such file, nor a shipped config of that name ({names})")
+    try:
+        return resolve_config(path)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--deepspeed_config {e}") from None
 
 
 def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int, device) -> torch.Tensor:
@@ -94,9 +89,11 @@ def micro_batches(step: int, accum: int, batch: int, args, world: int, rank: int
             for m in range(accum)]
 
 
-def apply_liger(model_name: str, swiglu: bool) -> str:
+def apply_liger(model_name: str, swiglu: bool, defaults: bool = False) -> str:
     """Liger-Kernel's patches for the model's type, before the model is built: RoPE, RMSNorm and
-    the fused linear cross-entropy; its SwiGLU/experts only with ``swiglu``. Returns a description."""
+    the fused linear cross-entropy; its SwiGLU/experts only with ``swiglu``; with ``defaults`` the
+    patch function's own defaults (``apply_liger_kernel_to_<family>()``: for the dense families
+    also its SwiGLU or GeGLU MLP). Returns a description."""
     from importlib.metadata import version
 
     from liger_kernel.transformers import monkey_patch
@@ -107,9 +104,29 @@ def apply_liger(model_name: str, swiglu: bool) -> str:
     fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if fn is None:
         raise SystemExit(f"liger-kernel {version('liger_kernel')} has no patch for {model_type}")
+    if defaults:
+        fn()
+        return f"liger-kernel {version('liger_kernel')}: {fn.__name__}() (its defaults)"
     kw = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True, swiglu=swiglu)
     fn(**kw)
     return f"liger-kernel {version('liger_kernel')}: {fn.__name__}({', '.join(f'{k}={v}' for k, v in kw.items())})"
+
+
+def enable_grad_ckpt(model, mode: str) -> None:
+    """Hugging Face gradient checkpointing (``mode``: "off", "non-reentrant", "reentrant"): each
+    decoder layer's activations recomputed in the backward, through transformers' own
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` in transformers before 5.25)
+    with ``torch.utils.checkpoint``'s ``use_reentrant`` false or true."""
+    if mode == "off":
+        return
+    if mode not in ("non-reentrant", "reentrant"):
+        raise ValueError(f"grad_ckpt: expected off, non-reentrant or reentrant, got {mode!r}")
+    model.config.use_cache = False
+    kw = {"use_reentrant": mode == "reentrant"}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
 def is_oom(e: BaseException) -> bool:
@@ -127,13 +144,19 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", default=None, help="write per-step metrics as JSON here")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal, e.g. a log file)")
     p.add_argument("--profile-out", default=None,
                    help="after the timed steps, profile one more step and write its GPU time per category here")
     p.add_argument("--trace-out", default=None, help="keep the profiled step's Chrome trace here")
     p.add_argument("--liger", action="store_true",
                    help="apply Liger-Kernel (RoPE, RMSNorm, fused linear cross-entropy) before building the model")
     p.add_argument("--liger-swiglu", action="store_true", help="with --liger: also Liger's SwiGLU/experts")
+    p.add_argument("--liger-defaults", action="store_true",
+                   help="with --liger: the patch function's own defaults (apply_liger_kernel_to_<family>())")
+    p.add_argument("--grad-ckpt", default="off", choices=("off", "non-reentrant", "reentrant"),
+                   help="Hugging Face gradient checkpointing of the decoder layers "
+                        "(model.gradient_checkpointing_enable, use_reentrant false or true)")
     p.add_argument("--batch-sizes", default=None,
                    help="search mode: comma-separated ascending micro-batch sizes, each run for --steps steps "
                         "(--warmup of them untimed) in this process; the first that runs out of memory is "
@@ -171,6 +194,21 @@ def note_cpu_op_build() -> None:
     if not built and int(os.environ.get("RANK", "0")) == 0:
         print("[train] first CPU run: DeepSpeed now compiles its shm_comm op (about 2-3 minutes without output; "
               "later runs reuse it)", flush=True)
+
+
+def progress_bar(args, rank: int):
+    """The progress bar of rank 0 on a terminal, else None (a log file gets the per-step lines only:
+    a bar redrawn with carriage returns between them would garble it). While the bar is shown the
+    per-step lines go through ``tqdm.write``, above it."""
+    import sys
+
+    if args.no_progress or rank != 0 or not (sys.stderr.isatty() and sys.stdout.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=args.steps, desc="train", dynamic_ncols=True)
 
 
 def run_steps(engine, args, batch: int, steps: int, rank: int, device, vocab: int, bar=None) -> list:
@@ -327,7 +365,7 @@ def main(argv=None) -> dict:
     bf16 = ds_config.get("bf16", {}).get("enabled", False)
     dtype = torch.bfloat16 if bf16 else torch.float32
 
-    liger = apply_liger(args.model, args.liger_swiglu) if args.liger else None
+    liger = apply_liger(args.model, args.liger_swiglu, args.liger_defaults) if args.liger else None
     if not cuda:
         note_cpu_op_build()
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
@@ -336,6 +374,7 @@ def main(argv=None) -> dict:
         print(f"[train] {liger}", flush=True)
     with torch.device(device):
         model = build_model(args.model, dtype=dtype, seed=args.seed)
+    enable_grad_ckpt(model, args.grad_ckpt)
     vocab = model.config.vocab_size
     opt_kw = dict(lr=args.lr, weight_decay=0.0, **({"fused": True} if cuda else {}))
     if ds_config.get("expert_parallel", {}).get("enabled"):
@@ -357,6 +396,7 @@ def main(argv=None) -> dict:
             print("[train] deepspeed_fused hook did not run")
     engine.train()
     common = dict(model=args.model, config=args.deepspeed_config, liger=liger, seq_len=args.seq_len,
+                  grad_ckpt=args.grad_ckpt,
                   world_size=deepspeed.comm.get_world_size(), report=report.to_dict() if report is not None else None)
 
     if sizes:
@@ -371,11 +411,7 @@ def main(argv=None) -> dict:
 
     accum = accumulation_steps(engine)
     tokens_per_step = args.batch_size * args.seq_len * deepspeed.comm.get_world_size() * accum
-    try:
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, disable=args.no_progress or rank != 0, desc="train", dynamic_ncols=True)
-    except ImportError:  # pragma: no cover
-        bar = None
+    bar = progress_bar(args, rank)
     history = run_steps(engine, args, args.batch_size, args.steps, rank, device, vocab, bar)
     if bar is not None:
         bar.close()
@@ -399,7 +435,7 @@ def main(argv=None) -> dict:
                  "each (median)" if accum > 1 else ""))
         counted = [f"{f.name} {f.calls}" for f in (report.features if report is not None else [])
                    if f.applied and f.calls is not None]
-        if counted:  # the fused paths really ran (eager: the model's own code ran instead)
+        if counted:  # what ran: our kernels (fused), the ops' torch references, the model's own code (eager)
             print(f"[train] deepspeed_fused calls: {'; '.join(counted)}")
         if args.metrics_out:
             with open(args.metrics_out, "w") as f:

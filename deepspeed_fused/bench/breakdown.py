@@ -14,7 +14,16 @@ Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two
   - MoE blocks (classes ending in ``SparseMoeBlock``/``MoeBlock``, DeepSpeed's ``AutoEPMoELayer``):
     ``moe``, split afterwards by kernel name into the expert GEMMs and the rest (router, token
     reorder, combine);
-  - attention modules (class names ending in ``Attention``): ``attention``;
+  - attention modules (class names ending in ``Attention``): ``attention``, split afterwards by
+    kernel name into the projection GEMMs, the attention kernels themselves (flash, memory-efficient,
+    cuDNN, softmax) and the rest (the rotary embedding in eager code, transposes and copies);
+  - MLP modules (class names ending in ``MLP``: transformers' dense MLPs, Liger's SwiGLU/GeGLU
+    MLPs): ``mlp``, split by kernel name into the projection GEMMs and the gated activation;
+  - decoder layers (class names ending in ``DecoderLayer``): ``decoder_layer``; the kernels left
+    there after the ranges inside it (norms, attention, MLP, MoE) are the residual adds. Under
+    Hugging Face gradient checkpointing a layer's recomputation runs inside its own call (its hooks
+    do not fire again, its submodules' do): the recomputed residual adds take the category of the
+    autograd node whose backward started the recomputation;
   - ``engine.backward`` / ``engine.step``, DeepSpeed ZeRO-3's parameter fetch and release.
 
 * :func:`attribute` reads the profiler's Chrome trace and sums device activity (kernels, memcpy,
@@ -58,7 +67,9 @@ RANGE_CATEGORIES = {
     "lm_head_loss": "lm_head + loss",
     "router_aux_loss": "router aux loss",
     "moe": "moe",  # split by kernel name below
-    "attention": "attention",
+    "attention": "attention",  # split by kernel name below
+    "mlp": "mlp",  # split by kernel name below
+    "decoder_layer": "residual adds",
     "zero_step": "zero: step (grad norm, clip, copies)",
     "zero_backward": "zero: gradients",
     "zero_params": "zero: parameter fetch/release",
@@ -72,16 +83,31 @@ MOE_GEMM = "moe: expert GEMMs"
 MOE_OTHER = "moe: router, reorder, combine"
 NCCL = "collectives (nccl)"
 OTHER = "other"
-CATEGORIES = ["rms_norm", "lm_head + loss", MOE_GEMM, MOE_OTHER, "router aux loss", "attention", OPTIMIZER,
-              "zero: step (grad norm, clip, copies)", GRADIENTS, "zero: parameter fetch/release", NCCL, OTHER]
+GEMMS = "GEMMs (attention, MLP)"
+ATTN_CORE = "attention"
+ATTN_REST = "rope + attention elementwise"
+MLP_ACT = "mlp activation"
+RESIDUAL = "residual adds"
+CATEGORIES = ["rms_norm", "lm_head + loss", GEMMS, ATTN_CORE, ATTN_REST, MLP_ACT, RESIDUAL, MOE_GEMM, MOE_OTHER,
+              "router aux loss", OPTIMIZER, "zero: step (grad norm, clip, copies)", GRADIENTS,
+              "zero: parameter fetch/release", NCCL, OTHER]
 
 # This plugin's Triton kernels (deepspeed_fused/ops): attributed by name, wherever they run.
 OUR_KERNELS = [
     (re.compile(r"^_(rms_fwd|rms_bwd|rms_bwd_loop|dw_reduce)_kernel"), "rms_norm"),
     (re.compile(r"^_lce_"), "lm_head + loss"),
     (re.compile(r"^_(gather_rows|combine|combine_backward|route_maps)_kernel"), MOE_OTHER),
-    (re.compile(r"^_rope_kernel"), "attention"),
+    (re.compile(r"^_rope_kernel"), ATTN_REST),
+    # Liger-Kernel's dense kernels: its RoPE, its SwiGLU and GeGLU MLP activations
+    (re.compile(r"^_triton_rope"), ATTN_REST),
+    (re.compile(r"^_(swiglu|geglu_tanh)_(forward|backward)_kernel"), MLP_ACT),
 ]
+# the gated-activation kernels (ops/mlp_act) serve the dense MLPs and the MoE experts' gate: by
+# name, then by range (inside a MoE block they are the experts' gate)
+GATED_KERNEL = re.compile(r"^_gated_(fwd|bwd)_kernel")
+# the attention kernels themselves (inside an attention range): SDPA's backends, eager's softmax
+ATTN_KERNEL = re.compile(r"flash|fmha|cudnn|scaled_dot_product|efficient_attention|attention_kernel|softmax",
+                         re.IGNORECASE)
 NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
 # GEMM kernels (cuBLAS/cuBLASLt nvjet, CUTLASS, grouped GEMMs): the expert GEMMs inside a MoE range.
 # Liger's fused MoE GEMMs (_fused_up_proj_swiglu_kernel, _fused_down_proj_kernel, _moe_bwd_*) count as GEMMs.
@@ -230,7 +256,7 @@ class _Trace:
             cat = RANGE_CATEGORIES.get(sp.name[len(PREFIX):])
             if cat is not None:
                 return cat
-        return None
+        return None  # (attention, mlp and moe are split by kernel name by the caller)
 
     def forward_of(self, ev: _Span):
         """(tid, ts) of the forward op whose autograd node this evaluate_function runs, or None."""
@@ -300,6 +326,10 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
             if pat.search(name):
                 cat, via = c, "name"
                 break
+        if cat is None and GATED_KERNEL.search(name):
+            p = at if at is not None else tr.launch.get(corr)
+            inside = tr.category_at(*p)[0] if p is not None else None
+            cat, via = (MOE_OTHER if inside == "moe" else MLP_ACT), "name"
         if cat is None and NCCL_KERNEL.search(name):
             cat, via = NCCL, "name"
         if cat is None:
@@ -312,6 +342,10 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
                 via = "device_range" if cat is not None else "no_launch"
         if cat == "moe":
             cat = MOE_GEMM if GEMM_KERNEL.search(name) else MOE_OTHER
+        elif cat == "attention":
+            cat = GEMMS if GEMM_KERNEL.search(name) else ATTN_CORE if ATTN_KERNEL.search(name) else ATTN_REST
+        elif cat == "mlp":
+            cat = GEMMS if GEMM_KERNEL.search(name) else MLP_ACT
         if cat is None:
             cat = OTHER
         cats[cat] = cats.get(cat, 0.0) + ms
@@ -351,6 +385,10 @@ def _range_kind(module) -> Optional[str]:
         return "moe"
     if name.endswith("Attention"):
         return "attention"
+    if name.endswith("MLP"):
+        return "mlp"
+    if name.endswith("DecoderLayer"):
+        return "decoder_layer"
     return None
 
 
@@ -418,7 +456,9 @@ def _open_close(module, name: str, r: Ranges, open_on=None, close_on=None):
         r.handles.append(module.register_forward_pre_hook(enter))  # after ZeRO-3's fetch hook
     else:
         r.handles.append(open_on.register_forward_hook(enter))
-    r.handles.append((close_on or module).register_forward_hook(leave, prepend=True))  # before ZeRO's release
+    # before ZeRO's release; also when the forward raises: non-reentrant gradient checkpointing stops a
+    # layer's recomputation with an exception once it has the tensors it needs, and the range must close
+    r.handles.append((close_on or module).register_forward_hook(leave, prepend=True, always_call=True))
 
 
 def install_ranges(engine_or_model) -> Ranges:

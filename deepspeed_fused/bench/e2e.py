@@ -20,9 +20,17 @@ Arms of each pair (``--arms``, default ``baseline,liger,fused``):
 * ``fused``: every feature on (``configs/*fused*.json``).
 
 The fused configs turn every feature on (``rms_norm``, ``linear_cross_entropy``, ``moe_reorder``,
-``rope``); each arm's row says which features ran, from the plugin's report at the end of the run
+``rope``, ``mlp_act``); each arm's row says which features ran, from the plugin's report at the end of the run
 (the features applied, with their fused/eager call counts where an eager call happened) and the
 Liger patches applied.
+
+Dense pairs (:data:`DENSE_PAIRS`; ``--pairs dense`` for the four non-reentrant ones): full-depth
+models of the Llama-3.2-3B, Qwen3-1.7B, Qwen3-4B and Gemma-3-1B shapes (random weights), ZeRO-2,
+Hugging Face gradient checkpointing (non-reentrant; ``dense_llama3_3b_reentrant`` the reentrant
+variant), the same three arms at the same micro-batch, the liger arm with the family's patch
+function's defaults (its SwiGLU/GeGLU MLP included) and the fused arm with every feature on,
+``mlp_act`` included (``configs/fused_all.json``). ``--dense-model NAME`` runs them all on
+another model (a tiny stand-in for a quick check).
 
 Pairs (``--pairs``, default ``zero2,zero2_accum8,autoep,zero3``; ``none`` for none): ZeRO-2,
 ``zero2_accum8`` (ZeRO-2 with ``gradient_accumulation_steps`` 8: ``configs/accum8_*.json``, the
@@ -124,6 +132,33 @@ ARMS = {
 }
 assert tuple(ARMS) == ARM_ORDER  # the report lists the arms in this order
 DEFAULT_PAIRS = "zero2,zero2_accum8,autoep,zero3"
+
+# The dense pairs: pair -> (model, train.py arguments). Full-depth models of published shapes
+# (random weights), ZeRO-2 on one GPU, Hugging Face gradient checkpointing (non-reentrant; the
+# ``_reentrant`` pair the reentrant variant); the fused arm turns every feature on, ``mlp_act``
+# included (``configs/fused_all.json``, as the MoE pairs); the liger arm applies the family's
+# ``apply_liger_kernel_to_<family>()`` with its own defaults (its SwiGLU or GeGLU MLP included).
+DENSE_PAIRS = {
+    "dense_llama3_3b": ("llama-3.2-3b", ["--grad-ckpt", "non-reentrant"]),
+    "dense_qwen3_1_7b": ("qwen3-1.7b", ["--grad-ckpt", "non-reentrant"]),
+    "dense_qwen3_4b": ("qwen3-4b", ["--grad-ckpt", "non-reentrant"]),
+    "dense_gemma3_1b": ("gemma3-1b", ["--grad-ckpt", "non-reentrant"]),
+    "dense_llama3_3b_reentrant": ("llama-3.2-3b", ["--grad-ckpt", "reentrant"]),
+}
+PAIRS.update({p: ("configs/baseline.json", "configs/fused_all.json", 1) for p in DENSE_PAIRS})
+# ``--pairs dense``: the four dense pairs with non-reentrant checkpointing
+DENSE_ALIAS = [p for p in DENSE_PAIRS if not p.endswith("_reentrant")]
+
+
+def pair_setup(pair: str, o, extra: list) -> tuple:
+    """(model, extra train.py arguments) of an arm of ``pair``: the suite's ``--model`` and the arm's
+    own arguments, or a dense pair's model (``--dense-model`` in its place when given: a stand-in for
+    quick runs) and its arguments, with ``--liger-defaults`` for a Liger arm."""
+    if pair not in DENSE_PAIRS:
+        return o.model, list(extra)
+    model, args = DENSE_PAIRS[pair]
+    args = list(extra) + list(args) + (["--liger-defaults"] if "--liger" in extra else [])
+    return getattr(o, "dense_model", None) or model, args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +270,8 @@ def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> d
     tag = f"{pair}.{arm}"
     metrics = os.path.join(tmp, tag + ".metrics.json")
     timeout = o.liger_swiglu_timeout if arm in SWIGLU_ARMS else o.arm_timeout
-    args = ["--deepspeed_config", config_file(config), "--model", o.model, "--steps", str(o.steps + o.warmup),
+    model, extra = pair_setup(pair, o, extra)
+    args = ["--deepspeed_config", config_file(config), "--model", model, "--steps", str(o.steps + o.warmup),
             "--warmup", str(o.warmup), "--batch-size", str(o.batch_size), "--seq-len", str(o.seq_len),
             "--no-progress", "--metrics-out", metrics, "--dump-stacks-after", str(max(10.0, timeout - 45)), *extra]
     if getattr(o, "profile", True):
@@ -399,11 +435,12 @@ def run_search(pair: str, arm: str, o, tmp: str) -> dict:
     config = base_cfg if which == "baseline" else fused_cfg
     count = [0]
     seen: dict = {}  # what the first process's metrics say about the arm: its features
+    model, extra = pair_setup(pair, o, extra)
 
     def run_sizes(chain: list) -> list:
         count[0] += 1
         metrics = os.path.join(tmp, f"{pair}.{arm}.search{count[0]}.json")
-        args = ["--deepspeed_config", config_file(config), "--model", o.model,
+        args = ["--deepspeed_config", config_file(config), "--model", model,
                 "--steps", str(o.search_steps + o.search_warmup), "--warmup", str(o.search_warmup),
                 "--seq-len", str(o.seq_len), "--batch-sizes", ",".join(map(str, chain)), "--no-progress",
                 "--metrics-out", metrics, "--dump-stacks-after", str(max(10.0, o.search_timeout - 45)), *extra]
@@ -431,7 +468,7 @@ def run_search(pair: str, arm: str, o, tmp: str) -> dict:
         return trials
 
     res = search_largest(run_sizes, o.search_start, o.search_max, confirm=getattr(o, "search_confirm", True))
-    res.update(config=config, arm=arm, seq_len=o.seq_len, features=arm_features(dict(seen, arm=arm)))
+    res.update(config=config, arm=arm, seq_len=o.seq_len, model=model, features=arm_features(dict(seen, arm=arm)))
     return res
 
 
@@ -461,7 +498,10 @@ def parse_options(args):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"of {', '.join(PAIRS)}; 'none' for none")
+    p.add_argument("--pairs", default=DEFAULT_PAIRS,
+                   help=f"of {', '.join(PAIRS)}; 'dense' for {', '.join(DENSE_ALIAS)}; 'none' for none")
+    p.add_argument("--dense-model", default=None,
+                   help="run every dense pair with this model instead of its own (a stand-in for quick runs)")
     p.add_argument("--arms", default="baseline,liger,fused", help=f"of {', '.join(ARMS)}")
     p.add_argument("--arm-timeout", type=float, default=600.0, help="seconds per arm run")
     p.add_argument("--liger-swiglu-timeout", type=float, default=420.0, help="seconds for the liger_swiglu arm")
@@ -484,9 +524,9 @@ def parse_options(args):
     if getattr(args, "quick", False):  # smaller defaults; a flag given explicitly still wins
         p.set_defaults(steps=3, warmup=1, seq_len=512, search_steps=2, search_warmup=1)
     o = p.parse_args(getattr(args, "extra", []))
-    o.pair_list = [x for x in o.pairs.split(",") if x and x != "none"]
+    o.pair_list = [y for x in o.pairs.split(",") if x and x != "none" for y in (DENSE_ALIAS if x == "dense" else [x])]
     o.arm_list = [x for x in o.arms.split(",") if x]
-    o.search_list = [y for y in o.search.split(",") if y]
+    o.search_list = [z for y in o.search.split(",") if y for z in (DENSE_ALIAS if y == "dense" else [y])]
     o.search_arm_list = [y for y in o.search_arms.split(",") if y]
     for x in o.pair_list + o.search_list:
         if x not in PAIRS:
@@ -494,6 +534,11 @@ def parse_options(args):
     for x in o.search_list:
         if PAIRS[x][2] != 1:
             raise SystemExit(f"e2e: the micro-batch search runs on one GPU; {x} uses {PAIRS[x][2]}")
+    if o.dense_model is not None:
+        from ..models import MODELS
+
+        if o.dense_model not in MODELS:
+            raise SystemExit(f"e2e: --dense-model {o.dense_model!r}: expected one of {', '.join(sorted(MODELS))}")
     for x in o.arm_list + o.search_arm_list:
         if x not in ARMS:
             raise SystemExit(f"e2e: unknown arm {x!r}; expected one of {', '.join(ARMS)}")
@@ -516,6 +561,9 @@ def main(args) -> dict:
     meta = dict(env_fields(), liger_kernel=_liger_version(), model=o.model, batch=o.batch_size, seq=o.seq_len,
                 steps=o.steps, warmup=o.warmup, search_start=o.search_start, search_max=o.search_max,
                 search_steps=o.search_steps, search_warmup=o.search_warmup, search_confirm=o.search_confirm)
+    dense = [p for p in dict.fromkeys(pairs + o.search_list) if p in DENSE_PAIRS]
+    if dense:  # each dense pair's own model and checkpointing
+        meta["pair_models"] = {p: dict(model=pair_setup(p, o, [])[0], args=" ".join(DENSE_PAIRS[p][1])) for p in dense}
 
     def partial():  # e2e.json after every run: a job stopped from outside keeps what finished
         with open(os.path.join(out_dir, "e2e.json"), "w") as f:

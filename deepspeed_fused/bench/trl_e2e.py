@@ -172,7 +172,7 @@ def main(args) -> dict:
             diff = f"{max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(m['losses'], base['losses'])):.2e}"
         lce = m["calls"].get("linear_cross_entropy")
         peak = "" if m["peak_mib"] is None else f"{m['peak_mib']:.0f}"
-        calls = "" if lce is None else f"{lce['fused']} fused, {lce['eager']} eager"
+        calls = "" if lce is None else f"{lce['fused']} fused, {lce.get('reference', 0)} reference, {lce['eager']} eager"
         lines.append(f"| {arm} | {m['tokens_per_s']:.0f} | {vs} | {peak} | {diff} | {calls} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, f"{RESULT}.json"), "w") as f:

@@ -5,7 +5,8 @@ from .rms_norm import RmsNormFeature
 from .linear_cross_entropy import LinearCrossEntropyFeature
 from .moe_reorder import MoeReorderFeature
 from .rope import RopeFeature
+from .mlp_act import MlpActFeature
 
-for _feature in (RmsNormFeature, LinearCrossEntropyFeature, MoeReorderFeature, RopeFeature):
+for _feature in (RmsNormFeature, LinearCrossEntropyFeature, MoeReorderFeature, RopeFeature, MlpActFeature):
     register(_feature)
 del _feature

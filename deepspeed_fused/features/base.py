@@ -19,6 +19,8 @@ import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import StrictBool
 
+from ..ops._common import reference_calls  # noqa: F401  (importable from here: the features' counting)
+
 
 class FeatureConfig(DeepSpeedConfigModel):
     """Options every feature has. Subclasses add their own fields."""
@@ -76,13 +78,18 @@ class Environment:
 
 
 class CallCounts:
-    """How often a feature's patched code ran since it was applied: ``fused`` (its fused path ran)
-    and ``eager`` (the patched code ran the model's own formulation instead). The patched code adds
-    to them with plain Python increments (no device work, no sync); a report reads them when it is
-    printed, so ``print(engine.deepspeed_fused_report)`` shows the counts of the run so far."""
+    """How often a feature's patched code ran since it was applied, by what ran: ``fused`` (our
+    kernels), ``reference`` (the op's own torch reference: no GPU, or an input the kernels cannot
+    take; the op says which per call, see ``deepspeed_fused.ops._common.note_reference``) and
+    ``eager`` (the model's own code). The patched code adds to them with plain Python increments
+    (no device work, no sync); a report reads them when it is printed, so
+    ``print(engine.deepspeed_fused_report)`` shows the counts of the run so far."""
+
+    KINDS = ("fused", "reference", "eager")
 
     def __init__(self):
         self.fused = 0
+        self.reference = 0
         self.eager = 0
 
     def since_now(self) -> "CallCounts":
@@ -90,13 +97,30 @@ class CallCounts:
         return _CallCountsSince(self)
 
     def as_dict(self) -> dict:
-        return {"fused": int(self.fused), "eager": int(self.eager)}
+        return {k: int(getattr(self, k)) for k in self.KINDS}
 
     def __str__(self) -> str:
-        return f"{self.fused} fused, {self.eager} eager"
+        return ", ".join(f"{getattr(self, k)} {k}" for k in self.KINDS)
 
     def __repr__(self) -> str:
         return f"<calls: {self}>"
+
+
+def op_call_mark() -> Optional[int]:
+    """Read before a patched call's ops run, for :func:`count_op_call` after them: the thread's
+    count of op calls that ran their torch reference (None while torch.compile traces: a traced
+    call counts as fused)."""
+    return None if torch.compiler.is_compiling() else reference_calls()
+
+
+def count_op_call(calls: Optional[CallCounts], mark: Optional[int]) -> None:
+    """Add one call to ``calls``: ``reference`` when an op of this call ran its torch reference
+    since ``mark`` (:func:`op_call_mark`), else ``fused`` (every op of it ran its kernels)."""
+    if calls is not None:
+        if mark is not None and reference_calls() != mark:
+            calls.reference += 1
+        else:
+            calls.fused += 1
 
 
 class SharedCallCounts(CallCounts):
@@ -113,17 +137,21 @@ class SharedCallCounts(CallCounts):
 class _CallCountsSince(CallCounts):
     """A live view of ``source`` less its counts at the view's creation."""
 
-    def __init__(self, source: CallCounts):  # noqa: super().__init__ not wanted: fused/eager are properties
+    def __init__(self, source: CallCounts):  # noqa: super().__init__ not wanted: the counts are properties
         self._source = source
-        self._base = (source.fused, source.eager)
+        self._base = tuple(getattr(source, k) for k in self.KINDS)
 
     @property
     def fused(self) -> int:
         return self._source.fused - self._base[0]
 
     @property
+    def reference(self) -> int:
+        return self._source.reference - self._base[1]
+
+    @property
     def eager(self) -> int:
-        return self._source.eager - self._base[1]
+        return self._source.eager - self._base[2]
 
 
 @dataclasses.dataclass

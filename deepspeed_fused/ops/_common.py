@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 from typing import Optional
 
@@ -67,7 +68,7 @@ def kernel_device_ok(t: torch.Tensor) -> tuple[bool, str]:
         return True, ""
     if t.device.type == "cpu" and interpreter_active():
         return True, ""
-    return False, f"tensors on {t.device.type} (kernels need CUDA)"
+    return False, device_reason(t.device.type)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -88,16 +89,52 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+class _ReferenceCalls(threading.local):
+    count = 0  # per thread (each nn.DataParallel replica runs its forward in its own)
+
+
+_REFERENCE_CALLS = _ReferenceCalls()
+
+
+def note_reference() -> None:
+    """Record that an op chose its torch reference over its kernels for this call. Called by the
+    ops where they choose (:func:`warn_fallback` does it), counted per thread. A caller that
+    reports what ran (a feature's call counts) compares :func:`reference_calls` before and after
+    an op call: a plain Python read, no device work or sync on the kernels' path."""
+    _REFERENCE_CALLS.count += 1
+
+
+def reference_calls() -> int:
+    """How many op calls of this thread ran their torch reference so far (see :func:`note_reference`)."""
+    return _REFERENCE_CALLS.count
+
+
 _warned: set[tuple[str, str]] = set()
 
 
-def warn_fallback(op: str, reason: str) -> None:
-    """Warn once per (op, reason) that the torch reference runs instead of the kernel."""
+def warn_fallback(op: str, reason: str, reference: bool = True) -> None:
+    """Warn once per (op, reason) that the torch reference runs instead of the kernel, and count the
+    call as one that ran the reference (:func:`note_reference`). ``reference=False``: the message
+    is about the caller's own fallback (a feature running the model's eager code), not counted."""
+    if reference:
+        _REFERENCE_CALLS.count += 1
     key = (op, reason)
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(f"deepspeed_fused.{op}: running the torch reference: {reason}", RuntimeWarning, stacklevel=3)
+    what = "running the torch reference: " if reference else ""
+    warnings.warn(f"deepspeed_fused.{op}: {what}{reason}", RuntimeWarning, stacklevel=3)
+
+
+def fallback_reported(op: str, reason: str) -> None:
+    """The user has been told (a report row) that ``op`` runs its torch reference for ``reason``:
+    :func:`warn_fallback` does not warn about it again (the calls are still counted)."""
+    _warned.add((op, reason))
+
+
+def device_reason(device_type: str) -> str:
+    """The reason an op gives for tensors on ``device_type`` that no kernel can take (no GPU)."""
+    return f"tensors on {device_type} (kernels need CUDA)"
 
 
 def reset_fallback_warnings() -> None:

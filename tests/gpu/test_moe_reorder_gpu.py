@@ -179,9 +179,8 @@ class TestAutoEPNCCL(DistributedTest):
 
     @pytest.mark.parametrize("name", ["mixtral-tiny", "qwen3-moe-tiny"])
     def test_autoep_20_steps_equal_with_and_without(self, name):
-        from unit.test_moe_reorder import _autoep_run, _transformers_recorder_compat
+        from unit.test_moe_reorder import _autoep_run
 
-        _transformers_recorder_compat()
         losses_ref, _ = _autoep_run(name, 2, feature=False, steps=20)
         losses, _ = _autoep_run(name, 2, feature=True, steps=20)
         # DeepSpeed's own router backward accumulates with atomics (run-to-run noise, with or
@@ -202,9 +201,8 @@ class TestAutoEPLocalPathGPU(DistributedTest):
                              ids=["weighted_sum", "fused_weighted_sum", "legacy_bmm", "pre"])
     def test_local_path_20_steps(self, ep_extra):
         from deepspeed_fused.features import moe_reorder as feat
-        from unit.test_moe_reorder import _autoep_run, _transformers_recorder_compat
+        from unit.test_moe_reorder import _autoep_run
 
-        _transformers_recorder_compat()
         losses_ref, _ = _autoep_run("qwen3-moe-tiny", 1, feature=False, steps=20, ep_extra=ep_extra)
         losses, _ = _autoep_run("qwen3-moe-tiny", 1, feature=True, steps=20, ep_extra=ep_extra)
         assert not feat.local_path_patched()

@@ -42,16 +42,102 @@ def test_cli_report_config_and_model():
     if not torch.cuda.is_available():  # the loss is patched in, but the op runs its torch reference here
         assert "applied (torch reference: no GPU)" in line
     header = next(line for line in out.splitlines() if line.startswith("feature "))
-    assert header.split() == ["feature", "enabled", "status", "calls", "where", "/", "why"]
-    assert "0 fused, 0 eager" in line and "calls: how often each applied feature's fused path" in out
+    assert header.split() == ["feature", "enabled", "status", "fused", "reference", "eager", "where", "/", "why"]
+    assert re.search(r" 0 +0 +0 +1 x Qwen3MoeForCausalLM", line), line  # not run: no calls
+    assert "fused / reference / eager: the calls of each applied feature's patched code" in out
+
+
+def _cli(args, cwd=ROOT, env=None):
+    return subprocess.run([sys.executable, "-m", "deepspeed_fused", "report", *args], cwd=cwd, env=env or _env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_line_error(p, *expect):
+    """A bad input: exit status 2, one line on stderr naming it, no traceback anywhere."""
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("python -m deepspeed_fused report: "), lines
+    assert "Traceback" not in p.stdout + p.stderr
+    for e in expect:
+        assert e in lines[0], (e, lines[0])
+    return lines[0]
 
 
 def test_cli_rejects_a_bare_section_with_an_unknown_key(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"rms_norm": {"enabled": True}, "lce": {"enabled": True}}))
-    p = subprocess.run([sys.executable, "-m", "deepspeed_fused", "report", "--config", str(bad)], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "deepspeed_fused.lce: unknown key" in p.stderr
+    _one_line_error(_cli(["--config", str(bad)]), str(bad), "deepspeed_fused.lce: unknown key")
+
+
+@pytest.mark.parametrize("case", ["missing", "not_json", "auto", "bad_value", "unknown_model", "folder_without_config"])
+def test_cli_bad_input_is_one_line_and_exit_status_2(tmp_path, case):
+    bad = tmp_path / "ds_config.json"
+    if case == "missing":
+        args, expect = ["--config", str(tmp_path / "nope.json")], [str(tmp_path / "nope.json"), "no such file",
+                                                                   "fused_all.json"]
+    elif case == "not_json":
+        bad.write_text('{"deepspeed_fused": {"rms_norm": {"enabled": true,}}}')
+        args, expect = ["--config", str(bad)], [str(bad), "not JSON", "line 1"]
+    elif case == "auto":
+        bad.write_text(json.dumps({"deepspeed_fused": {"rms_norm": {"enabled": "auto"}}}))
+        args, expect = ["--config", str(bad)], [str(bad), "deepspeed_fused.rms_norm.enabled", '"auto" resolution']
+    elif case == "bad_value":
+        bad.write_text(json.dumps({"deepspeed_fused": {"linear_cross_entropy": {"enabled": True, "z_loss": -1.0}}}))
+        args, expect = ["--config", str(bad), "--model", "llama-tiny"], [str(bad),
+                                                                         "deepspeed_fused.linear_cross_entropy.z_loss"]
+    elif case == "unknown_model":
+        args, expect = ["--model", "llama-huge"], ["--model llama-huge", "not a named model", "qwen3-moe-tiny"]
+    else:
+        args, expect = ["--model", str(tmp_path)], [f"--model {tmp_path}", "no config.json in this folder"]
+    p = _cli(args)
+    _one_line_error(p, *expect)
+    assert "deepspeed_fused environment" not in p.stdout  # inputs are checked before anything is printed
+
+
+def test_cli_model_from_a_hugging_face_config_outside_a_clone(tmp_path):
+    """--model takes a local model folder or its config.json (built on the meta device, no download);
+    --config configs/fused_all.json outside a clone is the shipped config; --model alone enables
+    every feature."""
+    from deepspeed_fused.models import model_config
+
+    cfg = model_config("qwen3-moe-tiny", num_hidden_layers=3)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path / "my-model")
+    for model in (str(tmp_path / "my-model"), str(tmp_path / "my-model" / "config.json")):
+        p = _cli(["--config", "configs/fused_all.json", "--model", model], cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = p.stdout
+        assert re.search(r"config configs/fused_all.json \(the shipped .*fused_all.json\): enabled features: "
+                         r"rms_norm, linear_cross_entropy, moe_reorder", out), out
+        assert f"model {model} (Qwen3MoeForCausalLM):" in out
+        for name in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"):
+            line = next(line for line in out.splitlines() if line.startswith(name + " "))
+            assert line.split()[1] == "yes", line
+    p = _cli(["--model", str(tmp_path / "my-model")], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "config: none given; every feature enabled" in p.stdout
+    rows = [line for line in p.stdout.splitlines() if line.split()[:1] in (["rms_norm"], ["linear_cross_entropy"],
+                                                                           ["moe_reorder"], ["rope"])]
+    assert len(rows) == 4 and all(r.split()[1] == "yes" for r in rows), p.stdout
+
+
+def test_model_from_a_config_is_built_on_the_meta_device(tmp_path):
+    """A model far larger than this machine's memory is cheap: built from its config on meta."""
+    import torch
+
+    from deepspeed_fused.models import build_model_from_path, model_config
+
+    cfg = model_config("qwen3-moe-30b-a3b-4l", num_hidden_layers=48)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    model = build_model_from_path(str(tmp_path / "config.json"))
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and len(model.model.layers) == 48
+    assert all(p.device == torch.device("meta") for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) > 2e10
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + ".*not a readable Hugging Face config"):
+        build_model_from_path(str(tmp_path))
 
 
 @pytest.mark.parametrize("argv0, prog", [("/usr/local/bin/deepspeed-fused", "deepspeed-fused"),
@@ -68,9 +154,7 @@ def test_cli_usage_names_how_it_was_called(monkeypatch, capsys, argv0, prog):
 def test_cli_rejects_bad_config(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"deepspeed_fused": {"rms_norm": {"enabeld": True}}}))
-    p = subprocess.run([sys.executable, "-m", "deepspeed_fused", "report", "--config", str(bad)], cwd=ROOT,
-                       env=_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "deepspeed_fused.rms_norm.enabeld" in p.stderr
+    _one_line_error(_cli(["--config", str(bad)]), str(bad), "deepspeed_fused.rms_norm.enabeld")
 
 
 def test_example_job_runs_under_launcher(tmp_path):
@@ -89,6 +173,9 @@ def test_example_job_runs_under_launcher(tmp_path):
         remove_shm_buffers(port)
     assert "[train] step    2" in out
     assert out.count("deepspeed_fused report") == 1  # shown once, by the hook
+    for name in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"):  # each feature's status once
+        assert len(re.findall(rf"^{name} +yes ", out, flags=re.M)) == 1, out[-3000:]
+    assert "is enabled but not applied" not in out
     assert re.search(r"\] deepspeed_fused report \(torch ", out)  # on the log line itself, no empty first line
     if not torch.cuda.is_available():
         assert re.search(r"linear_cross_entropy +yes +applied \(torch reference: no GPU\)", out), out[-3000:]
@@ -98,9 +185,15 @@ def test_example_job_runs_under_launcher(tmp_path):
     names = [f["name"] for f in summary["report"]["features"]]
     assert names[:3] == ["rms_norm", "linear_cross_entropy", "moe_reorder"]
     assert all(f["enabled"] for f in summary["report"]["features"][:3])
-    lce = summary["report"]["features"][1]  # the counts at the end of the run: every training step fused
-    assert lce["applied"] and lce["calls"]["fused"] >= 3 and lce["calls"]["eager"] == 0, lce
-    assert f"[train] deepspeed_fused calls: linear_cross_entropy {lce['calls']['fused']} fused, 0 eager" in out
+    # the counts at the end of the run: every training step ran the op, its kernels on a GPU, its
+    # torch reference on CPU (this job runs without the interpreter); none the model's own head
+    lce = summary["report"]["features"][1]
+    ran, other = ("fused", "reference") if torch.cuda.is_available() else ("reference", "fused")
+    assert lce["applied"] and lce["calls"][ran] >= 3 and lce["calls"][other] == 0 and lce["calls"]["eager"] == 0, lce
+    c = lce["calls"]
+    assert (f"[train] deepspeed_fused calls: linear_cross_entropy {c['fused']} fused, {c['reference']} reference, "
+            "0 eager") in out
+    assert "linear_cross_entropy: running the torch reference" not in out  # the report row said it
     # one more step profiled (on CPU the leaf CPU ops stand for kernels): every category of the
     # e2e breakdown is filled where this job has that work, and they add up to the total
     b = json.loads(profile.read_text())
@@ -109,6 +202,42 @@ def test_example_job_runs_under_launcher(tmp_path):
     for cat in ("rms_norm", "lm_head + loss", "attention", "optimizer step", "zero: step (grad norm, clip, copies)",
                 "zero: gradients"):
         assert b["categories"][cat] > 0, (cat, b["categories"])
+
+
+@pytest.mark.parametrize("config", ["autoep_fused.json", "autoep_baseline.json"])
+def test_example_job_with_autoep_under_launcher(tmp_path, config):
+    """The README job with the AutoEP configs on CPU (bf16 turned off by the job): DeepSpeed's AutoEP
+    builds its layers with the transformers installed here (the plugin's compatibility fix applied
+    by the hook where this transformers needs it, and named in the report), and trains."""
+    from deepspeed_fused import compat
+    from unit.common import _free_port, remove_shm_buffers
+
+    needs_fix = compat.output_capture_needs_fix()
+    metrics = tmp_path / "metrics.json"
+    port = _free_port()
+    try:
+        out = _run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port),
+                    "examples/train.py", "--deepspeed_config", f"configs/{config}", "--model", "qwen3-moe-tiny",
+                    "--steps", "2", "--seq-len", "16", "--metrics-out", str(metrics)])
+    finally:
+        remove_shm_buffers(port)
+    assert "[train] step    1" in out and "TypeError" not in out
+    assert "it/s" not in out  # stderr is not a terminal: no progress bar between the step lines
+    summary = json.loads(metrics.read_text())
+    assert len(summary["history"]) == 2 and all(r["loss"] > 0 for r in summary["history"])
+    report = summary["report"]
+    assert (len(report["notes"]) == 1 and "AutoEP compatibility" in report["notes"][0]) if needs_fix \
+        else report["notes"] == []
+    assert out.count("deepspeed_fused report") == (1 if needs_fix or "fused" in config else 0)
+    if needs_fix:
+        assert out.count("AutoEP compatibility: transformers") == 1
+    fused = "fused" in config
+    for f in report["features"]:
+        assert f["enabled"] == (fused and f["name"] in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"))
+    if fused:  # each feature's status once: its row of the report (no warning besides it)
+        for name in ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope"):
+            assert len(re.findall(rf"^{name} +yes ", out, flags=re.M)) == 1, out[-3000:]
+        assert "is enabled but not applied" not in out
 
 
 def test_example_job_search_mode_records_each_size(tmp_path):

@@ -7,7 +7,7 @@ from deepspeed_fused.config import ConfigError, parse_config
 from deepspeed_fused.docs import config_reference
 from deepspeed_fused.features.registry import all_features
 
-FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder"]
+FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder", "mlp_act"]
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
@@ -34,7 +34,7 @@ def test_every_feature_has_enabled_default_false():
 
 @pytest.mark.parametrize("section, path, expect", [
     ({"rms_norm": {"enabeld": True}}, "deepspeed_fused.rms_norm.enabeld", "allowed keys: enabled"),
-    ({"rms_nrom": {"enabled": True}}, "deepspeed_fused.rms_nrom", "allowed keys: linear_cross_entropy, moe_reorder"),
+    ({"rms_nrom": {"enabled": True}}, "deepspeed_fused.rms_nrom", "allowed keys: linear_cross_entropy, mlp_act, moe_reorder"),
     ({"linear_cross_entropy": {"enabled": True, "bogus": 1}}, "deepspeed_fused.linear_cross_entropy.bogus",
      "unknown key"),
     ({"moe_reorder": {"enable": True}}, "deepspeed_fused.moe_reorder.enable", "allowed keys"),
@@ -129,3 +129,105 @@ def test_show_report_is_a_section_key():
 def test_non_finite_loss_options_are_rejected(key, value):
     with pytest.raises(ConfigError, match=rf"deepspeed_fused\.linear_cross_entropy\.{key}: .*finite"):
         parse_config({"deepspeed_fused": {"linear_cross_entropy": {"enabled": True, key: value}}})
+
+
+# ---- every value of the section is honoured or rejected: "auto" and non-string keys -----------------------
+
+AUTO_CASES = [
+    ({"rms_norm": {"enabled": "auto"}}, "deepspeed_fused.rms_norm.enabled"),
+    ({"linear_cross_entropy": {"enabled": True, "z_loss": "auto"}}, "deepspeed_fused.linear_cross_entropy.z_loss"),
+    ({"rms_norm": {"enabled": True, "match_forms": "auto"}}, "deepspeed_fused.rms_norm.match_forms"),
+    ({"moe_reorder": {"enabled": True, "validate": "auto"}}, "deepspeed_fused.moe_reorder.validate"),
+    ({"show_report": "auto"}, "deepspeed_fused.show_report"),
+]
+KEY_CASES = [
+    ({"rms_norm": {1: True}}, "deepspeed_fused.rms_norm: key 1 (int)"),
+    ({("rms_norm",): {"enabled": True}}, "deepspeed_fused: key ('rms_norm',) (tuple)"),
+]
+
+
+def _initialize_raises(section, match, monkeypatch):
+    """deepspeed.initialize with a real model: the hook raises before DeepSpeed does any work (no
+    process group, no engine; without the hook this call would build one)."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import deepspeed_fused  # noqa: F401  (installs the hook)
+
+    built = []
+    monkeypatch.setattr(DeepSpeedEngine, "_do_args_sanity_check", lambda *a: built.append(1))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda *a, **k: built.append(1))
+    model = torch.nn.Linear(4, 4)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "deepspeed_fused": section}
+    with pytest.raises(ConfigError, match=match):
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    assert built == []
+
+
+@pytest.mark.parametrize("section, path", AUTO_CASES)
+def test_auto_is_rejected_naming_the_key(section, path, monkeypatch):
+    import re
+
+    import torch
+
+    from deepspeed_fused.hook import patch_model
+
+    match = re.escape(path) + r': "auto" is not a value of this key: the deepspeed_fused section has no "auto" resolution'
+    with pytest.raises(ConfigError, match=match):
+        parse_config({"deepspeed_fused": section})
+    with pytest.raises(ConfigError, match=match):
+        parse_config(section)
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=match):
+        patch_model(model, section)
+    assert "_deepspeed_fused_applied" not in model.__dict__
+    _initialize_raises(section, match, monkeypatch)
+
+
+def test_auto_is_honoured_where_the_key_says_what_it_means():
+    cfg = parse_config({"linear_cross_entropy": {"enabled": True, "chunk_tokens": "auto", "accum_dtype": "auto"}})
+    assert cfg.linear_cross_entropy.chunk_tokens == "auto" and cfg.linear_cross_entropy.accum_dtype == "auto"
+    cfg = parse_config({"linear_cross_entropy": {"enabled": True, "chunk_tokens": 96, "accum_dtype": "fp32"}})
+    assert cfg.linear_cross_entropy.chunk_tokens == 96 and cfg.linear_cross_entropy.accum_dtype == "fp32"
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_every_given_value_is_kept(value):
+    """No value is dropped on the way to the feature's model (each option read back as given)."""
+    section = {"rms_norm": {"enabled": value, "match_forms": not value},
+               "linear_cross_entropy": {"enabled": value, "z_loss": 1e-4, "label_smoothing": 0.1,
+                                        "ignore_index": -1, "validate_targets": not value},
+               "moe_reorder": {"enabled": value, "validate": value}, "show_report": value}
+    cfg = parse_config(section)
+    for name, options in section.items():
+        if isinstance(options, dict):
+            for key, v in options.items():
+                assert getattr(getattr(cfg, name), key) == v, (name, key)
+        else:
+            assert getattr(cfg, name) == options
+
+
+@pytest.mark.parametrize("section, where", KEY_CASES)
+def test_non_string_keys_are_rejected_naming_the_path(section, where, monkeypatch):
+    import re
+
+    import torch
+
+    from deepspeed_fused.hook import patch_model
+
+    match = re.escape(where) + r": keys must be strings"
+    with pytest.raises(ConfigError, match=match):
+        parse_config(section)
+    with pytest.raises(ConfigError, match=match):
+        parse_config({"deepspeed_fused": section})
+    with pytest.raises(ConfigError, match=match):
+        patch_model(torch.nn.Linear(4, 4), section)
+    _initialize_raises(section, match, monkeypatch)
+
+
+def test_deprecated_and_new_name_together_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"deepspeed_fused\.rms_norm: Cannot provide deprecated parameter "
+                                          r"'match_llama_form' and replacing parameter 'match_forms' together"):
+        parse_config({"rms_norm": {"match_forms": True, "match_llama_form": False}})
+    assert parse_config({"rms_norm": {"match_llama_form": False}}).rms_norm.match_forms is False

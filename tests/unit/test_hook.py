@@ -153,24 +153,54 @@ class TestHookOffIsInvisible(DistributedTest):
 class TestHookApplies(DistributedTest):
     world_size = 1
 
-    def test_unsupported_feature_warns_and_leaves_model(self):
-        with dummy_registered():
+    @staticmethod
+    @contextlib.contextmanager
+    def _logged():
+        """The records of the package logger, and the warnings raised, while the block runs."""
+        import warnings
+
+        from deepspeed_fused.hook import report_logger
+
+        records = []
+        catch = logging.Handler()
+        catch.emit = records.append
+        logger = report_logger()
+        logger.addHandler(catch)
+        try:
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                yield records, warned
+        finally:
+            logger.removeHandler(catch)
+
+    def test_unsupported_feature_is_reported_once_and_leaves_model(self):
+        with dummy_registered(), self._logged() as (records, warned):
             _STATE["supported"] = False
             model = build_model("llama-tiny")
-            with pytest.warns(RuntimeWarning, match="dummy support check failed"):
-                engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True}}), steps=1)
+            engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True}}), steps=1)
             rep = engine.deepspeed_fused_report["dummy"]
             assert rep.enabled and not rep.applied and "no widget" in rep.reason
             assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
             assert "dummy support check failed" in str(engine.deepspeed_fused_report)
+            # one notice: the report, logged as a warning; no RuntimeWarning besides it
+            notices = [r for r in records if "dummy support check failed" in r.getMessage()]
+            assert len(notices) == 1 and notices[0].levelno == logging.WARNING, records
+            assert not [w for w in warned if "dummy" in str(w.message)], [str(w.message) for w in warned]
+            # not recorded as applied: once supported, the next patch applies it
+            assert "dummy" not in model.__dict__.get("_deepspeed_fused_applied", {})
+            _STATE["supported"] = True
+            assert patch_model(model, {"dummy": {"enabled": True}})["dummy"].applied
+            assert DummyFeature.applies == 1
 
     def test_failing_apply_is_rolled_back(self):
-        with dummy_registered():
+        with dummy_registered(), self._logged() as (records, warned):
             model = build_model("llama-tiny")
-            with pytest.warns(RuntimeWarning, match="failed to apply"):
-                engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True, "explode": True}}), steps=1)
+            engine, _ = train_steps(model, ds_config(0, {"dummy": {"enabled": True, "explode": True}}), steps=1)
             assert not engine.deepspeed_fused_report["dummy"].applied
             assert not any(hasattr(m, "_dummy_tag") for m in model.modules())
+            notices = [r for r in records if "failed to apply" in r.getMessage()]
+            assert len(notices) == 1 and notices[0].levelno == logging.WARNING, records
+            assert not [w for w in warned if "failed to apply" in str(w.message)]
 
     def test_applied_feature_reported_once_per_model(self):
         with dummy_registered():
@@ -324,7 +354,7 @@ def test_initialize_bound_before_the_import(tmp_path):
     assert "REJECTED invalid deepspeed_fused config: deepspeed_fused.linear_cross_entropy.enabeld" in out, out
     assert "SANITY_BEFORE 0" in out  # DeepSpeedEngine.__init__ did not get to its own work
     assert "APPLIES 1 SANITY 1" in out, out  # applied once, for the one engine built
-    assert "APPLIED True CALLS 2 fused, 0 eager" in out, out
+    assert "APPLIED True CALLS 2 fused, 0 reference, 0 eager" in out, out
 
 
 # ---- issue 26, item 2: live counts of the fused and eager calls ------------------------------------------
@@ -342,15 +372,15 @@ def test_report_counts_fused_and_eager_calls_live(interpret):
     model.eval()
     with torch.no_grad():
         model(input_ids=ids, labels=ids)  # eval: eager
-    assert (lce.calls.fused, lce.calls.eager) == (2, 2)
-    assert (norms.calls.fused, norms.calls.eager) == (5 * 4, 0)  # 5 norms per forward
+    assert (lce.calls.fused, lce.calls.reference, lce.calls.eager) == (2, 0, 2)
+    assert (norms.calls.fused, norms.calls.reference, norms.calls.eager) == (5 * 4, 0, 0)  # 5 norms per forward
     # the report reads them when it is printed (the same objects the engine holds)
     table = rep.table()
-    assert "calls" in table.splitlines()[0]
-    assert next(r for r in table.splitlines() if r.startswith("linear_cross_entropy")).count("2 fused, 2 eager") == 1
-    assert "20 fused, 0 eager" in next(r for r in table.splitlines() if r.startswith("rms_norm"))
+    assert table.splitlines()[0].split()[3:6] == ["fused", "reference", "eager"]
+    assert next(r for r in table.splitlines() if r.startswith("linear_cross_entropy")).split()[3:6] == ["2", "0", "2"]
+    assert next(r for r in table.splitlines() if r.startswith("rms_norm")).split()[3:6] == ["20", "0", "0"]
     d = rep.to_dict()
-    assert d["features"][1]["calls"] == {"fused": 2, "eager": 2}
+    assert d["features"][1]["calls"] == {"fused": 2, "reference": 0, "eager": 2}
     json.dumps(d)  # plain data
     # the same report object comes back while the options are unchanged, and keeps counting
     assert patch_model(model, CFG)["linear_cross_entropy"] is lce
@@ -393,6 +423,25 @@ def test_patch_model_without_engine(dummy):
     again = patch_model(model, {"dummy": {"enabled": True}})
     assert again["dummy"].applied and DummyFeature.applies == 1
     assert unpatch_model(model) == {"dummy": 15}
+    assert unpatch_model(model) == {}
+
+
+def test_patch_model_called_directly_warns(dummy):
+    """Without an engine (no report shown), each enabled feature that is not applied warns once,
+    pointing at the caller; with warn=False it is only in the returned report."""
+    _STATE["supported"] = False
+    with pytest.warns(RuntimeWarning, match="dummy support check failed") as warned:
+        rep = patch_model(build_model("llama-tiny"), {"dummy": {"enabled": True}})
+    mine = [w for w in warned if "dummy" in str(w.message)]
+    assert len(mine) == 1 and mine[0].filename == __file__
+    import warnings
+
+    model = build_model("llama-tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        quiet = patch_model(model, {"dummy": {"enabled": True}}, warn=False)
+    assert quiet["dummy"].reason == rep["dummy"].reason and not quiet["dummy"].applied
+    assert "dummy" not in model.__dict__.get("_deepspeed_fused_applied", {})  # not recorded as applied
     assert unpatch_model(model) == {}
 
 

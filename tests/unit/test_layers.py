@@ -21,7 +21,7 @@ ROOT = os.path.dirname(deepspeed_fused.__file__)
 # Everything not listed (the package itself, __main__, docs, bench, models, train) is a tool on
 # top of the stack.
 LAYERS = [("ops", f"{PKG}.ops"), ("features", f"{PKG}.features"), ("config", f"{PKG}.config"),
-          ("hook", f"{PKG}.hook"), ("hook", f"{PKG}.report")]
+          ("hook", f"{PKG}.hook"), ("hook", f"{PKG}.report"), ("hook", f"{PKG}.compat")]
 TOP = len(LAYERS)
 
 

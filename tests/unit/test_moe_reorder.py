@@ -786,30 +786,6 @@ def test_not_applicable_and_config():
 # ----------------------------------------------------------------------------------------------
 
 
-def _transformers_recorder_compat():
-    """DeepSpeed 0.19.8 calls ``registry.get(key, default)`` on transformers' output-capture registry,
-    whose ``get`` takes no default in transformers 5.24 (a DeepSpeed/transformers mismatch, not
-    ours). Test-only shim: accept the default for string keys."""
-    try:
-        from transformers.utils import output_capturing as oc
-    except Exception:
-        return
-    cls = getattr(oc, "_CanRecordRegistry", None)
-    if cls is None or getattr(cls.get, "_dsf_shim", False):
-        return
-    import inspect
-
-    if len(inspect.signature(cls.get).parameters) > 2:
-        return
-    original = cls.get
-
-    def get(self, key, *default):
-        return dict.get(self, key, *default) if isinstance(key, str) else original(self, key)
-
-    get._dsf_shim = True
-    cls.get = get
-
-
 def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
     import deepspeed
 
@@ -883,7 +859,6 @@ class TestAutoEP(DistributedTest):
     def test_autoep_equal_with_and_without(self, name, ep_extra):
         import deepspeed.comm as dist
 
-        _transformers_recorder_compat()
         assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
         ep = dist.get_world_size()
         losses_ref, grads_ref = _autoep_run(name, ep, feature=False, ep_extra=ep_extra)

@@ -24,9 +24,9 @@ def test_rope_suite_records(interpret, tmp_path):
     assert "deepspeed_fused" in open(paths["md"]).read()
 
 
-def test_breakdown_counts_the_rope_kernel_as_attention():
-    """The e2e breakdown attributes our rotary kernel to attention by its name, wherever it is
-    launched (the backward's launch has no enclosing range)."""
+def test_breakdown_counts_the_rope_kernel_as_rope():
+    """The e2e breakdown attributes our rotary kernel to the rope category by its name, wherever it
+    is launched (the backward's launch has no enclosing range)."""
     from deepspeed_fused.bench.breakdown import attribute
     from unit.test_e2e_breakdown import Trace
 
@@ -35,4 +35,4 @@ def test_breakdown_counts_the_rope_kernel_as_attention():
     t.range("e2e::attention", 1000, 500)
     t.kernel("_rope_kernel", 1010, 60)
     b = attribute(t.events)
-    assert b["categories"]["attention"] == pytest.approx(0.1)
+    assert b["categories"]["rope + attention elementwise"] == pytest.approx(0.1)

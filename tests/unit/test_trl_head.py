@@ -314,7 +314,7 @@ def test_feature_report_serves_and_reverts(interpret):
     assert rep.details["trl_served"] == {"LlamaForCausalLM": 1}
     ids, labels = _inputs(seed=14, device=interpret)
     m(input_ids=ids, labels=labels, fused_lm_head=True)
-    assert (rep.calls.fused, rep.calls.eager) == (1, 0) and "1 fused, 0 eager" in str(rep)
+    assert (rep.calls.fused, rep.calls.eager) == (1, 0) and "1 fused, 0 reference, 0 eager" in str(rep)
     assert unpatch_model(m)["linear_cross_entropy"] == 1
     assert m.forward == trl_forward and trl_head.served(m) is None
 

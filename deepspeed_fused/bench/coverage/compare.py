@@ -54,9 +54,9 @@ class GatherCounter:
 
 
 def _calls(report) -> dict:
-    """The feature's own count of its patched code's calls (fused / eager) since it was applied."""
+    """The feature's own count of its patched code's calls (fused / reference / eager) since it was applied."""
     calls = getattr(report, "calls", None)
-    return calls.as_dict() if calls is not None else {"fused": 0, "eager": 0}
+    return calls.as_dict() if calls is not None else {"fused": 0, "reference": 0, "eager": 0}
 
 
 # ---- one family -----------------------------------------------------------------------------------
@@ -191,6 +191,25 @@ def _moe_info(model, feature_report, counts) -> dict:
     return info
 
 
+def _mlp_info(patched, feature_report) -> dict:
+    """The gated MLPs: modules whose forward is a recognised gated form (whatever their activation),
+    those the feature replaced, its call counts, and why the others stayed eager."""
+    from ...features import mlp_act as mlp_feature
+
+    gated = [m for m in patched.modules() if mlp_feature.form_of(type(m)) is not None]
+    replaced = [m for m in gated if mlp_feature.is_replaced(m)]
+    calls = _calls(feature_report)
+    skipped = (feature_report.details or {}).get("skipped") or {}
+    info = dict(gated=len(gated), replaced=len(replaced), classes=sorted({type(m).__name__ for m in gated}),
+                forms=list((feature_report.details or {}).get("forms") or []), fused_calls=calls["fused"],
+                eager_calls=calls["eager"], skipped={reason: dict(c) for reason, c in skipped.items()}, reason="")
+    if gated and not replaced:
+        info["reason"] = feature_report.reason
+    elif replaced and not calls["fused"]:
+        info["reason"] = "applied, but no replaced MLP ran the fused op in the forward/backward"
+    return info
+
+
 def _norm_info(base_inv: dict, patched, feature_report) -> dict:
     from ...features import rms_norm as rms_feature
 
@@ -273,6 +292,8 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
         rec["norms"] = _norm_info(inv, patched, reports["rms_norm"])
         rec["loss_fused"] = _lce_info(patched, reports["linear_cross_entropy"])
         rec["moe"] = _moe_info(patched, reports["moe_reorder"], counter.counts)
+        if "mlp_act" in reports:
+            rec["mlp_act"] = _mlp_info(patched, reports["mlp_act"])
         rec["stage"] = "compare"
         if mode == "bf16":
             loss_r, grads_r = _loss_and_grads(ref, batch)

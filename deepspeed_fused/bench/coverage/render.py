@@ -67,6 +67,12 @@ def summarize(records: list) -> dict:
                                  fused=sum(bool((r["reports"].get(name, {}).get("calls") or {}).get("fused"))
                                            for r in ran))
                       for name in dict.fromkeys(n for r in ran for n in r.get("reports", {}))},
+            with_gated_mlp=sum(bool((r.get("mlp_act") or {}).get("gated")) for r in ran),
+            mlp_act_fused=sum(bool((r.get("mlp_act") or {}).get("fused_calls")) for r in ran),
+            mlp_act_all_replaced=sum(bool(r.get("mlp_act", {}).get("gated"))
+                                     and r["mlp_act"]["replaced"] == r["mlp_act"]["gated"] for r in ran),
+            mlp_act_eager=sorted(r["id"] for r in ran if (r.get("mlp_act") or {}).get("gated")
+                                 and not r["mlp_act"]["fused_calls"]),
             with_experts=len(moe), experts_gathers=sum(r["moe"]["gathers"] for r in moe),
             experts_eager=sorted(r["id"] for r in moe if not r["moe"]["gathers"]),
         )
@@ -88,6 +94,19 @@ def _norm_cell(r: dict) -> str:
         return "none"
     parts = [f"{row['replaced']}/{row['count']} {row['cls']} ({row['form']})" for row in rms]
     return "; ".join(parts)
+
+
+def _mlp_cell(r: dict) -> str:
+    """The gated-MLP column: replaced/recognised (fused calls), or why eager; "" for a record of a run
+    before the feature existed."""
+    m = r.get("mlp_act")
+    if m is None:
+        return ""
+    if not m["gated"]:
+        return "-"
+    if m["fused_calls"]:
+        return f"{m['replaced']}/{m['gated']} ({m['fused_calls']})"
+    return "eager: " + _short(m["reason"] or "; ".join(m["skipped"]), 70)
 
 
 def _short(s: str, n: int = 110) -> str:
@@ -140,6 +159,7 @@ def render_markdown(doc: dict) -> str:
                   f" x the eager bf16 run's error plus {tol.get('bf16_loss_floor', BF16_LOSS_FLOOR):g} (loss, "
                   f"relative) or {tol.get('bf16_grad_floor', BF16_GRAD_FLOOR):g} (each gradient, relative to its "
                   "norm).", ""]
+    mlp_col = any("mlp_act" in r for r in recs)
     for mode, s in summ.items():
         lines += [f"## Summary ({mode})", "",
                   "| | families |", "|---|---:|",
@@ -157,8 +177,14 @@ def render_markdown(doc: dict) -> str:
                   f"| linear_cross_entropy: image-text models with the loss fused | {s['vlm_loss_fused']} of "
                   f"{s['vlm_ran']} |",
                   f"| with transformers experts modules | {s['with_experts']} |",
-                  f"| moe_reorder: experts ran the gathers | {s['experts_gathers']} of {s['with_experts']} |",
-                  ""]
+                  f"| moe_reorder: experts ran the gathers | {s['experts_gathers']} of {s['with_experts']} |"]
+        if mlp_col:  # records of runs with the mlp_act feature
+            lines += [f"| with gated MLPs of a recognised form | {s.get('with_gated_mlp', 0)} |",
+                      f"| mlp_act: gated activation fused | {s.get('mlp_act_fused', 0)} of "
+                      f"{s.get('with_gated_mlp', 0)} |",
+                      f"| mlp_act: every gated MLP replaced | {s.get('mlp_act_all_replaced', 0)} of "
+                      f"{s.get('with_gated_mlp', 0)} |"]
+        lines.append("")
         lines += ["Every feature: families where it applied, and where its patched code ran fused (its own call "
                   "count):", "", "| feature | applied | ran fused |", "|---|---:|---:|"]
         for name, c in s.get("features", {}).items():
@@ -185,14 +211,18 @@ def render_markdown(doc: dict) -> str:
         rs = [r for r in recs if run_label(r) == mode]
         lines += [f"## Families ({mode})", "",
                   "RMSNorm: replaced/present modules per class (form). Loss: fused (op calls) or why not. "
-                  "Experts: gathers (calls) or why not; - where there are no experts modules. Differences: "
+                  "Experts: gathers (calls) or why not; - where there are no experts modules. "
+                  + ("Gated MLP: replaced/recognised gated MLPs (fused calls) or why not; - where there is none. "
+                     if mlp_col else "") + "Differences: "
                   "the loss relative to its value, the largest gradient difference relative to its norm "
                   "(fp32 noise excluded, see above).", "",
-                  "| family | class | status | RMSNorm replaced/present | loss | experts | loss diff | grad diff |",
-                  "|---|---|---|---|---|---|---:|---:|"]
+                  "| family | class | status | RMSNorm replaced/present | loss | experts | "
+                  + ("gated MLP | " if mlp_col else "") + "loss diff | grad diff |",
+                  "|---|---|---|---|---|---|" + ("---|" if mlp_col else "") + "---:|---:|"]
         for r in rs:
             if r["status"] not in ("ok", "differs"):
-                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} (below) | | | | | |")
+                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} (below) | | | | | |"
+                             + (" |" if mlp_col else ""))
                 continue
             lf = r["loss_fused"]
             loss = f"fused ({lf['fused_calls']})" if lf["fused"] else \
@@ -207,7 +237,8 @@ def render_markdown(doc: dict) -> str:
             status = "**differs**" if r["status"] == "differs" else "ok"
             d = r["diff"]
             lines.append(f"| {r['family']} | {r['cls']} | {status} | {_short(_norm_cell(r), 160)} | {loss} | "
-                         f"{experts} | {_fmt_e(d['loss_rel'])} | {_fmt_e(d['grad_rel'])} |")
+                         f"{experts} | " + (f"{_mlp_cell(r)} | " if mlp_col else "")
+                         + f"{_fmt_e(d['loss_rel'])} | {_fmt_e(d['grad_rel'])} |")
         lines.append("")
         bad = [r for r in rs if r["status"] not in ("ok", "differs")]
         if bad:

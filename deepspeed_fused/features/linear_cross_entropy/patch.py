@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..base import CallCounts
+from ..base import CallCounts, reference_calls
 from .clients import logits_client
 from .recognition import _ORIG, HeadSpec, Unsupported, _analyze, blocked, locate, logit_transform
 from .templates import _causal_lm_loss
@@ -41,11 +41,12 @@ class _State:
     z_loss: float
     label_smoothing: float
     validate_targets: bool
-    fused_calls: int = 0
+    fused_calls: int = 0  # forwards that took the fused-loss path (the op ran: its kernels or its torch reference)
     unfused_reason: str = ""
     owner: Optional[type] = dataclasses.field(default=None, repr=False)  # the patched class
     revoked: bool = False
-    # fused and eager forwards since applied, shared by the instances patched in one apply (the report's)
+    # forwards since applied by what ran (fused, reference, eager), shared by the instances patched in one
+    # apply (the report's)
     calls: CallCounts = dataclasses.field(default_factory=CallCounts, repr=False)
     warned_no_labels: bool = False
     warned_clients: set = dataclasses.field(default_factory=set)
@@ -188,8 +189,10 @@ def _fused_loss(model, lm_head, st: _State, cap: _Capture, counter: list, shard:
         # forward, all-reduce of dhidden in backward): the op sums dhidden over the group itself.
         prev = lm_head.__dict__.get("forward", _MISSING)
         lm_head.__dict__["forward"] = head_forward
+        before = None if torch.compiler.is_compiling() else reference_calls()
         try:
             loss = lm_head(h)
+            counter[1] = before is not None and reference_calls() != before  # the op ran its torch reference
         finally:
             if prev is _MISSING:
                 lm_head.__dict__.pop("forward", None)
@@ -355,7 +358,7 @@ def _warn_no_labels(model, out) -> None:
 def _fused_forward(model, st: _State, orig, args, kwargs):
     owner, name, chain = _head(model, st.spec)  # checked by _unfused_reason just before
     lm_head = owner._modules[name]
-    cap, counter = _Capture(lm_head), [0]
+    cap, counter = _Capture(lm_head), [0, False]  # loss_function calls, whether the op ran its reference
     transform = logit_transform(chain)
     return_dict = kwargs.get("return_dict", None)
     if return_dict is None:
@@ -385,7 +388,10 @@ def _fused_forward(model, st: _State, orig, args, kwargs):
     fields = [f.name for f in dataclasses.fields(out)]
     out = type(out)(**{n: getattr(out, n) for n in fields if n != "logits"})
     st.fused_calls += 1
-    st.calls.fused += 1
+    if counter[1]:
+        st.calls.reference += 1
+    else:
+        st.calls.fused += 1
     if return_dict:
         return out
     # Eager's tuple holds the fields that are set, in order: keep the logits' slot (None, as the

@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from ..base import CallCounts
+from ..base import CallCounts, count_op_call, op_call_mark
 
 _SERVED = "_deepspeed_fused_trl"  # attribute of the serving function: its _Served record
 _EXTRA_BYTES = 256 << 20  # fp32 logits per chunk of the no-gradient pass (extra fields)
@@ -355,13 +355,14 @@ def _make_serving_forward(trl_forward, rec: _Served):
                 if v is not None:
                     kwargs[k] = v
             return trl_fn(self, *args, fused_lm_head=fused_lm_head, **kwargs)
+        mark = op_call_mark()
         out, why = _serve(self, rec, args, kwargs, labels, shift_labels, num_items_in_batch)
         if out is None:
             rec.calls.eager += 1
             _warn_once(rec, self, why)
             return trl_fn(self, *args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
                           num_items_in_batch=num_items_in_batch, **kwargs)
-        rec.calls.fused += 1
+        count_op_call(rec.calls, mark)  # fused, or reference when the op ran its torch code
         return out
 
     setattr(forward, _SERVED, rec)

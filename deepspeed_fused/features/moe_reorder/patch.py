@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ...ops import moe_reorder as reorder
-from ..base import OptInMarker, SharedCallCounts
+from ..base import OptInMarker, SharedCallCounts, count_op_call, op_call_mark
 from .recognition import _local_path_mismatch, fused_gate, oai_gate_of, router_form
 
 IMPL_NAME = "deepspeed_fused"
@@ -120,13 +120,15 @@ def check_counts(local_counts: torch.Tensor, n_rows: int) -> None:
 
 def _make_autoep_functions(original_permute, original_unpermute, direct: bool):
     def permute_by_local_expert(tokens, local_counts):
-        _AUTOEP_CALLS.fused += 1  # one per layer forward (the fused local path calls it only for ep_size > 1)
+        mark = op_call_mark()
         check_counts(local_counts, tokens.shape[0])
         if direct:
             permuted_indices, aligned_counts, n_tokens = _direct_indices(tokens, local_counts)
         else:
             permuted_indices, aligned_counts, n_tokens = _probe_indices(original_permute, tokens, local_counts)
         permuted = reorder.permute_rows(tokens, permuted_indices, validate=_AUTOEP["validate"] > 0)
+        # one per layer forward (the fused local path calls it only for ep_size > 1): kernels or reference
+        count_op_call(_AUTOEP_CALLS, mark)
         return permuted, permuted_indices, aligned_counts, n_tokens
 
     def unpermute_by_local_expert(expert_output, permuted_indices, n_tokens):
@@ -184,6 +186,7 @@ def _fused_local_forward(self, hidden_states):
             or (self.ep_size > 1 and self.comm_backend == layer.DEEPEP_BACKEND)
             or not reorder.kernels_take(hidden_states)[0]):
         return original(self, hidden_states)  # its reorder runs our permute_by_local_expert (counted there)
+    mark = op_call_mark()
     x = hidden_states.reshape(-1, hdim)
     # DeepSpeed's own early checks (fail every rank before any collective)
     if self.combine_impl == "fused_weighted_sum" and not self._fused_combine_checked:
@@ -204,7 +207,6 @@ def _fused_local_forward(self, hidden_states):
     post = ro.top_scores if self.score_apply == "post" else None
     validate = _AUTOEP["validate"] > 0
     if self.ep_size == 1:
-        _AUTOEP_CALLS.fused += 1  # (ep_size > 1: counted in permute_by_local_expert below)
         n_routed = sorted_assignments.numel()
         stand_in = x.new_empty((n_routed, 0))
         if _AUTOEP["direct"]:
@@ -232,6 +234,8 @@ def _fused_local_forward(self, hidden_states):
         expert_output = layer.unpermute_by_local_expert(expert_output, perm_indices, n_tokens)
         expert_output = layer._AllToAllV.apply(self.ep_group, expert_output, plan.output_splits, plan.input_splits)
     output = reorder.route_combine(expert_output, maps, post).reshape(bsz, seqlen, hdim)
+    if self.ep_size == 1:  # (ep_size > 1: counted in permute_by_local_expert above)
+        count_op_call(_AUTOEP_CALLS, mark)
     return self._finalize_output(output, x, hidden_states, hdim)
 
 
@@ -305,9 +309,7 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     sit in padding slots: zero rows, no GEMM rows and no contribution or gradient."""
     from transformers.integrations.moe import _grouped_linear
 
-    calls = self.__dict__.get(_CALLS_ATTR)
-    if calls is not None:
-        calls.fused += 1
+    mark = op_call_mark()  # counted at the end: fused, or reference when an op ran its torch reference
     num_top_k = top_k_index.size(-1)
     num_experts = self.num_experts
 
@@ -355,6 +357,7 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
         proj = self.post_expert_norm(proj)
 
     out = reorder.route_combine(proj, maps, top_k_weights)
+    count_op_call(self.__dict__.get(_CALLS_ATTR), mark)
     return out.to(hidden_states.dtype)
 
 

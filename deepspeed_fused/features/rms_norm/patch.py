@@ -41,7 +41,7 @@ def _make_dispatcher(original, eps_attr: str):
                         calls.fused += 1
                     return y
                 warn_fallback("rms_norm", f"{rms_norm_kernel_ok(hidden_states, weight)[1]}; the module runs its "
-                                          "eager forward")
+                                          "eager forward", reference=False)
             if calls is not None:
                 calls.eager += 1
         return original(self, hidden_states, *args, **kwargs)
@@ -78,7 +78,7 @@ def _make_form_dispatcher(original, spec):
                             calls.fused += 1
                         return y
                     got = rms_norm_form_kernel_ok(hidden_states, weight, gate)[1]
-                warn_fallback("rms_norm", f"{got}; the module runs its eager forward")
+                warn_fallback("rms_norm", f"{got}; the module runs its eager forward", reference=False)
             if calls is not None:
                 calls.eager += 1
         return original(self, hidden_states, *args, **kwargs)

@@ -53,7 +53,7 @@ def _make_call(g: dict, name: str, original, form: Form):
             return eager(current, args, kwargs)
         for hname, helper in helpers:
             if g.get(hname) is not helper:  # its rotate_half was replaced: the form's math is not known any more
-                warn_fallback("rope", f"{where}: {hname} was replaced; it runs eager")
+                warn_fallback("rope", f"{where}: {hname} was replaced; it runs eager", reference=False)
                 return eager(original, args, kwargs)
         if len(args) == n_fast and (not kwargs or (len(kwargs) == 1 and ud_name in kwargs)):
             if single:
@@ -76,10 +76,10 @@ def _make_call(g: dict, name: str, original, form: Form):
         try:
             out = try_fused_rope(q, k, cos, sin, ud, spec)
         except RopeInputError as e:  # not a form's input (eager raises its own error, or computes it)
-            warn_fallback("rope", f"{e}; {where} runs eager")
+            warn_fallback("rope", f"{e}; {where} runs eager", reference=False)
             return eager(original, args, kwargs)
         if out is None:
-            warn_fallback("rope", f"{rope_kernel_ok(q, k, cos, sin, ud, spec)[1]}; {where} runs eager")
+            warn_fallback("rope", f"{rope_kernel_ok(q, k, cos, sin, ud, spec)[1]}; {where} runs eager", reference=False)
             return eager(original, args, kwargs)
         _count("fused")
         return out

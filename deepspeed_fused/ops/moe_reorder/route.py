@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .._common import kernel_device_ok, warn_fallback
+from .._common import kernel_device_ok, note_reference, warn_fallback
 from .checks import OP, check_device, check_index, check_rows, kernel_ok, kernels_take
 from .kernels import SORT_MAX_EXPERTS
 from .launch import combine_rows, gather_rows, route_maps_into, route_sort_into, slot_pass
@@ -58,6 +58,7 @@ def route_maps(token_indices_sorted: torch.Tensor, top_k: int,
 
 def _route_maps_impl(order: torch.Tensor, positions: Optional[torch.Tensor], top_k: int) -> RouteMaps:
     if not kernel_device_ok(order)[0]:
+        note_reference()
         return route_maps_reference(order, top_k, positions)
     return RouteMaps(*route_maps_into(order, positions, top_k), top_k)
 

@@ -6,7 +6,8 @@ transformers' experts (``_default_apply_gate``) compute ``gate, up = gate_up.chu
 the chunk's backward (a zero-filled ``[S, 2 I]`` buffer the two halves are copied into). Here one
 kernel reads ``gate_up`` and writes the ``[S, I]`` output, and one kernel reads ``gate_up`` and the
 output's gradient and writes the ``[S, 2 I]`` input gradient; only ``gate_up`` is saved (eager
-keeps ``act`` and ``up`` too).
+keeps ``act`` and ``up`` too). These two kernels are the dense MLP's (``ops.mlp_act``), launched
+with the gate-up layout.
 
 Rounding is eager's at every point (``SiLU`` on a half-precision tensor: FP32 math, one rounding;
 the product in FP32, one rounding; backward: ``dh * up`` and ``dh * act`` each rounded to the
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 
 from .._common import HAS_TRITON, cdiv, next_power_of_2, DirectKernel, tl, triton
+from ..mlp_act import launch as _mlp_launch
 from .checks import kernel_ok
 from .expert_bias import _bias_grad_op, _check as _check_bias, _grad as _bias_grad, expert_bias
 
@@ -46,50 +48,6 @@ if HAS_TRITON:
         else:
             e = tl.exp(v)
         return e
-
-    @triton.jit
-    def _silu_f32(g, P):
-        # eager's FP32 SiLU: g / (1 + exp(-g)), the division correctly rounded
-        return tl.div_rn(g, 1.0 + _exp(-g, P))
-
-    @triton.jit
-    def _swiglu_fwd_kernel(GU, H, n_rows, inter, stride_gu, stride_h, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
-        src = GU + rows.to(tl.int64)[:, None] * stride_gu + cols[None, :]
-        g = tl.load(src, mask=m, other=0.0)
-        u = tl.load(src + inter, mask=m, other=0.0)
-        ty = g.dtype
-        a = _silu_f32(g.to(tl.float32), GU).to(ty)  # act_fn(gate): one rounding to the input dtype
-        h = (a.to(tl.float32) * u.to(tl.float32)).to(ty)
-        tl.store(H + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], h, mask=m)
-
-    @triton.jit
-    def _swiglu_bwd_kernel(GU, DH, DGU, n_rows, inter, stride_gu, stride_dh, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        src = GU + r64 * stride_gu + cols[None, :]
-        g = tl.load(src, mask=m, other=0.0)
-        u = tl.load(src + inter, mask=m, other=0.0).to(tl.float32)
-        dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        ty = g.dtype
-        gf = g.to(tl.float32)
-        a = _silu_f32(gf, GU).to(ty).to(tl.float32)
-        d_up = (dh * a).to(ty)  # the product's gradients, each rounded to the input dtype
-        d_act = (dh * u).to(ty).to(tl.float32)
-        s = tl.div_rn(tl.zeros_like(gf) + 1.0, 1.0 + _exp(-gf, GU))
-        d_gate = (d_act * s * (1.0 + gf * (1.0 - s))).to(ty)  # eager's silu_backward
-        dst = DGU + r64 * (2 * inter) + cols[None, :]
-        tl.store(dst, d_gate, mask=m)
-        tl.store(dst + inter, d_up, mask=m)
-
-    _launch_fwd = DirectKernel(_swiglu_fwd_kernel)
-    _launch_bwd = DirectKernel(_swiglu_bwd_kernel)
 
     @triton.jit
     def _oai_load(GU, B, E, rows, cols2, n_rows, inter, stride_gu, stride_b, limit, BLOCK_R: tl.constexpr,
@@ -188,11 +146,10 @@ def _check(gate_up: torch.Tensor) -> None:
 
 # Tiles: (outputs per program, widest column block). A sweep on an H100 (2026-12-05, bf16, every
 # tile of 512-2048 columns, 1-8 rows, 2-8 warps; outputs bitwise equal across tiles) put the
-# swiglu kernels at 2048 outputs (I 768: forward 0.134 -> 0.105 ms at 65536 rows; 1-3% at I 2048
-# and 14336) and GPT-OSS's gate, which holds twice the columns and a longer chain in registers, at
-# 2048 outputs of at most 1024 columns forward and 1024 backward (0.462 -> 0.371 ms at 32768 x
-# 2880), where 4096 outputs had served all four.
-_SWIGLU_TILE = (2048, 2048)
+# swiglu kernels (now ops.mlp_act's, launch.TILE) at 2048 outputs (I 768: forward 0.134 -> 0.105
+# ms at 65536 rows; 1-3% at I 2048 and 14336) and GPT-OSS's gate, which holds twice the columns
+# and a longer chain in registers, at 2048 outputs of at most 1024 columns forward and 1024
+# backward (0.462 -> 0.371 ms at 32768 x 2880), where 4096 outputs had served all four.
 _OAI_FWD_TILE = (2048, 1024)
 _OAI_BWD_TILE = (1024, 1024)
 
@@ -239,11 +196,12 @@ def _gate_backward(launch, tile, gate_up: torch.Tensor, dh: torch.Tensor, *scala
 
 
 def _forward(gate_up: torch.Tensor) -> torch.Tensor:
-    return _gate_forward(_launch_fwd, _SWIGLU_TILE, gate_up)
+    # the dense MLP's kernels (ops.mlp_act), gate-up layout, SiLU; CUDA's expf for FP32 inputs only
+    return _mlp_launch.fused_forward(gate_up, "silu", True, exact_exp=gate_up.dtype == torch.float32)
 
 
 def _backward(gate_up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-    return _gate_backward(_launch_bwd, _SWIGLU_TILE, gate_up, dh)
+    return _mlp_launch.fused_backward(gate_up, dh, "silu", True, exact_exp=gate_up.dtype == torch.float32)
 
 
 class _SwiGLUFn(torch.autograd.Function):

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._common import warn_fallback
+from .._common import note_reference, warn_fallback
 from .checks import _InvalidType, _check
 from .launch import _backward, _forward, _get_plan, _key, _plans
 from .reference import rope_reference
@@ -59,6 +59,7 @@ def _rope_fwd_op(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, 
                  unsqueeze_dim: int, spec: int) -> list[torch.Tensor]:
     plan = _get_plan(q, k, cos, sin, unsqueeze_dim, RopeSpec.from_code(spec))
     if isinstance(plan, str):  # the caller checked; only a change between trace and run lands here
+        note_reference()
         with torch.no_grad():
             out = rope_reference(q, k, cos, sin, unsqueeze_dim, RopeSpec.from_code(spec))
         return [out] if k is None else list(out)

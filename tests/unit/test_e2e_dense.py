@@ -1,0 +1,240 @@
+"""The e2e suite's dense pairs on CPU (no GPU): options, what each arm launches (model, gradient
+checkpointing, Liger's defaults, the config with mlp_act), the report's line of the pairs' models,
+train.py's gradient checkpointing, and the breakdown's dense categories (GEMMs, attention, rope and
+elementwise, MLP activation, residual adds) on synthetic traces and a real CPU trace."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from unit.test_e2e_breakdown import BWD, Trace, _sums_to_total
+
+from deepspeed_fused.bench import breakdown as bd
+from deepspeed_fused.bench import e2e, e2e_report
+
+
+def _opts(*extra):
+    return e2e.parse_options(argparse.Namespace(extra=list(extra), quick=False))
+
+
+def test_dense_options():
+    o = _opts("--pairs", "dense", "--search", "dense_qwen3_1_7b")
+    assert o.pair_list == ["dense_llama3_3b", "dense_qwen3_1_7b", "dense_qwen3_4b", "dense_gemma3_1b"]
+    assert o.search_list == ["dense_qwen3_1_7b"]
+    assert _opts("--pairs", "dense_llama3_3b_reentrant,zero2").pair_list == ["dense_llama3_3b_reentrant", "zero2"]
+    with pytest.raises(SystemExit, match="dense-model"):
+        _opts("--pairs", "dense", "--dense-model", "no-such-model")
+    for pair, (model, args) in e2e.DENSE_PAIRS.items():
+        assert model in __import__("deepspeed_fused.models", fromlist=["MODELS"]).MODELS
+        assert args[:1] == ["--grad-ckpt"] and args[1] == ("reentrant" if pair.endswith("_reentrant") else "non-reentrant")
+
+
+def test_dense_fused_config_turns_every_feature_on():
+    from deepspeed_fused.config import parse_config
+    from deepspeed_fused.features import all_features
+
+    for pair in e2e.DENSE_PAIRS:
+        base, fused, gpus = e2e.PAIRS[pair]
+        assert gpus == 1 and (base, fused, gpus) == e2e.PAIRS["zero2"]  # ZeRO-2, as the MoE pair
+        with open(e2e.config_file(fused)) as f:
+            parsed = parse_config(json.load(f))
+        assert parsed.mlp_act.enabled and all(getattr(parsed, f.name).enabled for f in all_features())
+
+
+def test_run_arm_launches_each_dense_arm(tmp_path, monkeypatch):
+    seen = []
+
+    def launch(train_args, num_gpus, timeout, tmp, env_extra=None):
+        seen.append(list(train_args))
+        a = {k: train_args[i + 1] for i, k in enumerate(train_args[:-1]) if k.startswith("--")}
+        hist = [dict(step=i, loss=10.0, step_s=1.0, tokens_per_s=100.0) for i in range(int(a["--steps"]))]
+        rec = dict(median_step_s=1.0, median_tokens_per_s=100.0, peak_alloc_mib=1.0, peak_reserved_mib=1.0,
+                   history=hist, model=a["--model"])
+        with open(a["--metrics-out"], "w") as f:
+            json.dump(rec, f)
+        return dict(rc=0, stdout="", stderr="", wall_s=1.0)
+
+    monkeypatch.setattr(e2e, "launch", launch)
+    o = _opts("--pairs", "dense_gemma3_1b", "--steps", "2", "--warmup", "1")
+    for arm in ("baseline", "liger", "fused"):
+        assert "error" not in e2e.run_arm("dense_gemma3_1b", arm, o, str(tmp_path))
+    base, liger, fused = seen
+    for args in seen:
+        assert args[args.index("--model") + 1] == "gemma3-1b"
+        assert args[args.index("--grad-ckpt") + 1] == "non-reentrant"
+    assert os.path.basename(base[base.index("--deepspeed_config") + 1]) == "baseline.json"
+    assert os.path.basename(fused[fused.index("--deepspeed_config") + 1]) == "fused_all.json"
+    assert "--liger" in liger and "--liger-defaults" in liger and "--liger-defaults" not in base
+    # a stand-in model for every dense pair; the MoE pairs keep the suite's model
+    o = _opts("--pairs", "dense_qwen3_4b", "--dense-model", "llama-tiny")
+    assert e2e.pair_setup("dense_qwen3_4b", o, []) == ("llama-tiny", ["--grad-ckpt", "non-reentrant"])
+    assert e2e.pair_setup("zero2", o, ["--liger"]) == (o.model, ["--liger"])
+
+
+def test_report_names_each_dense_pairs_model(tmp_path):
+    meta = dict(date="2026-12-05", gpu="cpu", torch=torch.__version__, triton="-", model="qwen3-moe-30b-a3b-4l",
+                batch=2, seq=4096, steps=2, warmup=1,
+                pair_models={"dense_qwen3_1_7b": dict(model="qwen3-1.7b", args="--grad-ckpt non-reentrant")})
+    md = e2e_report.markdown({}, {}, meta)
+    assert "`dense_qwen3_1_7b`: `qwen3-1.7b`, --grad-ckpt non-reentrant" in md
+    a = dict(meta=meta, results={}, search={})
+    b = dict(meta=dict(meta, pair_models={"dense_gemma3_1b": dict(model="gemma3-1b", args="x")}), results={},
+             search={})
+    _, _, merged = e2e_report.merge([a, b])
+    assert set(merged["pair_models"]) == {"dense_qwen3_1_7b", "dense_gemma3_1b"}
+
+
+@pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+def test_train_grad_ckpt_recomputes_and_keeps_the_gradients(mode):
+    from deepspeed_fused import train
+    from deepspeed_fused.models import build_model
+
+    ids = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for m in ("off", mode):
+        model = build_model("llama-tiny", seed=0)
+        model.train()
+        train.enable_grad_ckpt(model, m)
+        assert model.is_gradient_checkpointing == (m != "off")
+        calls = []
+        h = model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *a: calls.append(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        h.remove()
+        # the layer's forward again in the backward (non-reentrant stops once the tensors it needs exist)
+        assert len(calls) == (2 if m != "off" else 1)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="grad_ckpt"):
+        train.enable_grad_ckpt(build_model("llama-tiny"), "sometimes")
+    args = train.parse_args(["--grad-ckpt", "reentrant", "--liger", "--liger-defaults"])
+    assert args.grad_ckpt == "reentrant" and args.liger_defaults
+
+
+def test_breakdown_dense_categories_on_a_synthetic_trace():
+    t = Trace()
+    t.range("e2e::decoder_layer", 0, 3000)
+    t.kernel("vectorized_elementwise_kernel<add>", 5, 7)  # the residual add: in the layer, no range inside
+    t.range("e2e::attention", 100, 1000)
+    t.kernel("nvjet_sm90_tst_128x256", 110, 50)  # q/k/v/o projections
+    t.kernel("_rope_kernel", 120, 4)  # ours, by name
+    t.kernel("pytorch_flash::flash_fwd_kernel", 130, 60)
+    t.kernel("elementwise_kernel<copy>", 140, 3)  # a transpose's copy
+    t.range("e2e::mlp", 2000, 500)
+    t.kernel("nvjet_sm90_tst_256x128", 2010, 80)
+    t.kernel("_gated_fwd_kernel", 2020, 9)  # ours in a dense MLP
+    t.kernel("_swiglu_forward_kernel", 2030, 8)  # Liger's, by name
+    t.kernel("silu_kernel", 2040, 6)  # eager's
+    t.range("e2e::moe", 5000, 500)
+    t.kernel("_gated_bwd_kernel", 5010, 5)  # the experts' gate: the MoE block's
+    # backward of the MLP activation on autograd's thread, linked to its forward op
+    t.op("aten::silu", 2041, 2, **{"Sequence number": 9, "Fwd thread id": 0})
+    t.op("autograd::engine::evaluate_function: SiluBackward0", 9000, 20, tid=BWD,
+         **{"Sequence number": 9, "Fwd thread id": 1})
+    t.kernel("silu_backward_kernel", 9001, 11, tid=BWD)
+    b = bd.attribute(t.events)
+    c = b["categories"]
+    assert c["residual adds"] == pytest.approx(0.007)
+    assert c["GEMMs (attention, MLP)"] == pytest.approx(0.13)
+    assert c["rope + attention elementwise"] == pytest.approx(0.007)
+    assert c["attention"] == pytest.approx(0.06)
+    assert c["mlp activation"] == pytest.approx(0.009 + 0.008 + 0.006 + 0.011)
+    assert c["moe: router, reorder, combine"] == pytest.approx(0.005)
+    _sums_to_total(b)
+
+
+def test_breakdown_real_cpu_trace_of_a_tiny_dense_model():
+    from deepspeed_fused.models import build_model
+
+    model = build_model("llama-tiny", seed=0)
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    b = bd.profile_step(step, model, device=False)
+    c = b["categories"]
+    for cat in ("rms_norm", "lm_head + loss", "rope + attention elementwise", "mlp activation", "residual adds"):
+        assert c[cat] > 0, (cat, c)
+    assert any(k["category"] == "mlp activation" and k["name"] in ("aten::silu", "aten::mul", "aten::silu_backward")
+               for k in b["top_kernels"])
+    _sums_to_total(b)
+
+
+def test_ranges_close_when_checkpointing_stops_a_recomputation_early(monkeypatch):
+    """Non-reentrant checkpointing ends a layer's recomputation with an exception once it has what it
+    needs: the ranges opened in that layer close all the same (no range left open on the thread)."""
+    from deepspeed_fused import train
+    from deepspeed_fused.models import build_model
+
+    model = build_model("llama-tiny", seed=0)
+    model.train()
+    train.enable_grad_ckpt(model, "non-reentrant")
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    events = []
+
+    class Counting:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            events.append(("open", self.name))
+
+        def __exit__(self, *exc):
+            events.append(("close", self.name))
+
+    monkeypatch.setattr(torch.profiler, "record_function", Counting)
+    with bd.install_ranges(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for name in ("e2e::mlp", "e2e::decoder_layer", "e2e::attention", "e2e::rms_norm"):
+        opened, closed = events.count(("open", name)), events.count(("close", name))
+        assert opened == closed > 0, (name, opened, closed)
+    assert events.count(("open", "e2e::mlp")) > 2  # the forward and the recomputations
+
+
+def test_dense_suite_smoke_on_cpu(tmp_path):
+    """A dense pair through the deepspeed launcher on a tiny stand-in (Qwen3 shape, gradient
+    checkpointing): both arms run, with the dense categories in their breakdowns."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=e2e.ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-m", "deepspeed_fused.bench", "e2e", "--quick", "--out", str(tmp_path),
+                        "--pairs", "dense_qwen3_1_7b", "--dense-model", "qwen3-tiny", "--arms", "baseline,fused",
+                        "--arm-timeout", "400"], cwd=e2e.ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((tmp_path / "e2e.json").read_text())
+    z = d["results"]["dense_qwen3_1_7b"]
+    for arm in ("baseline", "fused"):
+        assert "error" not in z[arm], z[arm].get("error")
+        assert z[arm]["model"] == "qwen3-tiny" and z[arm]["grad_ckpt"] == "non-reentrant"
+        c = z[arm]["breakdown"]["categories"]
+        assert c["mlp activation"] > 0 and c["rope + attention elementwise"] > 0 and c["rms_norm"] > 0
+    assert z["compare"]["max_loss_rel_diff"] <= 0.005
+    assert d["meta"]["pair_models"]["dense_qwen3_1_7b"]["model"] == "qwen3-tiny"
+    assert "`dense_qwen3_1_7b`: `qwen3-tiny`" in (tmp_path / "e2e.md").read_text()
+
+
+def test_report_breakdown_columns_are_the_union_of_the_arms_categories():
+    old = dict(total_gpu_ms=3.0, categories={"rms_norm": 1.0, "attention": 2.0}, how={}, n_kernels=2,
+               method="kernels once each, by name/range (deepspeed_fused.bench.breakdown)")
+    new = dict(total_gpu_ms=6.0, categories={"rms_norm": 1.0, "attention": 1.0, "residual adds": 4.0}, how={},
+               n_kernels=3, method=old["method"])
+
+    def arm(b):
+        hist = [dict(step=0, loss=1.0, step_s=1.0, tokens_per_s=1.0)]
+        return dict(median_step_s=1.0, step_s_p10=1.0, step_s_p90=1.0, median_tokens_per_s=1.0,
+                    peak_alloc_mib=1.0, peak_reserved_mib=1.0, history=hist, breakdown=b)
+
+    results = {"zero2": {"fused": arm(old)}, "dense_qwen3_1_7b": {"fused": arm(new)}}
+    meta = dict(date="2026-12-05", gpu="cpu", torch="-", triton="-", model="m", batch=2, seq=8, steps=1, warmup=0)
+    md = e2e_report.markdown(results, {}, meta)
+    assert "| pair | arm | total | rms_norm | attention | residual adds |" in md
+    assert "| dense_qwen3_1_7b | fused | 6.0 | 1.0 | 1.0 | 4.0 |" in md
+    assert "| zero2 | fused | 3.0 | 1.0 | 2.0 | 0.0 |" in md
