@@ -334,14 +334,30 @@ def _lce_inputs(case, dtype, device, M=8, H=16, V=40, seed=10):
     return h.to(dtype).to(device), w.to(dtype).to(device), b.to(dtype).to(device), t.to(device)
 
 
+def _lce_gemm_switches():
+    """The modules of the linear cross-entropy holding the fused GEMMs' on/off switches."""
+    import sys
+    return [m for n, m in list(sys.modules.items())
+            if n.startswith("deepspeed_fused.ops.linear_cross_entropy") and hasattr(m, "_GEMM_STATS_OK")]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", LCE_CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_cross_entropy_nonfinite(interpret, dtype, case, with_bias):
+@pytest.mark.parametrize("path", ["fused_gemm", "row_kernel"])
+def test_linear_cross_entropy_nonfinite(interpret, dtype, case, with_bias, path, monkeypatch):
     if case.startswith("bias") and not with_bias:
         pytest.skip("no bias")
+    if path == "row_kernel":  # cuBLAS (here torch) logits and the row kernel, not the fused GEMMs
+        mods = _lce_gemm_switches()
+        assert mods
+        for m in mods:
+            monkeypatch.setattr(m, "_GEMM_STATS_OK", [False])
+            monkeypatch.setattr(m, "_GEMM_GRAD_OK", [False])
     h, w, b, t = _lce_inputs(case, dtype, interpret)
     b = b if with_bias else None
+    if path == "fused_gemm":
+        assert all(m.gemm_stats_supported(h, w) and m.gemm_grad_supported(h, w) for m in _lce_gemm_switches())
     tol = dict(rtol=2e-4, atol=2e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     lv = [_leaf(x) if x is not None else None for x in (h, w, b)]
     rv = [_leaf(x) if x is not None else None for x in (h, w, b)]
@@ -353,8 +369,8 @@ def test_linear_cross_entropy_nonfinite(interpret, dtype, case, with_bias):
     assert_nonfinite_like(lse, lse_r, what="lse", **tol)
     assert_nonfinite_like(ent, ent_r, what="entropy", **tol)
     gen = torch.Generator().manual_seed(11)
-    d = torch.randn(loss.shape, generator=gen).to(loss)
-    g, gr = _grads(loss, lv, d), _grads(loss_r, rv, d)
+    d = [torch.randn(loss.shape, generator=gen).to(loss) for _ in range(2)]
+    g, gr = _grads((loss, lse), lv, d), _grads((loss_r, lse_r), rv, d)
     for name, a, r in zip(("d hidden", "d weight", "d bias"), g, gr):
         assert_nonfinite_like(a, r, what=f"per-token {name}", **tol)
     # the mean loss and its gradients
