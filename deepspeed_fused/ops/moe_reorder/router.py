@@ -12,8 +12,9 @@ That is five launches forward and about ten backward (the cast, the in-place div
 gradients, top-k's scatter into a zero ``[T, E]`` buffer, the softmax backward, the cast). Here one
 kernel computes the scores and indices, and one kernel the logits' gradient from the scores'
 gradient (the softmax recomputed from the logits, which the router returns anyway), with eager's
-arithmetic: FP32 softmax ``exp(x - max) / sum``, values in descending order (equal values: the lower
-expert id first), the renormalisation's gradient as autograd forms it for ``values /= s``
+arithmetic: FP32 softmax ``exp(x - max) / sum``, values in descending order as torch.topk orders them
+(NaN above +inf; equal values, a row of NaN included: the lower expert id first, every id a real
+expert), the renormalisation's gradient as autograd forms it for ``values /= s``
 (``g / s`` plus the sum of ``-g * v / (s * s)``), the softmax backward ``p * (dp - sum(dp * p))``,
 one rounding to the logits' dtype. The exponential is CUDA's ``expf`` (as eager's softmax and
 sigmoid); the sums run in another order than eager's, so two probabilities within an ULP of each
