@@ -60,3 +60,7 @@ def test_lse_never_less_accurate_than_eager(interpret, monkeypatch, path, bias, 
     worse = ours > eager + bound
     assert not worse.any(), (f"{int(worse.sum())} rows less accurate than eager: ours {ours[worse][:5].tolist()} "
                              f"eager {eager[worse][:5].tolist()} bound {bound[worse][:5].tolist()}")
+    if cap or (bias and path == "fused_gemm"):
+        # FP32 logits (a soft cap; a bias in the fused GEMM): FP32 arithmetic's error only, far below
+        # the half-precision rounding that eager's carries
+        assert eager.max() > 1e-4 and ours.max() < 1e-5, (ours.max(), eager.max())
