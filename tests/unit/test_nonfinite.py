@@ -444,3 +444,30 @@ def test_qwen3_moe_nan_row_masks_match_unpatched(interpret, row, dtype=torch.flo
         else:
             assert torch.equal(gp.isnan(), gr.isnan()) and torch.equal(gp.isinf(), gr.isinf()), name
     assert some_nonfinite
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["fused_gemm", "row_kernel", "reference"])
+def test_linear_cross_entropy_nonfinite_z_loss_smoothing(interpret, dtype, path, monkeypatch):
+    """z_loss and label smoothing with non-finite hidden rows (an ignored row among them: its
+    gradient stays 0 though its lse is infinite)."""
+    if path == "row_kernel":
+        for m in _lce_gemm_switches():
+            monkeypatch.setattr(m, "_GEMM_STATS_OK", [False])
+            monkeypatch.setattr(m, "_GEMM_GRAD_OK", [False])
+    h, w, b, t = _lce_inputs("hidden_rows", dtype, interpret)
+    lce = linear_cross_entropy_reference if path == "reference" else linear_cross_entropy
+    tol = {torch.float32: dict(rtol=2e-4, atol=2e-4), torch.float16: dict(rtol=1e-2, atol=1e-2),
+           torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}[dtype]
+    zl, eps = 1e-2, 0.1
+    lv, rv = [_leaf(x) for x in (h, w, b)], [_leaf(x) for x in (h, w, b)]
+    loss = lce(lv[0], lv[1], t, bias=lv[2], reduction="none", z_loss=zl, label_smoothing=eps)
+    logits = (rv[0] @ rv[1].t() + rv[2]).float()
+    valid = t != -100
+    lse = torch.logsumexp(logits, -1)
+    loss_r = F.cross_entropy(logits, t, reduction="none", label_smoothing=eps)
+    loss_r = loss_r + torch.where(valid, zl * lse * lse, torch.zeros_like(lse))
+    assert_nonfinite_like(loss, loss_r, what="loss", **tol)
+    d = torch.randn(loss.shape, generator=torch.Generator().manual_seed(12)).to(loss)
+    for name, a, r in zip(("d hidden", "d weight", "d bias"), _grads(loss, lv, d), _grads(loss_r, rv, d)):
+        assert_nonfinite_like(a, r, what=name, **tol)
