@@ -489,7 +489,8 @@ def test_fused_gemm_statistics(interpret, monkeypatch, opts, subtile):
         monkeypatch.setattr(kernels, "_GEMM_STATS_PART_BYTES", 3 * 16 * 4 * (4 if opts == "all" else 2))
     M, H, V = 37, 24, 150
     dt = torch.float16 if opts.startswith("fp16") else torch.float32
-    h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts != "plain")
+    # fp16_rounded: no bias (with a bias the epilogue keeps fp32 logits, as fp16_softcap tests)
+    h, w, t, b = _inputs(M, H, V, dt, interpret, bias=opts not in ("plain", "fp16_rounded"))
     BN = cfg[1]
     # a target in the last, ragged tile, and on every tile and half-tile edge: exactly one tile
     # (and one half) must hold each (a wrong range check writes the target logit twice or never)
@@ -599,7 +600,7 @@ def test_fused_gemm_gradient(interpret, monkeypatch, opts, subtile, store):
     elif opts == "fp16_rounded":  # fp16 logits: rounded in the epilogue as cuBLAS rounds them
         kw = dict(temp=torch.rand(M, generator=gen) + 0.5)
     grads = dict(lse=lse, g_loss=gl) if opts == "plain" else dict(lse=lse, ent=ent, g_loss=gl, g_ent=ge, g_lse=gs)
-    f32 = sizing.fp32_logits(dt, kw.get("softcap", 0.0))
+    f32 = sizing.fp32_logits(dt, kw.get("softcap", 0.0)) or b is not None  # a bias: fp32 logits in the epilogue
     ld = v1 - v0 + (10 if store == "tma" else 0)  # 160 columns: 16-byte rows in fp16 and fp32
     out = torch.full((M, ld), float("nan"), dtype=dt)[:, :v1 - v0]
     wb = None if b is None else b[v0:v1]

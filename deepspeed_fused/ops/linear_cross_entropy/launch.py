@@ -136,11 +136,15 @@ except Exception:  # pragma: no cover - older Triton
 _COMPILED = {}
 
 
-def _fused_launch(hidden, fp32_logits, interp):
+def _fused_launch(hidden, fp32_logits, interp, has_bias=False):
     """What both fused GEMMs launch with: the persistent grid's size (the device's SM count, cached
     per device; 4 programs under the interpreter), the epilogue's rounding of the logits (0: none,
     fp32 logits; 1: fp16; 2: bf16, as cuBLAS writes them) and the device context (Triton launches
-    on the current device: make it the tensors')."""
+    on the current device: make it the tensors'). With a bias the logits stay fp32 (``acc + bias``
+    unrounded): this GEMM's accumulator and bias rounding are not cuBLAS's, and rounded here the
+    lse can land farther from the exact one than eager's on some rows; unrounded, its error is
+    FP32 arithmetic's, below eager's rounding on every row. Both kernels take the same logits."""
+    fp32_logits = fp32_logits or has_bias
     rnd = 0 if (fp32_logits or hidden.dtype == torch.float32) else (1 if hidden.dtype == torch.float16 else 2)
     if interp:
         return 4, rnd, contextlib.nullcontext()
@@ -189,7 +193,7 @@ def gemm_stats(hidden, weight, bias, target, *, temp=None, inv_temp=1.0, softcap
     bufs = [torch.empty(n_n * rows, **f32) for _ in range(nf)]
     zt = torch.zeros(M, **f32)
     stats = torch.empty((M, 5), **f32)
-    sms, rnd, device = _fused_launch(hidden, fp32_logits, interp)
+    sms, rnd, device = _fused_launch(hidden, fp32_logits, interp, bias is not None)
     block = 64 if interp else 128
     if bias is not None:
         bias = bias.contiguous()  # the epilogue reads it as one contiguous row
@@ -240,7 +244,7 @@ def gemm_grad(hidden, weight, bias, target, out, *, lse, g_loss, ent=None, g_ent
     interp = interpreter_active()
     BM, BN, BK, group_m, stages, warps, subtile = _GEMM_STATS_CFG_INTERP if interp else _GEMM_GRAD_CFG
     assert g_ent is None or ent is not None, "the entropy gradient needs the forward's entropy"
-    sms, rnd, device = _fused_launch(hidden, fp32_logits, interp)
+    sms, rnd, device = _fused_launch(hidden, fp32_logits, interp, bias is not None)
     if bias is not None:
         bias = bias.contiguous()
     assert out.shape == (M, V) and out.stride(1) == 1

@@ -103,11 +103,13 @@ def _ref_chunk(h, weight, bias, t, temp, opts):
     valid = t != loss_opts.ignore_index
     # a target outside [0, V) (unchecked with validate_targets=False) has no target logit: 0, as in the kernels
     has_zt = valid & (t >= 0) & (t < z.shape[1])
-    zt = z.gather(1, torch.where(has_zt, t, torch.zeros_like(t)).long()[:, None]).squeeze(1)
-    zt = torch.where(has_zt, zt, torch.zeros_like(zt))
-    loss = lse - (1.0 - smoothing) * zt
+    # lse - (1 - eps) z_t - eps mean(z), written with log_softmax as eager's cross_entropy takes it
+    # (a +inf logit: NaN loss and gradient over the row, where lse alone is +inf)
+    logp = torch.log_softmax(z, dim=-1)
+    lpt = logp.gather(1, torch.where(has_zt, t, torch.zeros_like(t)).long()[:, None]).squeeze(1)
+    loss = torch.where(has_zt, -lpt, lse) * (1.0 - smoothing)
     if smoothing:
-        loss = loss - smoothing * z.mean(-1)
+        loss = loss - smoothing * logp.mean(-1)
     if z_loss:
         loss = loss + z_loss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))

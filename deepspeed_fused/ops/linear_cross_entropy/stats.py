@@ -40,7 +40,8 @@ def merge_partial_extras(stats: torch.Tensor, xt: torch.Tensor) -> torch.Tensor:
     best_i = torch.where(cand, idx, big).amin(0)
     best_v = torch.where(any_nan, torch.full_like(v[0], float("nan")), key.amax(0))
     m_r = stats[..., 0]
-    scale = torch.exp(m_r - m_r.amax(0))
+    m = m_r.amax(0)
+    scale = torch.where(m_r == m, torch.ones_like(m_r), torch.exp(m_r - m))  # as merge_partial_stats
     out = torch.empty(xt.shape[1:], dtype=torch.float32, device=xt.device)
     out[:, 0] = best_v
     out[:, 1] = best_i.view(torch.float32)
@@ -71,9 +72,10 @@ def merge_partial_stats(stats: torch.Tensor) -> torch.Tensor:
     """
     m_r, d_r, a_r, sz_r, zt_r = stats.unbind(-1)
     m = m_r.amax(0)
-    scale = torch.exp(m_r - m)
+    same = m_r == m  # 1 and 0 there (an infinite max: torch.logsumexp's +inf, not inf - inf)
+    scale = torch.where(same, torch.ones_like(m_r), torch.exp(m_r - m))
     d = (d_r * scale).sum(0)
-    a = (scale * (a_r + (m_r - m) * d_r)).sum(0)
+    a = (scale * (a_r + torch.where(same, torch.zeros_like(m_r), m_r - m) * d_r)).sum(0)
     return torch.stack([m, d, a, sz_r.sum(0), zt_r.sum(0)], dim=-1)
 
 
@@ -87,6 +89,8 @@ def _finalize_stats(stats, valid, vocab_total, z_loss, smoothing, need_ent):
         loss = loss - (smoothing / vocab_total) * sz
     if z_loss:
         loss = loss + z_loss * lse * lse
+    # a +inf logit: lse is +inf (torch.logsumexp's), the loss NaN (cross_entropy's log_softmax)
+    loss = torch.where(m == float("inf"), torch.full_like(loss, float("nan")), loss)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     ent = logd - a / d if need_ent else None
     return loss, lse, ent

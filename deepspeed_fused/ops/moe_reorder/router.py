@@ -12,8 +12,9 @@ That is five launches forward and about ten backward (the cast, the in-place div
 gradients, top-k's scatter into a zero ``[T, E]`` buffer, the softmax backward, the cast). Here one
 kernel computes the scores and indices, and one kernel the logits' gradient from the scores'
 gradient (the softmax recomputed from the logits, which the router returns anyway), with eager's
-arithmetic: FP32 softmax ``exp(x - max) / sum``, values in descending order (equal values: the lower
-expert id first), the renormalisation's gradient as autograd forms it for ``values /= s``
+arithmetic: FP32 softmax ``exp(x - max) / sum``, values in descending order as torch.topk orders them
+(NaN above +inf; equal values, a row of NaN included: the lower expert id first, every id a real
+expert), the renormalisation's gradient as autograd forms it for ``values /= s``
 (``g / s`` plus the sum of ``-g * v / (s * s)``), the softmax backward ``p * (dp - sum(dp * p))``,
 one rounding to the logits' dtype. The exponential is CUDA's ``expf`` (as eager's softmax and
 sigmoid); the sums run in another order than eager's, so two probabilities within an ULP of each
@@ -58,17 +59,33 @@ if HAS_TRITON:
         return tot
 
     @triton.jit
-    def _top_k(work, cols, ks, K: tl.constexpr, BLOCK_T: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr):
-        # the K largest of each row of ``work`` (descending; equal values: the lower column first):
-        # their values and columns
+    def _order_key(x):
+        # an int32 key per FP32 value ordered as torch.topk orders the values: NaN above +inf (every
+        # NaN equal), -0.0 equal to 0.0; integer comparisons, so no reduction can drop a NaN
+        x = tl.where(x == 0.0, 0.0, x)
+        b = x.to(tl.int32, bitcast=True)
+        k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+        return tl.where(x != x, 0x7FFFFFFF, k)
+
+    @triton.jit
+    def _key_value(k):
+        # the FP32 value of a key (a NaN key: a NaN)
+        return tl.where(k < 0, k ^ 0x7FFFFFFF, k).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _top_k(work, valid, cols, ks, K: tl.constexpr, BLOCK_T: tl.constexpr, KP: tl.constexpr,
+               BLOCK_E: tl.constexpr):
+        # the K largest of each row of ``work`` among its ``valid`` columns, in torch.topk's order (NaN
+        # the largest; descending; equal values: the lower column first): their values and columns
+        key = tl.where(valid, _order_key(work), -2147483648)
         vals = tl.zeros([BLOCK_T, KP], dtype=tl.float32)
         ids = tl.zeros([BLOCK_T, KP], dtype=tl.int32)
         for j in tl.static_range(K):
-            v = tl.max(work, axis=1)
-            i = tl.min(tl.where(work == v[:, None], cols[None, :], BLOCK_E), axis=1)
-            vals = tl.where(ks[None, :] == j, v[:, None], vals)
+            kv = tl.max(key, axis=1)
+            i = tl.min(tl.where(key == kv[:, None], cols[None, :], BLOCK_E), axis=1)
+            vals = tl.where(ks[None, :] == j, _key_value(kv)[:, None], vals)
             ids = tl.where(ks[None, :] == j, i[:, None], ids)
-            work = tl.where(cols[None, :] == i[:, None], float("-inf"), work)
+            key = tl.where(cols[None, :] == i[:, None], -2147483648, key)
         return vals, ids
 
     @triton.jit
@@ -118,7 +135,7 @@ if HAS_TRITON:
         rmask = rows < n_rows
         p, cols = _probs(L, rows, n_rows, E, stride, BLOCK_E)
         ks = tl.arange(0, KP)
-        vals, ids = _top_k(tl.where((cols < E)[None, :], p, -1.0), cols, ks, K, BLOCK_T, KP, BLOCK_E)
+        vals, ids = _top_k(p, (cols < E)[None, :], cols, ks, K, BLOCK_T, KP, BLOCK_E)
         if RENORM:
             vals = tl.div_rn(vals, _ordered_sum(vals, ks, K)[:, None])
         om = rmask[:, None] & (ks < K)[None, :]
@@ -179,7 +196,7 @@ if HAS_TRITON:
         x = tl.load(L + rows.to(tl.int64)[:, None] * stride + cols[None, :], mask=m, other=float("-inf"))
         x = tl.where(m, x.to(tl.float32), float("-inf"))
         ks = tl.arange(0, KP)
-        vals, ids = _top_k(x, cols, ks, K, BLOCK_T, KP, BLOCK_E)
+        vals, ids = _top_k(x, m, cols, ks, K, BLOCK_T, KP, BLOCK_E)
         p = _k_softmax(vals, ks, rmask, K, ROUND)
         om = rmask[:, None] & (ks < K)[None, :]
         o = rows.to(tl.int64)[:, None] * K + ks[None, :]
@@ -237,21 +254,22 @@ if HAS_TRITON:
         grp = cols // group_size
         gs_ = tl.arange(0, GP)
         gsc = tl.full([BLOCK_T, GP], float("-inf"), dtype=tl.float32)
-        for q in tl.static_range(G):
-            inq = (grp == q)[None, :] & m
-            v = tl.where(inq, choice, float("-inf"))
-            m1 = tl.max(v, axis=1)
-            i1 = tl.min(tl.where(v == m1[:, None], cols[None, :], BLOCK_E), axis=1)
-            m2 = tl.max(tl.where(cols[None, :] == i1[:, None], float("-inf"), v), axis=1)
-            gsc = tl.where(gs_[None, :] == q, (m1 + m2)[:, None], gsc)
+        key = _order_key(choice)
+        for q in tl.static_range(G):  # each group's two best choices (torch.topk's order), summed
+            kq = tl.where((grp == q)[None, :] & m, key, -2147483648)
+            k1 = tl.max(kq, axis=1)
+            i1 = tl.min(tl.where(kq == k1[:, None], cols[None, :], BLOCK_E), axis=1)
+            k2 = tl.max(tl.where(cols[None, :] == i1[:, None], -2147483648, kq), axis=1)
+            gsc = tl.where(gs_[None, :] == q, (_key_value(k1) + _key_value(k2))[:, None], gsc)
+        gkey = tl.where((gs_ < G)[None, :], _order_key(gsc), -2147483648)
         keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
         for j in tl.static_range(TG):
-            v = tl.max(gsc, axis=1)
-            q = tl.min(tl.where(gsc == v[:, None], gs_[None, :], GP), axis=1)
-            gsc = tl.where(gs_[None, :] == q[:, None], float("-inf"), gsc)
+            kv = tl.max(gkey, axis=1)
+            q = tl.min(tl.where(gkey == kv[:, None], gs_[None, :], GP), axis=1)
+            gkey = tl.where(gs_[None, :] == q[:, None], -2147483648, gkey)
             keep = keep | (grp[None, :] == q[:, None])
         ks = tl.arange(0, KP)
-        _, ids = _top_k(tl.where(keep & m, choice, float("-inf")), cols, ks, K, BLOCK_T, KP, BLOCK_E)
+        _, ids = _top_k(tl.where(keep, choice, float("-inf")), m, cols, ks, K, BLOCK_T, KP, BLOCK_E)
         vals = _gather_cols(s, cols, ids, ks, K, BLOCK_T, KP)
         if RENORM:
             vals = tl.div_rn(vals, (_ordered_sum(vals, ks, K) + 1e-20)[:, None])

@@ -77,8 +77,8 @@ if HAS_TRITON:
                                    HAS_BIAS)
         m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
         ty = GU.dtype.element_ty
-        gc = tl.minimum(gf, lim)
-        uc = tl.minimum(tl.maximum(uf, -lim), lim)
+        gc = tl.minimum(gf, lim, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps a NaN
+        uc = tl.minimum(tl.maximum(uf, -lim, propagate_nan=tl.PropagateNan.ALL), lim, propagate_nan=tl.PropagateNan.ALL)
         t = (gc * alpha).to(ty).to(tl.float32)  # every step rounded to the input dtype, as eager's
         sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + _exp(-t, GU)).to(ty).to(tl.float32)
         glu = (gc * sg).to(ty).to(tl.float32)
@@ -97,8 +97,8 @@ if HAS_TRITON:
         ty = GU.dtype.element_ty
         r64 = rows.to(tl.int64)[:, None]
         dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        gc = tl.minimum(gf, lim)
-        uc = tl.minimum(tl.maximum(uf, -lim), lim)
+        gc = tl.minimum(gf, lim, propagate_nan=tl.PropagateNan.ALL)  # torch's clamp keeps a NaN
+        uc = tl.minimum(tl.maximum(uf, -lim, propagate_nan=tl.PropagateNan.ALL), lim, propagate_nan=tl.PropagateNan.ALL)
         t = (gc * alpha).to(ty).to(tl.float32)
         sg = tl.div_rn(tl.zeros_like(t) + 1.0, 1.0 + _exp(-t, GU)).to(ty).to(tl.float32)
         glu = (gc * sg).to(ty).to(tl.float32)

@@ -9,14 +9,22 @@ grid, block, shared memory and parameter list, see :func:`describe`), and later 
 and launch without Python in between. The node knows nothing of Triton; it packs parameters as
 Triton's launcher does and calls ``cuLaunchKernel``.
 
-The extension is built the first time a CUDA op asks for it, in a background thread (the Python
-path runs meanwhile), into ``TORCH_EXTENSIONS_DIR`` (cached across runs), like DeepSpeed's own
-JIT-built ops. ``DEEPSPEED_FUSED_NATIVE=0`` switches it off; so does a failed build (one warning).
+The extension is built the first time a CUDA op asks for it, in a child process (the Python
+node serves meanwhile), into ``TORCH_EXTENSIONS_DIR`` (cached across runs), like DeepSpeed's own
+JIT-built ops; a later call that finds the child done imports the built library (a ``dlopen``).
+The build runs in another process, not in a thread of this one: importing ``cpp_extension`` (and
+setuptools) and loading even a cached build is seconds of Python holding the GIL, which a thread
+here would take from the calls running meanwhile. ``get(wait=True)`` builds (or waits) before
+returning, for an explicit warm-up. ``DEEPSPEED_FUSED_NATIVE=0`` switches it off; so does a failed
+build (one warning).
 """
 from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+import tempfile
 import threading
 import warnings
 from typing import Optional
@@ -50,7 +58,9 @@ def enabled() -> bool:
         return False
     if _state["error"] is not None or interpreter_active():
         return False
-    return torch.cuda.is_available()
+    if _state.get("cuda") is None:  # asked once (with NVML-based checks each query is a driver call)
+        _state["cuda"] = torch.cuda.is_available()
+    return _state["cuda"]
 
 
 def compile_extension():
@@ -61,30 +71,94 @@ def compile_extension():
     return load(name=_NAME, sources=[_SOURCE], extra_cflags=["-O2"], extra_ldflags=["-ldl"], verbose=False)
 
 
-def _build():
-    mod = compile_extension()
+def _check_driver(mod):
     if not mod.init_driver():
         raise RuntimeError("libcuda.so.1 (cuLaunchKernel, cuStreamIsCapturing) could not be loaded")
     return mod
 
 
+def _build():
+    return _check_driver(compile_extension())
+
+
+# the child: torch's cpp_extension build (or cached load) of the node; prints the library's path
+_CHILD = ("import sys\n"
+          "from torch.utils.cpp_extension import load\n"
+          "m = load(name=sys.argv[1], sources=[sys.argv[2]], extra_cflags=['-O2'], extra_ldflags=['-ldl'], "
+          "verbose=False)\n"
+          "print(m.__file__)\n")
+
+
+class _BuildProcess:
+    """The build in a child process, with a thread's ``is_alive``/``join`` (the test harness waits
+    on either before a rank exits). Its output goes to temporary files (a pipe could fill up)."""
+
+    def __init__(self):
+        self.out = tempfile.TemporaryFile(mode="w+")
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, _NAME, _SOURCE], stdin=subprocess.DEVNULL,
+                                     stdout=self.out, stderr=self.err, close_fds=True)
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout=None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def result(self):
+        """The built module (imported here: a dlopen), or an exception with the child's output."""
+        self.out.seek(0)
+        self.err.seek(0)
+        lines = self.out.read().strip().splitlines()
+        if self.proc.returncode != 0 or not lines:
+            tail = self.err.read()[-2000:].strip()
+            raise RuntimeError(f"the build process exited with {self.proc.returncode}: {tail}")
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(_NAME, lines[-1])
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+def _failed(e: Exception) -> None:
+    # no compiler, no headers, ...: the Python path keeps running
+    _state["error"] = f"{type(e).__name__}: {e}"
+    warnings.warn(f"deepspeed_fused: the C++ autograd nodes could not be built ({_state['error'][:400]}); "
+                  f"the Python autograd path runs (set {ENV}=0 to skip the build)", RuntimeWarning, stacklevel=3)
+
+
 def _build_into_state():
     try:
-        mod = _build()
-    except Exception as e:  # no compiler, no headers, ...: the Python path keeps running
-        _state["error"] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"deepspeed_fused: the C++ autograd nodes could not be built ({_state['error'][:400]}); "
-                      f"the Python autograd path runs (set {ENV}=0 to skip the build)", RuntimeWarning, stacklevel=2)
+        _state["mod"] = _build()
+    except Exception as e:
+        _failed(e)
+
+
+def _collect(t) -> None:
+    """Take the finished child's module into the state (under ``_lock``)."""
+    if _state["mod"] is not None or _state["error"] is not None:
         return
-    _state["mod"] = mod
+    try:
+        _state["mod"] = _check_driver(t.result())
+    except Exception as e:
+        _failed(e)
 
 
 def get(wait: bool = False):
     """The extension module, or None (not enabled, failed, or still building). The first call
-    starts the build in a background thread; ``wait=True`` builds (or waits) here."""
+    starts the build in a child process and returns None; a later call after the child is done
+    imports its library. ``wait=True`` builds here (or waits for the child) before returning."""
     mod = _state["mod"]
     if mod is not None or not enabled():
         return mod
+    t = _state["thread"]
+    if t is not None and not wait and t.is_alive():  # the hot path while the build runs: one waitpid
+        return None
     with _lock:
         if _state["mod"] is None and _state["error"] is None:
             t = _state["thread"]
@@ -92,12 +166,15 @@ def get(wait: bool = False):
                 if wait:
                     _build_into_state()
                     return _state["mod"]
-                t = threading.Thread(target=_build_into_state, name="deepspeed_fused-native-build", daemon=True)
-                _state["thread"] = t
-                t.start()
-    t = _state["thread"]
-    if wait and t is not None:
-        t.join()
+                try:
+                    _state["thread"] = _BuildProcess()
+                except Exception as e:  # no interpreter to start (an embedded Python): build on demand
+                    _failed(e)
+                return _state["mod"]
+            if wait:
+                t.join()
+            if not t.is_alive() and isinstance(t, _BuildProcess):
+                _collect(t)
     return _state["mod"]
 
 

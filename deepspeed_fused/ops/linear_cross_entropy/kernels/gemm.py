@@ -16,7 +16,7 @@ caller then runs cuBLAS and the row kernel).
 from ..._common import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from .row import _softcap
+    from .row import _rel_diff, _rel_exp, _softcap
 
 
 if HAS_TRITON:
@@ -80,7 +80,7 @@ if HAS_TRITON:
         # floored: a block wholly past the vocabulary (a column half of the last tile) gives
         # m = -1e30 and d = a = 0, which the merge takes as empty
         m = tl.maximum(tl.max(z, axis=1), -1e30)
-        e = tl.exp(z - m[:, None])
+        e = _rel_exp(z, m[:, None])
         d = tl.sum(e, axis=1)
         if NEED_ENT:
             a = tl.sum(e * tl.where(cmask, z - m[:, None], 0.0), axis=1)
@@ -126,17 +126,17 @@ if HAS_TRITON:
     def _combine_sq(m0, q0, m1, q1):
         # two blocks' sum exp(2(z - m)) of the same rows, to the larger max
         m = tl.maximum(m0, m1)
-        s0 = tl.exp(m0 - m)
-        s1 = tl.exp(m1 - m)
+        s0 = _rel_exp(m0, m)
+        s1 = _rel_exp(m1, m)
         return q0 * s0 * s0 + q1 * s1 * s1
 
     @triton.jit
     def _combine_stats(m0, d0, a0, m1, d1, a1):
         # two blocks' (max, sum exp, entropy term) of the same rows -> the blocks together
         m = tl.maximum(m0, m1)
-        s0 = tl.exp(m0 - m)
-        s1 = tl.exp(m1 - m)
-        return m, d0 * s0 + d1 * s1, s0 * (a0 + (m0 - m) * d0) + s1 * (a1 + (m1 - m) * d1)
+        s0 = _rel_exp(m0, m)
+        s1 = _rel_exp(m1, m)
+        return m, d0 * s0 + d1 * s1, s0 * (a0 + _rel_diff(m0, m) * d0) + s1 * (a1 + _rel_diff(m1, m) * d1)
 
     @triton.jit
     def _lce_gemm_stats_kernel(
@@ -275,7 +275,7 @@ if HAS_TRITON:
                                 ROUND, HAS_BIAS, HAS_TEMP, HAS_CAP)
         p = tl.exp(z - lse[:, None])
         if HAS_GE:
-            g = p * (coef[:, None] - ge[:, None] * (z - s_pz[:, None]))
+            g = p * (coef[:, None] - tl.where(ge[:, None] == 0.0, 0.0, ge[:, None] * (z - s_pz[:, None])))
         else:
             g = p * coef[:, None]
         g = g - g_smooth[:, None]
@@ -325,6 +325,7 @@ if HAS_TRITON:
             coef = gl * (1.0 + 2.0 * z_loss * lse)
             if HAS_GS:
                 coef += tl.load(gs_ptr + offs_m, mask=rmask, other=0.0)
+            coef = tl.where((t != ignore_index) & (lse == float("inf")), float("nan"), coef)  # as the row kernel
             if HAS_GE:
                 ge = tl.load(ge_ptr + offs_m, mask=rmask, other=0.0)
                 s_pz = lse - tl.load(ent_ptr + offs_m, mask=rmask, other=0.0)

@@ -32,6 +32,17 @@ if HAS_TRITON:
         return cap - 2.0 * cap / (tl.exp(2.0 * z / cap) + 1.0)
 
     @triton.jit
+    def _rel_exp(x, m):
+        # exp(x - m) against a running max m, 1 where x equals m: an infinite max then gives
+        # torch.logsumexp's +inf (not inf - inf = NaN); a NaN still gives NaN
+        return tl.where(x == m, 1.0, tl.exp(x - m))
+
+    @triton.jit
+    def _rel_diff(x, m):
+        # x - m, 0 where x equals m (an infinite max)
+        return tl.where(x == m, 0.0, x - m)
+
+    @triton.jit
     def _load_z(x_row, cols, mask, inv_t, cap, HAS_CAP: tl.constexpr):
         # a block of the row's logits as the loss sees them: fp32, over the temperature, soft-capped
         z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
@@ -113,10 +124,10 @@ if HAS_TRITON:
                 if NEED_TOP:
                     best, best_i = _first_max_update(z, cols, V, best, best_i, start == 0)
                 m_new = tl.maximum(m, tl.max(z, axis=0))
-                e = tl.exp(z - m_new)
-                alpha = tl.exp(m - m_new)
+                e = _rel_exp(z, m_new)
+                alpha = _rel_exp(m, m_new)
                 if NEED_ENT:
-                    a = alpha * (a + (m - m_new) * d) + tl.sum(e * tl.where(mask, z - m_new, 0.0), axis=0)
+                    a = alpha * (a + _rel_diff(m, m_new) * d) + tl.sum(e * tl.where(mask, z - m_new, 0.0), axis=0)
                 if NEED_SQ:
                     q = q * alpha * alpha + tl.sum(e * e, axis=0)
                 d = d * alpha + tl.sum(e, axis=0)
@@ -148,7 +159,7 @@ if HAS_TRITON:
                     m_r = tl.load(gp)
                     d_r = tl.load(gp + 1)
                     m_new = tl.maximum(mm, m_r)
-                    dd = dd * tl.exp(mm - m_new) + d_r * tl.exp(m_r - m_new)
+                    dd = dd * _rel_exp(mm, m_new) + d_r * _rel_exp(m_r, m_new)
                     mm = m_new
                 lse = mm + tl.log(dd)
             elif not STATS:
@@ -163,6 +174,9 @@ if HAS_TRITON:
             coef = gl * (1.0 + 2.0 * z_loss * lse)
             if HAS_GS:
                 coef += tl.load(gs_ptr + row)
+            # a +inf logit (lse +inf): eager's cross_entropy has NaN in the whole labelled row (its
+            # log_softmax takes inf - inf), whatever the upstream gradient
+            coef = tl.where(valid & (lse == float("inf")), float("nan"), coef)
             if HAS_GE:
                 ge = tl.load(ge_ptr + row)
             g_smooth = gl * smooth * inv_vocab_total
@@ -173,7 +187,7 @@ if HAS_TRITON:
                 z = _load_z(x_row, cols, mask, inv_t, cap, HAS_CAP)
                 p = tl.exp(z - lse)
                 if HAS_GE:
-                    g = p * (coef - ge * (z - s_pz))
+                    g = p * (coef - tl.where(ge == 0.0, 0.0, ge * (z - s_pz)))  # 0: the entropy unused
                 else:
                     g = p * coef
                 g = g - g_smooth

@@ -1,0 +1,56 @@
+"""The fused linear cross-entropy's per-token lse on CUDA is never less accurate than eager's, row
+by row (tests/unit/test_lce_lse_accuracy.py at LM-head sizes, bf16 and fp16): against the float64
+lse of the exact logits, our error is at most eager's plus 1e-5 where our logits are FP32 (the
+fused GEMM with a bias or a soft cap; a soft cap on the cuBLAS path), and plus one rounding step of
+the most probable logit where they are rounded to the input dtype as eager's are (no bias, no cap:
+another GEMM's accumulator may round a logit the other way)."""
+import pytest
+import torch
+
+from unit.test_lce_lse_accuracy import _gemm_modules, lse_errors
+
+pytestmark = pytest.mark.gpu
+
+
+def _ulp(z, dtype):
+    """One unit in the last place of ``dtype`` at |z| (float64)."""
+    mant = {torch.float16: 10, torch.bfloat16: 7}[dtype]
+    e = torch.floor(torch.log2(z.abs().clamp(min=2.0 ** -14)))
+    return torch.exp2(e - mant)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("V,H", [(32000, 2048), (151936, 4096)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("cap", [None, 30.0])
+@pytest.mark.parametrize("path", ["fused_gemm", "row_kernel"])
+def test_lse_never_less_accurate_than_eager_gpu(dtype, V, H, bias, cap, path, monkeypatch):
+    mods = _gemm_modules()
+    if path == "row_kernel":
+        for m in mods:
+            monkeypatch.setattr(m, "_GEMM_STATS_OK", [False])
+            monkeypatch.setattr(m, "_GEMM_GRAD_OK", [False])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(V + H)
+    M = 1024
+    h = torch.randn(M, H, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(V, H, device="cuda", generator=gen) * 2 / H ** 0.5).to(dtype)
+    b = (torch.randn(V, device="cuda", generator=gen) * 2).to(dtype) if bias else None
+    t = torch.randint(0, V, (M,), device="cuda", generator=gen)
+    fused = path == "fused_gemm" and all(m.gemm_stats_supported(h, w) for m in mods)
+    if path == "fused_gemm" and not fused:
+        pytest.skip("the fused GEMMs run on Hopper only")
+    ours, eager, ref = lse_errors(h, w, b, cap, t)
+    fp32_logits = bool(cap) or (fused and bias)
+    bound = torch.full_like(ours, 1e-5)
+    if not fp32_logits:
+        exact = h.double() @ w.double().t() + (0 if b is None else b.double())
+        p = torch.softmax(exact, -1)
+        bound = bound + (p * _ulp(exact, dtype)).amax(-1)
+    worse = ours > eager + bound
+    print(f"{dtype} V={V} bias={bias} cap={cap} {path}: ours max {ours.max():.2e} mean {ours.mean():.2e}, "
+          f"eager max {eager.max():.2e} mean {eager.mean():.2e}, rows worse {int(worse.sum())}")
+    assert not worse.any(), (f"{int(worse.sum())} rows: ours {ours[worse][:5].tolist()} eager "
+                             f"{eager[worse][:5].tolist()}")
+    if fp32_logits:
+        assert ours.mean() <= eager.mean()
