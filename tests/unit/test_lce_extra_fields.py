@@ -38,10 +38,12 @@ def _force_path(monkeypatch, path, V):
     return seen
 
 
-def _z(h, w, b, temperature, softcap, eager=False):
+def _z(h, w, b, temperature, softcap, eager=False, path=None):
     """The transformed logits as the op takes them: rounded to the input dtype, then fp32 (fp32
-    logits of half inputs with a soft cap, unless ``eager``: the reference's rounded ones)."""
-    if lce_sizing.fp32_logits(h.dtype, softcap) and not eager:
+    logits of half inputs with a soft cap, or with a bias on the fused GEMM's path, unless
+    ``eager``: the reference's rounded ones)."""
+    fp32 = lce_sizing.fp32_logits(h.dtype, softcap) or (path == "gemm" and b is not None)
+    if fp32 and not eager:
         h, w, b = h.float(), w.float(), None if b is None else b.float()
     x = h @ w.t() if b is None else torch.addmm(b, h, w.t())  # the bias added before the rounding
     z = x.float()
@@ -110,7 +112,7 @@ def test_fields_against_materialized_logits(interpret, monkeypatch, poison, path
     elif "temp" in case:
         temperature = 0.7
     softcap = 2.5 if "softcap" in case else None
-    z = _z(h, w, b, temperature, softcap)
+    z = _z(h, w, b, temperature, softcap, path=path)
     order = z.argsort(-1, descending=True)
     t[1:6] = order[1:6, 0]  # the row's maximum: True
     t[6:8] = order[6:8, 1]  # the second largest: False

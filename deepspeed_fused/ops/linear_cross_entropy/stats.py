@@ -60,7 +60,9 @@ def _finalize_extras(stats, xt, target, valid, vocab_total, extras):
         idx = xt[:, 1].contiguous().view(torch.int32)
         out["is_top1"] = valid & (idx.to(target.dtype) == target)
     if extras & EXTRA_SQ:
-        out["log_sum_sq_probs"] = torch.log(xt[:, 2]) - 2.0 * torch.log(stats[:, 1])
+        sq = torch.log(xt[:, 2]) - 2.0 * torch.log(stats[:, 1])
+        # a +inf logit: eager's logsumexp(2z) - 2 logsumexp(z) is inf - inf
+        out["log_sum_sq_probs"] = torch.where(stats[:, 0] == float("inf"), torch.full_like(sq, float("nan")), sq)
     return out
 
 
