@@ -30,19 +30,22 @@ def _z(h, w, b, temperature, softcap):
 
 
 def _force(monkeypatch, path):
+    """(launch module, keyword arguments) that make the per-token forward take ``path``: the fused
+    GEMM; cuBLAS + the row kernel over token chunks (an explicit chunk_tokens: never vocabulary
+    chunks); or over vocabulary chunks (fewer tokens than vocabulary rows, a 64 MiB workspace)."""
     from deepspeed_fused.ops.linear_cross_entropy import launch, sizing
 
     monkeypatch.setattr(launch, "_GEMM_STATS_OK", [path == "gemm"])
     if path == "vocab_chunks":
         monkeypatch.setattr(sizing, "DEFAULT_WORKSPACE_BYTES", 64 << 20)
-    return launch
+    return launch, ({"chunk_tokens": 1024} if path == "rows" else {})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path", ["gemm", "rows", "vocab_chunks"])
 @pytest.mark.parametrize("M,H,V", [(4096, 2048, 151936), (2048, 4096, 128256)])
 def test_fields_at_lm_head_sizes(monkeypatch, dtype, path, M, H, V):
-    launch = _force(monkeypatch, path)
+    launch, kw = _force(monkeypatch, path)
     if path == "vocab_chunks":
         M = 1024  # fewer tokens than vocabulary rows: the vocabulary is split
     h, w, t, b = _data(M, H, V, dtype, bias=path == "rows")
@@ -54,7 +57,7 @@ def test_fields_at_lm_head_sizes(monkeypatch, dtype, path, M, H, V):
     t[::9] = -100
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, ent, mean, top1, sq = linear_cross_entropy(hg, wg, t, bias=b, reduction="none", return_entropy=True,
-                                                     **FIELDS)
+                                                     **FIELDS, **kw)
     if path == "gemm":
         assert launch._GEMM_STATS_OK[0], "the fused GEMM fell back (see its warning)"
     (loss.sum() + ent.sum()).backward()
@@ -80,7 +83,7 @@ def test_fields_at_lm_head_sizes(monkeypatch, dtype, path, M, H, V):
 def test_ties_and_softcap_bf16(monkeypatch, path):
     """Duplicate largest logits (copied weight rows) across tiles: the first is the argmax; soft
     cap and a per-token temperature."""
-    _force(monkeypatch, path)
+    _, kw = _force(monkeypatch, path)
     M, H, V = 1024 if path == "vocab_chunks" else 2048, 2048, 151936
     h, w, t, _ = _data(M, H, V, torch.bfloat16, seed=3)
     tied = [1000, 70000, 151935]
@@ -92,5 +95,5 @@ def test_ties_and_softcap_bf16(monkeypatch, path):
     z = _z(h, w, None, temp[:, None], 30.0)
     assert (z[:, tied] == z.amax(-1, keepdim=True)).all()
     t[0::3], t[1::3], t[2::3] = tied[0], tied[1], tied[2]
-    out = linear_cross_entropy(h, w, t, reduction="none", temperature=temp, softcap=30.0, **FIELDS)
+    out = linear_cross_entropy(h, w, t, reduction="none", temperature=temp, softcap=30.0, **FIELDS, **kw)
     assert torch.equal(out[2], t == tied[0])
