@@ -34,7 +34,7 @@ class _Plan:
                  "dev", "fwd_args", "fwd_const", "bwd")
 
     def __init__(self, key, spec: RopeSpec, x: torch.Tensor, x_dtype: torch.dtype, angle_dtype: torch.dtype,
-                 checked: tuple):
+                 checked: tuple, cos_step: int = 1):
         rdim, pairs, geos = checked
         self.key, self.spec, self.rdim, self.geos, self.x_dtype = key, spec, rdim, geos, x_dtype
         self.head_dim = d = x.shape[-1]
@@ -46,11 +46,15 @@ class _Plan:
         cap = _MAX_BLOCK_R if x.is_cuda else 4096  # the interpreter: few programs
         block_r = max(1, min(max(1, _TILE_PAIRS // block_h), cap, next_power_of_2(max(n_max, 1))))
         rest = d - rdim
+        astep = cos_step if cos_step in (1, 2) else 1
         self.common = dict(BLOCK_R=block_r, BLOCK_H=block_h,
                            BLOCK_P=next_power_of_2(min(rest, 128)) if rest else 1,
                            PAIRS=spec.pairing == "adjacent", ANGLE_PAIR=spec.angles != "position",
-                           HALVES=spec.output == "halves", NEG=spec.negate)
-        self.tail = (pairs, d, rdim)
+                           HALVES=spec.output == "halves", NEG=spec.negate, CONTRACT=spec.contract == "complex",
+                           ASTEP=astep)
+        # the rotated columns' offset and the pass-through columns [ps, pe): after the rotated ones,
+        # or before them (tail)
+        self.tail = (pairs, rest, 0, rest) if spec.tail else (pairs, 0, rdim, d)
         self.progs = tuple(cdiv(g.n_rows, block_r) for g in geos)
         self.dev = x.device.index if x.is_cuda else None
         self.bwd = {}
@@ -120,7 +124,7 @@ def _get_plan(q, k, cos, sin, ud, spec, key=None, x_dtype=None):
     if len(_plans) >= _MAX_PLANS:  # shapes that never repeat: start over rather than grow
         _plans.clear()
         _direct.clear()
-    plan = _Plan(key, spec, q, x_dtype or q.dtype, cos.dtype, checked)
+    plan = _Plan(key, spec, q, x_dtype or q.dtype, cos.dtype, checked, cos.stride(-1) if cos.shape[-1] > 1 else 1)
     if x_dtype is None:
         plan.set_forward(q, k)
     _plans[key] = plan
