@@ -22,6 +22,8 @@ import torch._dynamo  # noqa: F401  (imported once here, not in every forked tes
 
 from deepspeed_fused.features import rope as F
 from deepspeed_fused.ops import rope as R
+from deepspeed_fused.ops.rope import launch as RL
+from deepspeed_fused.ops.rope import reference as RR
 from deepspeed_fused.ops._common import reset_fallback_warnings
 from deepspeed_fused.ops.rope import RopeSpec
 from unit.test_rope_feature import Launches
@@ -287,7 +289,7 @@ def test_tail_spec_against_reference_and_float64(interpret, dtype):
     yr = R.rope_reference(x, None, cos, sin, 1, TAIL)
     assert y.dtype == dtype and torch.equal(y, yr)
     assert torch.equal(y[..., :16], x[..., :16])  # the leading columns pass through
-    exact = R._reference_one(x.detach().double(), cos.double(), sin.double(), 1, TAIL)
+    exact = RR._reference_one(x.detach().double(), cos.double(), sin.double(), 1, TAIL)
     eps = torch.finfo(dtype).eps
     assert ((y.double() - exact).abs() <= 1.5 * eps * x.detach().double().abs().amax(-1, keepdim=True)).all()
     g = torch.randn(y.shape, generator=gen).to(dtype)
@@ -305,14 +307,14 @@ def test_poisoned_outputs_are_fully_written(interpret, spec):
     else:
         theta = torch.randn(2, 4, d // 4, generator=gen)
         cos, sin = theta.cos().half(), theta.sin().half()
-    plan = R._get_plan(q, k, cos, sin, 2, spec)
+    plan = RL._get_plan(q, k, cos, sin, 2, spec)
     outs = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))]
-    R._forward(plan, q, k, cos, sin, outs=outs)
+    RL._forward(plan, q, k, cos, sin, outs=outs)
     ref = R.rope_reference(q, k, cos, sin, 2, spec)
     assert all(torch.equal(o, r) for o, r in zip(outs, ref))
     gq, gk = torch.randn(q.shape, generator=gen).half(), torch.randn(k.shape, generator=gen).half()
     dx = [torch.full(q.shape, float("nan"), dtype=q.dtype), torch.full(k.shape, float("nan"), dtype=k.dtype)]
-    R._backward(plan, (gq, gk), cos, sin, outs=dx)
+    RL._backward(plan, (gq, gk), cos, sin, outs=dx)
     qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
     want = torch.autograd.grad(R.rope_reference(qq, kk, cos, sin, 2, spec), (qq, kk), (gq, gk))
     assert all(torch.equal(a, b) for a, b in zip(dx, want))
