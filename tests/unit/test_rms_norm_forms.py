@@ -617,6 +617,7 @@ RECOGNISED = [
     ("gemma3", "Gemma3RMSNorm", "gemma"), ("qwen3_next", "Qwen3NextRMSNorm", "gemma"),
     ("qwen3_5", "Qwen3_5RMSNorm", "gemma"), ("vaultgemma", "VaultGemmaRMSNorm", "gemma"),
     ("muse_spark", "MuseSparkTextCenteredRMSNorm", "centered"),
+    ("muse_spark", "MuseSparkTextInputScaledRMSNorm", "input_scaled"),  # the weight before the statistics
     ("gpt_oss", "GptOssRMSNorm", "olmo2"), ("olmo2", "Olmo2RMSNorm", "olmo2"), ("olmo3", "Olmo3RMSNorm", "olmo2"),
     ("flex_olmo", "FlexOlmoRMSNorm", "olmo2"), ("afmoe", "AfmoeRMSNorm", "olmo2"),
     ("deepseek_v4", "DeepseekV4RMSNorm", "olmo2"),
@@ -641,7 +642,6 @@ RECOGNISED = [
 NOT_RECOGNISED = [
     ("dory", "DoryL2Norm"),  # a sum, not a mean
     ("gradium_phonon_tts", "GradiumPhononTTSTimestepNorm"),  # statistics in the input's dtype
-    ("muse_spark", "MuseSparkTextInputScaledRMSNorm"),  # the weight before the statistics
     ("hy_v4", "HYV4UnweightedRMSNorm"),  # returns rstd only
     ("cohere", "CohereLayerNorm"),  # subtracts the mean
 ]
