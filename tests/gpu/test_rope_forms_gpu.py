@@ -54,6 +54,13 @@ def test_function_equals_its_eager_code(family, name, form_name, dtype, shape):
         assert a.dtype == b.dtype and torch.equal(a, b), (a.float() - b.float()).abs().max()
 
 
+def test_complex_rounding_probe_passes():
+    """The probe that lets the complex forms run on this device passes (else they run eager)."""
+    from deepspeed_fused.ops.rope import launch as RL
+
+    assert RL._complex_rounding(torch.device("cuda", torch.cuda.current_device())) == ""
+
+
 def test_cuda_complex_multiply_is_the_kernels_formula():
     """CUDA's complex64 multiply (forward, and the backward's gradient times the conjugate) gives
     fma(a, c, -(b * d)) and fma(a, d, b * c) for every element; the formula is emulated here in

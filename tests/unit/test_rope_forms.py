@@ -422,3 +422,19 @@ def test_model_equals_unpatched(interpret, launches, family, expected):
         assert (a is None) == (b is None), n
         assert a is None or torch.equal(a, b), n
     assert unpatch_model(model)["rope"] > 0
+
+
+def test_complex_rounding_probe(interpret, monkeypatch):
+    """The per-device probe that lets the complex forms run on a device: the kernel against that
+    device's own complex multiply, forward and backward (CPU under the interpreter: 16 pairs, its
+    vectorized body); a kernel that rounds otherwise is caught."""
+    assert RL._probe_complex(torch.device("cpu"), p=16) == ""
+    assert "not a multiple of 16" in RL._probe_complex(torch.device("cpu"))  # 37 pairs: CPU's remainder
+    real = RL._forward
+
+    def off_by_one_ulp(plan, q, k, cos, sin, outs=None):
+        y, yk = real(plan, q, k, cos, sin, outs)
+        return torch.nextafter(y, torch.full_like(y, float("inf"))), yk
+
+    monkeypatch.setattr(RL, "_forward", off_by_one_ulp)
+    assert "rounds otherwise" in RL._probe_complex(torch.device("cpu"), p=16)

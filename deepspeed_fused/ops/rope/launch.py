@@ -121,6 +121,10 @@ def _get_plan(q, k, cos, sin, ud, spec, key=None, x_dtype=None):
     checked = _check(q, k, cos, sin, ud, spec)
     if isinstance(checked, str):
         return checked  # not cached: some reasons (grad) depend on more than the key
+    if spec.contract == "complex" and q.is_cuda:
+        why = _complex_rounding(q.device)
+        if why:
+            return why
     if len(_plans) >= _MAX_PLANS:  # shapes that never repeat: start over rather than grow
         _plans.clear()
         _direct.clear()
@@ -130,6 +134,49 @@ def _get_plan(q, k, cos, sin, ud, spec, key=None, x_dtype=None):
     _plans[key] = plan
     return plan
 
+
+
+_COMPLEX_PROBES: dict = {}  # CUDA device index -> "" (the kernel rounds as its complex multiply) or why not
+
+
+def _complex_rounding(device: torch.device) -> str:
+    """"" when this device's complex64 multiply (forward, and autograd's gradient times the
+    conjugate) equals the kernel's ``contract="complex"`` formula bit for bit on a probe of random
+    pairs; otherwise why not (then the complex forms run eager here). Probed once per device."""
+    why = _COMPLEX_PROBES.get(device.index)
+    if why is None:
+        why = _COMPLEX_PROBES[device.index] = _probe_complex(device)
+    return why
+
+
+def _probe_complex(device: torch.device, p: int = 37) -> str:
+    """The probe: ``p`` pairs per head (37, odd: no vectorized path of any width covers it exactly)."""
+    spec = RopeSpec(pairing="adjacent", angles="pair", compute="float32", out_dtype="input", grad_accum="compute",
+                    contract="complex")
+    gen = torch.Generator().manual_seed(0)
+    b, s, h = 2, 64, 4
+    x = torch.randn(b, s, h, 2 * p, generator=gen).to(device)
+    g = torch.randn(b, s, h, 2 * p, generator=gen).to(device)
+    theta = torch.randn(b, s, p, generator=gen).to(device)
+    cis = torch.polar(torch.full_like(theta, 1.25), theta)
+    ri = torch.view_as_real(cis)
+    cos, sin = ri[..., 0], ri[..., 1]
+    checked = _check(x, None, cos, sin, 2, spec)
+    if isinstance(checked, str):  # pragma: no cover - the probe's inputs are the kernels'
+        return checked
+    plan = _Plan(("complex probe", device), spec, x, x.dtype, cos.dtype, checked, 2)
+    plan.set_forward(x, None)
+    with torch.enable_grad():
+        xc = torch.view_as_complex(x.reshape(b, s, h, p, 2)).detach().requires_grad_()
+        want = xc * cis[:, :, None, :]
+        (want_dx,) = torch.autograd.grad(want, xc, torch.view_as_complex(g.reshape(b, s, h, p, 2)))
+    got = _forward(plan, x, None, cos, sin)[0]
+    got_dx = _backward(plan, (g, None), cos, sin)[0]
+    if torch.equal(got, torch.view_as_real(want.detach()).flatten(3)) and \
+            torch.equal(got_dx, torch.view_as_real(want_dx).flatten(3)):
+        return ""
+    return (f"complex multiply: {device}'s complex64 multiply rounds otherwise than the kernel's "
+            "fma(a, c, -(b * d)), fma(a, d, b * c)")
 
 
 def _launch(plan: _Plan, lkey, x0, y0, x1, y1, cos, sin, np0: int, total: int, args: tuple, const: dict) -> None:

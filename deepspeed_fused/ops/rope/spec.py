@@ -53,7 +53,8 @@ class RopeSpec:
       complex number multiplied by ``cos + i sin`` in complex64 (Llama 4's and DeepSeek-V2's
       ``view_as_complex``), rounded as CUDA's complex multiply rounds it: ``fma(a, c, -(b * d))``
       and ``fma(a, d, b * c)`` (nvcc contracts c10::complex's ``a * c - b * d``; interleaved
-      pairs, pair angles and float32 only). Triton's interpreter computes ``tl.fma`` unfused,
+      pairs, pair angles and float32 only; probed once per CUDA device, which runs these forms
+      eager if its complex multiply rounds otherwise). Triton's interpreter computes ``tl.fma`` unfused,
       which is how ATen's CPU complex multiply rounds in its vectorized body (its scalar remainder
       is contracted: the checks leave a CPU call whose pairs are not a multiple of 16 to eager).
     """
