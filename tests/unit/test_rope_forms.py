@@ -169,7 +169,7 @@ def test_qwen4_keyword_call(interpret, launches):
 
 
 @pytest.mark.parametrize("case", ["odd-pairs", "freqs-complex128", "freqs-2d", "q-5d", "fp32-odd-offset",
-                                  "fp16-strided-head"])
+                                  "fp16-strided-head", "no-k"])
 def test_complex_inputs_eager_decides(interpret, launches, case):
     """Inputs the complex form's kernels cannot take as eager takes them run eager (which computes
     them, or raises its own error), with a warning."""
@@ -193,6 +193,8 @@ def test_complex_inputs_eager_decides(interpret, launches, case):
     elif case == "fp16-strided-head":  # .float() keeps the permuted layout: eager's view refuses it
         q = torch.randn(b, s, d, h, generator=gen).half().transpose(-1, -2)
         k = k.half()
+    elif case == "no-k":  # eager's xk.float() raises
+        k = None
     reset_fallback_warnings()
     before = launches.n
     try:

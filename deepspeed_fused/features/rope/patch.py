@@ -120,7 +120,7 @@ def _complex_view_ok(x: torch.Tensor) -> bool:
 def _fixed_dims_reason(q, k, angles, x_dim, angle_dim, cplx) -> str:
     """Why a call of a form that indexes fixed dims (``x[:, :, :, ::2]``, ``sin[:, :, None, :]``,
     ``.flatten(3)``) or views its pairs as complex numbers is left to eager, or ""."""
-    xs = (q,) if k is None else (q, k)
+    xs = (q,) if k is None and not cplx else (q, k)  # the complex forms take k always
     if not all(isinstance(t, torch.Tensor) for t in xs + (angles,)):
         return "an argument is not a tensor"
     if x_dim is not None and any(t.dim() != x_dim for t in xs):
