@@ -81,7 +81,7 @@ def _make_call(g: dict, name: str, original, form: Form):
         if x_dim is not None or cplx:
             why = _fixed_dims_reason(q, k, cis if cplx else cos, x_dim, angle_dim, cplx)
             if why:  # the form indexes fixed dims, or eager's complex view would reject these: eager decides
-                warn_fallback("rope", f"{why}; {where} runs eager")
+                warn_fallback("rope", f"{why}; {where} runs eager", reference=False)
                 return eager(original, args, kwargs)
             if cplx:
                 ri = torch.view_as_real(cis)
