@@ -197,6 +197,39 @@ def test_tiny_config_shrinks_and_keeps_every_kind_of_layer():
     assert vlm.image_token_id < coverage.VOCAB
 
 
+@pytest.mark.parametrize("family, attr", [("recurrent_gemma", "layers_block_type"), ("jamba", "layers_block_type")])
+def test_shrunk_hybrid_keeps_every_computed_kind_of_layer(family, attr):
+    """RecurrentGemma repeats ``block_types`` (recurrent, recurrent, attention) over its layers and
+    Jamba places attention by ``attn_layer_period`` / ``attn_layer_offset``: neither stores its
+    per-layer list, so two layers would have no attention (and no rotary embedding to patch)."""
+    import warnings
+
+    from transformers import CONFIG_MAPPING
+
+    fam = coverage.select([family])[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = CONFIG_MAPPING[fam.model_type]()
+    cfg, _ = coverage.tiny_config(fam)
+    kinds = list(getattr(cfg, attr))
+    assert set(kinds) == set(getattr(full, attr)) and len(set(kinds)) > 1
+    assert cfg.num_hidden_layers == len(kinds) <= coverage.MAX_LAYERS
+    assert kinds == list(getattr(full, attr))[:len(kinds)]  # a prefix: the config's own rule places them
+    if family == "jamba":  # its experts follow a period of their own: both kinds kept too
+        assert set(cfg.layers_num_experts) == {1, coverage.EXPERTS}
+
+
+def test_layer_plan_prefix_only_when_it_fits():
+    from deepspeed_fused.bench.coverage.shrink import _layer_plan
+
+    d = {"num_hidden_layers": 12, "layer_types": ["a"] * 12}
+    keep = _layer_plan(d, 12, derived={"kinds": ["x", "x", "x", "y"] * 3})[0]
+    assert keep == [0, 1, 2, 3]
+    # the second kind first at layer 9: no prefix of at most MAX_LAYERS holds it; the stored lists decide
+    keep = _layer_plan(d, 12, derived={"kinds": ["x"] * 9 + ["y"] * 3})[0]
+    assert keep == [0, 1]
+
+
 def test_families_cover_both_mappings():
     fams = coverage.families()
     kinds = {f.kind for f in fams}

@@ -17,7 +17,9 @@ from deepspeed_fused.ops._common import reset_fallback_warnings
 from unit.test_rms_norm import EPS, assert_dx_close, tune, ulp, ulp_err  # noqa: F401  (tune: a fixture)
 from unit.test_rms_norm import rms_norm_dispatchers_restored  # noqa: F401  (autouse: each test restores the classes)
 
-FORM_NAMES = sorted(n for n in R.FORMS if n != "llama")
+# the forms with kernel code of their own (input_scaled runs its scale as eager's torch ops, then the
+# unweighted form's kernels: its own tests below)
+FORM_NAMES = sorted(n for n in R.FORMS if n not in ("llama", "input_scaled"))
 _ACT = {"silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
 
 
@@ -188,6 +190,58 @@ def check_form(form, x, w, g, dy, eps=EPS, group_size=None):
 
 
 # ---- the op ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                          (torch.float16, torch.float32)])
+@pytest.mark.parametrize("shape", [(7, 40), (2, 3, 128)])
+def test_input_scaled_form(interpret, dtype, wdtype, shape):
+    """MuseSpark's input-scaled norm, ``norm((x.float() * (1 + w).float()).type_as(x))``: its scale
+    is eager's own torch ops (so its rounding and the weight's gradient sum are eager's), its norm
+    the unweighted form's kernels (no fallback); output and gradients against the eager formula
+    and float64."""
+    f = R.FORMS["input_scaled"]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g).to(interpret, dtype)
+    w = (0.1 * torch.randn(shape[-1], generator=g)).to(interpret, wdtype)
+    dy = torch.randn(shape, generator=g).to(interpret, dtype)
+    assert R.form_output_dtype(f, dtype, wdtype) == dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the kernels ran
+        y, dx, dw, _ = _grads(lambda a, b, c: R.fused_rms_norm_form(a, b, EPS, f), x, w, None, dy)
+    yr, dxr, dwr, _ = _grads(lambda a, b, c: R.rms_norm_form_reference(a, b, EPS, f), x, w, None, dy)
+
+    def oracle(a, b, c):
+        h = a * (1.0 + b)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+
+    y64, dx64, dw64, _ = _grads(oracle, x, w, None, dy, torch.float64)
+    assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == wdtype
+    # the scaled input is eager's bit for bit: the unweighted kernels' result on it is the form's
+    u = (x.float() * (1.0 + w).float()).type_as(x)
+    assert torch.equal(y, R.fused_rms_norm_form(u, None, EPS, "unweighted"))
+    _assert_y(y, yr, y64)
+    for a, b, c in ((dx, dxr, dx64), (dw, dwr, dw64)):
+        rel = (a.double() - b.double()).norm() / b.double().norm()
+        rel64 = (a.double() - c).norm() / c.norm()
+        assert rel < (1e-5 if a.dtype == torch.float32 else 3e-3), rel
+        assert rel64 < (1e-5 if dtype == wdtype == torch.float32 else 1e-2), rel64
+
+
+def test_input_scaled_form_checks(interpret):
+    f = R.FORMS["input_scaled"]
+    x = torch.randn(3, 8, device=interpret)
+    with pytest.raises(ValueError, match="needs a weight"):
+        R.fused_rms_norm_form(x, None, EPS, f)
+    with pytest.raises(ValueError, match="no gate"):
+        R.fused_rms_norm_form(x, torch.zeros(8, device=interpret), EPS, f, torch.randn(3, 8, device=interpret))
+    with pytest.raises(ValueError, match="input_scaled"):
+        R.fused_rms_norm_form(x, torch.zeros(8, device=interpret), EPS, R.RMSForm(weight="input_scaled"))
+    x64 = x.double()
+    reset_fallback_warnings()
+    with pytest.warns(RuntimeWarning, match="float64"):
+        y = R.fused_rms_norm_form(x64, torch.zeros(8, dtype=torch.float64, device=interpret), EPS, f)
+    assert torch.equal(y, R.rms_norm_form_reference(x64, torch.zeros(8, dtype=torch.float64, device=interpret),
+                                                    EPS, f))
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("form", FORM_NAMES)
 @pytest.mark.parametrize("rows,n", [(7, 40), (65, 128), (0, 16)])
@@ -563,6 +617,7 @@ RECOGNISED = [
     ("gemma3", "Gemma3RMSNorm", "gemma"), ("qwen3_next", "Qwen3NextRMSNorm", "gemma"),
     ("qwen3_5", "Qwen3_5RMSNorm", "gemma"), ("vaultgemma", "VaultGemmaRMSNorm", "gemma"),
     ("muse_spark", "MuseSparkTextCenteredRMSNorm", "centered"),
+    ("muse_spark", "MuseSparkTextInputScaledRMSNorm", "input_scaled"),  # the weight before the statistics
     ("gpt_oss", "GptOssRMSNorm", "olmo2"), ("olmo2", "Olmo2RMSNorm", "olmo2"), ("olmo3", "Olmo3RMSNorm", "olmo2"),
     ("flex_olmo", "FlexOlmoRMSNorm", "olmo2"), ("afmoe", "AfmoeRMSNorm", "olmo2"),
     ("deepseek_v4", "DeepseekV4RMSNorm", "olmo2"),
@@ -587,7 +642,6 @@ RECOGNISED = [
 NOT_RECOGNISED = [
     ("dory", "DoryL2Norm"),  # a sum, not a mean
     ("gradium_phonon_tts", "GradiumPhononTTSTimestepNorm"),  # statistics in the input's dtype
-    ("muse_spark", "MuseSparkTextInputScaledRMSNorm"),  # the weight before the statistics
     ("hy_v4", "HYV4UnweightedRMSNorm"),  # returns rstd only
     ("cohere", "CohereLayerNorm"),  # subtracts the mean
 ]

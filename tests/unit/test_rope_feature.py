@@ -157,14 +157,18 @@ def test_every_family(interpret, launches):
     seen_specs = set()
     import importlib
 
+    skipped = 0
     for i, (m, n, _) in enumerate(recognised):
         fn = F.plain_function(getattr(importlib.import_module(m), n))
         form = F.recognise(fn)
+        if form.complex or form.x_dim is not None:  # their own inputs: tests/unit/test_rope_forms.py
+            skipped += 1
+            continue
         check_family(fn, form, torch.float16, launches, seed=i)
         if (form.name, form.spec) not in seen_specs:  # fp32 once per distinct computation (interpreter time)
             seen_specs.add((form.name, form.spec))
             check_family(fn, form, torch.float32, launches, seed=i)
-    assert launches.n >= 2 * len(recognised)
+    assert launches.n >= 2 * (len(recognised) - skipped) and skipped <= 6
 
 
 def test_every_attention_class_can_be_patched():
@@ -203,11 +207,9 @@ def test_every_attention_class_can_be_patched():
 
 
 @pytest.mark.parametrize("mod, name, reason", [
-    ("llama4", "apply_rotary_emb", "complex multiply"),
-    ("deepseek_v2", "apply_rotary_emb", "complex multiply"),
-    ("gptj", "apply_rotary_pos_emb", "rotate_every_two is not a known rotation"),
+    ("llama4", "vision_apply_rotary_emb", "complex multiply (view_as_complex) in no known form"),
     ("dinov3_vit", "apply_rotary_pos_emb", "**kwargs"),
-    ("qwen4_exp", "apply_rotary_pos_emb", "matches no known RoPE form"),
+    ("sam3", "apply_rotary_pos_emb_2d", "matches no known RoPE form"),
 ])
 def test_refusals(mod, name, reason):
     import importlib

@@ -8,7 +8,7 @@ import warnings
 from typing import Optional
 
 from .settings import BATCH, SEQ, VOCAB
-from .shrink import _fill_mrope, _is_int, _remap_special_tokens, _shrink_dict
+from .shrink import _fill_mrope, _is_int, _remap_special_tokens, _shrink_dict, derived_layer_kinds
 
 # ---- families -----------------------------------------------------------------------------------
 
@@ -118,7 +118,7 @@ def tiny_config(fam: Family):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         default = cfg_cls(**ov.get("init", {}))
-    d = _shrink_dict(default.to_dict(), min_layers=ov.get("layers", 2))
+    d = _shrink_dict(default.to_dict(), min_layers=ov.get("layers", 2), derived=derived_layer_kinds(default))
     _fill_mrope(d)
     for key, val in ov.get("set", {}).items():
         _set_path(d, key, val(d) if callable(val) else copy.deepcopy(val))

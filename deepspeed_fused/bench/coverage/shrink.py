@@ -49,9 +49,42 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _layer_plan(d: dict, n0: int, min_layers: int = 2) -> tuple:
+def derived_layer_kinds(cfg) -> dict:
+    """The per-layer lists a config object computes but does not store (properties such as
+    RecurrentGemma's ``layers_block_type``, a pattern of ``block_types`` repeated over the layers,
+    or Jamba's, from ``attn_layer_period`` / ``attn_layer_offset``), with its sub-configs':
+    ``{"kinds": {name: list}, "subs": {key: the same for that sub-config}}``. The shrunk config
+    must keep the rule that makes them, so the layers kept are a prefix (see :func:`_layer_plan`)."""
+    import inspect
+
+    d = cfg.to_dict()
+    n0 = next((d[k] for k in LAYER_KEYS if _is_int(d.get(k))), None)
+    kinds = {}
+    if n0:
+        for name in dir(type(cfg)):
+            if name.startswith("_") or name in d or not isinstance(inspect.getattr_static(type(cfg), name, None),
+                                                                  property):
+                continue
+            try:
+                v = getattr(cfg, name)
+            except Exception:  # a property the default config cannot compute
+                continue
+            if isinstance(v, (list, tuple)) and len(v) == n0 and len({repr(x) for x in v}) > 1:
+                kinds[name] = list(v)
+    subs = {}
+    for k in d:
+        sub = getattr(cfg, k, None)
+        if hasattr(sub, "to_dict") and isinstance(d[k], dict) and "model_type" in d[k]:
+            subs[k] = derived_layer_kinds(sub)
+    return {"kinds": kinds, "subs": subs}
+
+
+def _layer_plan(d: dict, n0: int, min_layers: int = 2, derived: Optional[dict] = None) -> tuple:
     """The layers to keep: the first layer of each distinct kind (a kind is the layer's entries in
-    every per-layer list and its membership of every layer-index list), at least 2."""
+    every per-layer list and its membership of every layer-index list), at least 2. Where the
+    config computes some of its per-layer lists (``derived``: name -> list, from
+    :func:`derived_layer_kinds`), the kept layers are the shortest prefix holding every kind (the
+    rule that computes them still holds on a prefix), when that prefix has at most MAX_LAYERS."""
     per_layer = {k: v for k, v in d.items()
                  if (isinstance(v, (list, tuple)) or (isinstance(v, str) and any(p in k for p in _PATTERN_PARTS)))
                  and len(v) == n0 and k not in ("architectures",) and not k.endswith("token_id")
@@ -64,15 +97,25 @@ def _layer_plan(d: dict, n0: int, min_layers: int = 2) -> tuple:
                    if isinstance(v, dict) and v and k not in ("id2label", "label2id")
                    and all(_layer_key(i) is not None and _layer_key(i) < n0 and isinstance(x, dict)
                            for i, x in v.items())}
-    keep, kinds = [], set()
-    for i in range(n0):
-        kind = (tuple(repr(v[i]) for v in per_layer.values()) + tuple(i in v for v in index_lists.values())
-                + tuple(repr(next((x for j, x in v.items() if _layer_key(j) == i), None))
-                        for v in index_dicts.values()))
-        if kind not in kinds:
-            kinds.add(kind)
-            keep.append(i)
-    keep = keep[:MAX_LAYERS]
+    derived = {k: v for k, v in (derived or {}).items() if len(v) == n0}
+
+    def first_of_each_kind(lists: tuple) -> list:
+        keep, kinds = [], set()
+        for i in range(n0):
+            kind = (tuple(repr(v[i]) for v in per_layer.values()) + tuple(i in v for v in index_lists.values())
+                    + tuple(repr(next((x for j, x in v.items() if _layer_key(j) == i), None))
+                            for v in index_dicts.values())
+                    + tuple(repr(v[i]) for v in lists))
+            if kind not in kinds:
+                kinds.add(kind)
+                keep.append(i)
+        return keep
+
+    keep = first_of_each_kind(tuple(derived.values())) if derived else []
+    if keep and keep[-1] < MAX_LAYERS:
+        keep = list(range(keep[-1] + 1))  # a prefix: the computed kinds follow the config's own rule
+    else:  # none computed, or no prefix of at most MAX_LAYERS holds them all: the stored lists alone
+        keep = first_of_each_kind(())[:MAX_LAYERS]
     for i in range(n0):
         if len(keep) >= min(max(2, min_layers), n0):
             break
@@ -150,11 +193,13 @@ def _shrink_scalars(d: dict, original: dict) -> dict:
     return d
 
 
-def _shrink_dict(d: dict, min_layers: int = 2) -> dict:
+def _shrink_dict(d: dict, min_layers: int = 2, derived: Optional[dict] = None) -> dict:
+    """``d`` (a config's ``to_dict()``) shrunk; ``derived``: :func:`derived_layer_kinds` of the config."""
     d = dict(d)
+    derived = derived or {}
     n0 = next((d[k] for k in LAYER_KEYS if _is_int(d.get(k))), None)
     if n0 is not None and n0 > 0:
-        keep, per_layer, index_lists, index_dicts = _layer_plan(d, n0, min_layers)
+        keep, per_layer, index_lists, index_dicts = _layer_plan(d, n0, min_layers, derived.get("kinds"))
         for k in LAYER_KEYS:
             if _is_int(d.get(k)):
                 d[k] = len(keep)
@@ -191,7 +236,7 @@ def _shrink_dict(d: dict, min_layers: int = 2) -> dict:
     # sub-configs (text_config, vision_config, ...): shrink each the same way
     for k, v in list(d.items()):
         if isinstance(v, dict) and "model_type" in v:
-            d[k] = _shrink_dict(v)
+            d[k] = _shrink_dict(v, derived=derived.get("subs", {}).get(k))
     _feature_layers(d)
     return d
 

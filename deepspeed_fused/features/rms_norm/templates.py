@@ -64,6 +64,12 @@ def forward(self, x):
     output = output * (1.0 + self.weight).float()
     return output.type_as(x)
 ''', _NORM_RSQRT),
+    ("input_scaled", "weighted", "input_scaled", '''
+def forward(self, x):
+    output = x.float() * (1.0 + self.weight).float()
+    output = self._norm(output.type_as(x).float())
+    return output.type_as(x)
+''', _NORM_RSQRT),  # MuseSpark's post-norms: the weight scales the input before the statistics
     ("grouped_offset", "grouped", "offset", _OFFSET_FORWARD, _NORM_GROUPED),  # Qwen4-Exp
     ("olmo2", "weighted", "weight_first", '''
 def forward(self, hidden_states):

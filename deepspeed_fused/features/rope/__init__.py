@@ -6,7 +6,9 @@ attention forwards call a module-level function (``apply_rotary_pos_emb``,
 Such a function is taken only when its bytecode is exactly one of the known forms (the Llama
 form and its split-half / interleaved rotations, partial rotary in its four spellings, the GLM and
 DeepSeek interleaved forms, the float32 forms of Cohere, ESM, Ernie and the vision towers, the
-single-tensor Gemma-3n form, gpt-oss's half-width form), with its ``rotate_half`` (whatever its
+single-tensor Gemma-3n form, gpt-oss's half-width form, Llama 4's and DeepSeek-V2's complex
+multiply by ``freqs_cis``, GPT-J's ``rotate_every_two`` form, DeepSeek-V4's last-columns form,
+Qwen4-Exp's and Mistral Large 4's forms with an optional k), with its ``rotate_half`` (whatever its
 name) compiled to a known rotation; local names, docstrings, comments and an unused
 ``position_ids`` parameter may differ. Each form maps to a :class:`~deepspeed_fused.ops.rope.RopeSpec`
 whose rounding is the form's. Every other function is left to eager and reported with the reason.

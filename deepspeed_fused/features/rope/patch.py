@@ -35,7 +35,9 @@ def _make_call(g: dict, name: str, original, form: Form):
     """The function the forward's copy calls instead of ``g[name]``: the fused op when it takes
     the inputs and ``g[name]`` is still ``original``; the module's current function otherwise."""
     spec, single, fixed_ud = form.spec, form.single, form.unsqueeze_dim
-    n_fast = 3 if single else 4
+    cplx, no_k, x_dim, angle_dim = form.complex, form.no_k, form.x_dim, form.angle_dim
+    n_fast = 3 if single or cplx else 4
+    sin_first = form.roles.index("sin") < form.roles.index("cos") if "sin" in form.roles else False  # GPT-J
     default_ud = fixed_ud if fixed_ud is not None else 1  # the forms' default (checked when recognised)
     ud_name = form.params[form.roles.index("ud")] if "ud" in form.roles else None
     roles = form.roles
@@ -56,8 +58,11 @@ def _make_call(g: dict, name: str, original, form: Form):
                 warn_fallback("rope", f"{where}: {hname} was replaced; it runs eager", reference=False)
                 return eager(original, args, kwargs)
         if len(args) == n_fast and (not kwargs or (len(kwargs) == 1 and ud_name in kwargs)):
-            if single:
-                q, cos, sin = args
+            if cplx:
+                q, k, cis = args
+                cos = sin = None
+            elif single:
+                q, cos, sin = args if not sin_first else (args[0], args[2], args[1])
                 k = None
             else:
                 q, k, cos, sin = args
@@ -71,8 +76,16 @@ def _make_call(g: dict, name: str, original, form: Form):
             vals = dict(zip(roles, bound.arguments.values()))
             q = vals.get("x", vals.get("q"))
             k = vals.get("k")
-            cos, sin = vals["cos"], vals["sin"]
+            cos, sin, cis = vals.get("cos"), vals.get("sin"), vals.get("cis")
             ud = fixed_ud if fixed_ud is not None else vals["ud"]
+        if x_dim is not None or cplx:
+            why = _fixed_dims_reason(q, k, cis if cplx else cos, x_dim, angle_dim, cplx)
+            if why:  # the form indexes fixed dims, or eager's complex view would reject these: eager decides
+                warn_fallback("rope", f"{why}; {where} runs eager", reference=False)
+                return eager(original, args, kwargs)
+            if cplx:
+                ri = torch.view_as_real(cis)
+                cos, sin = ri[..., 0], ri[..., 1]
         try:
             out = try_fused_rope(q, k, cos, sin, ud, spec)
         except RopeInputError as e:  # not a form's input (eager raises its own error, or computes it)
@@ -82,6 +95,8 @@ def _make_call(g: dict, name: str, original, form: Form):
             warn_fallback("rope", f"{rope_kernel_ok(q, k, cos, sin, ud, spec)[1]}; {where} runs eager", reference=False)
             return eager(original, args, kwargs)
         _count("fused")
+        if no_k == "pair" and k is None:
+            return out, None
         return out
 
     fused_call.__qualname__ = f"deepspeed_fused_rope[{where}]"
@@ -89,6 +104,35 @@ def _make_call(g: dict, name: str, original, form: Form):
     fused_call.__ds_rope_original__ = original
     fused_call.__ds_rope_form__ = form
     return fused_call
+
+
+def _complex_view_ok(x: torch.Tensor) -> bool:
+    """Whether eager's ``torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))`` takes
+    ``x``: ``x.float()`` (``x`` itself in float32, else a new tensor laid out as ``empty_like``
+    lays it out) must have a last stride of 1, even other strides and an even storage offset."""
+    if x.dtype == torch.float32:
+        strides, offset = x.stride(), x.storage_offset()
+    else:
+        strides, offset = torch.empty_like(x, dtype=torch.float32, device="meta").stride(), 0
+    return bool(x.dim()) and strides[-1] == 1 and offset % 2 == 0 and all(st % 2 == 0 for st in strides[:-1])
+
+
+def _fixed_dims_reason(q, k, angles, x_dim, angle_dim, cplx) -> str:
+    """Why a call of a form that indexes fixed dims (``x[:, :, :, ::2]``, ``sin[:, :, None, :]``,
+    ``.flatten(3)``) or views its pairs as complex numbers is left to eager, or ""."""
+    xs = (q,) if k is None and not cplx else (q, k)  # the complex forms take k always
+    if not all(isinstance(t, torch.Tensor) for t in xs + (angles,)):
+        return "an argument is not a tensor"
+    if x_dim is not None and any(t.dim() != x_dim for t in xs):
+        return f"q/k of other than {x_dim} dims"
+    if angle_dim is not None and angles.dim() != angle_dim:
+        return f"angles of other than {angle_dim} dims"
+    if cplx:
+        if angles.dtype != torch.complex64 or angles.device != q.device:
+            return f"freqs_cis of dtype {angles.dtype} on {angles.device} (the kernels take complex64 on q's device)"
+        if not all(t.is_floating_point() and t.shape[-1] % 2 == 0 and _complex_view_ok(t) for t in xs):
+            return "q/k that eager's complex view does not take as they are"
+    return ""
 
 
 def _install_call(g: dict, name: str, original, form: Form) -> str:

@@ -19,7 +19,7 @@ import torch
 from ...ops.rope import RopeSpec
 from ..base import global_names
 from . import templates
-from .templates import _FORMS, _PAIR_ROTATIONS, _ROTATIONS
+from .templates import _FORMS, _PAIR_ROTATIONS, _ROTATIONS, _ROTATIONS_4D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +31,12 @@ class Form:
     single: bool = False  # one tensor (x, cos, sin[, unsqueeze_dim])
     unsqueeze_dim: Optional[int] = None  # fixed (no parameter), else read from the call
     params: tuple = ()  # the function's parameter names
-    roles: tuple = ()  # the role of each: q, k, x, cos, sin, ud, pid
+    roles: tuple = ()  # the role of each: q, k, x, cos, sin, cis, ud, pid
     helpers: tuple = ()  # (global name, function) of the helpers it calls (rotate_half), as recognised
+    no_k: str = ""  # what a call with k None returns: "q" (q's result alone), "pair" ((q's result, None))
+    x_dim: Optional[int] = None  # the dims q/k (x) must have: the form indexes fixed dims
+    angle_dim: Optional[int] = None  # likewise for cos/sin (or freqs_cis)
+    complex: bool = False  # the angles come as one complex tensor (freqs_cis): cos + i sin
 
     def describe(self) -> str:
         s = self.spec
@@ -43,7 +47,9 @@ class Form:
         if s.output == "halves":
             parts.append("de-interleaving")
         if s.partial:
-            parts.append("partial")
+            parts.append("partial, last columns" if s.tail else "partial")
+        if s.contract == "complex":
+            parts.append("complex multiply")
         if s.compute == "float32":
             parts.append("float32")
         return f"{self.name} ({', '.join(parts)})"
@@ -58,7 +64,7 @@ _NULL_BIT_GLOBAL = sys.version_info >= (3, 11)
 _NULL_BIT_ATTR = sys.version_info >= (3, 12)
 _BAD_FLAGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS | inspect.CO_GENERATOR | inspect.CO_COROUTINE \
     | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
-_PLACEHOLDERS = {"_rotate": "rotate", "_pair_rotate": "pair_rotate"}
+_PLACEHOLDERS = {"_rotate": "rotate", "_pair_rotate": "pair_rotate", "_rotate4": "rotate4"}
 _TEMPLATE_GLOBALS = vars(templates)  # the templates' globals: there the placeholders stand for helpers
 
 
@@ -176,11 +182,13 @@ def _helper_templates():
     rot = [(_normalized(t, {"x": "x"}, _no_helpers)[0], kind) for t, kind in _ROTATIONS]
     pair = [(_normalized(t, {"x": "x", "cos": "cos", "sin": "sin"}, _no_helpers)[0], kind)
             for t, kind in _PAIR_ROTATIONS]
-    return rot, pair
+    rot4 = [(_normalized(t, {"x": "x"}, _no_helpers)[0], kind) for t, kind in _ROTATIONS_4D]
+    return rot, pair, rot4
 
 
 def _match_helper(fn, params: tuple, which: int):
-    """The kind of helper template ``which`` (0: rotate-half, 1: half-width rotation) that ``fn``
+    """The kind of helper template ``which`` (0: rotate-half, 1: half-width rotation, 2: a rotate-half
+    of 4-D tensors only) that ``fn``
     compiles to, with its positional arguments named ``params`` (a plain function of exactly those,
     no defaults, its module's ``torch`` torch's own), else None."""
     if not _plain_function(fn) or fn.__code__.co_argcount != len(params) or fn.__defaults__ \
@@ -199,6 +207,13 @@ def rotation_kind(fn) -> Optional[tuple]:
 
 
 @_GlobalsCache
+def rotation4_kind(fn) -> Optional[tuple]:
+    """(pairing, negate) when ``fn`` compiles to a known rotate-half helper that indexes exactly four
+    dims (GPT-J's ``rotate_every_two``: ``x[:, :, :, ::2]``), else None."""
+    return _match_helper(fn, ("x",), 2)
+
+
+@_GlobalsCache
 def pair_rotation_kind(fn) -> Optional[str]:
     """The pairing ("half" or "adjacent") when ``fn(x, cos, sin)`` compiles to a known half-width
     rotation helper, else None."""
@@ -210,16 +225,18 @@ def _helper_family(v) -> Optional[str]:
         return "rotate"
     if pair_rotation_kind(v) is not None:
         return "pair_rotate"
+    if rotation4_kind(v) is not None:
+        return "rotate4"
     return None
 
 
 @functools.lru_cache(maxsize=None)
 def _form_templates():
     out = []
-    for tmpl, name, fields, roles, helper, allowed in _FORMS:
+    for tmpl, name, fields, roles, helper, allowed, *extra in _FORMS:
         params = tmpl.__code__.co_varnames[:tmpl.__code__.co_argcount]
         ops = _normalized(tmpl, dict(zip(params, roles)), _no_helpers)[0]
-        out.append((ops, name, fields, roles, helper, allowed, tmpl.__defaults__ or ()))
+        out.append((ops, name, fields, roles, helper, allowed, tmpl.__defaults__ or (), extra[0] if extra else {}))
     return out
 
 
@@ -248,17 +265,15 @@ def recognise(fn):
     if fn.__globals__.get("torch") is not torch:
         return "its module's 'torch' is not torch"
     code = fn.__code__
-    if "view_as_complex" in code.co_names:
-        return "complex multiply (view_as_complex): its rounding is the complex kernel's, not reproduced"
-    for ops, name, fields, roles, helper, allowed, defaults in _form_templates():
+    for ops, name, fields, roles, helper, allowed, defaults, extra in _form_templates():
         for params, rmap in _role_maps(fn, roles, defaults):
             norm = _normalized(fn, dict(zip(params, rmap)), _helper_family)
             if norm is None or norm[0] != ops:
                 continue
             used = norm[1]
             spec_fields = dict(fields)
-            if helper == "rotate":
-                kinds = {rotation_kind(v) for _, v in used}
+            if helper in ("rotate", "rotate4"):
+                kinds = {(rotation_kind if helper == "rotate" else rotation4_kind)(v) for _, v in used}
                 if len(kinds) != 1:
                     return "calls two different rotate-half helpers"
                 pairing, negate = kinds.pop()
@@ -270,9 +285,13 @@ def recognise(fn):
                 if len(kinds) != 1:
                     return "calls two different rotation helpers"
                 spec_fields.update(pairing=kinds.pop())
-            ud = -2 if "ud" not in rmap else None
+            ud = extra.get("ud", -2) if "ud" not in rmap else None
             return Form(name=name, spec=RopeSpec(**spec_fields), single="x" in rmap, unsqueeze_dim=ud,
-                        params=tuple(params), roles=tuple(rmap), helpers=tuple(dict(used).items()))
+                        params=tuple(params), roles=tuple(rmap), helpers=tuple(dict(used).items()),
+                        no_k=extra.get("no_k", ""), x_dim=extra.get("x_dim"), angle_dim=extra.get("angle_dim"),
+                        complex=extra.get("complex", False))
+    if "view_as_complex" in code.co_names:
+        return "complex multiply (view_as_complex) in no known form"
     why = "its bytecode matches no known RoPE form"
     rot = [n for n in code.co_names if "rotate" in n]
     for n in rot:

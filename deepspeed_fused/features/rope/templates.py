@@ -21,6 +21,10 @@ def _pair_rotate(x, cos, sin):  # placeholder name: gpt-oss's half-width rotatio
     raise NotImplementedError
 
 
+def _rotate4(x):  # placeholder name: GPT-J's rotate_every_two, whose slicing names four dims
+    raise NotImplementedError
+
+
 # rotate-half helpers -> (pairing, negate)
 def _rh_half(x):
     x1 = x[..., : x.shape[-1] // 2]
@@ -66,6 +70,16 @@ def _rh_pairs_reshape(x):
     x = torch.stack((-x2, x1), dim=-1)
     return x.flatten(-2)
 
+
+# a rotation that slices the last of exactly four dims (GPT-J, CodeGen): ``x[..., ::2]`` only for 4-D x
+def _rh_every_two(x):
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.flatten(-2)
+
+
+_ROTATIONS_4D = [(_rh_every_two, ("adjacent", False))]
 
 _ROTATIONS = [(_rh_half, ("half", False)), (_rh_half_neg, ("half", True)), (_rh_pairs, ("adjacent", False)),
               (_rh_pairs_named, ("adjacent", False)), (_rh_pairs_view, ("adjacent", False)),
@@ -264,6 +278,69 @@ def _t_half_width(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed, k_embed
 
 
+def _t_optional_k(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    q_rope, q_nope = q[..., :rotary_dim], q[..., rotary_dim:]
+    q_rope = (q_rope * cos) + (_rotate(q_rope) * sin)
+    q_rotated = torch.cat([q_rope, q_nope], dim=-1)
+    if k is not None:
+        k_rope, k_nope = k[..., :rotary_dim], k[..., rotary_dim:]
+        k_rope = (k_rope * cos) + (_rotate(k_rope) * sin)
+        k_rotated = torch.cat([k_rope, k_nope], dim=-1)
+        return q_rotated, k_rotated
+    else:
+        return q_rotated
+
+
+def _t_deinterleave_optional_k(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    if k is not None:
+        k1, k2 = k[..., 0::2], k[..., 1::2]
+        k_embed = torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+    else:
+        k_embed = None
+    return q_embed, k_embed
+
+
+def _t_tail_float(x, cos, sin, unsqueeze_dim=1):
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(unsqueeze_dim)
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated = ((rope.float() * cos) + (_rotate(rope).float() * sin)).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def _t_every_two(tensor, sin, cos):
+    sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+    cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+    return (tensor * cos) + (_rotate4(tensor) * sin)
+
+
+# the complex multiply of the pairs (x[2j], x[2j + 1]) by freqs_cis (complex64): Llama 4's and
+# DeepSeek-V2's apply_rotary_emb
+def _t_complex(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def _t_complex_unsqueeze(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.unsqueeze(1).to(xq_.device)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk)
+    return xq_out, xk_out
+
+
 _Q = ("q", "k", "cos", "sin", "ud")
 # template, form name, spec fields (the rotation's pairing/negate are added), roles, helper needed,
 # rotations allowed ("adjacent": interleaved only)
@@ -289,4 +366,22 @@ _FORMS = [
     (_t_deinterleave, "deinterleave", dict(pairing="adjacent", angles="pair_half", output="halves"), _Q, None, None),
     (_t_single, "single", {}, ("x", "cos", "sin", "ud"), "rotate", None),
     (_t_half_width, "half-width", dict(angles="pair"), _Q, "pair_rotate", None),
+    # the forms below carry a seventh entry: how they are called (see recognition.Form): a fixed
+    # unsqueeze dim ("ud"), the dims the inputs must have ("x_dim", "angle_dim": the templates
+    # index fixed dims), what a call without k returns ("no_k": "q", or "pair" for (q, None)), the
+    # angles as one complex tensor ("complex")
+    (_t_optional_k, "partial-optional-k", dict(partial=True), _Q, "rotate", None, dict(no_k="q")),
+    (_t_deinterleave_optional_k, "deinterleave-optional-k", dict(pairing="adjacent", angles="pair_half",
+                                                                  output="halves"), _Q, None, None,
+     dict(no_k="pair")),
+    (_t_tail_float, "tail-float32", dict(angles="pair", partial=True, tail=True, compute="float32",
+                                         out_dtype="input"), ("x", "cos", "sin", "ud"), "rotate", "adjacent", {}),
+    (_t_every_two, "every-two", dict(angles="pair"), ("x", "sin", "cos"), "rotate4", None,
+     dict(ud=2, x_dim=4, angle_dim=3)),
+    (_t_complex, "complex", dict(pairing="adjacent", angles="pair", compute="float32", out_dtype="input",
+                                 grad_accum="compute", contract="complex"), ("q", "k", "cis"), None, None,
+     dict(ud=2, x_dim=4, angle_dim=3, complex=True)),
+    (_t_complex_unsqueeze, "complex", dict(pairing="adjacent", angles="pair", compute="float32",
+                                           out_dtype="input", grad_accum="compute", contract="complex"),
+     ("q", "k", "cis"), None, None, dict(ud=1, x_dim=4, angle_dim=3, complex=True)),
 ]

@@ -16,7 +16,7 @@ from .native import _register_native, _register_native_form
 from .plans import (AS_LLAMA, _bwd_fast, _form_bwd_fast, _form_consts, _form_fwd_fast, _form_fwd_plan,
                     _form_fwd_plans, _form_key, _fwd_fast, _fwd_key, _fwd_plans, _native_pending, _native_plans,
                     _remember)
-from .reference import (RMSForm, _check_form, _check_group_size, _form_code, _form_of, form_output_dtype,
+from .reference import (FORMS, RMSForm, _check_form, _check_group_size, _form_code, _form_of, form_output_dtype,
                         rms_norm_form_reference, rms_norm_reference)
 
 
@@ -313,10 +313,12 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
                             ) -> Optional[torch.Tensor]:
     """:func:`fused_rms_norm_form`, or None (no warning) when the kernels cannot take these valid
     inputs; wrong inputs raise. Inputs whose launch plan exists go straight to the kernels."""
-    if group_size is not None:
-        return _try_grouped(hidden, weight, eps, form, gate, group_size)
     if type(form) is not RMSForm:
         form = _check_form(form)
+    if form.weight == "input_scaled":
+        return _try_input_scaled(hidden, weight, eps, form, gate, group_size)
+    if group_size is not None:
+        return _try_grouped(hidden, weight, eps, form, gate, group_size)
     if torch.compiler.is_compiling():
         _check_form(form)
         _validate_form(hidden, weight, eps, form, gate)
@@ -345,6 +347,19 @@ def try_fused_rms_norm_form(hidden: torch.Tensor, weight: Optional[torch.Tensor]
     if plan is None and hidden.numel():
         plan = _remember(_form_fwd_plans, key, _form_fwd_plan(hidden, weight, gate, form, grad, key))
     return _run_form(hidden, weight, gate, eps, form, key, plan, grad)
+
+
+def _try_input_scaled(hidden, weight, eps, form, gate, group_size):
+    """The input-scaled form: the scale ``(x.float() * (1 + w).float()).type_as(x)`` as eager's own
+    torch ops (its rounding and autograd are eager's: the weight gradient is the sum autograd
+    takes), then the unweighted form's kernels on the scaled input."""
+    form = _check_form(form)
+    _validate_form(hidden, weight, eps, form, gate)
+    _check_group_size(group_size, hidden)
+    if not rms_norm_form_kernel_ok(hidden, weight, gate)[0]:
+        return None
+    scaled = (hidden.float() * (1.0 + weight).float()).type_as(hidden)
+    return try_fused_rms_norm_form(scaled, None, eps, FORMS["unweighted"], None, group_size)
 
 
 def _run_form(hidden, weight, gate, eps, form, key, plan, grad: bool):

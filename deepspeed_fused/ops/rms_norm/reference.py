@@ -32,7 +32,7 @@ def rms_norm_reference(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -
 # ----------------------------------------------------------------------------------------------
 _HALF = (torch.float16, torch.bfloat16)
 _NORM_CASTS = ("input", "weight_half", "none")
-_WEIGHTS = ("plain", "fp32", "offset", "offset_w", "none")
+_WEIGHTS = ("plain", "fp32", "offset", "offset_w", "none", "input_scaled")
 _GATES = ("none", "after", "before")
 _ACTS = ("silu", "sigmoid")
 
@@ -46,7 +46,9 @@ class RMSForm(NamedTuple):
       or bf16, else not: T5), ``"none"`` (stays FP32);
     * ``weight``: ``"plain"`` (``w * n`` in the promoted dtype), ``"fp32"`` (``w.float() * n``),
       ``"offset"`` (``n * (1 + w.float())``: Gemma), ``"offset_w"`` (``n * (1 + w).float()``, the
-      sum rounded to the weight's dtype), ``"none"`` (no weight);
+      sum rounded to the weight's dtype), ``"none"`` (no weight), ``"input_scaled"`` (the weight
+      scales the input before the statistics: ``h = (x.float() * (1 + w).float()).type_as(x).float()``,
+      then the unweighted norm: MuseSpark's input-scaled norm);
     * ``gate``: ``"after"`` (the weighted value times ``act(gate.float())``: Qwen3-Next's gated
       norm), ``"before"`` (``h = x.float() * act(gate.float())`` before the statistics: Mamba2's,
       its groups given by ``group_size``; a missing gate means no gating), ``"none"``; ``act``:
@@ -78,6 +80,7 @@ FORMS = {
     "gated": RMSForm(gate="after", out_cast=True),  # Qwen3-Next / Qwen3.5 RMSNormGated (act per module)
     "gated_weight_first": RMSForm(norm_cast="none", weight="fp32", gate="after", out_cast=True),  # Kimi-Linear
     "gate_first": RMSForm(gate="before"),  # Mamba2-style RMSNormGated with one group
+    "input_scaled": RMSForm(norm_cast="none", weight="input_scaled", out_cast=True),  # MuseSpark's post-norms
 }
 
 
@@ -94,6 +97,8 @@ def _check_form(form) -> RMSForm:
             raise ValueError(f"fused_rms_norm: form.{name} must be one of {allowed}, got {value!r}")
     if form.rstd_cast and (form.weight != "none" or form.gate != "none"):
         raise ValueError("fused_rms_norm: form.rstd_cast takes no weight and no gate")
+    if form.weight == "input_scaled" and (form.gate != "none" or form.norm_cast != "none" or not form.out_cast):
+        raise ValueError("fused_rms_norm: form.weight 'input_scaled' takes no gate, norm_cast 'none' and out_cast")
     return form
 
 
@@ -112,7 +117,7 @@ def _form_dtypes(form: RMSForm, xd: torch.dtype, wd: Optional[torch.dtype]) -> t
         nd = wd
     else:
         nd = f32
-    if form.weight == "none" or form.rstd_cast:
+    if form.weight in ("none", "input_scaled") or form.rstd_cast:
         dp = xd if form.rstd_cast else nd
     else:
         dp = torch.promote_types(nd, wd if form.weight == "plain" else f32)
@@ -145,6 +150,8 @@ def _form_eager(hidden, weight, eps, form: RMSForm, gate=None, rstd=None):
     """The reference; ``rstd`` (tests): this FP32 rstd ([..., 1]) instead of the input's own."""
     input_dtype = hidden.dtype
     h = hidden.to(torch.float32)
+    if form.weight == "input_scaled":  # x.float() * (1 + w).float(), rounded to x's dtype, then the statistics
+        h = (h * (1.0 + weight).float()).to(input_dtype).to(torch.float32)
     if form.gate == "before" and gate is not None:
         h = h * _gate_act(gate.to(torch.float32), form.act)
     if rstd is None:
@@ -190,6 +197,9 @@ def _check_group_size(group_size, hidden: torch.Tensor) -> Optional[int]:
 
 # ---- autograd and custom ops ----------------------------------------------------------------------
 def _form_code(form: RMSForm) -> list:
+    if form.weight == "input_scaled":  # its scale runs before the kernels, which see the unweighted form
+        raise ValueError("fused_rms_norm: the input-scaled form has no kernel code of its own (run its scale, "
+                         "then the unweighted form)")
     return [_NORM_CASTS.index(form.norm_cast), _WEIGHTS.index(form.weight), _GATES.index(form.gate),
             _ACTS.index(form.act), int(form.out_cast), int(form.rstd_cast)]
 

@@ -96,8 +96,8 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True):
     if ud in (-1, cos.dim()):
         return "unsqueeze_dim puts the new dim last (the angles would broadcast over the head dim)"
     width = cos.shape[-1]
-    if cos.stride(-1) != 1 and width > 1 or sin.stride(-1) != 1 and width > 1:
-        return "cos/sin with a strided last dim"
+    if width > 1 and (cos.stride(-1) not in (1, 2) or sin.stride(-1) != cos.stride(-1)):
+        return "cos/sin with a strided last dim (the kernels read steps of 1 or 2, both alike)"
     d = q.shape[-1]
     if k is not None and k.shape[-1] != d:
         return f"q and k of different head dims ({d}, {k.shape[-1]})"
@@ -120,6 +120,9 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True):
             raise _Invalid(f"rope: cos/sin give {pairs} pair angles, the head dim {d} needs {d // 2}")
     if rdim % 2 or rdim == 0:  # the spec's pairs do not exist
         raise _Invalid(f"rope: the rotary dim must be even and nonzero, got {rdim}")
+    if spec.contract == "complex" and not q.is_cuda and (rdim // 2) % 16:
+        return ("complex multiply on the CPU with a pair count that is not a multiple of 16 (ATen's CPU loop "
+                "rounds its remainder with FMA, the kernels as its vectorized body)")
     if cos.requires_grad or sin.requires_grad:
         return "cos/sin require grad (the fused op treats them as constants)"
     geos = []

@@ -35,10 +35,12 @@ if HAS_TRITON:
     @triton.jit
     def _rope_rows(X, Y, C, S, tile, n_rows, N1, N2, xs0, xs1, xs2, xsd, ys0, ys1, ys2, ysd, cs0, cs1, cs2,
                    ss0, ss1, ss2,
-                   H, D, R, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+                   H, ROFF, PS, PE, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
                    PAIRS: tl.constexpr, ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr, NEG: tl.constexpr,
-                   BACKWARD: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr):
-        # rows of the leading shape [N0, N1, N2] (N0 = n_rows / (N1 * N2)), each a head of D elements
+                   BACKWARD: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr,
+                   CONTRACT: tl.constexpr, ASTEP: tl.constexpr):
+        # rows of the leading shape [N0, N1, N2] (N0 = n_rows / (N1 * N2)), each a head whose rotated
+        # columns start at ROFF (the pass-through columns: [PS, PE)); angle column j at j * ASTEP
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
         i2 = (rows % N2).to(tl.int64)
@@ -81,16 +83,16 @@ if HAS_TRITON:
             src_s = s
             dst_f = of
             dst_s = os
-        a = tl.load(X + xrow + (src_f * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
-        b = tl.load(X + xrow + (src_s * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
-        cf = tl.load(C + crow + af[None, :], mask=m, other=0.0).to(tl.float32)
-        sf = tl.load(S + srow + af[None, :], mask=m, other=0.0).to(tl.float32)
+        a = tl.load(X + xrow + ((src_f + ROFF) * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
+        b = tl.load(X + xrow + ((src_s + ROFF) * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
+        cf = tl.load(C + crow + (af * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
+        sf = tl.load(S + srow + (af * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
         if ANGLE_PAIR:
             cs = cf
             ss = sf
         else:
-            cs = tl.load(C + crow + as_[None, :], mask=m, other=0.0).to(tl.float32)
-            ss = tl.load(S + srow + as_[None, :], mask=m, other=0.0).to(tl.float32)
+            cs = tl.load(C + crow + (as_ * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
+            ss = tl.load(S + srow + (as_ * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
         if NEG:
             sf = -sf
             ss = -ss
@@ -101,17 +103,25 @@ if HAS_TRITON:
             ss = -t
         # each product rounded to the compute dtype (PROD), then to the dtype the two terms are
         # summed in (ACC: the compute dtype forward; the input's or the compute dtype backward)
-        t1 = _round(_round(a * cf, PROD), ACC)
-        t2 = _round(_round(b * sf, PROD), ACC)
-        t3 = _round(_round(b * cs, PROD), ACC)
-        t4 = _round(_round(a * ss, PROD), ACC)
         out_ty = Y.dtype.element_ty
-        tl.store(Y + yrow + (dst_f * ysd)[None, :], _round(t1 - t2, ACC).to(out_ty), mask=m)
-        tl.store(Y + yrow + (dst_s * ysd)[None, :], _round(t3 + t4, ACC).to(out_ty), mask=m)
-        if PASS:  # columns [R, D) pass through, converted to the output's dtype
-            for c0 in range(R, D, BLOCK_P):
+        if CONTRACT:
+            # complex64 (a + ib)(c + id) as CUDA's complex multiply rounds it (float32 throughout;
+            # backward: the gradient times the conjugate, the same expression with -d)
+            o_f = tl.fma(a, cf, -(b * sf))
+            o_s = tl.fma(a, ss, b * cs)
+        else:
+            t1 = _round(_round(a * cf, PROD), ACC)
+            t2 = _round(_round(b * sf, PROD), ACC)
+            t3 = _round(_round(b * cs, PROD), ACC)
+            t4 = _round(_round(a * ss, PROD), ACC)
+            o_f = _round(t1 - t2, ACC)
+            o_s = _round(t3 + t4, ACC)
+        tl.store(Y + yrow + ((dst_f + ROFF) * ysd)[None, :], o_f.to(out_ty), mask=m)
+        tl.store(Y + yrow + ((dst_s + ROFF) * ysd)[None, :], o_s.to(out_ty), mask=m)
+        if PASS:  # columns [PS, PE) pass through, converted to the output's dtype
+            for c0 in range(PS, PE, BLOCK_P):
                 c = c0 + tl.arange(0, BLOCK_P)
-                mm = rmask[:, None] & (c < D)[None, :]
+                mm = rmask[:, None] & (c < PE)[None, :]
                 v = tl.load(X + xrow + (c * xsd)[None, :], mask=mm, other=0.0)
                 tl.store(Y + yrow + (c * ysd)[None, :], v.to(out_ty), mask=mm)
 
@@ -119,22 +129,23 @@ if HAS_TRITON:
     def _rope_kernel(X0, Y0, X1, Y1, C, S, NP0,
                      n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2, sa0, sa1, sa2,
                      n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2, sb0, sb1, sb2,
-                     H, D, R,
+                     H, ROFF, PS, PE,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, PAIRS: tl.constexpr,
                      ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr, NEG: tl.constexpr, BACKWARD: tl.constexpr,
-                     PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr, TWO: tl.constexpr):
+                     PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr, TWO: tl.constexpr,
+                     CONTRACT: tl.constexpr, ASTEP: tl.constexpr):
         # programs [0, NP0) take tensor 0 (q), the rest tensor 1 (k): one launch for both
         pid = tl.program_id(0)
         if TWO:
             if pid >= NP0:
                 _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2,
-                           sb0, sb1, sb2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
-                           BACKWARD, PROD, ACC, PASS)
+                           sb0, sb1, sb2, H, ROFF, PS, PE, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
+                           BACKWARD, PROD, ACC, PASS, CONTRACT, ASTEP)
             else:
                 _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
-                           sa0, sa1, sa2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
-                           BACKWARD, PROD, ACC, PASS)
+                           sa0, sa1, sa2, H, ROFF, PS, PE, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
+                           BACKWARD, PROD, ACC, PASS, CONTRACT, ASTEP)
         else:
             _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
-                       sa0, sa1, sa2, H, D, R, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG, BACKWARD,
-                       PROD, ACC, PASS)
+                       sa0, sa1, sa2, H, ROFF, PS, PE, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
+                       BACKWARD, PROD, ACC, PASS, CONTRACT, ASTEP)

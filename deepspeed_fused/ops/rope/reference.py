@@ -26,7 +26,16 @@ def _reference_one(x, cos, sin, ud, spec: RopeSpec):
     if not spec.partial:
         rdim = d
     h = rdim // 2
-    xr, xp = x[..., :rdim], x[..., rdim:]
+    if spec.tail:
+        xr, xp = x[..., d - rdim:], x[..., :d - rdim]
+    else:
+        xr, xp = x[..., :rdim], x[..., rdim:]
+    if spec.contract == "complex":  # the complex multiply itself (its rounding is the device's)
+        xc = xr.to(ct)
+        z = torch.complex(xc[..., 0::2], xc[..., 1::2]) * torch.complex(c[..., :h].to(ct), s[..., :h].to(ct))
+        rot = torch.view_as_real(z).flatten(-2)
+        od = x.dtype if spec.out_dtype == "input" else ct
+        return rot.to(od) if rdim == d else torch.cat([rot.to(od), xp.to(od)], dim=-1)
     if spec.grad_accum == "compute":
         xc = xr.to(ct)
 
@@ -69,7 +78,7 @@ def _reference_one(x, cos, sin, ud, spec: RopeSpec):
         rot = torch.stack([out_f, out_s], dim=-1).flatten(-2)
     od = x.dtype if spec.out_dtype == "input" else ct
     if rdim < d:
-        return torch.cat([rot.to(od), xp.to(od)], dim=-1)
+        return torch.cat([xp.to(od), rot.to(od)] if spec.tail else [rot.to(od), xp.to(od)], dim=-1)
     return rot.to(od)
 
 

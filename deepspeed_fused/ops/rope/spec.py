@@ -23,7 +23,8 @@ import dataclasses
 import torch
 
 _CHOICES = dict(pairing=("half", "adjacent"), angles=("position", "pair_half", "pair"), output=("same", "halves"),
-                compute=("promote", "float32"), out_dtype=("compute", "input"), grad_accum=("input", "compute"))
+                compute=("promote", "float32"), out_dtype=("compute", "input"), grad_accum=("input", "compute"),
+                contract=("none", "complex"))
 _BY_CODE: dict = {}
 
 
@@ -41,12 +42,21 @@ class RopeSpec:
     * ``output``: ``"same"``: results at the input positions; ``"halves"``: pair j's at
       ``(j, j + R/2)`` (DeepSeek's interleave form).
     * ``partial``: rotate only the first R columns, R given by cos's width; the rest pass through.
+    * ``tail``: with ``partial``, rotate the last R columns instead (DeepSeek-V4's ``x[..., -rd:]``).
     * ``negate``: the rotation by minus the angle (``rotate_half`` as ``cat((x2, -x1))``).
     * ``compute``: the dtype products and sums are rounded to: ``"promote"`` (``promote_types``
       of x and cos, as ``q * cos`` does) or ``"float32"`` (the families that call ``.float()``).
     * ``out_dtype``: ``"compute"`` or ``"input"`` (a final ``.to(q.dtype)``).
     * ``grad_accum``: where autograd sums an element's two gradient contributions: ``"input"``
       (each use casts x on its own, or none does) or ``"compute"`` (x upcast once).
+    * ``contract``: ``"none"`` (each product rounded, then the sum) or ``"complex"``: the pair is a
+      complex number multiplied by ``cos + i sin`` in complex64 (Llama 4's and DeepSeek-V2's
+      ``view_as_complex``), rounded as CUDA's complex multiply rounds it: ``fma(a, c, -(b * d))``
+      and ``fma(a, d, b * c)`` (nvcc contracts c10::complex's ``a * c - b * d``; interleaved
+      pairs, pair angles and float32 only; probed once per CUDA device, which runs these forms
+      eager if its complex multiply rounds otherwise). Triton's interpreter computes ``tl.fma`` unfused,
+      which is how ATen's CPU complex multiply rounds in its vectorized body (its scalar remainder
+      is contracted: the checks leave a CPU call whose pairs are not a multiple of 16 to eager).
     """
 
     pairing: str = "half"
@@ -57,16 +67,24 @@ class RopeSpec:
     compute: str = "promote"
     out_dtype: str = "compute"
     grad_accum: str = "input"
+    contract: str = "none"
+    tail: bool = False
 
     def __post_init__(self):
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"RopeSpec.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("partial", "negate"):
+        for name in ("partial", "negate", "tail"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RopeSpec.{name} must be a bool")
         if self.output == "halves" and self.pairing != "adjacent":
             raise ValueError("RopeSpec.output='halves' needs pairing='adjacent'")
+        if self.tail and not self.partial:
+            raise ValueError("RopeSpec.tail needs partial=True")
+        if self.contract == "complex" and (self.pairing, self.angles, self.output, self.compute, self.negate) != \
+                ("adjacent", "pair", "same", "float32", False):
+            raise ValueError("RopeSpec.contract='complex' needs interleaved pairs, pair angles, output 'same', "
+                             "compute float32 and no negate")
         _BY_CODE.setdefault(self.code, self)
 
     @property
@@ -75,7 +93,7 @@ class RopeSpec:
         c = 0
         for name, allowed in _CHOICES.items():
             c = c * 4 + allowed.index(getattr(self, name))
-        return (c * 2 + self.partial) * 2 + self.negate
+        return ((c * 2 + self.tail) * 2 + self.partial) * 2 + self.negate
 
     @staticmethod
     def from_code(code: int) -> "RopeSpec":
@@ -83,11 +101,12 @@ class RopeSpec:
         if spec is None:
             negate, code = bool(code & 1), code >> 1
             partial, code = bool(code & 1), code >> 1
+            tail, code = bool(code & 1), code >> 1
             vals = {}
             for name, allowed in reversed(list(_CHOICES.items())):
                 vals[name] = allowed[code % 4]
                 code //= 4
-            spec = RopeSpec(partial=partial, negate=negate, **vals)
+            spec = RopeSpec(partial=partial, negate=negate, tail=tail, **vals)
         return spec
 
 
