@@ -33,5 +33,6 @@ setup(
     },
     entry_points={"console_scripts": ["deepspeed-fused=deepspeed_fused.__main__:main"]},
     license="Apache-2.0",
+    license_files=["LICENSE"],  # the Apache-2.0 text, in the wheel's .dist-info/licenses/
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
 )

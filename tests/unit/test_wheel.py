@@ -18,13 +18,14 @@ import shutil
 import site
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # what setup.py reads: the build's inputs, copied so that the build writes nothing into the clone
-BUILD_INPUTS = ["setup.py", "README.md", "requirements.txt", "deepspeed_fused", "configs"]
+BUILD_INPUTS = ["setup.py", "README.md", "LICENSE", "requirements.txt", "deepspeed_fused", "configs"]
 
 
 def _run(cmd, cwd, env, timeout=600):
@@ -37,6 +38,19 @@ def _run(cmd, cwd, env, timeout=600):
 def _files(folder) -> dict:
     return {os.path.relpath(os.path.join(d, f), folder): os.path.getmtime(os.path.join(d, f))
             for d, _, fs in os.walk(folder) for f in fs if "__pycache__" not in d}
+
+
+def _assert_license_in(wheel):
+    """The wheel carries the repository's LICENSE (the Apache-2.0 text) in its .dist-info, word for word."""
+    with open(os.path.join(ROOT, "LICENSE"), "rb") as f:
+        text = f.read()
+    assert b"Apache License" in text and b"Version 2.0, January 2004" in text
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if n.split("/")[0].endswith(".dist-info") and n.endswith("/LICENSE")]
+        assert names, z.namelist()
+        assert all(z.read(n) == text for n in names), names
+        metadata = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-File: LICENSE" in metadata, metadata[:2000]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +69,7 @@ def installed(tmp_path_factory):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
           tmp / "dist", src], tmp, env)
     (wheel, ) = glob.glob(str(tmp / "dist" / "deepspeed_fused-*.whl"))
+    _assert_license_in(wheel)
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp, env)
     py = venv / "bin" / "python"
