@@ -47,19 +47,19 @@ SUITE = "moe_reorder"
 TITLE = "MoE reorder gathers (AutoEP permute/unpermute, top-k dispatch and combine)"
 _CASE_NOTES = {
     "route_sort": "The transformers path's index build (int only): no target of its own; it replaces the sort, "
-                  "histogram and cumsum (and the route maps' build) in the MoE routing category (issue 27: <= 5 ms "
+                  "histogram and cumsum (and the route maps' build) in the MoE routing category (<= 5 ms "
                   "in the e2e fused arm).",
     "swiglu": "The experts' gate silu(gate) * up (bf16): the fused gate faster than the eager gate and torch.compile "
               "host-inclusive, fwd+bwd near the bandwidth of its bytes (fwd 2I read + I written per row; fwd+bwd "
-              "9I in all); part of the MoE routing category target (issue 27).",
+              "9I in all); part of the MoE routing category target (<= 5 ms in the e2e fused arm).",
     "router": "The top-k softmax router selection (bf16 logits): faster than the eager router code and "
-              "torch.compile host-inclusive; part of the MoE routing category target (issue 27: <= 5 ms in the "
+              "torch.compile host-inclusive; part of the MoE routing category target (<= 5 ms in the "
               "e2e fused arm).",
     "autoep_local": "DeepSpeed AutoEP's local token path (routed gather, reorder pair, combine; a no-grad forward, "
                     "a grad forward and a backward per iteration): ours >= 1.5x DeepSpeed 0.19.8's path at the "
                     "Qwen3-30B-A3B shape and >= 1.3x elsewhere.",
     "block": "One transformers MoE block (router + experts + combine), bf16, T 8192: fused MoE block forward+backward "
-             ">= 2x transformers' grouped_mm path (issue 27); the ratio per shape is the fused record's extra "
+             ">= 2x transformers' grouped_mm path; the ratio per shape is the fused record's extra "
              "vs_grouped_mm_fwd_bwd (host-inclusive; _graph: CUDA-graph replays).",
 }
 NOTES = _GATHER_NOTES = ("Targets (H200, bf16): every gather >= 3.6 TB/s effective (device copy 4.2 TB/s); permute and "

@@ -414,7 +414,7 @@ def _summary(recs) -> str:
 
 
 def _host_summary(recs) -> str:
-    """Host-inclusive targets against ``F.rms_norm`` (issue 12): one call and chain fwd+bwd >= 1.3x,
+    """Host-inclusive targets against ``F.rms_norm``: one call and chain fwd+bwd >= 1.3x,
     forward >= 1x at 8 MiB or more per tensor, 16-row forward within 1.2x. Both timers: do_bench
     (the table's columns) and the wall-clock loop."""
     rows = ["Against `torch.nn.functional.rms_norm`, host-inclusive (F.rms_norm time / ours; do_bench, then the "

@@ -64,7 +64,7 @@ SHAPES = [("8192x4096x131072", 8192, 4096, 131072),
           ("8192x5120x202048 (Llama-4 head)", 8192, 5120, 202048)]
 QUICK_SHAPES = [("2048x2048x32768", 2048, 2048, 32768)]
 CPU_SHAPES = [("16x8x64", 16, 8, 64)]
-# issue 14: forward+backward efficiency TP1 / (n x TP<n>) and the speed-up over DeepSpeed's fused loss
+# targets: forward+backward efficiency TP1 / (n x TP<n>) and the speed-up over DeepSpeed's fused loss
 EFF_TARGET = {"8192x4096x131072": 0.92}
 EFF_TARGET_DEFAULT = 0.90
 VS_DEEPSPEED_TARGET = 2.0
@@ -337,7 +337,7 @@ def summary(records: list, tp: int) -> str:
              "Ratios 'vs best peer' compare wall times per call across TP sizes as they are.", ""]
     if tp == 1:
         return "\n".join(lines + ["One process: the TP1 rows only (run it under torch.distributed.run for TP > 1)."])
-    lines += [f"Targets (issue 14): forward+backward efficiency >= {EFF_TARGET['8192x4096x131072']} at "
+    lines += [f"Targets: forward+backward efficiency >= {EFF_TARGET['8192x4096x131072']} at "
               f"8192x4096x131072 and >= {EFF_TARGET_DEFAULT} at every shape; >= {VS_DEEPSPEED_TARGET}x "
               f"DeepSpeed's vocab_parallel_linear_cross_entropy (forward+backward).", "",
               f"| shape | TP1 fwd+bwd ms | TP{tp} fwd+bwd ms | efficiency fwd+bwd (device) | efficiency fwd | "
