@@ -18,5 +18,5 @@ bench:           ## the kernel suites (GPU)
 e2e:             ## the end-to-end training benchmark (GPU)
 	$(PY) -m deepspeed_fused.bench e2e
 
-docs:            ## regenerate the config reference in README.md and docs/config.md
-	$(PY) -m deepspeed_fused.docs --write README.md docs/config.md
+docs:            ## regenerate the config reference in docs/config.md
+	$(PY) -m deepspeed_fused.docs --write docs/config.md

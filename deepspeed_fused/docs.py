@@ -1,11 +1,11 @@
 """The config reference, generated from the config models (the section's and each feature's).
 
     python -m deepspeed_fused.docs                                 # print the reference table
-    python -m deepspeed_fused.docs --write README.md docs/config.md  # rewrite their generated blocks
-    python -m deepspeed_fused.docs --check README.md docs/config.md  # exit 1 if a block is stale
+    python -m deepspeed_fused.docs --write docs/config.md   # rewrite its generated block
+    python -m deepspeed_fused.docs --check docs/config.md   # exit 1 if the block is stale
 
-It writes only the files it is given (in a clone: ``README.md`` and ``docs/config.md``, between
-the ``config-reference`` markers; a test checks they are current), never into the package.
+It writes only the files it is given (in a clone: ``docs/config.md``, between the
+``config-reference`` markers; a test checks it is current), never into the package.
 """
 from __future__ import annotations
 

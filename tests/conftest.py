@@ -116,7 +116,7 @@ def pytest_collection_finish(session):
 def pytest_collection_modifyitems(config, items):
     if _CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -21,7 +21,7 @@ def _nccl_all_reduce_on_own_gpu():
     assert t.tolist() == [3.0] * 4
 
 
-@pytest.mark.skipif(cuda_device_count() == 0, reason="needs a CUDA GPU (run on the GPU machine)")
+@pytest.mark.skipif(cuda_device_count() == 0, reason="needs a CUDA GPU")
 def test_pytest_process_never_initialised_cuda():
     """Not a gpu test: this runs in the pytest process (or its fork, under --forked, which
     inherits the flags), after the GPU tests this process has run so far."""

@@ -340,7 +340,7 @@ def test_peak_memory_bounded(mode):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias,softcap", [(True, None), (False, 20.0), (True, 20.0)])
 def test_lse_at_least_as_accurate_as_eager(dtype, bias, softcap):
-    """Issue 15's numerics (Apple CCE's contract), per row: |lse - lse_fp32| <= |lse_eager - lse_fp32|
+    """The op's numerics (Apple CCE's contract), per row: |lse - lse_fp32| <= |lse_eager - lse_fp32|
     + 1e-5, where eager is F.linear in the input dtype, then the soft cap in that dtype, then an FP32
     logsumexp, and lse_fp32 is the same from FP32 copies of the inputs. (With a soft cap on half
     inputs ours forms the chunk logits in fp32: until then bf16 bias + softcap missed on one row

@@ -1,5 +1,5 @@
 """Cases for tests/unit/test_cuda_free_parent.py, run in a pytest subprocess on a CPU machine made
-to look like a GPU machine (tests/unit/fake_gpu). Not a test_*.py file: the suite itself does not
+to look like a machine with a GPU (tests/unit/fake_gpu). Not a test_*.py file: the suite itself does not
 collect it.
 
 Importing every tests/gpu module here makes the DistributedTest worker server, which preloads

@@ -91,7 +91,7 @@ def test_config_reference_lists_every_key():
     assert all(r["doc"] for r in rows), [r["key"] for r in rows if not r["doc"]]
 
 
-# ---- issue 17, item 1: a bare section is read as a section; feature keys are never dropped -------------
+# ---- a bare section is read as a section; feature keys are never dropped -------------
 
 def test_bare_section_with_an_unknown_key_raises_naming_it():
     with pytest.raises(ConfigError) as ei:

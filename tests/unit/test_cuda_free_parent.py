@@ -1,6 +1,6 @@
 """The pytest process and the DistributedTest worker server never initialise CUDA; GPU test
 bodies run in workers. Checked on CPU: a pytest subprocess runs on a machine made to look like
-a GPU machine (tests/unit/fake_gpu: torch reports a GPU and logs every request to initialise
+a machine with a GPU (tests/unit/fake_gpu: torch reports a GPU and logs every request to initialise
 CUDA, naming the process), collecting every tests/gpu module and running
 tests/unit/cuda_probe_cases.py under ``--forked``."""
 import json

@@ -357,7 +357,7 @@ def test_initialize_bound_before_the_import(tmp_path):
     assert "APPLIED True CALLS 2 fused, 0 reference, 0 eager" in out, out
 
 
-# ---- issue 26, item 2: live counts of the fused and eager calls ------------------------------------------
+# ---- live counts of the fused and eager calls ------------------------------------------
 
 def test_report_counts_fused_and_eager_calls_live(interpret):
     model = build_model("llama-tiny").train()
@@ -456,7 +456,7 @@ def test_report_to_dict_and_text(dummy):
     unpatch_model(model)
 
 
-# ---- issue 17, item 2: what is applied is read from the model, not from what was pickled or copied -----
+# ---- what is applied is read from the model, not from what was pickled or copied -----
 
 CFG = {"rms_norm": {"enabled": True}, "linear_cross_entropy": {"enabled": True}}
 

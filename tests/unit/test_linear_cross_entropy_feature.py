@@ -627,7 +627,7 @@ def check_ds_matches_unpatched(name, stage, tol=1e-5):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 17, item 5: the edge cases of eager's contract.
+# The edge cases of eager's contract.
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-moe-tiny"])

@@ -1,4 +1,4 @@
-"""Issue 26, item 1: a fully masked accumulated step through DeepSpeed (two gloo ranks on CPU).
+"""A fully masked accumulated step through DeepSpeed (two gloo ranks on CPU).
 
 HF's ``ForCausalLMLoss`` divides the summed loss by ``num_items_in_batch``; an SFT step whose
 every answer was truncated away has 0 of them. Eager then gives a NaN loss and zero gradients,

@@ -189,7 +189,7 @@ def test_kernel_writes_gradient_to_another_buffer(interpret):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_softcap_lse_at_least_as_accurate_as_eager(interpret, bias):
-    """Issue 15's contract per row in fp16 with a soft cap: |lse - lse_fp64| <= |lse_eager -
+    """The op's accuracy contract per row in fp16 with a soft cap: |lse - lse_fp64| <= |lse_eager -
     lse_fp64| + 1e-5, eager being F.linear in fp16, the cap in fp16, an fp32 logsumexp (ours forms
     the chunk logits in fp32 then, so it is close to the fp64 result on every row)."""
     M, H, V, cap = 40, 32, 300, 3.0
@@ -753,7 +753,7 @@ def test_scalar_loss_gradient_scaled_by_upstream(interpret):
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 26: a fully masked accumulated batch (HF's summed loss / num_items_in_batch = 0), and
+# A fully masked accumulated batch (HF's summed loss / num_items_in_batch = 0), and
 # out-of-range targets without the target check.
 
 _MASK_OPTS = {"plain": {}, "all": dict(temperature="tensor", softcap=2.0, z_loss=0.05, label_smoothing=0.1)}

@@ -175,7 +175,7 @@ class TestVocabParallel(DistributedTest):
 
     @pytest.mark.world_size(2)
     def test_masked_batch_and_unchecked_targets(self):
-        """Issue 26 over the group: a loss over no labelled token divided by 0 items (an infinite
+        """A fully masked batch over the group: a loss over no labelled token divided by 0 items (an infinite
         upstream gradient) is NaN with every gradient exactly 0, on the scalar path (also
         sequence parallel), the per-token path and the TP reference; with labelled tokens only
         dhidden's ignored rows stay 0. With validate_targets=False a target outside the global

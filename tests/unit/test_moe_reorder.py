@@ -945,7 +945,7 @@ class TestTransformersZero3(DistributedTest):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
-# ---- issue 17: bad counts fail loudly; the record is read from the model's state ---------------
+# ---- bad counts fail loudly; the record is read from the model's state ---------------
 def test_inconsistent_counts_fail_loudly(interpret):
     orig = moe_reorder._make_autoep_functions(lambda t, c: None, lambda *a: None, direct=True)[0]
     with pytest.raises(RuntimeError, match="local_counts must sum to the 4 token rows"):

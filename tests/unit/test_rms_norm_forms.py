@@ -1103,7 +1103,7 @@ def test_gated_narrow_rows_take_the_gated_tiles():
         assert P._bwd_config(4096, n, gated=True) == P._bwd_config(4096, n)
 
 
-# Mamba2's and Bamba's gated norm as transformers 5.17 (the GPU machine's) spells it: the gate
+# Mamba2's and Bamba's gated norm as transformers 5.17 (the GPU tests' version) spells it: the gate
 # before the statistics, which span the whole row (no group size yet)
 _GATE_FIRST_ROW_SRC = '''
 class OldMambaRMSNormGated(torch.nn.Module):

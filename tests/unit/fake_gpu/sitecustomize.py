@@ -1,4 +1,4 @@
-"""A CPU machine made to look like a GPU machine to torch, for tests/unit/test_cuda_free_parent.py.
+"""A CPU machine made to look like a machine with a GPU to torch, for tests/unit/test_cuda_free_parent.py.
 
 On this directory's PYTHONPATH with ``DSF_FAKE_GPU_LOG`` set, every interpreter started (the
 pytest process, the DistributedTest worker server) imports torch and: reports
