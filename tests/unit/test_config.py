@@ -122,7 +122,7 @@ def test_show_report_is_a_section_key():
         parse_config({"deepspeed_fused": {"show_report": "no"}})
 
 
-# ---- item 6: values the op would reject at its first call fail in the config ----------------------------
+# ---- values the op would reject at its first call fail in the config ----------------------------
 
 @pytest.mark.parametrize("key", ["z_loss", "label_smoothing"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])

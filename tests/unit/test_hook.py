@@ -511,7 +511,7 @@ def test_report_does_not_claim_a_revoked_shallow_copy():
     assert unpatch_model(shallow) == {}  # nothing is running there, nothing to undo
 
 
-# ---- item 3: re-patching applies the new options, or unpatches -------------------------------------------
+# ---- re-patching applies the new options, or unpatches -------------------------------------------
 
 def test_repatch_applies_new_options_or_unpatches():
     from deepspeed_fused.features import linear_cross_entropy as lce
@@ -541,7 +541,7 @@ def test_repatch_rms_norm_off_and_on(interpret):
     assert unpatch_model(model) == {"rms_norm": 5}
 
 
-# ---- item 6: the section is checked before the engine is built, however the config arrives ---------------
+# ---- the section is checked before the engine is built, however the config arrives ---------------
 
 @pytest.fixture
 def fake_engine_builder():
@@ -610,7 +610,7 @@ def test_late_triton_interpret_says_what_to_do(tmp_path):
     assert "before the program starts" in p.stderr
 
 
-# ---- item 7: the report says when the torch reference runs in place of the kernels ----------------------
+# ---- the report says when the torch reference runs in place of the kernels ----------------------
 
 def test_report_says_when_the_torch_reference_runs():
     from deepspeed_fused.features.base import Environment
