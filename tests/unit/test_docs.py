@@ -99,6 +99,11 @@ def test_readme_links_resolve():
     assert "LICENSE" in local and "docs/integrations.md" in local
     missing = [link for link in local if not os.path.exists(os.path.join(ROOT, link))]
     assert not missing, missing
+    # a link to a section of a page names one of its headings (GitHub's anchors)
+    for page, anchor in re.findall(r"\]\(([^)#\s]+\.md)#([^)]+)\)", readme):
+        headings = re.findall(r"^#+ (.+)$", _read(page), re.M)
+        slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+        assert anchor in slugs, (page, anchor, sorted(slugs))
 
 
 def test_ci_runs_the_readme_test_command():
