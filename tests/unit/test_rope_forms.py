@@ -43,7 +43,7 @@ def _fn(family, name):
     try:
         mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         return mod, F.plain_function(getattr(mod, name))
-    except (ImportError, AttributeError):  # an older transformers (the GPU machine's)
+    except (ImportError, AttributeError):  # an older transformers (5.17, the GPU tests' version)
         pytest.skip(f"this transformers has no {family}.{name}")
 
 
