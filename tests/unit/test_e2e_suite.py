@@ -343,7 +343,8 @@ def test_suite_smoke_accumulation_on_cpu(tmp_path):
         assert b["micro_step_mean"]["categories"]["optimizer step"] == 0
         assert sum(w["total_gpu_ms"] for w in b["micro_steps"]) + b["outside_micro_steps"]["total_gpu_ms"] == \
             pytest.approx(b["total_gpu_ms"])
-    assert a["fused"]["report"]["features"][1]["calls"]["fused"] >= 2 * 8  # the fused loss in every micro-step
+    # the loss head's op in every micro-step: on a CPU-only run it runs its torch reference (no GPU)
+    assert a["fused"]["report"]["features"][1]["calls"]["reference"] >= 2 * 8
     c = a["compare"]
     assert c["gradient_accumulation_steps"] == 8 and c["max_loss_rel_diff"] <= 0.005 and c["fb_speedup"] > 0
     assert {x["name"] for x in c["checks"]} >= {"loss_0_5pct", "speedup_1.5", "vs_liger_1.3"}

@@ -30,9 +30,10 @@ def _run(cmd, tmp_path, timeout=600):
 
 
 def _counts(out):
-    """{feature: (fused, eager)} from the recipe's closing lines."""
-    return {m.group(1): (int(m.group(2)), int(m.group(3)))
-            for m in re.finditer(r"^deepspeed_fused calls: (\w+) (\d+) fused, (\d+) eager$", out, re.M)}
+    """{feature: (fused, reference, eager)} from the recipe's closing lines."""
+    return {m.group(1): (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+            for m in re.finditer(r"^deepspeed_fused calls: (\w+) (\d+) fused, (\d+) reference, (\d+) eager$",
+                                 out, re.M)}
 
 
 def _launcher(script, tmp_path, *args):
@@ -52,8 +53,8 @@ def test_recipe_under_deepspeed_launcher(script, served, tmp_path):
         pytest.importorskip("trl")
     out = _launcher(script, tmp_path, "--steps", "2")
     counts = _counts(out)
-    fused, eager = counts["linear_cross_entropy"]
-    assert fused >= 2 and eager == 0, counts
+    fused, reference, eager = counts["linear_cross_entropy"]
+    assert fused >= 2 and reference == 0 and eager == 0, counts
     assert counts["rms_norm"][0] > 0 and counts["rope"][0] > 0, counts
     assert ("TRL fused LM head served" in out) == served
 
@@ -69,5 +70,5 @@ def test_accelerate_recipe(tmp_path):
                 os.path.join(ROOT, "examples", "configs", "accelerate_zero2_fused.json"),
                 os.path.join(ROOT, "examples", "accelerate_train.py"), "--steps", "2", "--seq-len", "16"], tmp_path)
     counts = _counts(out)
-    assert counts["linear_cross_entropy"] == (2, 0), counts
+    assert counts["linear_cross_entropy"] == (2, 0, 0), counts
     assert counts["rms_norm"][0] > 0, counts
