@@ -9,7 +9,6 @@ the same file.) ``accelerator.prepare`` calls ``deepspeed.initialize``, which ap
 the config's "deepspeed_fused" section; ``import deepspeed_fused`` is all the script adds. A tiny
 random model is built offline, so this runs on a CPU in about a minute.
 """
-import argparse
 import os
 import sys
 
@@ -19,16 +18,12 @@ import torch  # noqa: E402
 
 import deepspeed_fused  # noqa: E402,F401  (installs the hook on deepspeed.initialize)
 from deepspeed_fused.models import build_model  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _recipe_common import print_report, recipe_parser  # noqa: E402  (this folder's shared parts)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3-tiny", help="a model name of deepspeed_fused.models")
-    p.add_argument("--steps", type=int, default=4)
+    p = recipe_parser(__doc__, steps=4, config="accelerate_zero2_fused.json")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--deepspeed_config", default=os.path.join(HERE, "configs", "accelerate_zero2_fused.json"))
     args, _ = p.parse_known_args()  # the launcher adds --local_rank
 
     from accelerate import Accelerator
@@ -52,10 +47,7 @@ def main():
         optimizer.zero_grad()
         accelerator.print(f"step {step} loss {loss.item():.4f}")
     report = engine.deepspeed_fused_report
-    accelerator.print(report)
-    for f in report.features:
-        if f.applied and f.calls is not None:
-            accelerator.print(f"deepspeed_fused calls: {f.name} {f.calls}")
+    print_report(report, out=accelerator.print)
 
 
 if __name__ == "__main__":

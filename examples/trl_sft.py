@@ -8,7 +8,6 @@ fused LM head on the model; the linear_cross_entropy feature serves its calls wi
 ("TRL fused LM head served" in the report). A tiny random model and a character tokenizer are built
 offline, so this runs on a CPU in about a minute; give a real model and tokenizer for real work.
 """
-import argparse
 import os
 import sys
 
@@ -19,15 +18,11 @@ import torch  # noqa: E402
 import deepspeed_fused  # noqa: E402,F401  (installs the hook on deepspeed.initialize)
 from deepspeed_fused.models import build_model  # noqa: E402
 from deepspeed_fused.tiny_tokenizer import tiny_tokenizer  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _recipe_common import print_report, recipe_parser  # noqa: E402  (this folder's shared parts)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3-tiny", help="a model name of deepspeed_fused.models")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--deepspeed_config", default=os.path.join(HERE, "configs", "hf_zero2_fused.json"))
+    p = recipe_parser(__doc__, steps=4)
     p.add_argument("--output_dir", default=os.path.join("runs", "trl_sft"))
     args, _ = p.parse_known_args()  # the launcher adds --local_rank
 
@@ -43,10 +38,7 @@ def main():
                          train_dataset=Dataset.from_dict({"text": texts}), processing_class=tiny_tokenizer())
     trainer.train()
     report = trainer.model_wrapped.deepspeed_fused_report
-    print(report)
-    for f in report.features:
-        if f.applied and f.calls is not None:
-            print(f"deepspeed_fused calls: {f.name} {f.calls}")
+    print_report(report)
 
 
 if __name__ == "__main__":
