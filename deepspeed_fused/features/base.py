@@ -287,6 +287,29 @@ def count_text(counter) -> str:
     return ", ".join(f"{n} x {c}" for c, n in sorted(counter.items()))
 
 
+def coverage_rows(module_names, pick, recognise) -> list:
+    """A feature's coverage table: for each modeling module name, (module, name, form description or
+    None, reason) of every module global, by name, that ``pick(module, name, value)`` selects (it
+    returns what ``recognise`` reads, or None to leave the global out); ``recognise`` gives a form with
+    ``describe()`` or the reason, a str, it stays eager. A module that does not import gives one row."""
+    import importlib
+
+    rows = []
+    for mod_name in module_names:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception as e:  # a module that does not import here (optional dependency)
+            rows.append((mod_name, "", None, f"does not import ({type(e).__name__})"))
+            continue
+        for name, v in sorted(vars(mod).items()):
+            target = pick(mod, name, v)
+            if target is None:
+                continue
+            form = recognise(target)
+            rows.append((mod_name, name, None, form) if isinstance(form, str) else (mod_name, name, form.describe(), ""))
+    return rows
+
+
 class ReplacementFeature(Feature):
     """A feature that replaces module classes' forwards by dispatchers and opts instances in with
     an :class:`OptInMarker` (``opt_in``): ``revert`` opts the model's modules out, ``is_applied``

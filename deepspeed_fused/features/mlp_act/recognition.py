@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..base import coverage_rows
 from . import templates
 from .templates import ACT_FORMS, FORMS
 
@@ -218,23 +219,13 @@ def coverage(module_names) -> list:
     """For each modeling module name: (module, class name, form description or None, reason) of every
     ``nn.Module`` class defined there whose name ends in ``MLP``: the coverage table of docs/mlp_act.md
     (the name only selects the rows to list; recognition reads the forward)."""
-    import importlib
+    def pick(mod, name, v):
+        if not (isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == mod.__name__
+                and name.endswith("MLP")):
+            return None
+        return getattr(v.forward, "__ds_mlp_act__", (v.forward,))[0]  # the class's own forward when patched
 
-    rows = []
-    for mod_name in module_names:
-        try:
-            mod = importlib.import_module(mod_name)
-        except Exception as e:  # a module that does not import here (optional dependency)
-            rows.append((mod_name, "", None, f"does not import ({type(e).__name__})"))
-            continue
-        for name, v in sorted(vars(mod).items()):
-            if not (isinstance(v, type) and issubclass(v, torch.nn.Module) and v.__module__ == mod.__name__
-                    and name.endswith("MLP")):
-                continue
-            fwd = getattr(v.forward, "__ds_mlp_act__", (v.forward,))[0]  # the class's own forward when patched
-            form = recognise(fwd)
-            rows.append((mod_name, name, form.describe(), "") if isinstance(form, Form) else (mod_name, name, None, form))
-    return rows
+    return coverage_rows(module_names, pick, recognise)
 
 
 __all__ = ["Form", "recognise", "activation_of", "coverage", "templates"]

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ...ops.rope import RopeSpec
-from ..base import global_names
+from ..base import coverage_rows, global_names
 from . import templates
 from .templates import _FORMS, _PAIR_ROTATIONS, _ROTATIONS, _ROTATIONS_4D
 
@@ -334,25 +334,11 @@ def coverage(module_names) -> list:
     """For each modeling module name: (module, function name, form description or None, reason):
     every module-level function whose name looks like a rotary embedding, recognised or not (the
     coverage table in docs/rope.md)."""
-    import importlib
+    def pick(mod, name, v):
+        v = plain_function(v)
+        if v is None or v.__module__ != mod.__name__:
+            return None
+        low = name.lower()
+        return v if low.startswith("apply_rotary") or low.startswith("apply_rope") else None
 
-    rows = []
-    for mod_name in module_names:
-        try:
-            mod = importlib.import_module(mod_name)
-        except Exception as e:  # a module that does not import here (optional dependency)
-            rows.append((mod_name, "", None, f"does not import ({type(e).__name__})"))
-            continue
-        for name, v in sorted(vars(mod).items()):
-            v = plain_function(v)
-            if v is None or v.__module__ != mod.__name__:
-                continue
-            low = name.lower()
-            if not (low.startswith("apply_rotary") or low.startswith("apply_rope")):
-                continue
-            form = recognise(v)
-            if isinstance(form, Form):
-                rows.append((mod_name, name, form.describe(), ""))
-            else:
-                rows.append((mod_name, name, None, form))
-    return rows
+    return coverage_rows(module_names, pick, recognise)
