@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .._common import HAS_TRITON, cdiv, next_power_of_2, DirectKernel, tl, triton
+from .._common import HAS_TRITON, DirectKernel, tl, triton
 from ..mlp_act import launch as _mlp_launch
 from .checks import kernel_ok
 from .expert_bias import _bias_grad_op, _check as _check_bias, _grad as _bias_grad, expert_bias
@@ -154,14 +154,6 @@ _OAI_FWD_TILE = (2048, 1024)
 _OAI_BWD_TILE = (1024, 1024)
 
 
-def _tile(n_rows: int, inter: int, tile: tuple) -> tuple:
-    outputs, widest = tile
-    block_c = min(widest, next_power_of_2(max(inter, 1)))
-    block_r = max(1, min(outputs // block_c, next_power_of_2(max(n_rows, 1))))
-    grid = (cdiv(n_rows, block_r), cdiv(inter, block_c))
-    return grid, dict(BLOCK_R=block_r, BLOCK_C=block_c), 4 if block_r * block_c >= 1024 else 2
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``[rows, width]`` with unit column stride (a copy only where that needs one)."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -172,13 +164,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _gate_forward(launch, tile, gate_up: torch.Tensor, *scalars, **constexprs) -> torch.Tensor:
     """A gate kernel's forward launch (``launch``: the swiglu's or GPT-OSS's, ``tile``: its
-    :func:`_tile` sizes), into a fresh [..., I]; ``scalars``: the kernel's arguments after the rows'
-    layout, ``constexprs``: beside the tile's."""
+    ``ops.mlp_act.launch.tile`` sizes), into a fresh [..., I]; ``scalars``: the kernel's arguments
+    after the rows' layout, ``constexprs``: beside the tile's."""
     gu = _rows(gate_up)
     n_rows, inter = gu.shape[0], gu.shape[1] // 2
     h = torch.empty((n_rows, inter), dtype=gu.dtype, device=gu.device)
     if h.numel():
-        grid, const, warps = _tile(n_rows, inter, tile)
+        grid, const, warps = _mlp_launch.tile(n_rows, inter, tile)
         launch(grid, (gu, h, n_rows, inter, gu.stride(0), h.stride(0)) + scalars, dict(const, **constexprs), warps)
     return h.view(*gate_up.shape[:-1], inter)
 
@@ -189,7 +181,7 @@ def _gate_backward(launch, tile, gate_up: torch.Tensor, dh: torch.Tensor, *scala
     n_rows, inter = gu.shape[0], gu.shape[1] // 2
     dgu = torch.empty((n_rows, 2 * inter), dtype=gu.dtype, device=gu.device)
     if dgu.numel():
-        grid, const, warps = _tile(n_rows, inter, tile)
+        grid, const, warps = _mlp_launch.tile(n_rows, inter, tile)
         launch(grid, (gu, d, dgu, n_rows, inter, gu.stride(0), d.stride(0)) + scalars, dict(const, **constexprs),
                warps)
     return dgu.view(gate_up.shape)
