@@ -29,19 +29,22 @@ OPT_IN = OPT_IN_MARKER.value  # read by the dispatchers
 _DISPATCHERS: dict = {}
 
 
-def _make_dispatcher(original, eps_attr: str):
+def _dispatcher(original, attempt):
+    """The forward installed on a recognised class. On an opted-in instance, ``attempt(self,
+    hidden_states, args, kwargs)`` gives the fused output (counted fused), a str saying why this call
+    runs eager (warned, once per reason), or None for a call whose arguments the form does not take
+    (eager, not warned); the eager calls are counted and run ``original``, as do all calls of
+    instances without the marker."""
     def forward(self, hidden_states, *args, **kwargs):
         if getattr(self, MARKER, None) is OPT_IN:
             calls = self.__dict__.get(CALLS)
-            if not args and not kwargs:
-                weight = self.weight
-                y = try_fused_rms_norm(hidden_states, weight, getattr(self, eps_attr))
-                if y is not None:
-                    if calls is not None:
-                        calls.fused += 1
-                    return y
-                warn_fallback("rms_norm", f"{rms_norm_kernel_ok(hidden_states, weight)[1]}; the module runs its "
-                                          "eager forward", reference=False)
+            got = attempt(self, hidden_states, args, kwargs)
+            if got is not None and not isinstance(got, str):
+                if calls is not None:
+                    calls.fused += 1
+                return got
+            if got is not None:
+                warn_fallback("rms_norm", f"{got}; the module runs its eager forward", reference=False)
             if calls is not None:
                 calls.eager += 1
         return original(self, hidden_states, *args, **kwargs)
@@ -49,6 +52,17 @@ def _make_dispatcher(original, eps_attr: str):
     forward.__qualname__ = f"deepspeed_fused_rms_norm_dispatcher[{getattr(original, '__qualname__', '?')}]"
     forward.__doc__ = getattr(original, "__doc__", None)
     return forward
+
+
+def _make_dispatcher(original, eps_attr: str):
+    def attempt(self, hidden_states, args, kwargs):
+        if args or kwargs:
+            return None
+        weight = self.weight
+        y = try_fused_rms_norm(hidden_states, weight, getattr(self, eps_attr))
+        return y if y is not None else rms_norm_kernel_ok(hidden_states, weight)[1]
+
+    return _dispatcher(original, attempt)
 
 
 _NOT_FUSED = object()
@@ -61,31 +75,21 @@ def _make_form_dispatcher(original, spec):
     or call must run eager)."""
     resolve, gated = functools.partial(_RESOLVERS[spec.kind], spec), spec.gated
 
-    def forward(self, hidden_states, *args, **kwargs):
-        if getattr(self, MARKER, None) is OPT_IN:
-            calls = self.__dict__.get(CALLS)
-            gate = _gate_argument(args, kwargs) if gated else (None if not args and not kwargs else _NOT_FUSED)
-            if gate is not _NOT_FUSED:
-                got = resolve(self, hidden_states, gate)
-                if type(got) is tuple:
-                    form, weight, eps, group_size = got
-                    if group_size is None:
-                        y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate)
-                    else:
-                        y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate, group_size)
-                    if y is not None:
-                        if calls is not None:
-                            calls.fused += 1
-                        return y
-                    got = rms_norm_form_kernel_ok(hidden_states, weight, gate)[1]
-                warn_fallback("rms_norm", f"{got}; the module runs its eager forward", reference=False)
-            if calls is not None:
-                calls.eager += 1
-        return original(self, hidden_states, *args, **kwargs)
+    def attempt(self, hidden_states, args, kwargs):
+        gate = _gate_argument(args, kwargs) if gated else (None if not args and not kwargs else _NOT_FUSED)
+        if gate is _NOT_FUSED:
+            return None
+        got = resolve(self, hidden_states, gate)
+        if type(got) is not tuple:
+            return got
+        form, weight, eps, group_size = got
+        if group_size is None:
+            y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate)
+        else:
+            y = try_fused_rms_norm_form(hidden_states, weight, eps, form, gate, group_size)
+        return y if y is not None else rms_norm_form_kernel_ok(hidden_states, weight, gate)[1]
 
-    forward.__qualname__ = f"deepspeed_fused_rms_norm_dispatcher[{getattr(original, '__qualname__', '?')}]"
-    forward.__doc__ = getattr(original, "__doc__", None)
-    return forward
+    return _dispatcher(original, attempt)
 
 
 def _gate_argument(args, kwargs):
