@@ -26,3 +26,12 @@ def print_report(report, out=print):
     for f in report.features:
         if f.applied and f.calls is not None:
             out(f"deepspeed_fused calls: {f.name} {f.calls}")
+
+
+def close_process_group():
+    """Destroy the default process group before the interpreter exits, as a training script should:
+    a group left to the exit's teardown can abort the process after a finished run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

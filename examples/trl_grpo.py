@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import deepspeed_fused  # noqa: E402,F401  (installs the hook on deepspeed.initialize)
 from deepspeed_fused.models import build_model  # noqa: E402
 from deepspeed_fused.tiny_tokenizer import tiny_tokenizer  # noqa: E402
-from _recipe_common import print_report, recipe_parser  # noqa: E402  (this folder's shared parts)
+from _recipe_common import close_process_group, print_report, recipe_parser  # noqa: E402  (this folder's shared parts)
 
 
 def digits_reward(completions, **kwargs):
@@ -47,6 +47,7 @@ def main():
     trainer.train()
     report = trainer.model_wrapped.deepspeed_fused_report
     print_report(report)
+    close_process_group()
 
 
 if __name__ == "__main__":
