@@ -219,6 +219,16 @@ def test_shrunk_hybrid_keeps_every_computed_kind_of_layer(family, attr):
         assert set(cfg.layers_num_experts) == {1, coverage.EXPERTS}
 
 
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4"])
+def test_config_with_per_layer_attributes_shrinks(family):
+    """Gemma 4's configs raise when a per-layer attribute (head_dim) is read as a global one: the
+    computed-kinds reading touches only properties and sub-configs, so the family still builds."""
+    fam = coverage.select([family])[0]
+    cfg, _ = coverage.tiny_config(fam)
+    text = getattr(cfg, "text_config", cfg)
+    assert text.hidden_size == coverage.HIDDEN and text.num_hidden_layers <= coverage.MAX_LAYERS
+
+
 def test_layer_plan_prefix_only_when_it_fits():
     from deepspeed_fused.bench.coverage.shrink import _layer_plan
 

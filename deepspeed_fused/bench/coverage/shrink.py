@@ -72,10 +72,12 @@ def derived_layer_kinds(cfg) -> dict:
             if isinstance(v, (list, tuple)) and len(v) == n0 and len({repr(x) for x in v}) > 1:
                 kinds[name] = list(v)
     subs = {}
-    for k in d:
-        sub = getattr(cfg, k, None)
-        if hasattr(sub, "to_dict") and isinstance(d[k], dict) and "model_type" in d[k]:
-            subs[k] = derived_layer_kinds(sub)
+    for k in d:  # only the sub-configs' keys are read: reading another key can raise (transformers
+        # raises for a per-layer attribute read globally, e.g. Gemma 4's head_dim)
+        if isinstance(d[k], dict) and "model_type" in d[k]:
+            sub = getattr(cfg, k, None)
+            if hasattr(sub, "to_dict"):
+                subs[k] = derived_layer_kinds(sub)
     return {"kinds": kinds, "subs": subs}
 
 
