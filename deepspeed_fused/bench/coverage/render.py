@@ -109,6 +109,24 @@ def _mlp_cell(r: dict) -> str:
     return "eager: " + _short(m["reason"] or "; ".join(m["skipped"]), 70)
 
 
+def _rope_cell(r: dict) -> str:
+    """The rope column: fused calls, eager calls with the first reason the feature warned, or why the
+    feature did not apply; "" for a record without the feature's report."""
+    rep = (r.get("reports") or {}).get("rope")
+    if not rep:
+        return ""
+    if not rep.get("applied"):
+        return "not applied: " + _short(rep.get("reason") or "", 70)
+    calls = rep.get("calls") or {}
+    fused, other = calls.get("fused", 0), calls.get("eager", 0) + calls.get("reference", 0)
+    parts = [f"fused ({fused})"] if fused else []
+    if other:
+        why = next((w.split(":", 1)[1].strip() for w in r.get("warnings", [])
+                    if w.startswith("deepspeed_fused.rope:")), "")
+        parts.append(f"eager ({other})" + (": " + _short(why, 80) if why else ""))
+    return "; ".join(parts) or "applied, not called"
+
+
 def _short(s: str, n: int = 110) -> str:
     s = (s or "").replace("|", "/").replace("\n", " ")
     return s if len(s) <= n else s[: n - 3] + "..."
@@ -212,16 +230,17 @@ def render_markdown(doc: dict) -> str:
         lines += [f"## Families ({mode})", "",
                   "RMSNorm: replaced/present modules per class (form). Loss: fused (op calls) or why not. "
                   "Experts: gathers (calls) or why not; - where there are no experts modules. "
+                  "Rope: fused calls, eager calls and the reason, or why it did not apply. "
                   + ("Gated MLP: replaced/recognised gated MLPs (fused calls) or why not; - where there is none. "
                      if mlp_col else "") + "Differences: "
                   "the loss relative to its value, the largest gradient difference relative to its norm "
                   "(fp32 noise excluded, see above).", "",
-                  "| family | class | status | RMSNorm replaced/present | loss | experts | "
+                  "| family | class | status | RMSNorm replaced/present | loss | experts | rope | "
                   + ("gated MLP | " if mlp_col else "") + "loss diff | grad diff |",
-                  "|---|---|---|---|---|---|" + ("---|" if mlp_col else "") + "---:|---:|"]
+                  "|---|---|---|---|---|---|---|" + ("---|" if mlp_col else "") + "---:|---:|"]
         for r in rs:
             if r["status"] not in ("ok", "differs"):
-                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} (below) | | | | | |"
+                lines.append(f"| {r['family']} | {r['cls']} | {r['status']} (below) | | | | | | |"
                              + (" |" if mlp_col else ""))
                 continue
             lf = r["loss_fused"]
@@ -237,7 +256,7 @@ def render_markdown(doc: dict) -> str:
             status = "**differs**" if r["status"] == "differs" else "ok"
             d = r["diff"]
             lines.append(f"| {r['family']} | {r['cls']} | {status} | {_short(_norm_cell(r), 160)} | {loss} | "
-                         f"{experts} | " + (f"{_mlp_cell(r)} | " if mlp_col else "")
+                         f"{experts} | {_rope_cell(r)} | " + (f"{_mlp_cell(r)} | " if mlp_col else "")
                          + f"{_fmt_e(d['loss_rel'])} | {_fmt_e(d['grad_rel'])} |")
         lines.append("")
         bad = [r for r in rs if r["status"] not in ("ok", "differs")]
