@@ -362,7 +362,9 @@ def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
     in_op = extras if rec.options.get("tp_group") is None else ()
     flags = {"return_" + _OP_FLAG[o]: True for o in in_op}
     policy = rec.grad
-    grads = torch.is_grad_enabled() and rec.options.get("tp_group") is None
+    # (traced by torch.compile: neither; the op runs its per-token custom ops there)
+    grads = (torch.is_grad_enabled() and rec.options.get("tp_group") is None
+             and not torch.compiler.is_compiling())
     if grads and policy.on:  # the gradient formed in the forward (the op checks the assumption)
         flags.update(expect_uniform_grad=True, uniform_grad_callback=policy.op_told)
 
