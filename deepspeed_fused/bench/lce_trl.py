@@ -12,9 +12,13 @@ the rows are forward+backward time and peak extra memory of
 
 * ``TRL ChunkedLogProbFunction``: TRL's kernel as its head calls it (only the labelled rows, TRL's
   vocabulary chunk), the gradient through the log-probs only;
-* ``ours: served head``: what the linear_cross_entropy feature runs for TRL's head (the labelled
-  rows; the op's per-token path for log-probs and entropy, with is_top1 / mean_logits formed in
-  the same pass when asked);
+* ``ours: served head``: what the linear_cross_entropy feature runs for TRL's head in steady state
+  (the labelled rows; log-probs and entropy per token, with is_top1 / mean_logits formed in the
+  same pass when asked): for SFT with ``expect_uniform_grad`` (the gradient formed in the forward,
+  3 GEMMs, what the feature asks for once it has seen SFT's uniform upstream gradient; its one
+  host read per backward included), for GRPO/DPO the op's per-token path;
+* ``ours: served head, per-token path`` (SFT only): the same call without ``expect_uniform_grad``
+  (what the feature runs on the first call, before it has seen a backward; 4 GEMMs);
 * ``ours: op`` (the op on all rows with ignored targets): SFT on the mean-loss path (gradient formed
   in the forward, no per-token fields), GRPO/DPO per-token loss and entropy;
 
@@ -45,12 +49,13 @@ def _trl_fn():
     return (ChunkedLogProbFunction, getattr(tu, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)), ""
 
 
-def _served(h, w, t, outputs):
-    """The feature's computation for TRL's head on labelled rows: (log_probs, entropy, extras)."""
+def _served(h, w, t, outputs, uniform=False):
+    """The feature's computation for TRL's head on labelled rows: (log_probs, entropy, extras);
+    ``uniform``: with the gradient formed in the forward (the feature's steady state for SFT)."""
     names = [n for n in ("mean_logits", "is_top1", "log_sum_sq_probs") if n in outputs]  # the op's order
     out = linear_cross_entropy(h, w, t, reduction="none", return_entropy=True,
                                return_mean_logits="mean_logits" in names, return_is_top1="is_top1" in names,
-                               return_log_sum_sq="log_sum_sq_probs" in names)
+                               return_log_sum_sq="log_sum_sq_probs" in names, expect_uniform_grad=uniform)
     return -out[0], out[1], dict(zip(names, out[2:]))
 
 
@@ -93,9 +98,9 @@ def run(args) -> list:
                 loss = -lp.sum() / n if sft else -(lp * wts_l).sum()
                 loss.backward()
 
-            def served_step(outputs=outputs, sft=sft):
+            def served_step(outputs=outputs, sft=sft, uniform=sft):
                 hl.grad = w.grad = None
-                lp, ent, extra = _served(hl, w, tl, outputs)
+                lp, ent, extra = _served(hl, w, tl, outputs, uniform)
                 loss = -lp.sum() / n if sft else -(lp * wts_l).sum()
                 loss.backward()
 
@@ -111,6 +116,9 @@ def run(args) -> list:
             if trl is not None:
                 rows.append((f"TRL ChunkedLogProbFunction ({case}: {', '.join(outputs)})", trl_step, False))
             rows.append((f"ours: served head ({case}: {', '.join(outputs)})", served_step, True))
+            if sft:
+                rows.append((f"ours: served head, per-token path ({case}: {', '.join(outputs)})",
+                             lambda step=served_step: step(uniform=False), True))
             rows.append((f"ours: op ({case}: " + ("mean loss, gradient in forward)" if sft else
                                                    "per-token loss + entropy)"), op_step, True))
             case_recs = []
@@ -133,7 +141,9 @@ def run(args) -> list:
         torch.cuda.empty_cache() if cuda else None
     global NOTES
     NOTES = ("TRL's head gets only the labelled rows (as its fused head passes them); gradients flow through the "
-             "log-probs only (the trainers use entropy, is_top1 and mean_logits as metrics). "
+             "log-probs only (the trainers use entropy, is_top1 and mean_logits as metrics). The served head for SFT "
+             "forms the gradient in the forward (expect_uniform_grad, as the feature does once it has seen SFT's "
+             "uniform upstream gradient); its per-token path is the row after it. "
              + (f"TRL peer missing: {why}. " if trl is None else "")
              + "\n\n| shape | trainer | ours | TRL time / ours | ours extra MiB | TRL extra MiB |\n"
              "|---|---|---|---:|---:|---:|\n" + "\n".join(notes))

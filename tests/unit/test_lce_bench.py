@@ -19,8 +19,9 @@ def test_chunk_sweep_records():
 
 
 def test_trl_case_records(tmp_path):
-    """``--case trl``: T, then TRL's ChunkedLogProbFunction, our served head and the op for each of
-    the SFT, GRPO and DPO field sets (CPU: a tiny shape, the logic only), written under its own name."""
+    """``--case trl``: T, then TRL's ChunkedLogProbFunction, our served head (for SFT with the gradient
+    formed in the forward, then its per-token path) and the op for each of the SFT, GRPO and DPO
+    field sets (CPU: a tiny shape, the logic only), written under its own name."""
     import pytest
 
     pytest.importorskip("trl")
@@ -37,8 +38,8 @@ def test_trl_case_records(tmp_path):
     assert names[0] == suite.GEMM
     for case in ("SFT", "GRPO", "DPO"):
         rows = [r for r in recs if r["extra"].get("case") == case]
-        assert [r["impl"].split(" (")[0] for r in rows] == ["TRL ChunkedLogProbFunction", "ours: served head",
-                                                           "ours: op"], names
+        served = ["ours: served head"] + (["ours: served head, per-token path"] if case == "SFT" else [])
+        assert [r["impl"].split(" (")[0] for r in rows] == ["TRL ChunkedLogProbFunction", *served, "ours: op"], names
         for r in rows:
             assert r["fwd_bwd_ms"] and "failed" not in r["note"], r
         assert all("speedup_vs_trl" in r["extra"] for r in rows[1:])

@@ -392,6 +392,10 @@ class TestVocabParallel(DistributedTest):
         dt = torch.float32 if rank == 0 else torch.float16
         with pytest.raises(TypeError, match="dtype.*float16"):
             linear_cross_entropy(h.to(dt), w[:16].to(dt), t, tp_group=g)
+        # the gradient formed in the forward for a uniform upstream gradient is for one device
+        for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+            with pytest.raises(ValueError, match="expect_uniform_grad.*tp_group"):
+                fn(h, w[:16], t, tp_group=g, reduction="none", expect_uniform_grad=True)
         # options differ across ranks
         with pytest.raises(ValueError, match="z_loss"):
             linear_cross_entropy(h, w[:16], t, tp_group=g, z_loss=0.1 * rank)

@@ -334,3 +334,104 @@ def test_feature_report_says_why_trl_head_is_kept(monkeypatch):
         rep = patch_model(m, SECTION)["linear_cross_entropy"]
     assert not rep.applied and "TRL's fused LM head kept: TRL's FusedCausalLMOutput has fields" in rep.reason
     assert trl_head.served(m) is None
+
+
+# ---- the gradient formed in the forward for a uniform upstream gradient (SFT's loss) ----------
+
+def _spy_uniform(monkeypatch):
+    """Record, per op call, whether the served head asked for ``expect_uniform_grad``."""
+    from deepspeed_fused.ops.linear_cross_entropy import api as lce_api
+
+    asked = []
+    real = lce_api.linear_cross_entropy
+
+    def spy(*a, **k):
+        asked.append(bool(k.get("expect_uniform_grad")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(sys.modules["deepspeed_fused.ops.linear_cross_entropy"], "linear_cross_entropy", spy)
+    return asked
+
+
+def _sft_loss(out, _step):
+    """TRL's SFTTrainer loss (the metrics read the entropy and is_top1 without gradient)."""
+    _ = out.entropy.detach().sum(), out.is_top1.sum()
+    return (-out.log_probs).sum() / out.label_mask.sum().clamp(min=1)
+
+
+def _weighted_loss(out, step):
+    """A GRPO-like loss: per-sequence advantages on the per-token log-probs."""
+    adv = torch.tensor([1.0 + step, -0.5], device=out.log_probs.device)
+    return -(out.log_probs * adv[:, None]).sum() / out.label_mask.sum().clamp(min=1)
+
+
+def _loop(ref, ours, losses, interpret, frozen_head=False):
+    """Training steps on both models (fresh inputs each), comparing the gradients with TRL's head."""
+    outputs = ("log_probs", "entropy", "is_top1")
+    _add(ref, outputs=outputs)
+    calls = _serve(ours, outputs=outputs)
+    if frozen_head:
+        for m in (ref, ours):
+            m.get_output_embeddings().weight.requires_grad_(False)
+    for step, loss_fn in enumerate(losses):
+        ids, labels = _inputs(seed=20 + step, device=interpret)
+        grads = []
+        for m in (ref, ours):
+            m.zero_grad(set_to_none=True)
+            loss_fn(m(input_ids=ids, labels=labels, fused_lm_head=True), step).backward()
+            grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys()
+        for n, g in grads[0].items():
+            assert (grads[1][n] - g).norm() <= 1e-4 * g.norm(), (step, n)
+    return calls, trl_head.served(ours).grad
+
+
+def test_sft_loop_switches_to_the_gradient_formed_in_the_forward(interpret, monkeypatch):
+    asked = _spy_uniform(monkeypatch)
+    ref, ours = _models(bias=True, device=interpret)
+    calls, policy = _loop(ref, ours, [_sft_loss] * 3, interpret)
+    assert asked == [False, True, True]  # learnt from the first step's backward
+    assert (policy.on, policy.formed, policy.recomputed, policy.strikes) == (True, 2, 0, 0)
+    assert (calls.fused, calls.eager) == (3, 0)
+    assert "gradient formed in the forward" in trl_head.head_text(ours)
+
+
+def test_weighted_loop_stays_per_token(interpret, monkeypatch):
+    """Per-token weights: observed twice, then the model settles on the per-token path (no
+    recomputation ever paid, nothing observed any more)."""
+    asked = _spy_uniform(monkeypatch)
+    ref, ours = _models(device=interpret)
+    calls, policy = _loop(ref, ours, [_weighted_loss] * 4, interpret)
+    assert asked == [False] * 4
+    assert (policy.on, policy.settled, policy.strikes, policy.recomputed) == (False, True, 2, 0)
+    assert "per-token gradient" in trl_head.head_text(ours)
+
+
+def test_uniform_then_weighted_returns_to_per_token(interpret, monkeypatch):
+    """A weighted call under the mode recomputes (exact) and turns it off; after two such strikes
+    the model stays per-token: the recomputation is paid at most twice."""
+    asked = _spy_uniform(monkeypatch)
+    ref, ours = _models(device=interpret)
+    losses = [_sft_loss, _weighted_loss, _sft_loss, _weighted_loss, _sft_loss, _sft_loss]
+    calls, policy = _loop(ref, ours, losses, interpret)
+    assert asked == [False, True, False, True, False, False]
+    assert (policy.on, policy.settled, policy.strikes, policy.recomputed, policy.formed) == (False, True, 2, 2, 0)
+
+
+def test_entropy_gradient_keeps_per_token(interpret, monkeypatch):
+    asked = _spy_uniform(monkeypatch)
+    ref, ours = _models(device=interpret)
+
+    def with_entropy_bonus(out, step):
+        return _sft_loss(out, step) - 0.01 * out.entropy.sum()
+
+    _, policy = _loop(ref, ours, [with_entropy_bonus] * 3, interpret)
+    assert asked == [False] * 3 and policy.settled and policy.formed == 0
+
+
+def test_frozen_head_takes_the_mode_for_weighted_losses(interpret, monkeypatch):
+    """dhidden alone: the op scales it row by row, exact for per-token weights."""
+    asked = _spy_uniform(monkeypatch)
+    ref, ours = _models(device=interpret)
+    _, policy = _loop(ref, ours, [_weighted_loss] * 3, interpret, frozen_head=True)
+    assert asked == [False, True, True] and (policy.formed, policy.recomputed) == (2, 0)

@@ -89,6 +89,33 @@ class TestTrlTrainers(DistributedTest):
         for k in ("entropy", "mean_token_accuracy"):
             assert abs(out["off"][0][k] - out["on"][0][k]) <= 1e-5 * max(1.0, abs(out["off"][0][k])), k
 
+    def test_sft_steps_take_the_gradient_formed_in_the_forward(self, tmp_path):
+        """After its first backward (a uniform upstream gradient seen) the served head asks the op for
+        the gradient formed in the forward; three steps stay those of TRL's own head."""
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        from deepspeed_fused.features.linear_cross_entropy import trl as trl_head
+
+        data = Dataset.from_dict({"text": [f"The quick brown fox {i} jumps over {i * 7}." for i in range(6)]})
+        runs = {}
+        for key, section in (("off", None), ("on", SECTION)):
+            model = build_model("llama-tiny")
+            args = SFTConfig(max_length=32, **{**common_args(tmp_path, key, section), "max_steps": 3,
+                                               "learning_rate": 0.1})
+            trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer())
+            trainer.train()
+            runs[key] = ([r["loss"] for r in trainer.state.log_history if "loss" in r],
+                         {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer)
+        (loss_off, p_off, _), (loss_on, p_on, trainer) = runs["off"], runs["on"]
+        assert len(loss_off) == len(loss_on) == 3
+        for a, b in zip(loss_off, loss_on):
+            assert abs(a - b) <= 1e-4 * max(abs(a), 1e-6), (loss_off, loss_on)
+        for n, p in p_off.items():
+            assert (p_on[n] - p).norm() <= 1e-4 * p.norm() + 1e-12, n
+        policy = trl_head.served(trainer.model).grad
+        assert (policy.on, policy.formed, policy.recomputed) == (True, 2, 0), policy
+
     def test_dpo_first_step(self, tmp_path):
         import copy
 

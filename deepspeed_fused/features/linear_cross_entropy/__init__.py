@@ -44,7 +44,9 @@ do to the logits, is read from the forward's source (``recognition.py``), never 
 * A model carrying TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``: ``forward``
   replaced on the instance) is not class-patched: its ``fused_lm_head=True`` calls are served by
   the op with TRL's output and semantics (``trl``), found at apply or, when TRL adds the head
-  later, at the engine's next forward. The report says "TRL fused LM head served".
+  later, at the engine's next forward. The report says "TRL fused LM head served". A model whose
+  log-probs were seen to get a uniform upstream gradient (SFT's loss) then has its gradient formed
+  in the forward (the op's ``expect_uniform_grad``; docs/trl.md).
 * A Trainer whose ``compute_loss`` reads the outputs' ``logits`` in training (``clients``) gets the
   eager head for its forwards, with one warning naming it.
 

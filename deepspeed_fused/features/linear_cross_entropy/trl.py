@@ -27,6 +27,18 @@ log-probs (``return_log_sum_sq`` / ``return_mean_logits`` / ``return_is_top1``);
 cannot form them (options with a ``tp_group``: it forms them on one device only) do they come
 from :func:`extra_fields`, a no-gradient pass over token chunks of the same transformed logits (at
 most ``_EXTRA_BYTES`` of fp32 logits at a time).
+
+The gradient: TRL's SFT loss ``-sum(log_probs) / num_items`` gives every labelled token the same
+upstream gradient and leaves the entropy without one; GRPO, DPO and KTO weight the tokens. Which it
+is is observed, not guessed from the trainer (:class:`_GradPolicy`, one per served model): while
+it learns, a gradient call's log-probs and entropy pass through :class:`_ObserveUpstream`, whose
+backward reads one flag (uniform over the labelled rows, no entropy gradient). Once a call showed
+that (or the head is frozen and the entropy had no gradient), the next calls ask the op for
+``expect_uniform_grad``: the gradients are formed in the forward (3 GEMMs instead of 4). If the op
+then reports a backward it had to recompute (a call weighted after all), the mode is off again and
+learning resumes; after ``_MAX_STRIKES`` non-uniform observations or recomputations in all the
+model stays on the per-token path for good, with nothing more observed (a weighting trainer pays
+the recomputation at most that many times, usually never).
 """
 from __future__ import annotations
 
@@ -45,6 +57,7 @@ import torch
 from ..base import CallCounts, count_op_call, op_call_mark
 
 _SERVED = "_deepspeed_fused_trl"  # attribute of the serving function: its _Served record
+_MAX_STRIKES = 2  # non-uniform upstream gradients seen (observed or reported by the op) before settling
 _EXTRA_BYTES = 256 << 20  # fp32 logits per chunk of the no-gradient pass (extra fields)
 
 # TRL's protocol as known here: the wrapper's parameters, the settings it closes over, the
@@ -80,6 +93,91 @@ class TrlHead:
 
 
 @dataclasses.dataclass(eq=False)
+class _GradPolicy:
+    """Whether a served model's head asks the op for ``expect_uniform_grad`` (the gradient formed in
+    the forward), from the upstream gradients its log-probs and entropy received (see the module's
+    docstring). ``on``: ask; ``settled``: never again, and observe no more; ``strikes``: non-uniform
+    upstream gradients seen; ``formed`` / ``recomputed``: the op's backwards under the mode by the
+    way they went."""
+
+    on: bool = False
+    settled: bool = False
+    strikes: int = 0
+    formed: int = 0
+    recomputed: int = 0
+
+    @property
+    def learning(self) -> bool:
+        return not (self.on or self.settled)
+
+    def _strike(self) -> None:
+        self.on = False
+        self.strikes += 1
+        self.settled = self.strikes >= _MAX_STRIKES
+
+    def observed(self, suits: Optional[bool]) -> None:
+        """One learning call's backward: ``suits`` True (the mode would have been exact without
+        recomputing), False (it would have recomputed), None (nothing to learn from: fewer than
+        two labelled tokens, or a zero gradient)."""
+        if suits is None or not self.learning:
+            return
+        if suits:
+            self.on = True
+        else:
+            self._strike()
+
+    def op_told(self, formed: bool) -> None:
+        """The op's ``uniform_grad_callback``: how a backward under the mode went."""
+        if formed:
+            self.formed += 1
+        else:
+            self.recomputed += 1
+            if self.on:
+                self._strike()
+
+
+class _ObserveUpstream(torch.autograd.Function):
+    """Identity on the labelled rows' log-probs (and entropy, or None); its backward tells the
+    policy whether the mode would have served this call exactly: the log-probs' upstream gradient
+    is one finite nonzero value on every row (or the head is ``frozen``: dhidden alone, exact for
+    any weights) and the entropy's is absent or zero. One host read (none when the answer is known
+    without the values)."""
+
+    @staticmethod
+    def forward(ctx, policy, frozen, log_probs, entropy):
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None
+        ctx.policy, ctx.frozen = policy, frozen
+        return log_probs.clone(), None if entropy is None else entropy.clone()
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        ctx.policy.observed(_suits(g_lp, g_ent, ctx.frozen))
+        return None, None, g_lp, g_ent
+
+
+def _suits(g_lp, g_ent, frozen) -> Optional[bool]:
+    """See :meth:`_GradPolicy.observed` (reads one flag vector on the host where values decide)."""
+    if g_lp is None:
+        return False if g_ent is not None else None
+    g = g_lp.reshape(-1)
+    if g_ent is None and (frozen or g.numel() < 2):
+        return True if frozen else None
+    flags = [(g_ent != 0).any() if g_ent is not None else torch.zeros((), dtype=torch.bool, device=g.device)]
+    if not frozen and g.numel() >= 2:
+        first = g[0]
+        flags += [torch.isfinite(first) & (g == first).all(), first == 0]
+    f = torch.stack(flags).tolist()  # the one host read
+    if f[0]:
+        return False  # the entropy has a gradient
+    if frozen:
+        return True
+    if g.numel() < 2:
+        return None
+    uniform, zero = f[1], f[2]
+    return None if (uniform and zero) else uniform
+
+
+@dataclasses.dataclass(eq=False)
 class _Served:
     """The record a serving forward carries: TRL's wrapper, its settings, the counts."""
 
@@ -89,6 +187,7 @@ class _Served:
     options: dict  # the feature's op options (ignore_index is TRL's -100, not the section's)
     revoked: bool = False
     warned: set = dataclasses.field(default_factory=set)
+    grad: _GradPolicy = dataclasses.field(default_factory=_GradPolicy)
 
 
 def _trl_wrapper_codes(utils) -> tuple:
@@ -262,6 +361,12 @@ def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
     # extra pass forms them instead
     in_op = extras if rec.options.get("tp_group") is None else ()
     flags = {"return_" + _OP_FLAG[o]: True for o in in_op}
+    policy = rec.grad
+    # (traced by torch.compile: neither; the op runs its per-token custom ops there)
+    grads = (torch.is_grad_enabled() and rec.options.get("tp_group") is None
+             and not torch.compiler.is_compiling())
+    if grads and policy.on:  # the gradient formed in the forward (the op checks the assumption)
+        flags.update(expect_uniform_grad=True, uniform_grad_callback=policy.op_told)
 
     def op_forward(h):
         w, b = lm_head.weight, lm_head.bias
@@ -295,7 +400,12 @@ def _run_head(lm_head, hidden, target, rec: _Served, head: TrlHead):
     finally:
         lm_head.__dict__.pop("forward", None)
     loss, entropy = (out if want_entropy else (out, None))
-    return -loss, entropy, result
+    log_probs = -loss
+    if grads and policy.learning and log_probs.requires_grad:
+        w, b = lm_head.weight, lm_head.bias
+        frozen = not (w.requires_grad or (b is not None and b.requires_grad))
+        log_probs, entropy = _ObserveUpstream.apply(policy, frozen, log_probs, entropy)
+    return log_probs, entropy, result
 
 
 def _serve(model, rec: _Served, args, kwargs, labels, shift_labels, num_items_in_batch):
@@ -412,6 +522,10 @@ def head_text(model) -> str:
         parts.append(f"soft cap {h.softcap:g}")
     if h.cast_lm_head_to_fp32:
         parts.append("fp32 head")
+    if rec.grad.on:
+        parts.append("gradient formed in the forward (uniform upstream gradient seen)")
+    elif rec.grad.settled:
+        parts.append("per-token gradient (weighted upstream gradient seen)")
     return "; ".join(parts)
 
 

@@ -23,7 +23,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
                          return_entropy=False, return_lse=False, z_loss=0.0, label_smoothing=0.0, softcap=None,
                          accum_dtype=None, chunk_tokens=None, validate_targets=True, tp_group=None,
                          vocab_start=None, sequence_parallel=False, return_mean_logits=False, return_is_top1=False,
-                         return_log_sum_sq=False):
+                         return_log_sum_sq=False, expect_uniform_grad=False, uniform_grad_callback=None):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target`` without materializing logits.
 
     Args:
@@ -87,6 +87,25 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
             ``is_top1`` (bool: ``z.argmax(-1) == target``, torch's first index on ties and a NaN's
             index on a row with NaN; False for ignored targets) and ``log_sum_sq_probs`` (fp32
             ``logsumexp(2z) - 2 logsumexp(z)``). Asking for any makes the call take the per-token path.
+        expect_uniform_grad: with ``reduction="none"`` on one device: form the gradients in the
+            forward as the scalar loss does (3 GEMMs instead of the per-token path's 4), for an
+            upstream gradient of the per-token losses that is the same on every labelled row (a sum
+            or mean of them, as SFT's loss), entropy and lse without gradient. The outputs are the
+            per-token path's. Backward checks that assumption and is exact either way: the
+            forward-formed gradients are scaled in place (dhidden row by row by each row's gradient,
+            dweight/dbias by the common value) where it holds, else dropped and the per-token
+            backward recomputes the logits (one GEMM more). The check reads one flag on the host (a
+            device sync) when dweight/dbias are needed or the entropy/lse has an upstream gradient
+            (which must be zero); with dhidden alone (a frozen head) the per-row scaling is exact
+            for any per-token weights and nothing is read. A non-finite upstream gradient on a
+            labelled row propagates (with dweight/dbias needed: through the recomputation). One
+            backward only (a second raises, as on the scalar-loss path); ignored under
+            torch.compile, without gradients and where the reference runs (the per-token path
+            then). Memory: dhidden and dweight live from the forward to the backward. Not with a
+            ``tp_group`` of more than one rank.
+        uniform_grad_callback: with ``expect_uniform_grad``: called in backward with True when the
+            forward-formed gradients were used, False when the backward recomputed (so that a
+            caller can stop asking for the mode).
 
     Returns:
         ``loss`` alone, or the tuple ``(loss, entropy, lse, mean_logits, is_top1,
@@ -102,7 +121,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, ignore_index=-100
         softcap=softcap, accum_dtype=accum_dtype, chunk_tokens=chunk_tokens, validate_targets=validate_targets,
         tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel,
         return_mean_logits=return_mean_logits, return_is_top1=return_is_top1, return_log_sum_sq=return_log_sum_sq,
-        defer=True)
+        expect_uniform_grad=expect_uniform_grad, uniform_grad_callback=uniform_grad_callback, defer=True)
     M = h.shape[0]
     ok, reason = kernel_device_ok(hidden)
     if ok and hidden.dtype not in _KERNEL_DTYPES:

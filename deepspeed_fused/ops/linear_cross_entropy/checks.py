@@ -128,7 +128,7 @@ class _ValueCheck:
 def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperature, return_entropy, return_lse,
             z_loss, label_smoothing, softcap, accum_dtype, chunk_tokens, validate_targets, tp_group, vocab_start,
             sequence_parallel, return_mean_logits=False, return_is_top1=False, return_log_sum_sq=False,
-            defer=False):
+            expect_uniform_grad=False, uniform_grad_callback=None, defer=False):
     """Check one call's arguments (those of :func:`.api.linear_cross_entropy`); returns
     ``(opts, h, t, temp, check)``: the call's :class:`.options.LCEOptions`, hidden as rows
     ``[M, H]``, target ``[M]``, the per-token temperature ``[M]`` or None, and ``check``: a started
@@ -149,6 +149,7 @@ def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperatur
     if extras and tp is not None:
         raise ValueError("linear_cross_entropy: return_mean_logits / return_is_top1 / return_log_sum_sq are formed "
                          "on one device only; they are not available with a `tp_group` of more than one rank")
+    _check_uniform(expect_uniform_grad, uniform_grad_callback, reduction, tp)
     V, H = weight.shape
     check = None
     if validate_targets and target.numel() and tp is None:  # TP: checked against the global V after the gather
@@ -169,5 +170,22 @@ def prepare(hidden, weight, target, *, bias, ignore_index, reduction, temperatur
                       bool(return_entropy), bool(return_lse),  # return_entropy, return_lse
                       chunk_tokens if isinstance(chunk_tokens, int) else None,  # chunk_tokens
                       bool(validate_targets), tp, sequence_parallel,  # validate_targets, tp, sequence_parallel
-                      extras)  # extras
+                      extras, expect_uniform_grad, uniform_grad_callback)  # extras, the uniform-gradient mode
     return opts, h, t, temp, check
+
+
+def _check_uniform(expect, callback, reduction, tp):
+    """Raise TypeError / ValueError for a wrong ``expect_uniform_grad`` / ``uniform_grad_callback``."""
+    if not isinstance(expect, bool):
+        raise TypeError(f"linear_cross_entropy: `expect_uniform_grad` must be a bool, got {expect!r}")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"linear_cross_entropy: `uniform_grad_callback` must be callable or None, got {callback!r}")
+    if callback is not None and not expect:
+        raise ValueError("linear_cross_entropy: `uniform_grad_callback` is only called with `expect_uniform_grad=True`")
+    if expect and reduction != "none":
+        raise ValueError(f"linear_cross_entropy: `expect_uniform_grad=True` is for per-token losses "
+                         f"(reduction='none'), got reduction={reduction!r} ('mean'/'sum' already form the "
+                         f"gradient in the forward)")
+    if expect and tp is not None:
+        raise ValueError("linear_cross_entropy: `expect_uniform_grad=True` is for one device; it is not available "
+                         "with a `tp_group` of more than one rank")

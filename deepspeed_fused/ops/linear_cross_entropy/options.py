@@ -58,6 +58,10 @@ class LCEOptions(NamedTuple):
     tp: Optional[object]  # the rank's ``group.TPInfo`` under a tp_group of more than one rank, else None
     sequence_parallel: bool
     extras: int = 0  # the forward-only fields asked for: a mask of stats.EXTRA_MEAN / EXTRA_TOP1 / EXTRA_SQ
+    # per-token losses whose gradients are formed in the forward for a uniform upstream gradient
+    # (reduction "none", one device); its callback (or None), told in backward which way it went
+    expect_uniform_grad: bool = False
+    uniform_grad_callback: Optional[object] = None
 
     @property
     def mean(self) -> bool:

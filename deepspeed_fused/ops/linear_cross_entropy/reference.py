@@ -20,12 +20,15 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
                                    temperature=1.0, return_entropy=False, return_lse=False, z_loss=0.0,
                                    label_smoothing=0.0, softcap=None, accum_dtype=None, chunk_tokens=None,
                                    validate_targets=True, tp_group=None, vocab_start=None, sequence_parallel=False,
-                                   return_mean_logits=False, return_is_top1=False, return_log_sum_sq=False):
+                                   return_mean_logits=False, return_is_top1=False, return_log_sum_sq=False,
+                                   expect_uniform_grad=False, uniform_grad_callback=None):
     """Plain torch version of :func:`.api.linear_cross_entropy` (same API and semantics).
 
     Chunked over tokens (each chunk checkpointed when gradients are on), math in fp32
     (float64 for float64 inputs); autograd does the gradients. ``accum_dtype`` is ignored
-    (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32).
+    (except that, with a ``tp_group``, fp32 makes the dhidden all-reduce run in fp32);
+    ``expect_uniform_grad`` is checked and ignored (autograd's gradients are exact for any upstream
+    gradient; ``uniform_grad_callback`` is never called).
     With a ``tp_group`` it computes the same partial statistics of the local vocabulary
     shard as the kernels and combines them with an all-gather and the same merge
     (``sequence_parallel``: after the same all-gather of the token shards as the kernels), after
@@ -36,7 +39,8 @@ def linear_cross_entropy_reference(hidden, weight, target, *, bias=None, ignore_
         return_entropy=return_entropy, return_lse=return_lse, z_loss=z_loss, label_smoothing=label_smoothing,
         softcap=softcap, accum_dtype=accum_dtype, chunk_tokens=chunk_tokens, validate_targets=validate_targets,
         tp_group=tp_group, vocab_start=vocab_start, sequence_parallel=sequence_parallel,
-        return_mean_logits=return_mean_logits, return_is_top1=return_is_top1, return_log_sum_sq=return_log_sum_sq)
+        return_mean_logits=return_mean_logits, return_is_top1=return_is_top1, return_log_sum_sq=return_log_sum_sq,
+        expect_uniform_grad=expect_uniform_grad, uniform_grad_callback=uniform_grad_callback)
     return run_reference(h, weight, bias, t, temp, opts, target.shape)
 
 

@@ -20,6 +20,11 @@ row. Two gradient strategies:
   (:func:`.chunks._vocab_chunks`: all tokens against a slice of the vocabulary; partial
   statistics per slice merged by :func:`.stats.merge_partial_stats`; each slice's dweight rows
   from one GEMM, dhidden summed over the slices).
+* **Per-token outputs, uniform upstream gradient expected** (``expect_uniform_grad``, eager):
+  :class:`_UniformGradTokens` forms the gradients in the forward as the scalar loss does (3 GEMMs;
+  :func:`_uniform_impl`) and returns the per-token outputs; backward scales them where the
+  upstream gradient allows it exactly (:func:`_uniform_upstream`), else recomputes as the
+  per-token path does.
 
 The options travel as the call's :class:`.options.LCEOptions`; the custom ops take its
 :class:`.options.LossOptions` as flat scalars, after their tensors and sizes
@@ -55,8 +60,13 @@ def run_single(h, weight, bias, t, temp, opts, shape, check):
             out = _FusedScalarLoss.apply(h, weight, t, bias, temp, loss, opts.mean, chunk, needs)
         return _finish(check, out)
     vchunk = _vocab_chunk(opts.chunk_tokens, chunk, V, h.dtype, M, loss.softcap, grads)
-    loss_tok, lse, ent, xf = _lce_forward_op(h, weight, t, bias, temp, opts.return_entropy, chunk, vchunk,
-                                             opts.extras, *loss.to_args())
+    if grads and opts.expect_uniform_grad and not torch.compiler.is_compiling():
+        loss_tok, lse, ent, xf = _UniformGradTokens.apply(h, weight, t, bias, temp, loss, opts.return_entropy,
+                                                          opts.extras, chunk, vchunk, needs,
+                                                          opts.uniform_grad_callback)
+    else:
+        loss_tok, lse, ent, xf = _lce_forward_op(h, weight, t, bias, temp, opts.return_entropy, chunk, vchunk,
+                                                 opts.extras, *loss.to_args())
     _finish(check)  # the targets were checked on the device while the kernels were queued
     return _pack(loss_tok, lse, ent, t != loss.ignore_index, shape, opts, _unpack_extras(xf, opts.extras))
 
@@ -139,13 +149,20 @@ def _forward_impl(hidden, weight, target, bias, temp, loss, chunk, vchunk, need_
                          extras=extras, **loss.kernel_kw(None if temp is None else temp[s:e]))
     valid = target != loss.ignore_index
     loss_tok, lse, ent = _finalize_stats(stats, valid, V, loss.z_loss, loss.smoothing, need_ent)
-    xf = hidden.new_empty(0, dtype=torch.float32)
-    if extras:
-        xf = torch.zeros((3, M), **f32)
-        for i, (bit, name) in enumerate(EXTRA_NAMES):
-            if extras & bit:
-                xf[i] = _finalize_extras(stats, xt, target, valid, V, bit)[name]
+    xf = _extras_rows(stats, xt, target, valid, V, extras, hidden)
     return loss_tok, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32), xf
+
+
+def _extras_rows(stats, xt, target, valid, V, extras, like):
+    """The forward-only fields as the per-token op returns them: [3, M] fp32 rows (mean_logits,
+    is_top1 as 0/1, log_sum_sq_probs; zero where not asked for), or empty without ``extras``."""
+    if not extras:
+        return like.new_empty(0, dtype=torch.float32)
+    xf = torch.zeros((3, target.shape[0]), dtype=torch.float32, device=like.device)
+    for i, (bit, name) in enumerate(EXTRA_NAMES):
+        if extras & bit:
+            xf[i] = _finalize_extras(stats, xt, target, valid, V, bit)[name]
+    return xf
 
 
 def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, needs):
@@ -167,6 +184,64 @@ def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, 
         pg.add(g, h)
     dw, db = pg.result(hidden)
     return dh, dw, db
+
+
+def _uniform_impl(hidden, weight, target, bias, temp, loss, need_ent, extras, chunk, needs):
+    """Per-token outputs as :func:`_forward_impl` returns them, and the gradients of
+    ``sum(loss) / n_valid`` formed in the same pass (3 GEMMs): per token chunk the row kernel writes
+    the statistics and the dlogits of every labelled row with the weight ``1 / n_valid`` (``n_valid``
+    >= 1: the sums stay those of a mean, within the input dtype's range), then the dhidden GEMM and
+    the dweight accumulation. ``(loss, lse, ent, xf, dh, dw, db, n_valid)``: ``n_valid`` fp32 0-d, what
+    the backward multiplies the upstream gradient by."""
+    need_dh, need_dw, need_db = needs
+    M, V = hidden.shape[0], weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    valid = target != loss.ignore_index
+    n_valid = valid.sum().clamp(min=1).to(torch.float32)
+    w1 = (1.0 / n_valid).reshape(1)
+    stats = torch.empty((M, _NSTAT), **f32)
+    xt = torch.empty((M, 3), **f32) if extras else None
+    dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
+    for s, e, x, g, h in _logit_chunks(hidden, weight, bias, chunk, loss.softcap, True):
+        _launch_rows(x, target[s:e], stats=stats[s:e], need_ent=need_ent, xt=None if xt is None else xt[s:e],
+                     extras=extras, g_loss=w1, per_token=False, out=g,
+                     **loss.kernel_kw(None if temp is None else temp[s:e]))
+        if need_dh:
+            _dhidden_into(g, weight, dh[s:e])
+        pg.add(g, h)
+    loss_tok, lse, ent = _finalize_stats(stats, valid, V, loss.z_loss, loss.smoothing, need_ent)
+    xf = _extras_rows(stats, xt, target, valid, V, extras, hidden)
+    dw, db = pg.result(hidden)
+    return (loss_tok, lse, ent if need_ent else hidden.new_empty(0, dtype=torch.float32), xf, dh, dw, db,
+            n_valid)
+
+
+def _uniform_upstream(g_loss, g_ent, g_lse, target, ignore_index, n_valid, param_grads):
+    """Whether the gradients formed by :func:`_uniform_impl` give the exact backward for these upstream
+    gradients, and the factor: ``(True, None)``: dhidden alone is needed, each row scaled by its own
+    ``g_loss * n_valid`` (exact for any per-token weights; no host read); ``(True, s)``: ``g_loss``
+    equals one ``c`` on every labelled row and ``s = c * n_valid`` (0-d, on the device) is finite, so
+    the formed gradients times ``s`` are the exact ones; ``(False, None)``: not so (no loss
+    gradient, a nonzero entropy or lse gradient, per-token weights or a non-finite one with
+    dweight/dbias needed), the backward recomputes. The decision reads one flag on the host where
+    it depends on values (a device sync)."""
+    if g_loss is None:
+        return False, None
+    if not param_grads and g_ent is None and g_lse is None:
+        return True, None
+    flags = [(g == 0).all() for g in (g_ent, g_lse) if g is not None]
+    scale = None
+    if param_grads:
+        valid = target != ignore_index
+        gf = g_loss.reshape(-1).float()
+        first = gf[valid.to(torch.int32).argmax()]  # the first labelled row's (row 0 when none is labelled)
+        c = torch.where(valid.any(), first, torch.ones_like(first))
+        scale = c * n_valid
+        flags.append(torch.isfinite(scale) & (torch.where(valid, gf, c) == c).all())
+    if not bool(torch.stack(flags).all()):  # the one host read
+        return False, None
+    return True, scale
 
 
 # ----------------------------------------------------------------------------------------
@@ -319,3 +394,55 @@ def _forward_backward(ctx, g_loss, g_lse, g_ent, _g_extras):
 
 
 _lce_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
+
+
+class _UniformGradTokens(torch.autograd.Function):
+    """Eager per-token outputs (``expect_uniform_grad=True``) with the gradients formed in the forward
+    (:func:`_uniform_impl`, 3 GEMMs) for an upstream gradient that is uniform over the labelled rows.
+    Backward (once only, as the scalar-loss path) scales them in place where
+    :func:`_uniform_upstream` finds that exact; otherwise it drops them and runs the per-token
+    backward (:func:`_backward_impl`, recomputing the logits, as the ``lce_forward`` op would: exact
+    in every case, one GEMM more). ``callback(bool)``, if given, is told which way it went."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, temp, loss, need_ent, extras, chunk, vchunk, needs, callback):
+        loss_tok, lse, ent, xf, dh, dw, db, n_valid = _uniform_impl(hidden, weight, target, bias, temp, loss,
+                                                                    need_ent, extras, chunk, needs)
+        ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
+        ctx.mark_non_differentiable(xf)
+        ctx.loss, ctx.need_ent, ctx.sizes, ctx.needs, ctx.callback = loss, need_ent, (chunk, vchunk), needs, callback
+        ctx.save_for_backward(hidden, weight, target, bias, temp, lse, ent, n_valid)
+        ctx.grads = [dh, dw, db]  # plain attributes (see _FusedScalarLoss): dropped in backward
+        return loss_tok, lse, ent, xf
+
+    @staticmethod
+    def backward(ctx, g_loss, g_lse, g_ent, _g_extras):
+        if ctx.grads is None:
+            raise RuntimeError("deepspeed_fused.linear_cross_entropy: expect_uniform_grad=True forms the gradients in "
+                               "the forward and can be backpropagated once; leave it False to backward twice")
+        grads, ctx.grads = ctx.grads, None
+        hidden, weight, target, bias, temp, lse, ent, n_valid = ctx.saved_tensors
+        loss, needs = ctx.loss, ctx.needs
+        if not ctx.need_ent:
+            g_ent = None
+        use, scale = _uniform_upstream(g_loss, g_ent, g_lse, target, loss.ignore_index, n_valid,
+                                       needs[1] or needs[2])
+        if ctx.callback is not None:
+            ctx.callback(use)
+        if use and scale is None:  # dhidden alone: each labelled row times its own upstream gradient
+            s = torch.where(target != loss.ignore_index, g_loss.reshape(-1).float() * n_valid, 1.0)
+            dh, dw, db = grads[0].mul_(s.unsqueeze(1)), None, None
+        elif use:
+            dh, dw, db = _scale_formed_grads(scale, target, loss.ignore_index, grads, needs,
+                                             kernel=not torch.is_grad_enabled())
+        else:
+            del grads  # freed before the recomputation allocates its own
+            M = hidden.shape[0]
+            gl = (torch.zeros(M, dtype=torch.float32, device=hidden.device) if g_loss is None
+                  else g_loss.reshape(-1).float().contiguous())
+            up = _Upstream.of(lse, ent, gl, None if g_ent is None else g_ent.reshape(-1).float().contiguous(),
+                              None if g_lse is None else g_lse.reshape(-1).float().contiguous())
+            dh, dw, db = _backward_impl(hidden, weight, target, bias, temp, up, loss, *ctx.sizes, needs)
+        need_dh, need_dw, need_db = needs
+        return ((dh if need_dh else None, dw if need_dw else None, None, db if need_db else None)
+                + (None,) * 8)
