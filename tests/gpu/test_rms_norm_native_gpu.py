@@ -279,3 +279,41 @@ def test_switch_off_by_flag():
     finally:
         R.api.NATIVE = True
     assert not _native_node(node)
+
+
+@pytest.mark.parametrize("form_name", [None, "offset"])
+def test_checkpoint_recomputation_across_the_switch(form_name):
+    """Under non-reentrant activation checkpointing the original forward may run the Python node and
+    the recomputation the C++ node (it becomes available while training runs), or the reverse: both
+    save the same tensors, so the step trains as with one node, bitwise."""
+    from torch.utils.checkpoint import checkpoint
+
+    _built()
+    R.clear_plans()
+    x, w, dy = make_inputs((2, 512, 1152), torch.bfloat16, seed=11, device="cuda")
+    if form_name is None:
+        def norm(h, wt):
+            return R.fused_rms_norm(h, wt, EPS)
+    else:
+        def norm(h, wt):
+            return R.fused_rms_norm_form(h, wt, EPS, R.FORMS[form_name])
+    for _ in range(3):  # the second call's backward offers the key to the C++ node
+        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        norm(xr, wr).backward(dy)
+    assert any(v is not None for v in R.api._native_plans.values()), "no key reached the C++ node"
+
+    def step(native_forward, native_recompute):
+        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        R.api.NATIVE = native_forward
+        try:
+            y = checkpoint(lambda h, wt: norm(h, wt) * 1.0, xr * 1.0, wr, use_reentrant=False)
+            R.api.NATIVE = native_recompute
+            y.backward(dy)
+        finally:
+            R.api.NATIVE = True
+        return xr.grad, wr.grad
+
+    want = step(True, True)
+    for a, b in ((False, True), (True, False), (False, False)):
+        got = step(a, b)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (a, b)

@@ -1167,3 +1167,83 @@ def test_recognition_checks_what_the_loaded_globals_name():
     assert F.recognise(_class_from_template("gate_first_row", F=None)) is not None
     assert F.recognise(_class_from_template("n_groups_gated")).kind == "n_groups_gated"
     assert F.recognise(_class_from_template("n_groups_gated", len=lambda s: 3)) is None
+
+
+@pytest.mark.parametrize("name", ["offset", "unweighted", "gated"])
+def test_form_node_saves_what_the_cpp_node_saves(interpret, name):
+    """The Python node of the other forms saves (x, weight, gate, rstd) with an empty tensor of x's
+    dtype for an absent weight or gate, as the C++ node (csrc/rms_norm_node.cpp) does: a
+    recomputation under non-reentrant activation checkpointing may then run either node whatever
+    the original forward ran (the C++ node becomes available while training runs)."""
+    form = R.FORMS[name]
+    for gate in ((True, False) if form.gate == "none" else (True,)):
+        x, w, g, dy = form_inputs(form, (2, 5, 64), torch.float32, gate=gate)
+        x.requires_grad_()
+        if w is not None:
+            w.requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = R.fused_rms_norm_form(x, w, EPS, form, gate=g)
+        assert y.grad_fn.name().endswith("_FusedRMSNormFormFnBackward"), y.grad_fn.name()
+        meta = [(tuple(t.shape), t.dtype) for t in saved]
+        want = [(tuple(x.shape), x.dtype),
+                (tuple(w.shape), w.dtype) if w is not None else ((0,), x.dtype),
+                (tuple(g.shape), g.dtype) if g is not None else ((0,), x.dtype),
+                (tuple(x.shape[:-1]), torch.float32)]
+        assert meta == want, (name, gate, meta)
+        y.backward(dy)  # the stand-ins are dropped again: gradients as without them
+        ref_x = x.detach().double().requires_grad_()
+        ref_w = None if w is None else w.detach().double().requires_grad_()
+        oracle_form(ref_x, ref_w, None if g is None else g.double(), EPS, form).backward(dy.double())
+        torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=1e-4, atol=1e-5)
+        if w is not None:
+            torch.testing.assert_close(w.grad.double(), ref_w.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_recomputation_may_switch_to_a_node_saving_stand_ins(interpret):
+    """Non-reentrant checkpointing compares what the recomputation saves with what the forward
+    saved: a forward through the Python node and a recomputation through a node that saves the C++
+    node's list (stand-ins for the absent gate) train as one node would."""
+    from torch.utils.checkpoint import checkpoint
+
+    form = R.FORMS["offset"]
+    x, w, _, dy = form_inputs(form, (3, 7, 64), torch.float32, gate=False)
+
+    class CppLike(torch.autograd.Function):  # saves what csrc/rms_norm_node.cpp's form node saves
+        @staticmethod
+        def forward(ctx, x, w, g):
+            inner = []
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: inner.append(t) or t, lambda t: t):
+                y = R.fused_rms_norm_form(x.detach().requires_grad_(), w.detach().requires_grad_(), EPS, form)
+            ctx.save_for_backward(x, w, g, inner[-1])  # x, w, the gate's stand-in, rstd
+            ctx.xw = (x.detach(), w.detach())
+            return y.detach()
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w = ctx.xw
+            x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+            with torch.enable_grad():
+                y = R.fused_rms_norm_form(x, w, EPS, form)
+            dx, dw = torch.autograd.grad(y, (x, w), dy)
+            return dx, dw, None
+
+    calls = []
+
+    def norm(h, wt):
+        calls.append(1)
+        if len(calls) == 1:  # the original forward: the Python node
+            return R.fused_rms_norm_form(h, wt, EPS, form)
+        return CppLike.apply(h, wt, h.new_empty(0))  # the recomputation
+
+    def grads(fn):
+        xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        (fn(xr, wr) * 1.0).backward(dy)
+        return xr.grad, wr.grad
+
+    want = grads(lambda h, wt: R.fused_rms_norm_form(h, wt, EPS, form) * 1.0)
+    got = grads(lambda h, wt: checkpoint(norm, h * 1.0, wt, use_reentrant=False))
+    assert len(calls) == 2
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])

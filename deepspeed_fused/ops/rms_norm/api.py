@@ -218,15 +218,19 @@ class _FusedRMSNormFormFn(torch.autograd.Function):
     def forward(ctx, x, w, g, eps, form, key, run=None):
         out = run(x, w, g, eps) if run is not None else None
         y, rstd = out if out is not None else _form_forward_impl(x, w, g, eps, form, key=key)
-        ctx.save_for_backward(x, w, g, rstd)
-        ctx.form, ctx.key = form, key
+        # an absent weight or gate is saved as the empty stand-in the C++ node saves (x's dtype and
+        # device): both nodes then save the same tensors, so a recomputation under non-reentrant
+        # activation checkpointing may take either node whatever the original forward took (the
+        # C++ node becomes available while training runs)
+        ctx.save_for_backward(x, _stand_in(w, x), _stand_in(g, x), rstd)
+        ctx.form, ctx.key, ctx.has = form, key, (w is not None, g is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         if torch.is_grad_enabled():
             return _form_backward_once(ctx, dy)
-        x, w, g, rstd = ctx.saved_tensors
+        x, w, g, rstd = _form_saved(ctx)
         fast_key = (ctx.key, dy.stride(), dy.dtype, dy.data_ptr() & 15)
         run = _form_bwd_fast.get(fast_key)
         if run is not None:
@@ -237,8 +241,19 @@ class _FusedRMSNormFormFn(torch.autograd.Function):
         return dx, dw, dg, None, None, None, None
 
 
-def _form_backward_body(ctx, dy):
+def _stand_in(t, x):
+    return x.new_empty(0) if t is None else t
+
+
+def _form_saved(ctx):
+    """(x, w or None, g or None, rstd) from what :class:`_FusedRMSNormFormFn` saved."""
     x, w, g, rstd = ctx.saved_tensors
+    has_w, has_g = ctx.has
+    return x, (w if has_w else None), (g if has_g else None), rstd
+
+
+def _form_backward_body(ctx, dy):
+    x, w, g, rstd = _form_saved(ctx)
     dx, dw, dg = _form_backward_impl(dy, x, w, g, rstd, ctx.form)
     return dx, dw, dg, None, None, None, None
 
