@@ -296,9 +296,12 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
     accum = [(k, v[a]) for k, v in results.items() for a in _arms_of(v) if _ok(v[a]) and (_accum_of(v[a]) or 1) > 1]
     lines = ["# Benchmark `e2e`: training step, features off vs Liger-Kernel vs features on", "",
              f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, "
-             f"liger-kernel {meta.get('liger_kernel') or 'not installed'}. Model `{meta['model']}` "
-             f"({'Qwen3-30B-A3B layer shape, 4 layers, ' if meta['model'] == 'qwen3-moe-30b-a3b-4l' else ''}"
-             f"random init), bf16 on GPU, micro-batch {meta['batch']} x {meta['seq']} tokens, "
+             f"liger-kernel {meta.get('liger_kernel') or 'not installed'}. "
+             + ("" if results and all(k in (meta.get("pair_models") or {}) for k in results) else
+                f"Model `{meta['model']}` "
+                f"({'Qwen3-30B-A3B layer shape, 4 layers, ' if meta['model'] == 'qwen3-moe-30b-a3b-4l' else ''}"
+                "random init), ")
+             + f"bf16 on GPU, micro-batch {meta['batch']} x {meta['seq']} tokens, "
              f"{meta['steps']} timed optimizer steps after {meta['warmup']} warm-up"
              + ("".join(f" (`{k}`: {_accum_of(a)} micro-steps each, gradient accumulation)" for k, a in accum[:1]))
              + ". Arms: `baseline` (features off), `liger` "
