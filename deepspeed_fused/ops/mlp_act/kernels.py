@@ -8,11 +8,17 @@ and the up's gradients (again two tensors or the two halves of one buffer). The 
 
 The activation (``ACT``) is a constexpr: 0 SiLU, 1 GELU with the tanh approximation, 2 exact
 (erf) GELU, each written as ATen's CUDA kernel writes it in FP32 (``opmath``), in the same
-order of operations, with CUDA's ``expf``/``tanhf``/``erff`` (libdevice). Each step is rounded
-where eager rounds it: the activation once to the input dtype, the product once; backward: the
-product's two gradients each rounded to the input dtype, the activation's backward in FP32 from
-the rounded ``dh * up``, one rounding. ``EXACT_EXP`` (SiLU only) false takes Triton's faster
-``exp`` for half-precision inputs, as the experts' gate always has.
+order of operations, with CUDA's ``expf``/``tanhf`` (libdevice) and CUDA's ``erff`` written out
+(:func:`_erf`, below), and with the multiply-adds that nvcc contracts into FMAs as explicit
+``tl.fma``. Each step is rounded where eager rounds it: the activation once to the input dtype,
+the product once; backward: the product's two gradients each rounded to the input dtype, the
+activation's backward in FP32 from the rounded ``dh * up``, one rounding. ``EXACT_EXP`` (SiLU
+only) false takes Triton's faster ``exp`` for half-precision inputs, as the experts' gate always has.
+
+A program covers ``BLOCK_R`` rows and ``BLOCK_C`` columns; programs are numbered with the column
+block fastest, so consecutive programs (which the GPU starts together) read consecutive memory,
+as a flat elementwise kernel does. Row-contiguous tensors are launched as one row of
+``rows * I`` elements (:mod:`.launch`); offsets are int64.
 """
 from __future__ import annotations
 
@@ -37,6 +43,21 @@ K_3_KAPPA = _f32(3.0 * K_KAPPA)  # opmath_t(3) * kKappa: a product of two floats
 K_ALPHA = _f32(_SQRT1_2)
 K_BETA_ERF = _f32(_2_SQRTPI * _SQRT1_2 * 0.5)
 
+
+def _bits(h: int) -> float:
+    """The FP32 number with bit pattern ``h``."""
+    return struct.unpack("<f", struct.pack("<I", h))[0]
+
+
+# CUDA's erff (libdevice's __nv_erff of CUDA 12.6 to 13.0, what nvcc builds eager's GELU with): below
+# ERF_SPLIT, erf(a) = a + a p(a^2); from it, erf(a) = copysign(1 - 2^(-|a| - |a| q(|a|)), a) with
+# ex2.approx.ftz. p and q are degree-6 polynomials in Horner form, one FMA a step (highest first).
+# Triton's bundled libdevice carries an older erff (other q coefficients): 1 ULP apart on a few
+# percent of inputs, which eager's GELU turns into many ULP where 1 + erf cancels.
+ERF_SPLIT = _bits(0x3F8060FE)  # 1.00296
+ERF_P = tuple(map(_bits, (0x38B1E96A, 0xBA574D20, 0x3BAAD5EA, 0xBCDC1BE7, 0x3DE718AF, 0xBEC093AC, 0x3E0375D3)))
+ERF_Q = tuple(map(_bits, (0x38EB4C3A, 0xBAAE005B, 0x3C09919F, 0xBD24D99A, 0x3E235519, 0x3F69B4F9, 0x3F210A14)))
+
 if HAS_TRITON:
     from .._common import exp_cuda
 
@@ -45,8 +66,11 @@ if HAS_TRITON:
     _C_3_KAPPA = tl.constexpr(K_3_KAPPA)
     _C_ALPHA = tl.constexpr(K_ALPHA)
     _C_BETA_ERF = tl.constexpr(K_BETA_ERF)
+    _C_ERF_SPLIT = tl.constexpr(ERF_SPLIT)
+    _P0, _P1, _P2, _P3, _P4, _P5, _P6 = map(tl.constexpr, ERF_P)
+    _Q0, _Q1, _Q2, _Q3, _Q4, _Q5, _Q6 = map(tl.constexpr, ERF_Q)
 
-    if _INTERPRET_AT_IMPORT:  # no libdevice under the interpreter: numpy's exp and erf, tanh from exp
+    if _INTERPRET_AT_IMPORT:  # no libdevice or PTX under the interpreter: numpy's exp and exp2, tanh from exp
 
         @triton.jit
         def _tanh(v):
@@ -55,8 +79,13 @@ if HAS_TRITON:
             return tl.where(v < 0, -t, t)
 
         @triton.jit
-        def _erf(v):
-            return tl.erf(v)
+        def _ex2_approx(v):
+            return tl.exp2(v)
+
+        @triton.jit
+        def _fma(a, b, c):
+            # the interpreter's tl.fma rounds the product first; FP64 holds it exactly
+            return (a.to(tl.float64) * b + c.to(tl.float64)).to(tl.float32)
     else:
         from triton.language.extra.cuda import libdevice
 
@@ -65,8 +94,32 @@ if HAS_TRITON:
             return libdevice.tanh(v)  # CUDA's tanhf, as ATen's c10::cuda::compat::tanh
 
         @triton.jit
-        def _erf(v):
-            return libdevice.erf(v)  # CUDA's erff
+        def _ex2_approx(v):
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [v], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+
+        @triton.jit
+        def _fma(a, b, c):
+            return tl.fma(a, b, c)  # fma.rn.f32
+
+    @triton.jit
+    def _erf(a):
+        # CUDA's erff step for step (see ERF_P / ERF_Q): both branches computed, one selected
+        ax = tl.abs(a)
+        far = ax >= _C_ERF_SPLIT
+        t = tl.where(far, ax, a * a)
+        p = tl.where(far, _Q0, _P0)
+        p = _fma(p, t, tl.where(far, _Q1, _P1))
+        p = _fma(p, t, tl.where(far, _Q2, _P2))
+        p = _fma(p, t, tl.where(far, _Q3, _P3))
+        p = _fma(p, t, tl.where(far, _Q4, _P4))
+        p = _fma(p, t, tl.where(far, _Q5, _P5))
+        p = _fma(p, t, tl.where(far, _Q6, _P6))
+        s = tl.where(far, -ax, a)
+        r = _fma(p, s, s)
+        e = 1.0 - _ex2_approx(r)
+        # copysign: on the far branch a is never 0 or NaN
+        return tl.where(far, tl.where(a < 0, -e, e), r)
 
     @triton.jit
     def _exp(v, EXACT_EXP: tl.constexpr):
@@ -108,18 +161,28 @@ if HAS_TRITON:
             right_derivative = left * tanh_derivative * inner_derivative
             d = dy * (left_derivative + right_derivative)
         else:
-            cdf = 0.5 * (1.0 + _erf(x * _C_ALPHA))
+            # cdf + x * pdf with cdf = 0.5 * (1 + erf): nvcc contracts the cdf's product into the
+            # sum (fma(1 + erf, 0.5, x * pdf)), x * pdf rounded on its own
             pdf = exp_cuda(-0.5 * x * x) * _C_BETA_ERF
-            d = dy * (cdf + x * pdf)
+            d = dy * _fma(1.0 + _erf(x * _C_ALPHA), 0.5, x * pdf)
         return d
 
     @triton.jit
-    def _gated_fwd_kernel(G, U, H, n_rows, inter, stride_g, stride_u, stride_h, ACT: tl.constexpr,
+    def _tile_of(n_col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # this program's rows and columns (int64), the column block fastest
+        pid = tl.program_id(0)
+        rb = pid // n_col_blocks
+        cb = pid - rb * n_col_blocks
+        rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+        return rows, cols
+
+    @triton.jit
+    def _gated_fwd_kernel(G, U, H, n_rows, inter, n_col_blocks, stride_g, stride_u, stride_h, ACT: tl.constexpr,
                           EXACT_EXP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rows, cols = _tile_of(n_col_blocks, BLOCK_R, BLOCK_C)
         m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
-        r64 = rows.to(tl.int64)[:, None]
+        r64 = rows[:, None]
         g = tl.load(G + r64 * stride_g + cols[None, :], mask=m, other=0.0)
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=m, other=0.0)
         ty = g.dtype
@@ -128,12 +191,12 @@ if HAS_TRITON:
         tl.store(H + r64 * stride_h + cols[None, :], h, mask=m)
 
     @triton.jit
-    def _gated_bwd_kernel(G, U, DH, DG, DU, n_rows, inter, stride_g, stride_u, stride_dh, stride_dg, stride_du,
-                          ACT: tl.constexpr, EXACT_EXP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    def _gated_bwd_kernel(G, U, DH, DG, DU, n_rows, inter, n_col_blocks, stride_g, stride_u, stride_dh, stride_dg,
+                          stride_du, ACT: tl.constexpr, EXACT_EXP: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+        rows, cols = _tile_of(n_col_blocks, BLOCK_R, BLOCK_C)
         m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
-        r64 = rows.to(tl.int64)[:, None]
+        r64 = rows[:, None]
         g = tl.load(G + r64 * stride_g + cols[None, :], mask=m, other=0.0)
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=m, other=0.0).to(tl.float32)
         dh = tl.load(DH + r64 * stride_dh + cols[None, :], mask=m, other=0.0).to(tl.float32)

@@ -1,6 +1,15 @@
 """Launches of the gated-activation kernels on ``[rows, I]`` views: the tile, the grid, the
 outputs. Every layout goes through :func:`forward_rows` and :func:`backward_rows`: two separate
-tensors, or the two halves of one gate-up projection (gate first or up first)."""
+tensors, or the two halves of one gate-up projection (gate first or up first).
+
+The kernels number their programs with the column block fastest, so the programs the GPU runs
+together sweep memory in order (a grid with the rows fastest puts them a row apart, each reading a
+few KiB of a different row). Where every tensor of a launch is row-contiguous (two separate
+tensors, the usual case) the launch is one row of ``rows * I`` elements in blocks of
+:data:`FLAT_BLOCK` over :data:`FLAT_WARPS` warps (8 elements a thread, one 16-byte access of a bf16
+tensor), the shape of a flat elementwise kernel (DeepSpeed's Triton swiglu, torch.compile's
+pointwise kernels): no masked lanes but in the last block. The two halves of a gate-up projection
+(rows ``2 I`` apart) take the experts' tile (:data:`TILE`) in the same order."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +22,9 @@ from .kernels import ACT_CODES
 TILE = (2048, 2048)
 
 
+FLAT_BLOCK, FLAT_WARPS = 2048, 8
+
+
 def tile(n_rows: int, inter: int, sizes: tuple = TILE) -> tuple:
     """(grid, constexprs, warps) of a ``[n_rows, inter]`` launch."""
     outputs, widest = sizes
@@ -20,6 +32,23 @@ def tile(n_rows: int, inter: int, sizes: tuple = TILE) -> tuple:
     block_r = max(1, min(outputs // block_c, next_power_of_2(max(n_rows, 1))))
     grid = (cdiv(n_rows, block_r), cdiv(inter, block_c))
     return grid, dict(BLOCK_R=block_r, BLOCK_C=block_c), 4 if block_r * block_c >= 1024 else 2
+
+
+def plan(n_rows: int, inter: int, *tensors: torch.Tensor) -> tuple:
+    """(scalars, grid, constexprs, warps) of a launch of the gated kernels over ``tensors``
+    (``[n_rows, inter]`` views, unit column stride); scalars: rows, width, column blocks, then each
+    tensor's row stride. One row of ``n_rows * inter`` where each tensor is row-contiguous (or
+    there is one row; its strides passed as 0, so the JIT knows every row offset 16-aligned), else
+    the rows as they are; a 1-D grid, the column block fastest."""
+    if n_rows == 1 or all(t.stride(0) == inter for t in tensors):
+        n_rows, inter, strides = 1, n_rows * inter, (0,) * len(tensors)
+        block = min(FLAT_BLOCK, next_power_of_2(inter))
+        const, warps = dict(BLOCK_R=1, BLOCK_C=block), max(1, min(FLAT_WARPS, block // 256))
+    else:
+        strides = tuple(t.stride(0) for t in tensors)
+        _, const, warps = tile(n_rows, inter)
+    n_cb = cdiv(inter, const["BLOCK_C"])
+    return (n_rows, inter, n_cb) + strides, (cdiv(n_rows, const["BLOCK_R"]) * n_cb,), const, warps
 
 
 def rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -41,12 +70,10 @@ def forward_rows(g: torch.Tensor, u: torch.Tensor, act: str, exact_exp: bool = T
     """``act(g) * u`` of two ``[rows, I]`` views (unit column stride) into a fresh ``[rows, I]``."""
     from .kernels import launch_forward
 
-    n_rows, inter = g.shape
-    h = torch.empty((n_rows, inter), dtype=g.dtype, device=g.device)
+    h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if h.numel():
-        grid, const, warps = tile(n_rows, inter)
-        launch_forward(grid, (g, u, h, n_rows, inter, g.stride(0), u.stride(0), h.stride(0)),
-                       dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, **const), warps)
+        scalars, grid, const, warps = plan(*g.shape, g, u, h)
+        launch_forward(grid, (g, u, h) + scalars, dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, **const), warps)
     return h
 
 
@@ -56,11 +83,10 @@ def backward_rows(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, dg: torch.
     ``du`` (views of one buffer or two)."""
     from .kernels import launch_backward
 
-    n_rows, inter = g.shape
-    if n_rows and inter:
-        grid, const, warps = tile(n_rows, inter)
-        launch_backward(grid, (g, u, dh, dg, du, n_rows, inter, g.stride(0), u.stride(0), dh.stride(0), dg.stride(0),
-                               du.stride(0)), dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, **const), warps)
+    if g.numel():
+        scalars, grid, const, warps = plan(*g.shape, g, u, dh, dg, du)
+        launch_backward(grid, (g, u, dh, dg, du) + scalars, dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, **const),
+                        warps)
 
 
 def split_forward(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
