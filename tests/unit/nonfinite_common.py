@@ -25,13 +25,61 @@ def assert_nonfinite_like(out, ref, rtol, atol, what=""):
         torch.testing.assert_close(o[fin], r[fin], rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
+def _float_keys(x, nan_largest):
+    """int64 keys of a floating tensor's values in their numeric order (-0.0 equal to 0.0), compared as
+    integers: every NaN the largest key where ``nan_largest``, else a NaN ordered by its bits (its sign
+    bit set: below -inf, clear: above +inf, as a radix sort of the bit patterns orders it)."""
+    d = x.detach().double()  # exact for every float dtype; a NaN keeps its sign bit
+    d = torch.where(d == 0, torch.zeros_like(d), d)
+    b = d.view(torch.int64)
+    k = torch.where(b < 0, b ^ 0x7FFFFFFFFFFFFFFF, b)
+    return torch.where(d.isnan(), torch.full_like(k, 0x7FFFFFFFFFFFFFFF), k) if nan_largest else k
+
+
 def stable_topk(x, k, dim=-1, largest=True, sorted=True):
-    """torch.topk with the order of equal values fixed (the lower index first; NaN the largest, every
-    NaN equal), as a stable sort gives it. torch.topk's order among equal values is its own (on CPU
-    a partial sort's: an all-NaN row of 8 gives experts 6 and 5 for k = 2), so the kernels' rule is
-    checked against this, and the values torch.topk selects against the kernels' values."""
-    v, i = torch.sort(x, dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+    """torch.topk with the order of equal values fixed (the lower index first; NaN of either sign the
+    largest, every NaN equal), as a stable sort of torch.topk's ranking gives it. torch.topk's order
+    among equal values is its own (on CPU a partial sort's: an all-NaN row of 8 gives experts 6 and 5
+    for k = 2), so the kernels' rule is checked against this, and the values torch.topk selects
+    against the kernels' values. The order is a stable sort of integer keys: a sort of the floating
+    values themselves would bring in the device's rule for NaN (CUDA's ``torch.sort``, torch 2.11,
+    one H100: a NaN with its sign bit set below -inf; see :func:`cuda_float_sort_rule`)."""
+    if not x.is_floating_point():
+        v, i = torch.sort(x, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((v.narrow(dim, 0, k), i.narrow(dim, 0, k)))
+    i = torch.sort(_float_keys(x, nan_largest=True), dim=dim, descending=largest, stable=True)[1].narrow(dim, 0, k)
+    return torch.return_types.topk((x.gather(dim, i), i))
+
+
+@contextlib.contextmanager
+def cuda_float_sort_rule():
+    """``torch.sort`` / ``torch.argsort`` (function and method) of floating tensors as CUDA's sorts
+    order them (torch 2.11, one H100): by the values' bit patterns, a NaN with its sign bit set below
+    -inf and one with it clear above +inf (-0.0 equal to 0.0), stable. CPU's sorts take every NaN as
+    the largest, so a reference that sorts floats passes on CPU and fails on CUDA for NaN with the
+    sign bit set (the CPU's float-to-bfloat16 conversion gives every NaN that sign). torch.topk's own
+    selection takes every NaN as the largest on both devices and is left as it is."""
+    real = {name: getattr(owner, name) for owner, name in ((torch, "sort"), (torch, "argsort"))}
+    real_methods = {"sort": torch.Tensor.sort, "argsort": torch.Tensor.argsort}
+
+    def _sorted(input, dim=-1, descending=False, stable=False, **kw):
+        if not input.is_floating_point() or kw:
+            return real["sort"](input, dim=dim, descending=descending, stable=stable, **kw)
+        i = real["sort"](_float_keys(input, nan_largest=False), dim=dim, descending=descending, stable=True)[1]
+        return torch.return_types.sort((input.gather(dim, i), i))
+
+    def _argsorted(input, dim=-1, descending=False, stable=False, **kw):
+        if not input.is_floating_point() or kw:
+            return real["argsort"](input, dim=dim, descending=descending, stable=stable, **kw)
+        return _sorted(input, dim=dim, descending=descending)[1]
+
+    torch.sort, torch.argsort = _sorted, _argsorted
+    torch.Tensor.sort, torch.Tensor.argsort = _sorted, _argsorted
+    try:
+        yield
+    finally:
+        torch.sort, torch.argsort = real["sort"], real["argsort"]
+        torch.Tensor.sort, torch.Tensor.argsort = real_methods["sort"], real_methods["argsort"]
 
 
 @contextlib.contextmanager

@@ -3,9 +3,12 @@ NaN, +inf and -inf in rows, weights, biases and gates give NaN and infinities in
 gradients exactly where eager's are (masks compared exactly, finite values within the ops' usual
 tolerances). The interpreter's ``tl.maximum``/``tl.minimum`` propagate NaN (numpy), the GPU's drop
 it (``max.f32``): every test here runs with the GPU's rule (the ``gpu_nan_rule`` fixture), so a
-kernel that leans on either rule fails here. Routers: NaN above +inf as torch.topk orders them,
-equal values the lower expert first (torch.topk's own order among equal values is its
-implementation's; the values it selects are checked to be the kernels'). Last, a tiny Qwen3-MoE
+kernel that leans on either rule fails here. Likewise ``torch.sort`` of floats runs with CUDA's
+rule for NaN (a NaN with its sign bit set below -inf; the ``cuda_sort_rule`` fixture), so a
+reference that sorts floats to rank NaN fails here as on the GPU. Routers: NaN of either sign above
++inf as torch.topk orders them, equal values the lower expert first (torch.topk's own order among
+equal values is its implementation's; the values it selects are checked to be the kernels'); rows
+of 8 experts and rows of 64 and 256. Last, a tiny Qwen3-MoE
 with a NaN row in its hidden states: loss and every gradient non-finite where the unpatched
 model's are."""
 import copy
@@ -15,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unit.nonfinite_common import (INF, NAN, ROW_KINDS, assert_nonfinite_like, eager_topk_lower_index_first,
-                                   poison_rows)
+from unit.nonfinite_common import (INF, NAN, ROW_KINDS, assert_nonfinite_like, cuda_float_sort_rule,
+                                   eager_topk_lower_index_first, poison_rows, stable_topk)
 
 from deepspeed_fused.ops import moe_reorder as mr
 from deepspeed_fused.ops import rope as RP
@@ -42,6 +45,41 @@ def gpu_nan_rule(monkeypatch):
     monkeypatch.setattr(ti.InterpreterBuilder, "create_minnumf",
                         lambda self, a, b: self.binary_op(a, b, np.fmin), raising=True)
     yield
+
+
+@pytest.fixture(autouse=True)
+def cuda_sort_rule():
+    """``torch.sort`` of floats under the interpreter as CUDA orders NaN (by its sign bit)."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    with cuda_float_sort_rule():
+        yield
+
+
+def test_cuda_sort_rule_is_in_force(interpret):
+    x = torch.tensor([1.0, NAN, -INF, 0.0, INF, -0.0, 2.0, NAN]).to(interpret)
+    x[1] = -x[1]  # a NaN with its sign bit set
+    assert torch.sort(x, descending=True, stable=True)[1].tolist() == [7, 4, 6, 0, 3, 5, 2, 1]
+    assert x.argsort(stable=True).tolist() == [1, 2, 3, 5, 0, 6, 4, 7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_stable_topk_takes_every_nan_as_largest(interpret, dtype):
+    """The reference's top-k ranks NaN of either sign above +inf under CUDA's sort rule too (the
+    CPU's conversion to bfloat16 sets every NaN's sign bit)."""
+    x = torch.tensor([[1.0, NAN, -INF, 0.0, INF, -0.0, NAN, 1.0],
+                      [-INF, -INF, -INF, -INF, -INF, -INF, -INF, -INF]], dtype=torch.float64)
+    x[0, 6] = -x[0, 6]
+    x = x.to(dtype).to(interpret)
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert x[0, 6].view(bits).item() < 0
+    v, i = stable_topk(x, 6)
+    assert i.tolist() == [[1, 6, 4, 0, 7, 3], [0, 1, 2, 3, 4, 5]]
+    assert v[0, :2].isnan().all() and torch.equal(v[:, 2:], x.gather(1, i)[:, 2:])
+    v, i = stable_topk(x, 3, largest=False)
+    assert i.tolist() == [[2, 3, 5], [0, 1, 2]]
 
 
 def test_gpu_nan_rule_is_in_force(interpret):
@@ -82,9 +120,10 @@ def _router_logits(dtype, device, T=None, E=8, seed=0):
     x = poison_rows(x, [k if k in ROW_KINDS else "finite" for k in kinds])
     r = kinds.index("ties")
     x[r, [1, 4, 6]] = x[r].max() + 1.0
-    r = kinds.index("ties_nan")
-    x[r, [2, 5]] = NAN
+    r = kinds.index("ties_nan")  # two equal largest values next to two NaN (the second's sign bit set)
     x[r, [0, 7]] = x[r].max() + 1.0
+    x[r, [2, 5]] = NAN
+    x[r, 5] = -x[r, 5]
     x[kinds.index("zeros")] = torch.tensor([0.0, -0.0, 0.0, -1.0, -0.0, 0.0, -2.0, 0.0])[:E]
     return x.to(dtype).to(device)
 
@@ -106,9 +145,11 @@ def _check_router(fn, ref, logits, k, args, dtype_out, d_seed=1):
 
 
 def _same_values_as_topk(select, ids, k, *args):
-    """torch.topk (its own order of equal values) selects the values the kernels selected."""
+    """torch.topk (its own order of equal values) selects the values the kernels selected: the two
+    sets of k values, each put in one order (NaN first, whatever the device's sort does with NaN)."""
     sel = select.detach().double()
     vals, plain = sel.gather(1, ids), sel.gather(1, torch.topk(sel, k, dim=-1)[1])
+    vals, plain = stable_topk(vals, k).values, stable_topk(plain, k).values
     assert torch.equal(vals.isnan(), plain.isnan())
     assert torch.equal(vals.nan_to_num(), plain.nan_to_num())
 
@@ -134,6 +175,29 @@ def test_topk_logits_softmax_nonfinite_rows(interpret, dtype, k, sd, out):
     _same_values_as_topk(logits, ids, k)
 
 
+def many_expert_logits(E, T=64):
+    """Rows of ``E`` experts (one program's tile of 64 to 256) with NaN (either sign), +inf and -inf
+    scattered, one all-NaN row and one all -inf row."""
+    gen = torch.Generator().manual_seed(E)
+    x = 2 * torch.randn(T, E, generator=gen)
+    for r in range(0, T, 3):
+        x[r, torch.randint(0, E, (r % 5 + 1,), generator=gen)] = [NAN, INF, -INF][(r // 3) % 3]
+    for r in range(0, T, 9):
+        x[r] = torch.where(x[r].isnan(), -x[r], x[r])  # the NaN's sign bit set
+    x[1] = NAN
+    x[2] = -INF
+    return x
+
+
+@pytest.mark.parametrize("E,dtype", [(64, torch.float32), (256, torch.float16)])
+def test_router_nonfinite_rows_many_experts(interpret, E, dtype):
+    logits = many_expert_logits(E, T=24).to(dtype).to(interpret)
+    ids = _check_router(mr.topk_softmax, mr.topk_softmax_reference, logits, 8, (True, None), None)
+    _same_values_as_topk(torch.softmax(logits.float(), -1), ids, 8)
+    ids = _check_router(mr.topk_logits_softmax, mr.topk_logits_softmax_reference, logits, 4, (None, None), None)
+    _same_values_as_topk(logits, ids, 4)
+
+
 @pytest.mark.parametrize("G,TG,k,renorm,scale", [(1, 1, 2, True, 1.0), (4, 2, 3, True, 2.5), (4, 1, 2, False, 1.0),
                                                  (2, 2, 8, True, 1.0)])
 def test_group_topk_sigmoid_nonfinite_rows(interpret, G, TG, k, renorm, scale):
@@ -155,7 +219,9 @@ def test_group_topk_sigmoid_nonfinite_rows(interpret, G, TG, k, renorm, scale):
     choice = (logits.sigmoid() + bias).nan_to_num(nan=3.0, posinf=4.0, neginf=-4.0)
     distinct = torch.tensor([len(set(r.tolist())) == r.numel() for r in choice])
     assert distinct.sum() >= 4
-    assert_nonfinite_like(w[distinct].sort(-1)[0], wp[distinct].sort(-1)[0], what="weights, eager's order",
+    # (each side's k in one order, NaN of either sign first: the sign of a NaN is the device's)
+    wd, wpd = w[distinct], wp[distinct]
+    assert_nonfinite_like(stable_topk(wd, k).values, stable_topk(wpd, k).values, what="weights, eager's order",
                           **TOL[torch.float32])
 
 

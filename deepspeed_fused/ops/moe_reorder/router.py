@@ -13,8 +13,9 @@ gradients, top-k's scatter into a zero ``[T, E]`` buffer, the softmax backward, 
 kernel computes the scores and indices, and one kernel the logits' gradient from the scores'
 gradient (the softmax recomputed from the logits, which the router returns anyway), with eager's
 arithmetic: FP32 softmax ``exp(x - max) / sum``, values in descending order as torch.topk orders them
-(NaN above +inf; equal values, a row of NaN included: the lower expert id first, every id a real
-expert), the renormalisation's gradient as autograd forms it for ``values /= s``
+(NaN of either sign above +inf; equal values, a row of NaN included: the lower expert id first, every
+id a real expert; the ranking is of integer keys, so neither the GPU's NaN-dropping ``max.f32`` nor a
+NaN's sign bit enters it), the renormalisation's gradient as autograd forms it for ``values /= s``
 (``g / s`` plus the sum of ``-g * v / (s * s)``), the softmax backward ``p * (dp - sum(dp * p))``,
 one rounding to the logits' dtype. The exponential is CUDA's ``expf`` (as eager's softmax and
 sigmoid); the sums run in another order than eager's, so two probabilities within an ULP of each
@@ -60,8 +61,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _order_key(x):
-        # an int32 key per FP32 value ordered as torch.topk orders the values: NaN above +inf (every
-        # NaN equal), -0.0 equal to 0.0; integer comparisons, so no reduction can drop a NaN
+        # an int32 key per FP32 value ordered as torch.topk orders the values: NaN of either sign
+        # above +inf (every NaN equal: ``x != x``, not its bits), -0.0 equal to 0.0; integer
+        # comparisons, so no reduction can drop a NaN
         x = tl.where(x == 0.0, 0.0, x)
         b = x.to(tl.int32, bitcast=True)
         k = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
