@@ -228,6 +228,34 @@ def test_every_two_needs_its_dims(interpret, launches):
     assert launches.n == before
 
 
+@pytest.mark.parametrize("family, name, form_name", FUNCTIONS)
+def test_device_inputs_keep_the_family_layout(family, name, form_name):
+    """The inputs the GPU test builds (moved to the device) have the shapes and strides the CPU
+    ones have: each family's own layout ([B, S, H, D] for Llama 4, GPT-J and CodeGen)."""
+    _fn(family, name)
+    cpu = _inputs(family, torch.float16, torch.Generator().manual_seed(0))
+    dev = _inputs(family, torch.float16, torch.Generator().manual_seed(0), device="meta")
+    for a, b in zip(list(cpu[1]) + list(cpu[2]), list(dev[1]) + list(dev[2])):
+        assert b.device.type == "meta" and a.shape == b.shape and a.stride() == b.stride(), (a.shape, b.shape)
+
+
+@pytest.mark.parametrize("family", ["gptj", "codegen"])
+def test_every_two_other_layout_runs_eager(interpret, launches, family):
+    """q as [B, H, S, D] where the form takes [B, S, H, D]: the shapes do not broadcast; the call
+    warns and runs eager, which raises its own error (never the checks' exception)."""
+    mod, fn = _fn(family, "apply_rotary_pos_emb")
+    call = F._make_call(vars(mod), "apply_rotary_pos_emb", vars(mod)["apply_rotary_pos_emb"], F.recognise(fn))
+    x = torch.randn(2, 6, 4, 8).transpose(1, 2)  # [B, H=4, S=6, D]
+    sin, cos = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    with pytest.raises(RuntimeError) as want:
+        fn(x, sin, cos)
+    reset_fallback_warnings()
+    with pytest.warns(RuntimeWarning, match="do not broadcast.*runs eager"), pytest.raises(RuntimeError) as got:
+        call(x, sin, cos)
+    assert not isinstance(got.value, R.RopeInputError) and str(got.value) == str(want.value)
+    assert launches.n == 0
+
+
 # ---- the op's new spec fields ---------------------------------------------------------------------
 TAIL = RopeSpec(pairing="adjacent", angles="pair", partial=True, tail=True, compute="float32", out_dtype="input")
 COMPLEX = RopeSpec(pairing="adjacent", angles="pair", compute="float32", out_dtype="input", grad_accum="compute",
