@@ -59,8 +59,9 @@ def _inputs(family, dtype, gen, b=2, s=3, hq=2, hk=1, d=32, angle_dtype=None, de
     leaves, views, angles, kw = _inputs_cpu(family, dtype, gen, b, s, hq, hk, d, angle_dtype)
     if device == "cpu":
         return leaves, views, angles, kw
+    transposed = views[0] is not leaves[0]  # the family's layout, read before the leaves are replaced
     leaves = [x.detach().to(device).requires_grad_() for x in leaves]
-    views = [x.transpose(1, 2) for x in leaves] if views[0] is not leaves[0] else leaves
+    views = [x.transpose(1, 2) for x in leaves] if transposed else leaves
     return leaves, views, tuple(a.to(device) for a in angles), kw
 
 
@@ -98,6 +99,8 @@ def _call_and_eager(family, name, dtype, launches, seed=0, k=True, device="cpu",
     g = vars(mod)
     call = F._make_call(g, name, g[name], form)
     leaves, views, angles, kw = _inputs(family, dtype, gen, device=device, **shape)
+    if form.complex and leaves[0].is_cuda:  # the device's rounding probe launches the kernel: not counted
+        RL._complex_rounding(leaves[0].device)
     args = list(views) + list(angles)
     if not k:  # a call without the key
         leaves, args = leaves[:1], [views[0], None] + list(angles)
@@ -225,6 +228,34 @@ def test_every_two_needs_its_dims(interpret, launches):
     assert launches.n == before
 
 
+@pytest.mark.parametrize("family, name, form_name", FUNCTIONS)
+def test_device_inputs_keep_the_family_layout(family, name, form_name):
+    """The inputs the GPU test builds (moved to the device) have the shapes and strides the CPU
+    ones have: each family's own layout ([B, S, H, D] for Llama 4, GPT-J and CodeGen)."""
+    _fn(family, name)
+    cpu = _inputs(family, torch.float16, torch.Generator().manual_seed(0))
+    dev = _inputs(family, torch.float16, torch.Generator().manual_seed(0), device="meta")
+    for a, b in zip(list(cpu[1]) + list(cpu[2]), list(dev[1]) + list(dev[2])):
+        assert b.device.type == "meta" and a.shape == b.shape and a.stride() == b.stride(), (a.shape, b.shape)
+
+
+@pytest.mark.parametrize("family", ["gptj", "codegen"])
+def test_every_two_other_layout_runs_eager(interpret, launches, family):
+    """q as [B, H, S, D] where the form takes [B, S, H, D]: the shapes do not broadcast; the call
+    warns and runs eager, which raises its own error (never the checks' exception)."""
+    mod, fn = _fn(family, "apply_rotary_pos_emb")
+    call = F._make_call(vars(mod), "apply_rotary_pos_emb", vars(mod)["apply_rotary_pos_emb"], F.recognise(fn))
+    x = torch.randn(2, 6, 4, 8).transpose(1, 2)  # [B, H=4, S=6, D]
+    sin, cos = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    with pytest.raises(RuntimeError) as want:
+        fn(x, sin, cos)
+    reset_fallback_warnings()
+    with pytest.warns(RuntimeWarning, match="do not broadcast.*runs eager"), pytest.raises(RuntimeError) as got:
+        call(x, sin, cos)
+    assert not isinstance(got.value, R.RopeInputError) and str(got.value) == str(want.value)
+    assert launches.n == 0
+
+
 # ---- the op's new spec fields ---------------------------------------------------------------------
 TAIL = RopeSpec(pairing="adjacent", angles="pair", partial=True, tail=True, compute="float32", out_dtype="input")
 COMPLEX = RopeSpec(pairing="adjacent", angles="pair", compute="float32", out_dtype="input", grad_accum="compute",
@@ -323,19 +354,19 @@ def test_poisoned_outputs_are_fully_written(interpret, spec):
 
 
 def test_angles_with_a_step_of_two_and_other_steps(interpret):
-    """cos/sin read with a step of 2 (the halves of a complex tensor) give what contiguous copies
-    give; a step of 3 runs the reference."""
+    """cos/sin read with a step of 2 (the halves of a complex tensor), 3, or steps that differ give
+    what contiguous copies give (more steps: test_rope_freqs_layout.py)."""
     gen = torch.Generator().manual_seed(14)
     q = torch.randn(2, 3, 4, 16, generator=gen)
     both = torch.randn(2, 4, 16, 2, generator=gen)
     cos, sin = both[..., 0], both[..., 1]
-    out = R.fused_rope(q, q, cos, sin, 1, R.LLAMA)
-    assert torch.equal(out[0], R.fused_rope(q, q, cos.contiguous(), sin.contiguous(), 1, R.LLAMA)[0])
+    want = R.fused_rope(q, q, cos.contiguous(), sin.contiguous(), 1, R.LLAMA)[0]
+    assert torch.equal(R.fused_rope(q, q, cos, sin, 1, R.LLAMA)[0], want)
     three = torch.randn(2, 4, 16, 3, generator=gen)
-    ok, why = R.rope_kernel_ok(q, q, three[..., 0], three[..., 1], 1, R.LLAMA)
-    assert not ok and "strided last dim" in why
-    ok, why = R.rope_kernel_ok(q, q, cos, sin.contiguous(), 1, R.LLAMA)
-    assert not ok and "strided last dim" in why
+    three[..., 0], three[..., 1] = cos, sin
+    assert R.rope_kernel_ok(q, q, three[..., 0], three[..., 1], 1, R.LLAMA) == (True, "")
+    assert torch.equal(R.fused_rope(q, q, three[..., 0], three[..., 1], 1, R.LLAMA)[0], want)
+    assert torch.equal(R.fused_rope(q, q, cos, sin.contiguous(), 1, R.LLAMA)[0], want)
 
 
 def test_nonfinite_inputs_where_eager_has_them(interpret, launches):
@@ -380,7 +411,8 @@ def _tiny(family, dtype=torch.float32):
                             attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
         cls = tf.GPTJForCausalLM
     elif family == "codegen":
-        cfg = tf.CodeGenConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=2, rotary_dim=16, n_positions=64,
+        # four heads: CodeGen splits the projections into four groups (transformers 5.17: heads // 4 each)
+        cfg = tf.CodeGenConfig(vocab_size=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=16, n_positions=64,
                                n_ctx=64, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
         cls = tf.CodeGenForCausalLM
     else:
@@ -397,12 +429,21 @@ def _tiny(family, dtype=torch.float32):
     ("gptj", "GPTJAttention.apply_rotary_pos_emb: every-two (interleaved, pair angles)"),
     ("codegen", "CodeGenAttention.apply_rotary_pos_emb: every-two (interleaved, pair angles)"),
 ])
-def test_model_equals_unpatched(interpret, launches, family, expected):
+def test_model_equals_unpatched(interpret, launches, monkeypatch, family, expected):
     """Loss and every parameter gradient bitwise equal to the unpatched model; the fused rotation
-    ran in every attention layer (forward and backward)."""
+    ran in every attention layer (forward and backward). A freqs_cis whose pairs are not adjacent
+    (transformers 5.17 builds it from a transposed product) runs the way the GPU runs it: eager's
+    strided CPU loop rounds with FMA, as CUDA does, and the interpreter's tl.fma is given the GPU's
+    single rounding (test_rope_freqs_layout.py)."""
     from deepspeed_fused import patch_model, unpatch_model
 
     model = _tiny(family)
+    if family in ("llama4", "deepseek_v2"):
+        cis = model.model.rotary_emb(torch.zeros(1, 16, 64), torch.arange(16)[None])
+        if cis.stride(-1) != 1:
+            from unit.test_rope_freqs_layout import emulate_cuda_rounding
+
+            emulate_cuda_rounding(monkeypatch)
     ref = copy.deepcopy(model)
     rep = patch_model(model, {"rope": {"enabled": True}})["rope"]
     assert rep.applied and expected in rep.details["forms"], rep
@@ -430,8 +471,9 @@ def test_complex_rounding_probe(interpret, monkeypatch):
     """The per-device probe that lets the complex forms run on a device: the kernel against that
     device's own complex multiply, forward and backward (CPU under the interpreter: 16 pairs, its
     vectorized body); a kernel that rounds otherwise is caught."""
-    assert RL._probe_complex(torch.device("cpu"), p=16) == ""
-    assert "not a multiple of 16" in RL._probe_complex(torch.device("cpu"))  # 37 pairs: CPU's remainder
+    assert RL._probe_complex(torch.device("cpu"), p=16, layouts=("contiguous",)) == ""
+    # 37 pairs: CPU's remainder rounds with FMA
+    assert "rounds otherwise" in RL._probe_complex(torch.device("cpu"), layouts=("contiguous",))
     real = RL._forward
 
     def off_by_one_ulp(plan, q, k, cos, sin, outs=None):
@@ -439,4 +481,4 @@ def test_complex_rounding_probe(interpret, monkeypatch):
         return torch.nextafter(y, torch.full_like(y, float("inf"))), yk
 
     monkeypatch.setattr(RL, "_forward", off_by_one_ulp)
-    assert "rounds otherwise" in RL._probe_complex(torch.device("cpu"), p=16)
+    assert "rounds otherwise" in RL._probe_complex(torch.device("cpu"), p=16, layouts=("contiguous",))

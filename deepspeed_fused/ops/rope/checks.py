@@ -66,10 +66,25 @@ def _expanded_lead_strides(t: torch.Tensor, lead: tuple) -> tuple:
     return t.expand(*lead, t.shape[-1]).stride()[:-1]
 
 
-def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True):
+def _cpu_complex_reason(pairs: int, cos: torch.Tensor, sin: torch.Tensor) -> str:
+    """Why a complex multiply on the CPU is left to eager, or "". ATen's CPU loop rounds its
+    vectorized body as the interpreter's unfused ``tl.fma`` does, but its scalar loop (a pair count's
+    remainder past the vector width, or every element where ``freqs_cis``'s pairs are not adjacent)
+    with FMA. (On CUDA, every element rounds with FMA, as the kernels there; a probe checks it.)"""
+    if pairs % 16:
+        return ("complex multiply on the CPU with a pair count that is not a multiple of 16 (ATen's CPU loop "
+                "rounds its remainder with FMA, the kernels as its vectorized body)")
+    if cos.shape[-1] > 1 and (cos.stride(-1) not in (1, 2) or sin.stride(-1) not in (1, 2)):
+        return ("complex multiply on the CPU with freqs_cis whose pairs are not adjacent (ATen's CPU loop is then "
+                "its scalar one, which rounds with FMA, the kernels as its vectorized body)")
+    return ""
+
+
+def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True, cpu_rule: bool = True):
     """(rdim, pairs, geometries) for inputs the kernels take; a str (why not) for valid inputs they
     do not; raises _Invalid for inputs eager rejects. ``geometry=False`` (under torch.compile, on
-    fake tensors): the checks only, no tensor made (geometries None)."""
+    fake tensors): the checks only, no tensor made (geometries None). ``cpu_rule=False`` (the
+    rounding probe): leave out :func:`_cpu_complex_reason`."""
     _check_types(q, k, cos, sin, ud)
     for name, t in (("q", q), ("cos", cos), ("sin", sin)) + ((("k", k),) if k is not None else ()):
         if not t.is_floating_point():
@@ -96,8 +111,6 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True):
     if ud in (-1, cos.dim()):
         return "unsqueeze_dim puts the new dim last (the angles would broadcast over the head dim)"
     width = cos.shape[-1]
-    if width > 1 and (cos.stride(-1) not in (1, 2) or sin.stride(-1) != cos.stride(-1)):
-        return "cos/sin with a strided last dim (the kernels read steps of 1 or 2, both alike)"
     d = q.shape[-1]
     if k is not None and k.shape[-1] != d:
         return f"q and k of different head dims ({d}, {k.shape[-1]})"
@@ -120,9 +133,10 @@ def _check(q, k, cos, sin, ud, spec: RopeSpec, geometry: bool = True):
             raise _Invalid(f"rope: cos/sin give {pairs} pair angles, the head dim {d} needs {d // 2}")
     if rdim % 2 or rdim == 0:  # the spec's pairs do not exist
         raise _Invalid(f"rope: the rotary dim must be even and nonzero, got {rdim}")
-    if spec.contract == "complex" and not q.is_cuda and (rdim // 2) % 16:
-        return ("complex multiply on the CPU with a pair count that is not a multiple of 16 (ATen's CPU loop "
-                "rounds its remainder with FMA, the kernels as its vectorized body)")
+    if spec.contract == "complex" and not q.is_cuda and cpu_rule:
+        why = _cpu_complex_reason(rdim // 2, cos, sin)
+        if why:
+            return why
     if cos.requires_grad or sin.requires_grad:
         return "cos/sin require grad (the fused op treats them as constants)"
     geos = []

@@ -9,7 +9,9 @@ Products are never contracted into FMAs (the launch passes ``enable_fp_fusion=Fa
 float32 inputs round as eager does too.
 
 Rows are addressed through up to three strided leading dims and a strided head dim with no
-copy; cos/sin are broadcast over the heads through zero strides.
+copy; cos/sin are broadcast over the heads through zero strides, their last dims read with
+strides of their own (``csd``, ``ssd``: the halves of a complex tensor are views of step 2,
+a ``freqs_cis`` built from a transposed product has a larger step).
 """
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ if HAS_TRITON:
     @triton.jit
     def _rope_rows(X, Y, C, S, tile, n_rows, N1, N2, xs0, xs1, xs2, xsd, ys0, ys1, ys2, ysd, cs0, cs1, cs2,
                    ss0, ss1, ss2,
-                   H, ROFF, PS, PE, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-                   PAIRS: tl.constexpr, ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr, NEG: tl.constexpr,
-                   BACKWARD: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr,
-                   CONTRACT: tl.constexpr, ASTEP: tl.constexpr):
+                   H, ROFF, PS, PE, csd, ssd, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr,
+                   NEG: tl.constexpr, BACKWARD: tl.constexpr, PROD: tl.constexpr, ACC: tl.constexpr,
+                   PASS: tl.constexpr, CONTRACT: tl.constexpr):
         # rows of the leading shape [N0, N1, N2] (N0 = n_rows / (N1 * N2)), each a head whose rotated
-        # columns start at ROFF (the pass-through columns: [PS, PE)); angle column j at j * ASTEP
+        # columns start at ROFF (the pass-through columns: [PS, PE)); angle column j of cos at
+        # j * csd, of sin at j * ssd (1: contiguous, 2: the halves of a complex tensor, any other)
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
         i2 = (rows % N2).to(tl.int64)
@@ -85,14 +88,14 @@ if HAS_TRITON:
             dst_s = os
         a = tl.load(X + xrow + ((src_f + ROFF) * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
         b = tl.load(X + xrow + ((src_s + ROFF) * xsd)[None, :], mask=m, other=0.0).to(tl.float32)
-        cf = tl.load(C + crow + (af * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
-        sf = tl.load(S + srow + (af * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
+        cf = tl.load(C + crow + (af * csd)[None, :], mask=m, other=0.0).to(tl.float32)
+        sf = tl.load(S + srow + (af * ssd)[None, :], mask=m, other=0.0).to(tl.float32)
         if ANGLE_PAIR:
             cs = cf
             ss = sf
         else:
-            cs = tl.load(C + crow + (as_ * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
-            ss = tl.load(S + srow + (as_ * ASTEP)[None, :], mask=m, other=0.0).to(tl.float32)
+            cs = tl.load(C + crow + (as_ * csd)[None, :], mask=m, other=0.0).to(tl.float32)
+            ss = tl.load(S + srow + (as_ * ssd)[None, :], mask=m, other=0.0).to(tl.float32)
         if NEG:
             sf = -sf
             ss = -ss
@@ -129,23 +132,23 @@ if HAS_TRITON:
     def _rope_kernel(X0, Y0, X1, Y1, C, S, NP0,
                      n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2, sa0, sa1, sa2,
                      n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2, sb0, sb1, sb2,
-                     H, ROFF, PS, PE,
+                     H, ROFF, PS, PE, csd, ssd,
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, PAIRS: tl.constexpr,
                      ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr, NEG: tl.constexpr, BACKWARD: tl.constexpr,
                      PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr, TWO: tl.constexpr,
-                     CONTRACT: tl.constexpr, ASTEP: tl.constexpr):
+                     CONTRACT: tl.constexpr):
         # programs [0, NP0) take tensor 0 (q), the rest tensor 1 (k): one launch for both
         pid = tl.program_id(0)
         if TWO:
             if pid >= NP0:
                 _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2,
-                           sb0, sb1, sb2, H, ROFF, PS, PE, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
-                           BACKWARD, PROD, ACC, PASS, CONTRACT, ASTEP)
+                           sb0, sb1, sb2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
+                           HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
             else:
                 _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
-                           sa0, sa1, sa2, H, ROFF, PS, PE, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
-                           BACKWARD, PROD, ACC, PASS, CONTRACT, ASTEP)
+                           sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
+                           HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
         else:
             _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
-                       sa0, sa1, sa2, H, ROFF, PS, PE, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR, HALVES, NEG,
-                       BACKWARD, PROD, ACC, PASS, CONTRACT, ASTEP)
+                       sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
+                       HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)

@@ -34,7 +34,7 @@ class _Plan:
                  "dev", "fwd_args", "fwd_const", "bwd")
 
     def __init__(self, key, spec: RopeSpec, x: torch.Tensor, x_dtype: torch.dtype, angle_dtype: torch.dtype,
-                 checked: tuple, cos_step: int = 1):
+                 checked: tuple, angle_steps: tuple = (1, 1)):
         rdim, pairs, geos = checked
         self.key, self.spec, self.rdim, self.geos, self.x_dtype = key, spec, rdim, geos, x_dtype
         self.head_dim = d = x.shape[-1]
@@ -46,15 +46,13 @@ class _Plan:
         cap = _MAX_BLOCK_R if x.is_cuda else 4096  # the interpreter: few programs
         block_r = max(1, min(max(1, _TILE_PAIRS // block_h), cap, next_power_of_2(max(n_max, 1))))
         rest = d - rdim
-        astep = cos_step if cos_step in (1, 2) else 1
         self.common = dict(BLOCK_R=block_r, BLOCK_H=block_h,
                            BLOCK_P=next_power_of_2(min(rest, 128)) if rest else 1,
                            PAIRS=spec.pairing == "adjacent", ANGLE_PAIR=spec.angles != "position",
-                           HALVES=spec.output == "halves", NEG=spec.negate, CONTRACT=spec.contract == "complex",
-                           ASTEP=astep)
+                           HALVES=spec.output == "halves", NEG=spec.negate, CONTRACT=spec.contract == "complex")
         # the rotated columns' offset and the pass-through columns [ps, pe): after the rotated ones,
-        # or before them (tail)
-        self.tail = (pairs, rest, 0, rest) if spec.tail else (pairs, 0, rdim, d)
+        # or before them (tail); then the steps of cos's and sin's last dims
+        self.tail = ((pairs, rest, 0, rest) if spec.tail else (pairs, 0, rdim, d)) + tuple(angle_steps)
         self.progs = tuple(cdiv(g.n_rows, block_r) for g in geos)
         self.dev = x.device.index if x.is_cuda else None
         self.bwd = {}
@@ -128,7 +126,8 @@ def _get_plan(q, k, cos, sin, ud, spec, key=None, x_dtype=None):
     if len(_plans) >= _MAX_PLANS:  # shapes that never repeat: start over rather than grow
         _plans.clear()
         _direct.clear()
-    plan = _Plan(key, spec, q, x_dtype or q.dtype, cos.dtype, checked, cos.stride(-1) if cos.shape[-1] > 1 else 1)
+    steps = (cos.stride(-1), sin.stride(-1)) if cos.shape[-1] > 1 else (1, 1)
+    plan = _Plan(key, spec, q, x_dtype or q.dtype, cos.dtype, checked, steps)
     if x_dtype is None:
         plan.set_forward(q, k)
     _plans[key] = plan
@@ -149,34 +148,42 @@ def _complex_rounding(device: torch.device) -> str:
     return why
 
 
-def _probe_complex(device: torch.device, p: int = 37) -> str:
-    """The probe: ``p`` pairs per head (37, odd: no vectorized path of any width covers it exactly)."""
+def _probe_complex(device: torch.device, p: int = 37, layouts: tuple = ("contiguous", "transposed")) -> str:
+    """The probe: ``p`` pairs per head (37, odd: no vectorized path of any width covers it exactly),
+    ``freqs_cis`` laid out contiguously and as the product of a transposed matrix product (its
+    pairs ``s`` apart: the layout some Hugging Face rotary embeddings build, which their eager
+    multiply reads through its strided loop)."""
     spec = RopeSpec(pairing="adjacent", angles="pair", compute="float32", out_dtype="input", grad_accum="compute",
                     contract="complex")
     gen = torch.Generator().manual_seed(0)
     b, s, h = 2, 64, 4
     x = torch.randn(b, s, h, 2 * p, generator=gen).to(device)
     g = torch.randn(b, s, h, 2 * p, generator=gen).to(device)
-    theta = torch.randn(b, s, p, generator=gen).to(device)
-    cis = torch.polar(torch.full_like(theta, 1.25), theta)
-    ri = torch.view_as_real(cis)
-    cos, sin = ri[..., 0], ri[..., 1]
-    checked = _check(x, None, cos, sin, 2, spec)
-    if isinstance(checked, str):  # pragma: no cover - the probe's inputs are the kernels'
-        return checked
-    plan = _Plan(("complex probe", device), spec, x, x.dtype, cos.dtype, checked, 2)
-    plan.set_forward(x, None)
-    with torch.enable_grad():
-        xc = torch.view_as_complex(x.reshape(b, s, h, p, 2)).detach().requires_grad_()
-        want = xc * cis[:, :, None, :]
-        (want_dx,) = torch.autograd.grad(want, xc, torch.view_as_complex(g.reshape(b, s, h, p, 2)))
-    got = _forward(plan, x, None, cos, sin)[0]
-    got_dx = _backward(plan, (g, None), cos, sin)[0]
-    if torch.equal(got, torch.view_as_real(want.detach()).flatten(3)) and \
-            torch.equal(got_dx, torch.view_as_real(want_dx).flatten(3)):
-        return ""
-    return (f"complex multiply: {device}'s complex64 multiply rounds otherwise than the kernel's "
-            "fma(a, c, -(b * d)), fma(a, d, b * c)")
+    for layout in layouts:
+        if layout == "contiguous":
+            theta = torch.randn(b, s, p, generator=gen).to(device)
+        else:
+            theta = torch.randn(b, p, s, generator=gen).to(device).transpose(1, 2)
+        cis = torch.polar(torch.full_like(theta, 1.25), theta)
+        ri = torch.view_as_real(cis)
+        cos, sin = ri[..., 0], ri[..., 1]
+        checked = _check(x, None, cos, sin, 2, spec, cpu_rule=False)
+        if isinstance(checked, str):  # pragma: no cover - the probe's inputs are the kernels'
+            return checked
+        plan = _Plan(("complex probe", device, layout), spec, x, x.dtype, cos.dtype, checked,
+                     (cos.stride(-1), sin.stride(-1)))
+        plan.set_forward(x, None)
+        with torch.enable_grad():
+            xc = torch.view_as_complex(x.reshape(b, s, h, p, 2)).detach().requires_grad_()
+            want = xc * cis[:, :, None, :]
+            (want_dx,) = torch.autograd.grad(want, xc, torch.view_as_complex(g.reshape(b, s, h, p, 2)))
+        got = _forward(plan, x, None, cos, sin)[0]
+        got_dx = _backward(plan, (g, None), cos, sin)[0]
+        if not (torch.equal(got, torch.view_as_real(want.detach()).flatten(3))
+                and torch.equal(got_dx, torch.view_as_real(want_dx).flatten(3))):
+            return (f"complex multiply: {device}'s complex64 multiply ({layout} freqs_cis) rounds otherwise than "
+                    "the kernel's fma(a, c, -(b * d)), fma(a, d, b * c)")
+    return ""
 
 
 def _launch(plan: _Plan, lkey, x0, y0, x1, y1, cos, sin, np0: int, total: int, args: tuple, const: dict) -> None:

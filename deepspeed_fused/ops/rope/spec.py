@@ -56,7 +56,8 @@ class RopeSpec:
       pairs, pair angles and float32 only; probed once per CUDA device, which runs these forms
       eager if its complex multiply rounds otherwise). Triton's interpreter computes ``tl.fma`` unfused,
       which is how ATen's CPU complex multiply rounds in its vectorized body (its scalar remainder
-      is contracted: the checks leave a CPU call whose pairs are not a multiple of 16 to eager).
+      is contracted, and so is its strided loop, which a ``freqs_cis`` whose pairs are not adjacent
+      takes: the checks leave such CPU calls, and those whose pairs are not a multiple of 16, to eager).
     """
 
     pairing: str = "half"
