@@ -3,7 +3,16 @@ by row (tests/unit/test_lce_lse_accuracy.py at LM-head sizes, bf16 and fp16): ag
 lse of the exact logits, our error is at most eager's plus 1e-5 where our logits are FP32 (the
 fused GEMM with a bias or a soft cap; a soft cap on the cuBLAS path), and plus one rounding step of
 the most probable logit where they are rounded to the input dtype as eager's are (no bias, no cap:
-another GEMM's accumulator may round a logit the other way)."""
+another GEMM's accumulator may round a logit the other way).
+
+The tensor cores' FP32 accumulation of half-precision products is not IEEE round-to-nearest: the
+running sum is truncated (rounded toward zero) at each block of the reduction, so every FP32 logit
+of such a GEMM (cuBLAS's with ``out_dtype=float32`` as well as our fused GEMM's) is biased toward
+zero, ~1.5e-5 in the lse at H = 4096 (a CPU emulation of truncated accumulation gives 1.8e-5 to
+2e-5; round-to-nearest 1e-7). Eager's logits carry the same bias before their rounding to the input
+dtype, which on some rows cancels it by chance. So the row-by-row comparison takes, per row, the
+larger of eager's error and that of the hardware's own FP32 logits (their lse in float64): our
+kernels' arithmetic (epilogue, soft cap, exp2/log2, merges) may add at most the bound to it."""
 import pytest
 import torch
 
@@ -41,16 +50,25 @@ def test_lse_never_less_accurate_than_eager_gpu(dtype, V, H, bias, cap, path, mo
     if path == "fused_gemm" and not fused:
         pytest.skip("the fused GEMMs run on Hopper only")
     ours, eager, ref = lse_errors(h, w, b, cap, t)
+    z32 = torch.mm(h, w.t(), torch.float32)  # the tensor cores' FP32 logits, as our op takes them
+    if b is not None:
+        z32 = z32 + b.float()
+    z32 = z32.double()
+    if cap:
+        z32 = cap * torch.tanh(z32 / cap)
+    gemm = (torch.logsumexp(z32, -1) - ref).abs()
+    del z32
     fp32_logits = bool(cap) or (fused and bias)
     bound = torch.full_like(ours, 1e-5)
     if not fp32_logits:
         exact = h.double() @ w.double().t() + (0 if b is None else b.double())
         p = torch.softmax(exact, -1)
         bound = bound + (p * _ulp(exact, dtype)).amax(-1)
-    worse = ours > eager + bound
+    worse = ours > torch.maximum(eager, gemm) + bound
     print(f"{dtype} V={V} bias={bias} cap={cap} {path}: ours max {ours.max():.2e} mean {ours.mean():.2e}, "
-          f"eager max {eager.max():.2e} mean {eager.mean():.2e}, rows worse {int(worse.sum())}")
+          f"eager max {eager.max():.2e} mean {eager.mean():.2e}, fp32 GEMM logits max {gemm.max():.2e} "
+          f"mean {gemm.mean():.2e}, rows worse {int(worse.sum())}")
     assert not worse.any(), (f"{int(worse.sum())} rows: ours {ours[worse][:5].tolist()} eager "
-                             f"{eager[worse][:5].tolist()}")
+                             f"{eager[worse][:5].tolist()} fp32 GEMM {gemm[worse][:5].tolist()}")
     if fp32_logits:
         assert ours.mean() <= eager.mean()

@@ -62,7 +62,10 @@ def test_uniform_grad_mode_matches_per_token_path(dtype, case):
     told = []
     mine = _run(linear_cross_entropy, h, w, t, b, upstream, needs, ent_w=ew, chunk_tokens=512,
                 expect_uniform_grad=True, uniform_grad_callback=told.append, **kw)
-    assert told == [case in ("mean", "sum_bias_softcap", "frozen_weighted")]
+    # fp16: the formed gradients only where every factor g * n_valid is at most 1 (a sum, weights
+    # up to 1.5 recompute: the formed (p - y) / n_valid lose what the per-token path keeps)
+    uniform = ("mean",) if dtype == torch.float16 else ("mean", "sum_bias_softcap", "frozen_weighted")
+    assert told == [case in uniform]
     base = _run(linear_cross_entropy, h, w, t, b, upstream, needs, ent_w=ew, chunk_tokens=512, **kw)
     ref = _run(linear_cross_entropy_reference, h, w, t, b, upstream, needs, dtype=torch.float64, ent_w=ew, **kw)
     to, tg = TOL[dtype]
@@ -74,8 +77,12 @@ def test_uniform_grad_mode_matches_per_token_path(dtype, case):
         assert torch.isfinite(o).all() and _rel(o, r) <= to and _rel(o, p) <= to
     for g, p, r in zip(mine[1], base[1], ref[1], strict=True):
         assert torch.isfinite(g).all()
-        assert _rel(g, r) <= tg, _rel(g, r)
-        assert _rel(g, p) <= tg, _rel(g, p)
+        # fp16 with a mean: dlogits (p - y) / n_valid round every p below n_valid * 2**-25 to zero
+        # on both paths (and in eager), ~1e-2 of dhidden's norm here; the criterion is the mode no
+        # less accurate than the per-token path against float64
+        bound = max(tg, 1.05 * _rel(p, r))
+        assert _rel(g, r) <= bound, (_rel(g, r), _rel(p, r))
+        assert _rel(g, p) <= bound, _rel(g, p)
 
 
 def test_served_sft_steps_take_the_mode_on_cuda():

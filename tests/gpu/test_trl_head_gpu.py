@@ -45,8 +45,20 @@ def test_served_head_matches_trl_on_cuda(dtype, tol, softcap):
         grads.append({n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None})
     a, b = outs
     assert calls.fused == 1
-    for f in ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
+    for f in ("loss", "log_probs", "entropy", "log_sum_sq_probs"):
         assert _rel(getattr(b, f), getattr(a, f)) <= tol, f
+    # mean_logits averages V logits of both signs (~1e-3 where the logits are ~0.3): its error is
+    # measured against the logits' own scale, not its cancelled value. Each side's soft cap is an
+    # FP32 formula with a few ulp of the cap per logit (TRL's 2 * sigmoid(2x / c) - 1, ours
+    # c - 2c / (exp(2x / c) + 1), approximate exp and division on the GPU), ~1e-7 of a mean
+    # that is ~1e-3 (the relative 9e-5 seen with a cap of 20).
+    with torch.no_grad():
+        z = ref.lm_head(ref.model(input_ids=ids).last_hidden_state).float() / 0.9
+        if softcap is not None:
+            z = softcap / 0.9 * torch.tanh(z / (softcap / 0.9))
+        scale = z.pow(2).mean().sqrt().item()
+    d = (b.mean_logits.double() - a.mean_logits.double()).norm().item() / a.mean_logits.numel() ** 0.5
+    assert d <= tol * scale, ("mean_logits", d, scale)
     agree = (a.is_top1 == b.is_top1).float().mean().item()
     assert agree == 1.0 if dtype == torch.float32 else agree > 0.99
     assert torch.equal(a.label_mask, b.label_mask)

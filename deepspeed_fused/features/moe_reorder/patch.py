@@ -290,6 +290,24 @@ def _autoep_layers(model: torch.nn.Module) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+# dtypes torch's grouped_mm takes, by device type (fp32/bf16/fp16 on CUDA and CPU, torch 2.11-2.13;
+# transformers' _grouped_mm calls it on sm80+ and recent CPU torch whatever the dtype, so a float64
+# model failed in transformers' own grouped_mm experts forward as well)
+_HALF_AND_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+_GROUPED_MM_DTYPES = {"cuda": _HALF_AND_FP32, "cpu": _HALF_AND_FP32}
+
+
+def _experts_linear(grouped_linear, x, weight, offsets, is_transposed):
+    """transformers' ``_grouped_linear`` (passed in), or, for a dtype torch's grouped_mm refuses on
+    this device (float64), transformers' own per-expert fallback op
+    (``transformers::grouped_mm_fallback``: one ``mm`` per expert, with its backward)."""
+    takes = _GROUPED_MM_DTYPES.get(x.device.type)
+    if takes is None or x.dtype in takes:
+        return grouped_linear(x, weight, offsets, is_transposed=is_transposed)
+    w = weight if is_transposed else weight.transpose(-2, -1)
+    return torch.ops.transformers.grouped_mm_fallback(x.to(w.dtype), w, offs=offsets)
+
+
 def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts forward with gathers for the dispatch and the combine.
@@ -298,7 +316,8 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     one op (:func:`~deepspeed_fused.ops.moe_reorder.route_sort`, two launches, where grouped_mm
     runs a sort, a histogram and a cumsum);
     ``hidden[perm // top_k]`` is :func:`~deepspeed_fused.ops.moe_reorder.route_dispatch` (backward:
-    a gather-sum per token, no scatter-add); the GEMMs are transformers' ``_grouped_linear``;
+    a gather-sum per token, no scatter-add); the GEMMs are transformers' ``_grouped_linear``
+    (its per-expert fallback op for a dtype grouped_mm refuses: float64);
     the default gate with SiLU (:func:`fused_gate`) is one
     :func:`~deepspeed_fused.ops.moe_reorder.swiglu` (one kernel each way, eager's rounding);
     weighting, the inverse permutation and the sum over ``top_k`` are one
@@ -334,7 +353,7 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     else:
         weight, bias = self.up_proj, (self.up_proj_bias if has_bias else None)
     is_transposed = getattr(self, "is_transposed", False)
-    proj = _grouped_linear(selected, weight, offsets, is_transposed=is_transposed)
+    proj = _experts_linear(_grouped_linear, selected, weight, offsets, is_transposed)
     # the activation, decided once: none (act_fn), the fused SiLU gate, GPT-OSS's gate (which adds
     # the gate-up bias as its rows load) or the module's own
     gate = None if not getattr(self, "has_gate", True) else \
@@ -350,7 +369,7 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
         proj = reorder.oai_gate(proj, self.alpha, self.limit, *bias_args)
     else:
         proj = self._apply_gate(proj)
-    proj = _grouped_linear(proj, self.down_proj, offsets, is_transposed=is_transposed)
+    proj = _experts_linear(_grouped_linear, proj, self.down_proj, offsets, is_transposed)
     if has_bias:
         proj = reorder.expert_bias(proj, self.down_proj_bias, sort.experts, offsets)
     if getattr(self, "has_post_expert_norm", False):

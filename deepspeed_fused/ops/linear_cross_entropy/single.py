@@ -217,28 +217,43 @@ def _uniform_impl(hidden, weight, target, bias, temp, loss, need_ent, extras, ch
             n_valid)
 
 
-def _uniform_upstream(g_loss, g_ent, g_lse, target, ignore_index, n_valid, param_grads):
+def _uniform_upstream(g_loss, g_ent, g_lse, target, ignore_index, n_valid, param_grads, half_range=False):
     """Whether the gradients formed by :func:`_uniform_impl` give the exact backward for these upstream
     gradients, and the factor: ``(True, None)``: dhidden alone is needed, each row scaled by its own
-    ``g_loss * n_valid`` (exact for any per-token weights; no host read); ``(True, s)``: ``g_loss``
+    ``g_loss * n_valid`` (exact for any per-token weights; no host read but in fp16, see below); ``(True, s)``: ``g_loss``
     equals one ``c`` on every labelled row and ``s = c * n_valid`` (0-d, on the device) is finite, so
     the formed gradients times ``s`` are the exact ones; ``(False, None)``: not so (no loss
     gradient, a nonzero entropy or lse gradient, per-token weights or a non-finite one with
     dweight/dbias needed), the backward recomputes. The decision reads one flag on the host where
-    it depends on values (a device sync)."""
+    it depends on values (a device sync).
+
+    fp16 (``half_range``): the formed ``dlogits`` are ``(p - y) / n_valid`` in fp16, so a
+    probability below ``n_valid * 2**-25`` rounded to zero there; the per-token path forms
+    ``(p - y) * g`` and keeps those where ``g > 1 / n_valid`` (a sum of the losses: every small
+    probability's share of dbias and dweight would be lost). So in fp16 the formed gradients are
+    used only where every factor applied to them is at most 1 (within fp32's rounding of
+    ``g * n_valid``): the per-token path's ``dlogits`` are then no larger and lose at least as
+    much; else the backward recomputes. (bf16 and fp32 reach 1e-38: no such loss.)"""
     if g_loss is None:
         return False, None
-    if not param_grads and g_ent is None and g_lse is None:
+    limit = 1.0 + 2.0 ** -10 if half_range else None
+    if not param_grads and g_ent is None and g_lse is None and limit is None:
         return True, None
     flags = [(g == 0).all() for g in (g_ent, g_lse) if g is not None]
     scale = None
-    if param_grads:
+    if not param_grads:  # fp16 here, or an entropy / lse gradient: each row's own factor, at most 1
+        if limit is not None:
+            rows = torch.where(target != ignore_index, g_loss.reshape(-1).float() * n_valid, 0.0)
+            flags.append((rows.abs() <= limit).all())
+    else:
         valid = target != ignore_index
         gf = g_loss.reshape(-1).float()
         first = gf[valid.to(torch.int32).argmax()]  # the first labelled row's (row 0 when none is labelled)
         c = torch.where(valid.any(), first, torch.ones_like(first))
         scale = c * n_valid
         flags.append(torch.isfinite(scale) & (torch.where(valid, gf, c) == c).all())
+        if limit is not None:
+            flags.append(scale.abs() <= limit)
     if not bool(torch.stack(flags).all()):  # the one host read
         return False, None
     return True, scale
@@ -426,7 +441,7 @@ class _UniformGradTokens(torch.autograd.Function):
         if not ctx.need_ent:
             g_ent = None
         use, scale = _uniform_upstream(g_loss, g_ent, g_lse, target, loss.ignore_index, n_valid,
-                                       needs[1] or needs[2])
+                                       needs[1] or needs[2], hidden.dtype == torch.float16)
         if ctx.callback is not None:
             ctx.callback(use)
         if use and scale is None:  # dhidden alone: each labelled row times its own upstream gradient
