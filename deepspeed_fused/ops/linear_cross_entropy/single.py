@@ -35,7 +35,7 @@ import torch
 from .chunks import (_backward_vocab_chunks, _dhidden_into, _fused_stats, _logit_chunks, _ParamGrads,
                      _scale_formed_grads, _Upstream, _vocab_chunks)
 from .options import LossOptions
-from .launch import _launch_rows
+from .launch import _launch_rows, gemm_grad_supported, gemm_stats_supported
 from .sizing import _token_chunk, _vocab_chunk
 from .stats import (EXTRA_NAMES, EXTRA_TOP1, _NSTAT, _finalize_extras, _finalize_stats, _pack, merge_partial_extras,
                     merge_partial_stats)
@@ -171,6 +171,14 @@ def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, 
     M = hidden.shape[0]
     if not vchunk and chunk >= M:
         vchunk = weight.shape[0]  # one chunk: the whole vocabulary as one slice (the same GEMMs)
+    elif not vchunk and gemm_stats_supported(hidden, weight) and gemm_grad_supported(hidden, weight):
+        # the forward's statistics came from the fused GEMM (``_forward_impl`` tries it first): the
+        # gradient's logits must come from the fused GEMM too, over vocabulary chunks of the same
+        # workspace. cuBLAS's logits for the row kernel may round otherwise (with a bias the fused
+        # GEMMs keep fp32 logits; without one, a different summation order can flip a rounding),
+        # and p = exp(z - lse) from logits that are not the lse's would be off by a rounding step
+        # of z: far off for a confidently predicted token.
+        vchunk = max(8, chunk * weight.shape[0] // M)
     if vchunk:
         return _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, needs)
     need_dh, need_dw, need_db = needs
