@@ -72,3 +72,14 @@ def test_lse_never_less_accurate_than_eager_gpu(dtype, V, H, bias, cap, path, mo
                              f"{eager[worse][:5].tolist()} fp32 GEMM {gemm[worse][:5].tolist()}")
     if fp32_logits:
         assert ours.mean() <= eager.mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [16, None])
+def test_per_token_gradient_of_confident_tokens_gpu(dtype, bias, chunk):
+    """The CPU test on the GPU (the fused GEMMs on Hopper): confidently predicted tokens get
+    gradients as accurate as eager's, token chunks or not, with and without a bias."""
+    from unit.test_lce_lse_accuracy import test_per_token_gradient_of_confident_tokens_as_accurate_as_eager as t
+
+    t("cuda", bias, chunk, dtype)
