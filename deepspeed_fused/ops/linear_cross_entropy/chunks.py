@@ -220,18 +220,19 @@ def _fused_stats(hidden, weight, bias, target, temp, loss, need_ent, vocab_start
                       xt=xt, extras=extras)
 
 
-def _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, base=0, total=None):
+def _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, base=0, total=None, fused=True):
     """Yield ``(v0, v1, dlogits)`` per vocabulary chunk for the per-token backward (``weight``: the
     vocabulary from column ``base`` of ``total``, a TP shard, or all of it; ``up``: the
     :class:`_Upstream` of all tokens): from the fused GEMM with the gradient in its epilogue where
     it runs (one input-dtype workspace, no logits in memory), else from cuBLAS's logits and the row
     kernel (:func:`_vocab_chunks`). If the fused GEMM fails (compile, launch; one warning), every
     chunk is yielded again from the first by the second way: the consumer's first chunk starts its
-    sums, so nothing is counted twice."""
+    sums, so nothing is counted twice. ``fused`` False: cuBLAS's logits and the row kernel only (the
+    forward's statistics came from those: the gradient's logits must be the same)."""
     M, V = hidden.shape[0], weight.shape[0]
     total = total or V
     kw = {**loss.kernel_kw(temp), **up.kw()}
-    if gemm_grad_supported(hidden, weight):
+    if fused and gemm_grad_supported(hidden, weight):
         f32 = _fp32_logits_probed(hidden, weight, loss.softcap)
         ld = -(-min(vchunk, V) // 8) * 8  # rows padded to 16 bytes: vector stores, aligned GEMM operands
         buf = hidden.new_empty(M * ld)
@@ -250,7 +251,8 @@ def _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, bas
         yield v0, v1, g
 
 
-def _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, needs, base=0, total=None):
+def _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, needs, base=0, total=None,
+                           fused=True):
     """The per-token backward over vocabulary chunks: each chunk's dweight (and dbias) rows are
     final after one GEMM over all tokens (no accumulation); dhidden sums over the chunks, in
     the hidden dtype (fp32 with ``loss.accum_fp32``) with the sum of each chunk formed by cuBLAS in
@@ -263,7 +265,7 @@ def _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk,
     dh32 = loss.accum_fp32 and hidden.dtype != torch.float32 and vchunk < V  # an fp32 sum only where there is a sum
     dw = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
     db = torch.empty(V, dtype=torch.float32, device=hidden.device) if need_db else None
-    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, base, total):
+    for v0, v1, g in _vocab_grad_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, base, total, fused):
         if need_dh:  # the first chunk starts the sum (also when a fallback yields the chunks again)
             dh = _mm_sum(None if v0 == 0 else dh, g, weight[v0:v1], dh32)
         if need_dw:

@@ -165,13 +165,15 @@ def _extras_rows(stats, xt, target, valid, V, extras, like):
     return xf
 
 
-def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, needs):
+def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, needs, stats_fused=None):
     """Recompute the chunk logits, turn them into dlogits from the per-token upstream gradients
     (``up``, an :class:`.chunks._Upstream`); ``(dh, dw, db)``."""
     M = hidden.shape[0]
+    if stats_fused is None:
+        stats_fused = gemm_stats_supported(hidden, weight)
     if not vchunk and chunk >= M:
         vchunk = weight.shape[0]  # one chunk: the whole vocabulary as one slice (the same GEMMs)
-    elif not vchunk and gemm_stats_supported(hidden, weight) and gemm_grad_supported(hidden, weight):
+    elif not vchunk and stats_fused and gemm_grad_supported(hidden, weight):
         # the forward's statistics came from the fused GEMM (``_forward_impl`` tries it first): the
         # gradient's logits must come from the fused GEMM too, over vocabulary chunks of the same
         # workspace. cuBLAS's logits for the row kernel may round otherwise (with a bias the fused
@@ -180,7 +182,7 @@ def _backward_impl(hidden, weight, target, bias, temp, up, loss, chunk, vchunk, 
         # of z: far off for a confidently predicted token.
         vchunk = max(8, chunk * weight.shape[0] // M)
     if vchunk:
-        return _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, needs)
+        return _backward_vocab_chunks(hidden, weight, bias, target, temp, up, loss, vchunk, needs, fused=stats_fused)
     need_dh, need_dw, need_db = needs
     dh = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     pg = _ParamGrads(weight, bias, loss.accum_fp32, need_dw, need_db)
@@ -465,7 +467,9 @@ class _UniformGradTokens(torch.autograd.Function):
                   else g_loss.reshape(-1).float().contiguous())
             up = _Upstream.of(lse, ent, gl, None if g_ent is None else g_ent.reshape(-1).float().contiguous(),
                               None if g_lse is None else g_lse.reshape(-1).float().contiguous())
-            dh, dw, db = _backward_impl(hidden, weight, target, bias, temp, up, loss, *ctx.sizes, needs)
+            # the forward's statistics came from cuBLAS's logits and the row kernel: so do the gradient's
+            dh, dw, db = _backward_impl(hidden, weight, target, bias, temp, up, loss, *ctx.sizes, needs,
+                                        stats_fused=False)
         need_dh, need_dw, need_db = needs
         return ((dh if need_dh else None, dw if need_dw else None, None, db if need_db else None)
                 + (None,) * 8)
