@@ -27,3 +27,17 @@ def weighted_backward(fn, h, w, t, b, dtype=None, **kw):
 def rel(a, b):
     """Relative norm error of ``a`` against ``b``."""
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def confident_inputs(gen, M=64, V=32):
+    """(hidden, weight, target, bias) in fp32 whose labelled targets are predicted confidently:
+    head rows near the identity, each row's target logit 12 and the others near 0 (p - 1 ~ -2e-4
+    at the target, probabilities ~e^-12 elsewhere), every seventh target ignored. ``gen`` is
+    advanced as the callers' later draws expect."""
+    t = torch.randint(0, V, (M,), generator=gen)
+    h = torch.randn(M, V, generator=gen) * 0.3
+    h[torch.arange(M), t] = 12.0
+    w = torch.eye(V) + torch.randn(V, V, generator=gen) * 0.01
+    t[::7] = -100
+    b = torch.randn(V, generator=gen) * 0.1
+    return h, w, t, b

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy
+from lce_testing import confident_inputs
 
 
 def _gemm_modules():
@@ -75,14 +76,7 @@ def test_per_token_gradient_of_confident_tokens_as_accurate_as_eager(interpret, 
     log-sum-exp came from. With token chunks the backward once took cuBLAS's rounded logits while
     the forward's fused GEMM kept fp32 ones (with a bias): gradients 12x off in relative norm. Each
     gradient's error against float64 is at most 1.5x eager's own (fp16) or eager's plus fp32 noise."""
-    M, V = 64, 32
-    gen = torch.Generator().manual_seed(11)
-    t = torch.randint(0, V, (M,), generator=gen)
-    h = torch.randn(M, V, generator=gen) * 0.3
-    h[torch.arange(M), t] = 12.0
-    w = torch.eye(V) + torch.randn(V, V, generator=gen) * 0.01
-    t[::7] = -100
-    b = torch.randn(V, generator=gen) * 0.1
+    h, w, t, b = confident_inputs(torch.Generator().manual_seed(11))
 
     def grads(fn, dt):
         leaves = [x.to(dt).to(interpret).detach().requires_grad_() for x in (h, w, b)]

@@ -12,7 +12,7 @@ import torch
 from deepspeed_fused.ops import _common
 from deepspeed_fused.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from deepspeed_fused.ops.linear_cross_entropy import single as lce_single
-from lce_testing import rel
+from lce_testing import confident_inputs, rel
 
 TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (1e-3, 1e-2)}  # (outputs rel, grads rel-norm) vs float64
 SAME = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-2)}  # vs the per-token path
@@ -135,14 +135,9 @@ def test_fp16_formed_gradients_never_lose_what_the_per_token_path_keeps(interpre
     here) and recomputes otherwise (a sum, per-token weights up to 1.5); against float64 it is then
     as accurate as the per-token path or eager's fp16 autograd. Inputs with small probabilities
     (orthogonal head rows, each target's logit ~12 above the rest)."""
-    M, V = 64, 32
+    M = 64
     g = torch.Generator().manual_seed(11)
-    t = torch.randint(0, V, (M,), generator=g)
-    h = torch.randn(M, V, generator=g) * 0.3
-    h[torch.arange(M), t] = 12.0
-    w = torch.eye(V) + torch.randn(V, V, generator=g) * 0.01
-    t[::7] = -100
-    b = torch.randn(V, generator=g) * 0.1
+    h, w, t, b = confident_inputs(g, M)
     wts = torch.rand(M, generator=g) + 0.5
     n = int((t != -100).sum())
     up = {"mean": lambda x: x.sum() / n, "sum": lambda x: x.sum(),
