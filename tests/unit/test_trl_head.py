@@ -240,7 +240,8 @@ def test_peft_base_model(interpret):
     _compare(models[0], models[1], lambda m: m(input_ids=ids, labels=labels, fused_lm_head=True))
 
 
-def test_unknown_protocol_keeps_trl_head(monkeypatch):
+def _model_with_a_newer_output(monkeypatch):
+    """A model with TRL's head, TRL's output class given a field the feature does not know."""
     m, _ = _models()
     _add(m)
 
@@ -249,6 +250,11 @@ def test_unknown_protocol_keeps_trl_head(monkeypatch):
         top_k: torch.Tensor = None
 
     monkeypatch.setattr(trl_utils, "FusedCausalLMOutput", Newer)
+    return m
+
+
+def test_unknown_protocol_keeps_trl_head(monkeypatch):
+    m = _model_with_a_newer_output(monkeypatch)
     ok, why = trl_head.serve(m, CallCounts(), {})
     assert not ok and "top_k" in why and "fields" in why
     assert trl_head.served(m) is None and trl_head.trl_forward_of(m) is m.forward
@@ -322,14 +328,7 @@ def test_feature_report_serves_and_reverts(interpret):
 def test_feature_report_says_why_trl_head_is_kept(monkeypatch):
     from deepspeed_fused.hook import patch_model
 
-    m, _ = _models()
-    _add(m)
-
-    @dataclasses.dataclass
-    class Newer(trl_utils.FusedCausalLMOutput):
-        top_k: torch.Tensor = None
-
-    monkeypatch.setattr(trl_utils, "FusedCausalLMOutput", Newer)
+    m = _model_with_a_newer_output(monkeypatch)
     with pytest.warns(RuntimeWarning, match="not applied"):
         rep = patch_model(m, SECTION)["linear_cross_entropy"]
     assert not rep.applied and "TRL's fused LM head kept: TRL's FusedCausalLMOutput has fields" in rep.reason
