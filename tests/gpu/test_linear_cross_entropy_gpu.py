@@ -139,10 +139,24 @@ def test_fused_gemm_forward_agrees_with_row_kernel(monkeypatch, dtype, opts):
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [False])
     monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [False])
     rows, rgrads = _run(linear_cross_entropy, h, w, t, bias, **kw)
-    for a, r in zip(fused, rows, strict=True):
-        assert (a - r).abs().max().item() <= 2e-3, (a - r).abs().max().item()
-    for a, r in zip(fgrads, rgrads, strict=True):  # the backward's fused GEMM against cuBLAS + rows
-        assert _rel(a, r) <= 2e-3, _rel(a, r)
+    if bias is None:
+        for a, r in zip(fused, rows, strict=True):
+            assert (a - r).abs().max().item() <= 2e-3, (a - r).abs().max().item()
+        for a, r in zip(fgrads, rgrads, strict=True):  # the backward's fused GEMM against cuBLAS + rows
+            assert _rel(a, r) <= 2e-3, _rel(a, r)
+    else:
+        # With a bias the fused GEMMs keep the biased logits in fp32 (the log-sum-exp is then never
+        # less accurate than eager's), where cuBLAS rounds them to the input dtype: the two paths
+        # differ by up to a rounding of a logit. Each output element of the fused path is no farther
+        # from float64 than the rows path's plus the bound above, each gradient no farther in norm.
+        ref_kw = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in kw.items()}
+        ref, refgrads = _run(linear_cross_entropy_reference, h, w, t, bias, dtype=torch.float64, **ref_kw)
+        for a, r, x in zip(fused, rows, ref, strict=True):
+            excess = ((a.double() - x).abs() - (r.double() - x).abs()).max().item()
+            assert excess <= 2e-3, excess
+        for a, r, x in zip(fgrads, rgrads, refgrads, strict=True):
+            assert _rel(a, x) <= 1.1 * _rel(r, x) + 2e-3, (_rel(a, x), _rel(r, x))
     monkeypatch.setattr(kernels, "_GEMM_STATS_OK", [True])
     monkeypatch.setattr(kernels, "_GEMM_GRAD_OK", [True])
     _check(M, H, V, dtype, bias=opts == "all", **kw)
