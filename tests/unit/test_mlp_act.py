@@ -120,7 +120,7 @@ def _check(layout, act, xs, dh):
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("shape", [(37, 48), (3, 5, 20), (1, 1)])
+@pytest.mark.parametrize("shape", [(37, 48), (3, 5, 20), (1, 1), (9, 1000)])  # (9, 1000): flat blocks and a masked tail
 def test_matches_eager(interpret, layout, act, dtype, shape):
     xs, dh = _inputs(shape, dtype, interpret, layout, seed=sum(shape) + len(act))
     _check(layout, act, xs, dh)

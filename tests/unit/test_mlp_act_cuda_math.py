@@ -153,6 +153,10 @@ def test_plan_flat_for_row_contiguous_tensors():
     scalars, grid, const, warps = L.plan(*g.shape, g, g, g)
     assert scalars == (1, 4096 * 14336, 4096 * 14336 // 2048, 0, 0, 0)
     assert grid == (4096 * 14336 // 2048,) and const == dict(BLOCK_R=1, BLOCK_C=2048) and warps == 8
+    # the forward's flat blocks are twice as long
+    scalars, grid, const, warps = L.plan(*g.shape, g, g, g, flat_block=L.FLAT_BLOCK_FWD)
+    assert L.FLAT_BLOCK_FWD == 4096 and scalars == (1, 4096 * 14336, 4096 * 14336 // 4096, 0, 0, 0)
+    assert grid == (4096 * 14336 // 4096,) and const == dict(BLOCK_R=1, BLOCK_C=4096) and warps == 8
     # a gate-up projection's halves are rows 2 I apart: the rows as they are, column block fastest
     gu = torch.empty(100, 2 * 6912)
     gate, up = L.halves(gu, True)
