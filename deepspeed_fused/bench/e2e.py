@@ -25,7 +25,8 @@ The fused configs turn every feature on (``rms_norm``, ``linear_cross_entropy``,
 Liger patches applied.
 
 Dense pairs (:data:`DENSE_PAIRS`; ``--pairs dense`` for the four non-reentrant ones): full-depth
-models of the Llama-3.2-3B, Qwen3-1.7B, Qwen3-4B and Gemma-3-1B shapes (random weights), ZeRO-2,
+models of the Llama-3.2-3B, Qwen3-1.7B, Qwen3-4B and Gemma-3-1B shapes (random weights), ZeRO-2
+(on one GPU; Qwen3-4B on two, :data:`DENSE_GPUS`: its training state does not fit one 80 GB GPU),
 Hugging Face gradient checkpointing (non-reentrant; ``dense_llama3_3b_reentrant`` the reentrant
 variant), the same three arms at the same micro-batch, the liger arm with the family's patch
 function's defaults (its SwiGLU/GeGLU MLP included) and the fused arm with every feature on,
@@ -145,7 +146,11 @@ DENSE_PAIRS = {
     "dense_gemma3_1b": ("gemma3-1b", ["--grad-ckpt", "non-reentrant"]),
     "dense_llama3_3b_reentrant": ("llama-3.2-3b", ["--grad-ckpt", "reentrant"]),
 }
-PAIRS.update({p: ("configs/baseline.json", "configs/fused_all.json", 1) for p in DENSE_PAIRS})
+# GPUs of each dense pair: one, but two for the Qwen3-4B shape, whose bf16 weights, gradients, fp32
+# master weights and AdamW moments (about 16 bytes a parameter, 64 GB) leave no room for the
+# activations on one 80 GB GPU in any arm; on two, ZeRO-2 halves the optimizer's share.
+DENSE_GPUS = {"dense_qwen3_4b": 2}
+PAIRS.update({p: ("configs/baseline.json", "configs/fused_all.json", DENSE_GPUS.get(p, 1)) for p in DENSE_PAIRS})
 # ``--pairs dense``: the four dense pairs with non-reentrant checkpointing
 DENSE_ALIAS = [p for p in DENSE_PAIRS if not p.endswith("_reentrant")]
 

@@ -54,6 +54,20 @@ def _fb(a: dict) -> Optional[float]:
     return a.get("median_micro_fb_s")
 
 
+_EXC_LINE = re.compile(r"(?:^|\n)(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b:[^\n]*)")
+
+
+def error_headline(text: str, limit: int = 300) -> str:
+    """A failed arm's error as one line: its ``exit N:`` prefix and the last exception line of the
+    job's stderr (``torch.OutOfMemoryError: CUDA out of memory ...``), not the traceback's first
+    frames; the text itself where it holds no exception line."""
+    found = _EXC_LINE.findall(text or "")
+    if not found:
+        return (text or "")[:limit].replace("\n", " ")
+    m = re.match(r"exit -?\d+: ", text)
+    return ((m.group(0) if m else "") + found[-1].strip())[:limit]
+
+
 def compare(pair: str, arms: dict) -> dict:
     """Ratios of the fused arm to the baseline and Liger arms (the optimizer step and, where
     recorded, one micro-step's forward+backward), loss differences, and the targets of
@@ -63,7 +77,7 @@ def compare(pair: str, arms: dict) -> dict:
     out: dict = {}
     if not (_ok(base) and _ok(fused)):
         bad = next((a for a in (base, fused) if a and "error" in a), None)
-        return dict(error=bad["error"][:300] if bad else "baseline or fused arm missing")
+        return dict(error=error_headline(bad["error"]) if bad else "baseline or fused arm missing")
 
     def reduction(a, key):  # None on a CPU run (no GPU memory figures)
         return 1 - a[key] / base[key] if base.get(key) and a.get(key) is not None else None
@@ -328,7 +342,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 a = v[arm]
                 if "error" in a:
                     lines.append(f"| {k} | {arm} | {arm_features(a)} | | {'timeout' if a.get('timeout') else 'failed'} "
-                                 f"| | | | | | {a['error'][:200]!r} |".replace("\n", " "))
+                                 f"| | | | | | {error_headline(a['error'], 200).replace('|', '/')} |")
                     continue
                 fb = _fb(a)
                 lines.append(f"| {k} | {arm} | {arm_features(a)} | {_accum_of(a)} | {a['median_step_s'] * 1e3:.1f} | "
@@ -380,7 +394,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                                  + ". Python stacks shortly before the limit are in `e2e.json` "
                                  f"(`results.{pair}.{arm}.stacks`).")
                 elif "error" in a:
-                    lines.append(f"- {k}: failed: `{a['error'][:300]}`".replace("\n", " "))
+                    lines.append(f"- {k}: failed: `{error_headline(a['error'])}`")
                 else:
                     first = (a.get("history") or [{}])[0].get("step_s")
                     lines.append(f"- {k}: ran, median step {a['median_step_s'] * 1e3:.1f} ms (first step "

@@ -38,7 +38,8 @@ def test_dense_fused_config_turns_every_feature_on():
 
     for pair in e2e.DENSE_PAIRS:
         base, fused, gpus = e2e.PAIRS[pair]
-        assert gpus == 1 and (base, fused, gpus) == e2e.PAIRS["zero2"]  # ZeRO-2, as the MoE pair
+        assert (base, fused) == e2e.PAIRS["zero2"][:2]  # ZeRO-2, as the MoE pair
+        assert gpus == (2 if pair == "dense_qwen3_4b" else 1)  # Qwen3-4B's training state needs two
         with open(e2e.config_file(fused)) as f:
             parsed = parse_config(json.load(f))
         assert parsed.mlp_act.enabled and all(getattr(parsed, f.name).enabled for f in all_features())
@@ -238,3 +239,15 @@ def test_report_breakdown_columns_are_the_union_of_the_arms_categories():
     assert "| pair | arm | total | rms_norm | attention | residual adds |" in md
     assert "| dense_qwen3_1_7b | fused | 6.0 | 1.0 | 1.0 | 4.0 |" in md
     assert "| zero2 | fused | 3.0 | 1.0 | 2.0 | 0.0 |" in md
+
+
+def test_failed_arm_is_reported_by_its_exception_line():
+    from deepspeed_fused.bench.e2e_report import error_headline
+
+    err = ('exit 1: ed_fused/train.py", line 248, in run_steps\n[rank0]:     engine.step()\n'
+           '[rank0]:   File "engine.py", line 3615, in step\n[rank0]: torch.OutOfMemoryError: CUDA out of memory. '
+           'Tried to allocate 14.99 GiB.\n[rank0]:[W1206 ProcessGroupNCCL.cpp:1575] Warning: destroy_process_group()\n')
+    assert error_headline(err) == "exit 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 14.99 GiB."
+    assert error_headline("timeout: no result within 170 s (3 steps printed)") == \
+        "timeout: no result within 170 s (3 steps printed)"
+    assert error_headline("exit 1: ValueError: a\nRuntimeError: b") == "exit 1: RuntimeError: b"
