@@ -197,6 +197,57 @@ def test_layouts(interpret, layout):
     assert all(torch.equal(a, b_) for a, b_ in zip(got, want))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("between", ["none", "norm", "scaled", "two-consumers"])
+def test_projection_gradients_keep_the_inputs_layout(interpret, bias, between):
+    """q and k straight from a projection (``proj(h).view(b, s, heads, d).transpose(1, 2)``): the
+    input gradients come back in q's and k's own layout, so autograd's reshapes view them instead of
+    copying, and every gradient of the layers before equals eager's bit for bit. With a norm
+    between the projection and the transpose (Qwen3's q/k norms) the gradients stay contiguous, as
+    eager's, and so where an op other than a reshape follows the projection; where q has another
+    consumer after the transpose, its gradient is the sum autograd forms."""
+    spec = SPECS["llama"]
+    gen = torch.Generator().manual_seed(11)
+    b, s, hq, hk, d, hidden = 2, 5, 4, 2, 8, 12
+    dev, dt = interpret, torch.float32
+    h = torch.randn(b, s, hidden, generator=gen).to(dev, dt).requires_grad_()
+    pq, pk = torch.nn.Linear(hidden, hq * d, bias=bias), torch.nn.Linear(hidden, hk * d, bias=bias)
+    pq, pk = pq.to(dev, dt), pk.to(dev, dt)
+    theta = torch.randn(b, s, d, generator=gen, dtype=torch.float64)
+    cos, sin = theta.cos().to(dev, dt), theta.sin().to(dev, dt)
+    gq, gk = torch.randn(b, hq, s, d, generator=gen).to(dev, dt), torch.randn(b, hk, s, d, generator=gen).to(dev, dt)
+    norm_w = torch.randn(d, generator=gen).to(dev, dt)
+    leaves = (h, pq.weight, pk.weight) + ((pq.bias, pk.bias) if bias else ())
+
+    def step(fn):
+        q, k = pq(h), pk(h)
+        if between == "scaled":
+            q, k = q * 0.5, k * 0.5
+        q, k = q.view(b, s, hq, d), k.view(b, s, hk, d)
+        if between == "norm":
+            q, k = (torch.nn.functional.rms_norm(x, (d,), norm_w) for x in (q, k))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        seen = {}
+        q.register_hook(lambda g: seen.setdefault("q", g.stride()) and None)
+        k.register_hook(lambda g: seen.setdefault("k", g.stride()) and None)
+        yq, yk = fn(q, k, cos, sin, 1, spec)
+        loss = (yq * gq).sum() + (yk * gk).sum()
+        if between == "two-consumers":
+            loss = loss + (q * gq).sum()
+        return torch.autograd.grad(loss, leaves), seen, (q.stride(), k.stride())
+
+    got, seen, strides = step(R.fused_rope)
+    want, seen_eager, _ = step(R.rope_reference)
+    assert all(torch.equal(a, w) for a, w in zip(got, want))
+    contiguous = (torch.empty(b, hq, s, d).stride(), torch.empty(b, hk, s, d).stride())
+    if between == "none":
+        assert (seen["q"], seen["k"]) == strides != contiguous  # the inputs' own layout
+    elif between in ("norm", "scaled"):
+        assert (seen["q"], seen["k"]) == contiguous
+    else:  # the rope's gradient of q is contiguous; k, read by the rope alone, keeps its layout
+        assert seen["k"] == strides[1]
+
+
 def test_strided_gradient_and_unused_output(interpret):
     """A gradient in another layout than the output (read through its strides), and an unused k
     output: k gets no gradient, as in eager."""

@@ -25,11 +25,11 @@ class _RopeFn(torch.autograd.Function):
     ``plan`` is the forward's launch plan, built by the caller."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, plan):
+    def forward(ctx, q, k, cos, sin, plan, keep=(False, False)):
         ctx.set_materialize_grads(False)  # an unused output gives its input no gradient, as in eager
         yq, yk = _forward(plan, q, k, cos, sin)
         ctx.save_for_backward(cos, sin)
-        ctx.plan = plan
+        ctx.plan, ctx.keep = plan, keep
         if k is None:
             return yq
         return yq, yk
@@ -47,8 +47,37 @@ def _backward_body(ctx, *grads):
     cos, sin = ctx.saved_tensors
     need = ctx.needs_input_grad
     grads = tuple(g if need[i] else None for i, g in enumerate(grads))
-    dx = _backward(ctx.plan, grads, cos, sin)
-    return dx[0], (dx[1] if len(dx) > 1 else None), None, None, None
+    dx = _backward(ctx.plan, grads, cos, sin, keep=ctx.keep)
+    return dx[0], (dx[1] if len(dx) > 1 else None), None, None, None, None
+
+
+# Autograd nodes between a Hugging Face q/k projection and its rotation: the reshapes (to heads, and
+# the Linear's own of a 3-D input) and the matrix product.
+_RESHAPE_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+_MATMUL_NODES = frozenset({"MmBackward0", "AddmmBackward0"})
+
+
+def grad_layout_is_free(x: torch.Tensor) -> bool:
+    """True when the layout of ``x``'s gradient changes no value the layers before compute, only
+    whether autograd copies it: ``x`` is a transpose of a contiguous tensor that is reshaped from a
+    matrix product's output (``proj(h).view(b, s, heads, d).transpose(1, 2)``, the Hugging Face
+    attention's q and k). A gradient in ``x``'s own layout then transposes back to a contiguous
+    tensor, the reshapes view it and the product's backward reads the very matrix it reads after
+    eager's copy of a contiguous gradient. Anything else on the way (a norm, an adapter's add,
+    ZeRO-3's linear function) may reduce in an order that depends on the layout: False there, and
+    the gradient stays contiguous as eager's."""
+    fn = x.grad_fn
+    if fn is None or type(fn).__name__ != "TransposeBackward0":
+        return False
+    try:
+        if not x.transpose(fn._saved_dim0, fn._saved_dim1).is_contiguous():
+            return False
+        node, reshapes = fn.next_functions[0][0], 0
+        while node is not None and type(node).__name__ in _RESHAPE_NODES and reshapes < 3:
+            node, reshapes = node.next_functions[0][0], reshapes + 1
+    except (AttributeError, IndexError, RuntimeError):
+        return False
+    return reshapes > 0 and node is not None and type(node).__name__ in _MATMUL_NODES
 
 
 _backward_once = once_differentiable(_backward_body)
@@ -148,7 +177,8 @@ def try_fused_rope(q, k, cos, sin, unsqueeze_dim: int = 1, spec: RopeSpec = LLAM
         if isinstance(plan, str):
             return None
     if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
-        return _RopeFn.apply(q, k, cos, sin, plan)
+        keep = (grad_layout_is_free(q), k is not None and grad_layout_is_free(k))
+        return _RopeFn.apply(q, k, cos, sin, plan, keep)
     yq, yk = _forward(plan, q, k, cos, sin)
     return yq if k is None else (yq, yk)
 

@@ -6,7 +6,8 @@ q and k may be strided views (Hugging Face passes ``[B, S, H, D]`` projections t
 ``[B, H, S, D]``; ZAYA's come from a transposed convolution, their head dim strided). The outputs
 take the inputs' layout (``empty_like``), as eager's elementwise results do, and the input
 gradients are contiguous, as eager autograd's are: the layers before see the gradient eager would
-give them, down to its strides. cos and sin are constants: inputs where they require grad run
+give them, down to its strides (except where only a reshape and a matrix product read it:
+``api.grad_layout_is_free``). cos and sin are constants: inputs where they require grad run
 the reference.
 """
 from __future__ import annotations

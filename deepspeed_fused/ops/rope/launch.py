@@ -66,13 +66,19 @@ class _Plan:
         self.fwd_const = dict(self.common, BACKWARD=False, PROD=self.prod, ACC=self.prod,
                               PASS=self.rdim < self.head_dim, TWO=len(self.geos) == 2)
 
-    def backward_entry(self, present: tuple, grads: tuple):
+    def dx_strides(self, i: int, keep: tuple) -> tuple:
+        """The strides of input ``i``'s gradient: contiguous, or the input's own layout where
+        ``keep[i]`` (see :func:`api.grad_layout_is_free`)."""
+        return self.geos[i].y_strides if keep[i] else self.geos[i].dx_strides
+
+    def backward_entry(self, present: tuple, grads: tuple, keep: tuple = (False, False)):
         """(args, programs of the first tensor, all programs, constexprs, launch key) of the backward
-        launch for the gradients ``grads`` of the outputs ``present`` (indices into geos)."""
-        bkey = tuple((i, g.stride(), g.dtype, g.data_ptr() & 15) for i, g in zip(present, grads))
+        launch for the gradients ``grads`` of the outputs ``present`` (indices into geos), each
+        written with :meth:`dx_strides`."""
+        bkey = tuple((i, g.stride(), g.dtype, g.data_ptr() & 15, keep[i]) for i, g in zip(present, grads))
         entry = self.bwd.get(bkey)
         if entry is None:
-            ints = tuple(self.geos[i].ints(g.stride(), self.geos[i].dx_strides) for i, g in zip(present, grads))
+            ints = tuple(self.geos[i].ints(g.stride(), self.dx_strides(i, keep)) for i, g in zip(present, grads))
             if len(ints) == 1:
                 ints = ints * 2
             np0 = self.progs[present[0]]
@@ -226,18 +232,19 @@ def _forward(plan: _Plan, q, k, cos, sin, outs=None):
     return yq, yk
 
 
-def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None) -> list:
+def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None, keep: tuple = (False, False)) -> list:
     """Input gradients of the outputs whose gradients ``grads`` holds (None: no gradient), in the
-    inputs' dtype, contiguous as eager autograd leaves them (or into ``outs``); one launch for both."""
+    inputs' dtype, contiguous as eager autograd leaves them, or in the input's own layout where
+    ``keep`` says so (or into ``outs``); one launch for both."""
     present = tuple(i for i, g in enumerate(grads) if g is not None)
     out = [None] * len(grads)
     if not present:
         return out
     gs = tuple(grads[i] for i in present)
-    args, np0, total, const, lkey = plan.backward_entry(present, gs)
-    dxs = [torch.empty_strided(g.shape, plan.geos[i].dx_strides, dtype=plan.x_dtype, device=g.device)
+    args, np0, total, const, lkey = plan.backward_entry(present, gs, keep)
+    dxs = [torch.empty_strided(g.shape, plan.dx_strides(i, keep), dtype=plan.x_dtype, device=g.device)
            if outs is None else outs[i] for i, g in zip(present, gs)]
-    if outs is not None and any(dx.stride() != plan.geos[i].dx_strides for i, dx in zip(present, dxs)):
+    if outs is not None and any(dx.stride() != plan.dx_strides(i, keep) for i, dx in zip(present, dxs)):
         raise ValueError("rope: outs must have the plan's gradient strides")
     x1, y1 = (gs[1], dxs[1]) if len(gs) == 2 else (gs[0], dxs[0])
     _launch(plan, lkey, gs[0], dxs[0], x1, y1, cos, sin, np0, total, args, const)
