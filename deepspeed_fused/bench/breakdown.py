@@ -94,11 +94,12 @@ CATEGORIES = ["rms_norm", "lm_head + loss", GEMMS, ATTN_CORE, ATTN_REST, MLP_ACT
 
 # This plugin's Triton kernels (deepspeed_fused/ops): attributed by name, wherever they run.
 OUR_KERNELS = [
-    (re.compile(r"^_(rms_fwd|rms_bwd|rms_bwd_loop|dw_reduce)_kernel"), "rms_norm"),
-    (re.compile(r"^_lce_"), "lm_head + loss"),
+    (re.compile(r"^_((rms_fwd|rms_bwd|rms_bwd_loop)(_form)?|dw_reduce)_kernel"), "rms_norm"),
+    (re.compile(r"^_(lce_|merge_tile_stats_kernel|scale_unless_one_kernel)"), "lm_head + loss"),
     (re.compile(r"^_(gather_rows|combine|combine_backward|route_maps)_kernel"), MOE_OTHER),
     (re.compile(r"^_rope_kernel"), ATTN_REST),
-    # Liger-Kernel's dense kernels: its RoPE, its SwiGLU and GeGLU MLP activations
+    # Liger-Kernel's dense kernels: its RMSNorm, RoPE, SwiGLU and GeGLU MLP activations
+    (re.compile(r"^_rms_norm_(forward|backward)_kernel"), "rms_norm"),
     (re.compile(r"^_triton_rope"), ATTN_REST),
     (re.compile(r"^_(swiglu|geglu_tanh)_(forward|backward)_kernel"), MLP_ACT),
 ]
