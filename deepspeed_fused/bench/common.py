@@ -298,3 +298,76 @@ def plot(records: list[Record], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class GpuSampler:
+    """The GPU's SM clock, power and temperature sampled by ``nvidia-smi`` every ``period_ms``
+    while a job runs (a context manager around it): on a power- or heat-limited GPU the same
+    kernels run slower at lower clocks, so a comparison of runs made one after the other says
+    what the clocks were. :attr:`summary` (after the block): None without ``nvidia-smi``, else
+    :func:`summarize_gpu_samples` of the samples."""
+
+    QUERY = "index,utilization.gpu,clocks.sm,power.draw,temperature.gpu"
+
+    def __init__(self, period_ms: int = 500):
+        self.period_ms = period_ms
+        self.summary: Optional[dict] = None
+        self._proc = self._file = None
+
+    def __enter__(self):
+        import shutil
+        import subprocess
+        import tempfile
+
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return self
+        self._file = tempfile.TemporaryFile(mode="w+")
+        try:
+            self._proc = subprocess.Popen([exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                           f"-lms={self.period_ms}"], stdout=self._file, stderr=subprocess.DEVNULL)
+        except OSError:
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is None:
+            return False
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001  (a sampler that does not stop is killed; its samples stand)
+            self._proc.kill()
+        self._file.seek(0)
+        self.summary = summarize_gpu_samples(self._file.read())
+        self._file.close()
+        return False
+
+
+def summarize_gpu_samples(text: str, busy_pct: float = 90.0) -> Optional[dict]:
+    """Per GPU index, from ``nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw,
+    temperature.gpu --format=csv,noheader,nounits`` lines: the samples while the GPU was busy
+    (utilization >= ``busy_pct``; loading and compiling are not), their median and lowest SM clock
+    (MHz) and median power (W), and the highest temperature (C) of all samples. None without
+    samples."""
+    per: dict = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 5:
+            continue
+        try:
+            idx, util, sm, power, temp = int(parts[0]), float(parts[1]), float(parts[2]), float(parts[3]), float(parts[4])
+        except ValueError:  # "[N/A]" fields
+            continue
+        per.setdefault(idx, []).append((util, sm, power, temp))
+    if not per:
+        return None
+    out = {}
+    for idx, rows in sorted(per.items()):
+        busy = [r for r in rows if r[0] >= busy_pct]
+        out[str(idx)] = dict(samples=len(rows), busy_samples=len(busy),
+                             sm_mhz_median=statistics.median(r[1] for r in busy) if busy else None,
+                             sm_mhz_min=min(r[1] for r in busy) if busy else None,
+                             power_w_median=statistics.median(r[2] for r in busy) if busy else None,
+                             temp_c_max=max(r[3] for r in rows))
+    return out

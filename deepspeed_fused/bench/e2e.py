@@ -76,6 +76,11 @@ optimizer step at accumulation 1 and >= 1.5x at accumulation 8, >= 1.3x the Lige
 ZeRO-2 on two GPUs >= 1.22x the baseline's and >= 1.2x the Liger arm's; the losses of every
 micro-step within 0.5% of the baseline's in every pair.
 
+While each arm runs, the launching process samples the GPU's SM clock, power and temperature with
+``nvidia-smi`` (:class:`.common.GpuSampler`; ``gpu_clocks`` in each arm's record, a table in
+``e2e.md``): arms run one after the other, and a GPU that warms up or hits its power limit runs the
+same kernels slower in the later ones.
+
 Flags: ``--model --steps --warmup --batch-size --seq-len`` (the fixed setup), ``--pairs --arms``,
 ``--arm-timeout`` (s per run, default 600), ``--liger-swiglu-timeout`` (default 420),
 ``--keep-traces DIR`` (each profiled step's Chrome trace), ``--search PAIRS --search-arms
@@ -105,7 +110,7 @@ import tempfile
 import time
 from typing import Callable, Optional
 
-from .common import OUT_DIR, env_fields, free_port
+from .common import OUT_DIR, GpuSampler, env_fields, free_port
 from .e2e_report import ARM_ORDER, SWIGLU_ARMS, _write, arm_features, compare, render, search_compare
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,7 +197,10 @@ def launch(train_args: list, num_gpus: int, timeout: float, tmp: str, env_extra:
     print("[e2e] running", " ".join(f"{k}={v}" for k, v in (env_extra or {}).items()), " ".join(cmd[5:]),
           f"(limit {timeout:.0f} s)", flush=True)
     try:
-        return run_limited(cmd, timeout, tmp, env, cwd=tmp)
+        with GpuSampler() as clocks:
+            r = run_limited(cmd, timeout, tmp, env, cwd=tmp)
+        r["gpu_clocks"] = clocks.summary
+        return r
     finally:
         # a CPU run's shared-memory all-reduce leaves a /dev/shm buffer per rank and port behind
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
@@ -298,7 +306,8 @@ def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> d
     with open(metrics) as f:
         out = json.load(f)
     times = sorted(x["step_s"] for x in out["history"][o.warmup:])
-    out.update(arm=arm, env=env_extra, wall_s=r["wall_s"], steps_seen=seen if arm in SWIGLU_ARMS else None)
+    out.update(arm=arm, env=env_extra, wall_s=r["wall_s"], steps_seen=seen if arm in SWIGLU_ARMS else None,
+               gpu_clocks=r.get("gpu_clocks"))
     out["step_s_p10"] = times[max(0, int(0.1 * len(times)) - 1)] if times else None
     out["step_s_p90"] = times[min(len(times) - 1, int(0.9 * len(times)))] if times else None
     out["step_s_stdev"] = statistics.pstdev(times) if len(times) > 1 else 0.0

@@ -68,6 +68,28 @@ def error_headline(text: str, limit: int = 300) -> str:
     return ((m.group(0) if m else "") + found[-1].strip())[:limit]
 
 
+def clocks_table(results: dict) -> list:
+    """Markdown lines: each arm's GPU clocks while it ran (``gpu_clocks``, sampled by the launcher's
+    process; GPU 0 of the job), in the order the arms ran; none when no arm has them (a CPU run, an
+    older result)."""
+    rows = []
+    for k, v in results.items():
+        for arm in _arms_of(v):
+            g = (v[arm].get("gpu_clocks") or {}).get("0")
+            if g:
+                rows.append(f"| {k} | {arm} | {_f(g.get('sm_mhz_median'), '{:.0f}')} | {_f(g.get('sm_mhz_min'), '{:.0f}')} | "
+                            f"{_f(g.get('power_w_median'), '{:.0f}')} | {_f(g.get('temp_c_max'), '{:.0f}')} | "
+                            f"{g.get('busy_samples')} of {g.get('samples')} |")
+    if not rows:
+        return []
+    return ["", "GPU clocks while each arm ran (`nvidia-smi` every 0.5 s; clock and power: the samples with the "
+            "GPU at least 90% busy, so loading and compiling are left out). The same kernels run slower at "
+            "lower clocks; the arms ran one after the other (in the order `--arms` gave: by default baseline, "
+            "liger, fused).", "",
+            "| pair | arm | SM clock median MHz | SM clock lowest MHz | power median W | temperature max C | busy samples |",
+            "|---|---|---:|---:|---:|---:|---|"] + rows
+
+
 def compare(pair: str, arms: dict) -> dict:
     """Ratios of the fused arm to the baseline and Liger arms (the optimizer step and, where
     recorded, one micro-step's forward+backward), loss differences, and the targets of
@@ -380,6 +402,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 shown = _f(m, "{:.3%}") if "loss" in x["name"] else _f(m, "{:.3f}x")
                 met = "yes" if x.get("met") else ("n/a" if x.get("met") is None else "no")
                 lines.append(f"| {k} | {x['what']} | {shown} | {x['target']} | {met} |")
+        lines += clocks_table(results)
         swiglu = [((k, arm), v[arm]) for k, v in results.items() for arm in SWIGLU_ARMS if arm in v]
         if swiglu:
             lines += ["", "## Liger's SwiGLU experts (`swiglu=True`)", "",

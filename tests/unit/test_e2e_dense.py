@@ -251,3 +251,29 @@ def test_failed_arm_is_reported_by_its_exception_line():
     assert error_headline("timeout: no result within 170 s (3 steps printed)") == \
         "timeout: no result within 170 s (3 steps printed)"
     assert error_headline("exit 1: ValueError: a\nRuntimeError: b") == "exit 1: RuntimeError: b"
+
+
+def test_gpu_clocks_are_sampled_while_an_arm_runs(tmp_path, monkeypatch):
+    """The launcher's sampler runs nvidia-smi beside the job (a stand-in script here) and keeps the
+    busy samples' clocks; the report lists them per arm."""
+    from deepspeed_fused.bench.common import GpuSampler, summarize_gpu_samples
+    from deepspeed_fused.bench.e2e_report import clocks_table
+
+    text = "0, 100, 1755, 690.5, 71\n0, 3, 345, 80.0, 40\n0, 98, 1620, 700.1, 75\n1, 100, 1980, 500, 60\n0, [N/A], 1, 1, 1\n"
+    s = summarize_gpu_samples(text)
+    assert s["0"] == dict(samples=3, busy_samples=2, sm_mhz_median=1687.5, sm_mhz_min=1620.0, power_w_median=695.3,
+                          temp_c_max=75.0)
+    assert s["1"]["sm_mhz_median"] == 1980.0 and summarize_gpu_samples("") is None
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nwhile true; do echo '0, 100, 1500, 650.0, 70'; sleep 0.05; done\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    import time
+
+    with GpuSampler(period_ms=50) as g:
+        time.sleep(0.5)
+    assert g.summary["0"]["sm_mhz_median"] == 1500.0 and g.summary["0"]["busy_samples"] >= 2
+    lines = clocks_table({"dense_x": {"baseline": {"gpu_clocks": g.summary}, "fused": {"gpu_clocks": None}}})
+    assert any(line.startswith("| dense_x | baseline | 1500 | 1500 | 650 | 70 |") for line in lines)
+    assert clocks_table({"dense_x": {"baseline": {}}}) == []
