@@ -314,6 +314,27 @@ def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> d
     return out
 
 
+def combine_runs(runs: list) -> dict:
+    """One arm's record from its runs (``--balanced``: two, at mirrored places in the order). One run:
+    itself. Several: the first run's record (losses, breakdown, memory, report) with the step, the
+    micro-step and tokens/s replaced by the mean of the runs' medians, and ``runs`` listing each run's
+    place in the order, medians and clocks; the first failed run where one failed."""
+    if len(runs) == 1:
+        return runs[0]
+    bad = next((r for r in runs if "error" in r), None)
+    if bad is not None:
+        return bad
+    out = dict(runs[0])
+    out["runs"] = [dict(position=r.get("position"), median_step_s=r["median_step_s"],
+                        median_tokens_per_s=r["median_tokens_per_s"], median_micro_fb_s=r.get("median_micro_fb_s"),
+                        gpu_clocks=r.get("gpu_clocks")) for r in runs]
+    out["median_step_s"] = statistics.fmean(r["median_step_s"] for r in runs)
+    out["median_tokens_per_s"] = statistics.fmean(r["median_tokens_per_s"] for r in runs)
+    fbs = [r.get("median_micro_fb_s") for r in runs]
+    out["median_micro_fb_s"] = statistics.fmean(fbs) if all(f is not None for f in fbs) else None
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Micro-batch search
 # ---------------------------------------------------------------------------------------------
@@ -518,6 +539,9 @@ def parse_options(args):
                    help="run every dense pair with this model instead of its own (a stand-in for quick runs)")
     p.add_argument("--arms", default="baseline,liger,fused", help=f"of {', '.join(ARMS)}")
     p.add_argument("--arm-timeout", type=float, default=600.0, help="seconds per arm run")
+    p.add_argument("--balanced", action="store_true",
+                   help="run the arms twice, in the given order and then reversed, and report each arm's mean "
+                        "of its two median steps (a drift of the GPU's clocks over the run cancels)")
     p.add_argument("--liger-swiglu-timeout", type=float, default=420.0, help="seconds for the liger_swiglu arm")
     p.add_argument("--keep-traces", default=None, metavar="DIR", help="keep each profiled step's Chrome trace here")
     p.add_argument("--search", default="", help="pairs to run the micro-batch search for (e.g. zero2,zero3)")
@@ -585,9 +609,13 @@ def main(args) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         for name in pairs:
-            results[name] = {}
-            for arm in arms:
-                results[name][arm] = run_arm(name, arm, o, tmp)
+            results[name], runs = {}, {}
+            order = arms + (arms[::-1] if o.balanced else [])
+            for position, arm in enumerate(order):
+                r = run_arm(name, arm, o, tmp)
+                r["position"] = position
+                runs.setdefault(arm, []).append(r)
+                results[name][arm] = combine_runs(runs[arm])
                 partial()
             results[name]["compare"] = compare(name, results[name])
         for name in o.search_list:

@@ -275,5 +275,37 @@ def test_gpu_clocks_are_sampled_while_an_arm_runs(tmp_path, monkeypatch):
         time.sleep(0.5)
     assert g.summary["0"]["sm_mhz_median"] == 1500.0 and g.summary["0"]["busy_samples"] >= 2
     lines = clocks_table({"dense_x": {"baseline": {"gpu_clocks": g.summary}, "fused": {"gpu_clocks": None}}})
-    assert any(line.startswith("| dense_x | baseline | 1500 | 1500 | 650 | 70 |") for line in lines)
+    assert any(line.startswith("| dense_x | baseline | n/a | 1500 | 1500 | 650 | 70 |") for line in lines)
     assert clocks_table({"dense_x": {"baseline": {}}}) == []
+
+
+def test_balanced_runs_each_arm_twice_in_mirrored_order(tmp_path, monkeypatch):
+    """--balanced: baseline, liger, fused, then fused, liger, baseline; each arm's step is the mean
+    of its two runs' medians, the runs are listed with their places, the report says so."""
+    order, step = [], {"baseline.json": [3.0, 5.0], "fused_all.json": [1.0, 2.0]}
+
+    def launch(train_args, num_gpus, timeout, tmp, env_extra=None):
+        a = {k: train_args[i + 1] for i, k in enumerate(train_args[:-1]) if k.startswith("--")}
+        arm = "liger" if "--liger" in train_args else os.path.basename(a["--deepspeed_config"])
+        order.append(arm)
+        s = step[arm].pop(0) if arm in step else 4.0
+        hist = [dict(step=i, loss=10.0, step_s=s, tokens_per_s=8.0 / s) for i in range(int(a["--steps"]))]
+        rec = dict(median_step_s=s, median_tokens_per_s=8.0 / s, peak_alloc_mib=1.0, peak_reserved_mib=1.0,
+                   history=hist, model=a["--model"])
+        with open(a["--metrics-out"], "w") as f:
+            json.dump(rec, f)
+        return dict(rc=0, stdout="", stderr="", wall_s=1.0, gpu_clocks={"0": dict(
+            samples=4, busy_samples=3, sm_mhz_median=1700.0 - 10 * len(order), sm_mhz_min=1600.0,
+            power_w_median=600.0, temp_c_max=70.0)})
+
+    monkeypatch.setattr(e2e, "launch", launch)
+    doc = e2e.main(argparse.Namespace(out=str(tmp_path), quick=False, extra=[
+        "--pairs", "dense_gemma3_1b", "--steps", "2", "--warmup", "1", "--balanced"]))
+    assert order == ["baseline.json", "liger", "fused_all.json", "fused_all.json", "liger", "baseline.json"]
+    r = doc["results"]["dense_gemma3_1b"] if "results" in doc else json.load(open(tmp_path / "e2e.json"))["results"][
+        "dense_gemma3_1b"]
+    assert r["baseline"]["median_step_s"] == 4.0 and r["fused"]["median_step_s"] == 1.5
+    assert [x["position"] for x in r["baseline"]["runs"]] == [0, 5]
+    assert r["compare"]["speedup"] == pytest.approx(4.0 / 1.5)
+    md = (tmp_path / "e2e.md").read_text()
+    assert "Balanced (`--balanced`)" in md and "| dense_gemma3_1b | fused (run 4) | 2000.0 | 1660 |" in md
