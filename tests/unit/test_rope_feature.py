@@ -414,11 +414,16 @@ def test_module_global_replaced_after_patching(interpret, launches):
     unpatch_model(model)
 
 
-def test_deepspeed_replace_rotary_pos_emb_is_left_to_it(interpret):
+@pytest.mark.parametrize("patched_before", [False, True])
+def test_deepspeed_replace_rotary_pos_emb_is_left_to_it(interpret, patched_before):
+    """DeepSpeed's replacement of the module's function is left to it, and the reason names it, also
+    where another model of the class was patched before (its attention class already dispatches)."""
     from deepspeed.ops.triton_ops import fused_rotary_pos_emb as ds
 
     from transformers.models.qwen3 import modeling_qwen3 as mq
 
+    if patched_before:
+        assert patch_model(build_model("qwen3-tiny"), ON)["rope"].applied
     model = build_model("qwen3-tiny")
     original = mq.apply_rotary_pos_emb
     with warnings.catch_warnings():

@@ -364,6 +364,9 @@ def _classify(module) -> tuple:
     if _is_our_dispatcher(fwd):
         live = _live_forms(fwd)
         if not live:
+            _, _, forms, g = fwd.__ds_rope__
+            if any(getattr(g.get(n), "_deepspeed_fused_rotary_original", None) is not None for n in forms):
+                return "skip", "already replaced by DeepSpeed's replace_rotary_pos_emb (left to it)"
             return "skip", "the rotary function recognised earlier was replaced in its module"
         if "forward" in module.__dict__:
             return "skip", "forward patched on the instance"
