@@ -63,6 +63,16 @@ class Record:
     date: str = ""
 
 
+def package_version(name: str) -> Optional[str]:
+    """The installed version of distribution ``name``, or None where it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def env_fields() -> dict:
     try:
         import triton

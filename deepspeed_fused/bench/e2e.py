@@ -110,7 +110,7 @@ import tempfile
 import time
 from typing import Callable, Optional
 
-from .common import OUT_DIR, GpuSampler, env_fields, free_port
+from .common import OUT_DIR, GpuSampler, env_fields, free_port, package_version
 from .e2e_report import ARM_ORDER, SWIGLU_ARMS, _write, arm_features, compare, render, search_compare
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,10 +197,7 @@ def launch(train_args: list, num_gpus: int, timeout: float, tmp: str, env_extra:
     print("[e2e] running", " ".join(f"{k}={v}" for k, v in (env_extra or {}).items()), " ".join(cmd[5:]),
           f"(limit {timeout:.0f} s)", flush=True)
     try:
-        with GpuSampler() as clocks:
-            r = run_limited(cmd, timeout, tmp, env, cwd=tmp)
-        r["gpu_clocks"] = clocks.summary
-        return r
+        return run_limited(cmd, timeout, tmp, env, cwd=tmp)
     finally:
         # a CPU run's shared-memory all-reduce leaves a /dev/shm buffer per rank and port behind
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
@@ -213,11 +210,12 @@ def launch(train_args: list, num_gpus: int, timeout: float, tmp: str, env_extra:
 def run_limited(cmd: list, timeout: float, tmp: str, env: Optional[dict] = None, cwd: Optional[str] = None) -> dict:
     """Run ``cmd`` (in ``cwd``) in its own process group; past ``timeout`` seconds the whole group
     (the launcher and the ranks it started) gets SIGTERM, then SIGKILL. Returns rc (None on
-    timeout), stdout, stderr and wall seconds."""
+    timeout), stdout, stderr, wall seconds and the GPU's clocks while it ran (``gpu_clocks``:
+    :class:`.common.GpuSampler`'s summary, None without ``nvidia-smi``)."""
     fd_out, out_path = tempfile.mkstemp(dir=tmp, suffix=".out")
     fd_err, err_path = tempfile.mkstemp(dir=tmp, suffix=".err")
     t0 = time.time()
-    with os.fdopen(fd_out, "w") as fo, os.fdopen(fd_err, "w") as fe:
+    with os.fdopen(fd_out, "w") as fo, os.fdopen(fd_err, "w") as fe, GpuSampler() as clocks:
         p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fo, stderr=fe, start_new_session=True)
         try:
             rc = p.wait(timeout=timeout)
@@ -246,7 +244,7 @@ def run_limited(cmd: list, timeout: float, tmp: str, env: Optional[dict] = None,
         stderr = f.read()
     os.remove(out_path)
     os.remove(err_path)
-    return dict(rc=rc, stdout=stdout, stderr=stderr, wall_s=wall)
+    return dict(rc=rc, stdout=stdout, stderr=stderr, wall_s=wall, gpu_clocks=clocks.summary)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -512,15 +510,6 @@ def run_search(pair: str, arm: str, o, tmp: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _liger_version() -> Optional[str]:
-    try:
-        from importlib.metadata import version
-
-        return version("liger_kernel")
-    except Exception:
-        return None
-
-
 def parse_options(args):
     """The suite's options from the bench's namespace (``args.extra``: this suite's flags,
     ``args.quick``): the parsed flags with the lists ``pair_list``, ``arm_list``,
@@ -596,7 +585,7 @@ def main(args) -> dict:
     INCLUDE = o.include
     pairs, arms = o.pair_list, o.arm_list
     results, search = {}, {}
-    meta = dict(env_fields(), liger_kernel=_liger_version(), model=o.model, batch=o.batch_size, seq=o.seq_len,
+    meta = dict(env_fields(), liger_kernel=package_version("liger_kernel"), model=o.model, batch=o.batch_size, seq=o.seq_len,
                 steps=o.steps, warmup=o.warmup, search_start=o.search_start, search_max=o.search_max,
                 search_steps=o.search_steps, search_warmup=o.search_warmup, search_confirm=o.search_confirm)
     dense = [p for p in dict.fromkeys(pairs + o.search_list) if p in DENSE_PAIRS]

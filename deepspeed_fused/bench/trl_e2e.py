@@ -132,7 +132,7 @@ def _options(extra):
 
 
 def main(args) -> dict:
-    from .common import GpuSampler, env_fields, free_port
+    from .common import env_fields, free_port
     from .e2e import ROOT, run_limited
 
     o = _options(getattr(args, "extra", None) or [])
@@ -155,12 +155,11 @@ def main(args) -> dict:
                    "--seq-len", str(o.seq_len), "--metrics-out", metrics] + (["--tiny"] if o.tiny else [])
             env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
             print("[trl_e2e] running arm", arm, flush=True)
-            with GpuSampler() as clocks:
-                r = run_limited(cmd, o.arm_timeout, tmp, env, cwd=tmp)
+            r = run_limited(cmd, o.arm_timeout, tmp, env, cwd=tmp)
             if r["rc"] == 0 and os.path.exists(metrics):
                 with open(metrics) as f:
                     results[arm] = json.load(f)
-                results[arm]["gpu_clocks"] = clocks.summary
+                results[arm]["gpu_clocks"] = r["gpu_clocks"]
             else:
                 results[arm] = {"arm": arm, "error": f"rc={r['rc']}: " + (r["stderr"] or r["stdout"])[-2000:]}
     doc = {"suite": RESULT, **env_fields(), **_versions(), "options": vars(o), "arms": results}
@@ -169,15 +168,9 @@ def main(args) -> dict:
 
 
 def _versions() -> dict:
-    from importlib import metadata
+    from .common import package_version
 
-    out = {}
-    for name in ("transformers", "trl", "deepspeed"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = ""
-    return out
+    return {name: package_version(name) or "" for name in ("transformers", "trl", "deepspeed")}
 
 
 def render(doc: dict, out_dir: str) -> dict:
