@@ -236,6 +236,14 @@ def _copy_forward(fwd, renames: dict):
     return body
 
 
+DEEPSPEED_REPLACED = "already replaced by DeepSpeed's replace_rotary_pos_emb (left to it)"
+
+
+def _deepspeed_replaced(v) -> bool:
+    """Whether ``v`` is DeepSpeed's ``replace_rotary_pos_emb`` replacement of a module's function."""
+    return getattr(v, "_deepspeed_fused_rotary_original", None) is not None
+
+
 def _rope_globals(inner) -> dict:
     """The global functions the forward's body calls that are recognised forms, or that look like a
     rotary embedding but are not: name -> Form or reason."""
@@ -249,8 +257,8 @@ def _rope_globals(inner) -> dict:
             continue
         low = ins.argval.lower()
         looks = "rotary" in low or "rope" in low
-        if getattr(v, "_deepspeed_fused_rotary_original", None) is not None:
-            out[ins.argval] = "already replaced by DeepSpeed's replace_rotary_pos_emb (left to it)"
+        if _deepspeed_replaced(v):
+            out[ins.argval] = DEEPSPEED_REPLACED
             continue
         fn = plain_function(v)
         if fn is None:
@@ -365,8 +373,8 @@ def _classify(module) -> tuple:
         live = _live_forms(fwd)
         if not live:
             _, _, forms, g = fwd.__ds_rope__
-            if any(getattr(g.get(n), "_deepspeed_fused_rotary_original", None) is not None for n in forms):
-                return "skip", "already replaced by DeepSpeed's replace_rotary_pos_emb (left to it)"
+            if any(_deepspeed_replaced(g.get(n)) for n in forms):
+                return "skip", DEEPSPEED_REPLACED
             return "skip", "the rotary function recognised earlier was replaced in its module"
         if "forward" in module.__dict__:
             return "skip", "forward patched on the instance"
