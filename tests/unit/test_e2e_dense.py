@@ -45,17 +45,26 @@ def test_dense_fused_config_turns_every_feature_on():
         assert parsed.mlp_act.enabled and all(getattr(parsed, f.name).enabled for f in all_features())
 
 
+def _flags(train_args):
+    return {k: train_args[i + 1] for i, k in enumerate(train_args[:-1]) if k.startswith("--")}
+
+
+def _job_metrics(train_args, step_s, tokens_per_s):
+    """What the example job writes to its --metrics-out: every step ``step_s`` long, loss 10."""
+    a = _flags(train_args)
+    hist = [dict(step=i, loss=10.0, step_s=step_s, tokens_per_s=tokens_per_s) for i in range(int(a["--steps"]))]
+    rec = dict(median_step_s=step_s, median_tokens_per_s=tokens_per_s, peak_alloc_mib=1.0, peak_reserved_mib=1.0,
+               history=hist, model=a["--model"])
+    with open(a["--metrics-out"], "w") as f:
+        json.dump(rec, f)
+
+
 def test_run_arm_launches_each_dense_arm(tmp_path, monkeypatch):
     seen = []
 
     def launch(train_args, num_gpus, timeout, tmp, env_extra=None):
         seen.append(list(train_args))
-        a = {k: train_args[i + 1] for i, k in enumerate(train_args[:-1]) if k.startswith("--")}
-        hist = [dict(step=i, loss=10.0, step_s=1.0, tokens_per_s=100.0) for i in range(int(a["--steps"]))]
-        rec = dict(median_step_s=1.0, median_tokens_per_s=100.0, peak_alloc_mib=1.0, peak_reserved_mib=1.0,
-                   history=hist, model=a["--model"])
-        with open(a["--metrics-out"], "w") as f:
-            json.dump(rec, f)
+        _job_metrics(train_args, 1.0, 100.0)
         return dict(rc=0, stdout="", stderr="", wall_s=1.0)
 
     monkeypatch.setattr(e2e, "launch", launch)
@@ -285,15 +294,11 @@ def test_balanced_runs_each_arm_twice_in_mirrored_order(tmp_path, monkeypatch):
     order, step = [], {"baseline.json": [3.0, 5.0], "fused_all.json": [1.0, 2.0]}
 
     def launch(train_args, num_gpus, timeout, tmp, env_extra=None):
-        a = {k: train_args[i + 1] for i, k in enumerate(train_args[:-1]) if k.startswith("--")}
+        a = _flags(train_args)
         arm = "liger" if "--liger" in train_args else os.path.basename(a["--deepspeed_config"])
         order.append(arm)
         s = step[arm].pop(0) if arm in step else 4.0
-        hist = [dict(step=i, loss=10.0, step_s=s, tokens_per_s=8.0 / s) for i in range(int(a["--steps"]))]
-        rec = dict(median_step_s=s, median_tokens_per_s=8.0 / s, peak_alloc_mib=1.0, peak_reserved_mib=1.0,
-                   history=hist, model=a["--model"])
-        with open(a["--metrics-out"], "w") as f:
-            json.dump(rec, f)
+        _job_metrics(train_args, s, 8.0 / s)
         return dict(rc=0, stdout="", stderr="", wall_s=1.0, gpu_clocks={"0": dict(
             samples=4, busy_samples=3, sm_mhz_median=1700.0 - 10 * len(order), sm_mhz_min=1600.0,
             power_w_median=600.0, temp_c_max=70.0)})
