@@ -314,9 +314,11 @@ def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> d
 
 def combine_runs(runs: list) -> dict:
     """One arm's record from its runs (``--balanced``: two, at mirrored places in the order). One run:
-    itself. Several: the first run's record (losses, breakdown, memory, report) with the step, the
-    micro-step and tokens/s replaced by the mean of the runs' medians, and ``runs`` listing each run's
-    place in the order, medians and clocks; the first failed run where one failed."""
+    itself. Several: the first run's record (losses, memory, report) with the step, the micro-step
+    and tokens/s replaced by the mean of the runs' medians, the kernel-time breakdown by the mean of
+    the runs' profiled steps (:func:`mean_breakdown`: a kernel that runs slower later in the order
+    weighs on every arm alike), and ``runs`` listing each run's place in the order, medians and
+    clocks; the first failed run where one failed."""
     if len(runs) == 1:
         return runs[0]
     bad = next((r for r in runs if "error" in r), None)
@@ -330,6 +332,55 @@ def combine_runs(runs: list) -> dict:
     out["median_tokens_per_s"] = statistics.fmean(r["median_tokens_per_s"] for r in runs)
     fbs = [r.get("median_micro_fb_s") for r in runs]
     out["median_micro_fb_s"] = statistics.fmean(fbs) if all(f is not None for f in fbs) else None
+    bds = [r.get("breakdown") for r in runs]
+    if all(isinstance(b, dict) and "categories" in b for b in bds):
+        out["breakdown"] = mean_breakdown(bds)
+    return out
+
+
+def mean_breakdown(bds: list) -> dict:
+    """The mean of several profiled steps' breakdowns (:mod:`deepspeed_fused.bench.breakdown`'s
+    records, one per run of an arm): every number the mean over the runs (a category or kernel a
+    run lacks counts 0 there), the per-kernel rows merged by name and category and sorted again,
+    the micro-steps averaged position by position; ``profiled_steps`` says how many went in."""
+    n = len(bds)
+
+    def mean(vals):
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            return None
+        if all(isinstance(v, bool) for v in vals) or not all(isinstance(v, (int, float)) for v in vals):
+            return vals[0]
+        return sum(vals) / n
+
+    def merge(ds):
+        ds = [d for d in ds if isinstance(d, dict)]
+        keys = list(dict.fromkeys(k for d in ds for k in d))
+        out = {}
+        for k in keys:
+            vals = [d.get(k) for d in ds]
+            present = [v for v in vals if v is not None]
+            if k == "top_kernels":
+                rows = {}
+                for lst in present:
+                    for row in lst:
+                        key = (row.get("name"), row.get("category"))
+                        acc = rows.setdefault(key, dict(row, ms=0.0, calls=0))
+                        acc["ms"] += row.get("ms", 0.0) / n
+                        acc["calls"] = max(acc["calls"], row.get("calls", 0))
+                out[k] = sorted(rows.values(), key=lambda r: -r["ms"])[:max(len(x) for x in present)]
+            elif present and all(isinstance(v, dict) for v in present):
+                out[k] = merge(vals)
+            elif present and all(isinstance(v, list) for v in present):
+                width = min(len(v) for v in present)
+                out[k] = [merge([v[i] for v in present]) if isinstance(present[0][i], dict) else present[0][i]
+                          for i in range(width)]
+            else:
+                out[k] = mean(vals)
+        return out
+
+    out = merge(bds)
+    out["profiled_steps"] = n
     return out
 
 

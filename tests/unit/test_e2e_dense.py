@@ -49,12 +49,14 @@ def _flags(train_args):
     return {k: train_args[i + 1] for i, k in enumerate(train_args[:-1]) if k.startswith("--")}
 
 
-def _job_metrics(train_args, step_s, tokens_per_s):
+def _job_metrics(train_args, step_s, tokens_per_s, breakdown=None):
     """What the example job writes to its --metrics-out: every step ``step_s`` long, loss 10."""
     a = _flags(train_args)
     hist = [dict(step=i, loss=10.0, step_s=step_s, tokens_per_s=tokens_per_s) for i in range(int(a["--steps"]))]
     rec = dict(median_step_s=step_s, median_tokens_per_s=tokens_per_s, peak_alloc_mib=1.0, peak_reserved_mib=1.0,
                history=hist, model=a["--model"])
+    if breakdown is not None:
+        rec["breakdown"] = breakdown
     with open(a["--metrics-out"], "w") as f:
         json.dump(rec, f)
 
@@ -298,7 +300,10 @@ def test_balanced_runs_each_arm_twice_in_mirrored_order(tmp_path, monkeypatch):
         arm = "liger" if "--liger" in train_args else os.path.basename(a["--deepspeed_config"])
         order.append(arm)
         s = step[arm].pop(0) if arm in step else 4.0
-        _job_metrics(train_args, s, 8.0 / s)
+        gemm = 100.0 + 10 * len(order)  # the same GEMMs, slower the later they run
+        _job_metrics(train_args, s, 8.0 / s, breakdown=dict(
+            total_gpu_ms=gemm + 5.0, categories={"GEMMs (attention, MLP)": gemm, "rms_norm": 5.0},
+            top_kernels=[dict(name="gemm", category="GEMMs (attention, MLP)", ms=gemm, calls=7)]))
         return dict(rc=0, stdout="", stderr="", wall_s=1.0, gpu_clocks={"0": dict(
             samples=4, busy_samples=3, sm_mhz_median=1700.0 - 10 * len(order), sm_mhz_min=1600.0,
             power_w_median=600.0, temp_c_max=70.0)})
@@ -314,3 +319,26 @@ def test_balanced_runs_each_arm_twice_in_mirrored_order(tmp_path, monkeypatch):
     assert r["compare"]["speedup"] == pytest.approx(4.0 / 1.5)
     md = (tmp_path / "e2e.md").read_text()
     assert "Balanced (`--balanced`)" in md and "| dense_gemma3_1b | fused (run 4) | 2000.0 | 1660 |" in md
+    # each arm's breakdown is the mean of its two profiled steps: places 1+6, 2+5, 3+4 give one GEMM time
+    for arm in ("baseline", "liger", "fused"):
+        b = r[arm]["breakdown"]
+        assert b["categories"]["GEMMs (attention, MLP)"] == pytest.approx(135.0) and b["profiled_steps"] == 2
+        assert b["top_kernels"] == [dict(name="gemm", category="GEMMs (attention, MLP)", ms=pytest.approx(135.0),
+                                         calls=7)]
+    assert "the mean of 2 profiled optimizer steps" in md
+
+
+def test_mean_breakdown_counts_a_missing_category_or_kernel_as_zero():
+    """A category or kernel only one profiled step has is halved, not taken whole; micro-steps are
+    averaged position by position; strings come from the first record."""
+    a = dict(total_gpu_ms=10.0, method="m", categories={"x": 4.0, "y": 6.0},
+             top_kernels=[dict(name="k1", category="x", ms=4.0, calls=2), dict(name="k2", category="y", ms=6.0, calls=1)],
+             micro_steps=[dict(total_gpu_ms=10.0, categories={"x": 4.0})])
+    b = dict(total_gpu_ms=20.0, method="m2", categories={"x": 8.0, "z": 12.0},
+             top_kernels=[dict(name="k1", category="x", ms=8.0, calls=2), dict(name="k3", category="z", ms=12.0, calls=3)],
+             micro_steps=[dict(total_gpu_ms=20.0, categories={"x": 8.0}), dict(total_gpu_ms=1.0, categories={})])
+    m = e2e.mean_breakdown([a, b])
+    assert m["total_gpu_ms"] == 15.0 and m["method"] == "m" and m["profiled_steps"] == 2
+    assert m["categories"] == {"x": 6.0, "y": 3.0, "z": 6.0}
+    assert [(k["name"], k["ms"]) for k in m["top_kernels"]] == [("k1", 6.0), ("k3", 6.0)]
+    assert m["micro_steps"] == [dict(total_gpu_ms=15.0, categories={"x": 6.0})]
