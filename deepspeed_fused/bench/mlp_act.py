@@ -37,8 +37,10 @@ SUITE = "mlp_act"
 TITLE = "Fused gated activation act(gate) * up, forward and forward+backward"
 _NOTES = ("Host-inclusive fwd and fwd+bwd (do_bench; fwd+bwd: the forward, then torch.autograd.grad of gate and "
           "up); the note adds the CUDA-graph replay (device time alone). Effective bytes: fwd = gate, up read + "
-          "output written (3 T I elements); fwd+bwd = 8 T I. deepspeed_fused is checked bitwise against HF eager "
-          "(tests/gpu/test_mlp_act_gpu.py); the peers' numerics are not checked here.")
+          "output written (3 T I elements); fwd+bwd = 8 T I. On a GPU each implementation is timed in two rounds at "
+          "each shape, the second in the reverse order, and keeps its faster host-inclusive median. deepspeed_fused "
+          "is checked bitwise against HF eager (tests/gpu/test_mlp_act_gpu.py); the peers' numerics are not checked "
+          "here.")
 NOTES = _NOTES
 
 # name, tokens, intermediate width, activation, layout ("split" or "gate_up")
@@ -126,6 +128,25 @@ def _fns(impl, xs, dh):
     return fwd, fwd_bwd
 
 
+def faster_of(a, b):
+    """The record of two rounds of one implementation at one shape with the lower forward and
+    forward+backward medians (each taken on its own, the rates with them); ``rounds`` counts them."""
+    if a is None:
+        b.extra["rounds"] = 1
+        return b
+    out = a
+    for t, rate in (("fwd_ms", "fwd_rate"), ("fwd_bwd_ms", "fwd_bwd_rate")):
+        x, y = getattr(a, t), getattr(b, t)
+        if y is not None and (x is None or y < x):
+            setattr(out, t, y)
+            setattr(out, rate, getattr(b, rate))
+    if b.peak_extra_mib is not None:
+        out.peak_extra_mib = b.peak_extra_mib if out.peak_extra_mib is None else max(out.peak_extra_mib,
+                                                                                    b.peak_extra_mib)
+    out.extra["rounds"] = a.extra.get("rounds", 1) + 1
+    return out
+
+
 def run(args) -> list:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     quick = getattr(args, "quick", False)
@@ -139,11 +160,21 @@ def run(args) -> list:
     for name, tokens, inter, act, layout in shapes:
         xs, dh = _inputs(tokens, inter, layout, dev, dtype, gen)
         n = tokens * inter * xs[0].element_size()
-        for iname, impl, ours in _impls(act, layout, dev):
-            fwd, fwd_bwd = _fns(impl, xs, dh)
-            rec = measure(SUITE, iname, name, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=3 * n, bytes_fwd_bwd=8 * n,
-                          ours=ours, rep=rep, tokens=tokens, intermediate=inter, act=act, layout=layout)
+        impls = _impls(act, layout, dev)
+        shape_recs = {}
+        # two rounds, the second in the reverse order: each implementation keeps its faster
+        # host-inclusive median, so none is timed only right after the inputs were made
+        for order in (impls, impls[::-1]) if dev == "cuda" else (impls,):
+            for iname, impl, ours in order:
+                fwd, fwd_bwd = _fns(impl, xs, dh)
+                rec = measure(SUITE, iname, name, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=3 * n,
+                              bytes_fwd_bwd=8 * n, ours=ours, rep=rep, tokens=tokens, intermediate=inter, act=act,
+                              layout=layout)
+                shape_recs[iname] = faster_of(shape_recs.get(iname), rec)
+        for iname, _, _ in impls:
+            rec = shape_recs[iname]
             if dev == "cuda" and rec.fwd_bwd_ms:
+                fwd, fwd_bwd = _fns(dict((i, f) for i, f, _ in impls)[iname], xs, dh)
                 add_graph_times(rec, fwd, fwd_bwd, rep, 3 * n, 8 * n)
             recs.append(rec)
         del xs, dh

@@ -22,3 +22,19 @@ def test_mlp_act_suite_records(interpret, tmp_path):
     # the GPU shapes: the four dense families' MLP widths at 8192 and 16384 tokens, in bf16
     widths = {(s[1], s[2]) for s in suite.SHAPES if s[3] == "silu" and s[4] == "split"}
     assert {(t, i) for t in (8192, 16384) for i in (8192, 14336, 6144, 9728)} <= widths
+
+
+def test_faster_of_keeps_each_median_from_its_faster_round():
+    """Of two rounds, the forward and the forward+backward each keep their lower median and its
+    rate; the peak memory is the larger; the rounds are counted."""
+    from deepspeed_fused.bench.common import Record
+
+    def rec(fwd, fb, mib):
+        return Record(suite="mlp_act", impl="x", shape="s", dtype="bfloat16", fwd_ms=fwd, fwd_bwd_ms=fb,
+                      fwd_rate=1.0 / fwd, fwd_bwd_rate=1.0 / fb, peak_extra_mib=mib, extra={})
+
+    first = suite.faster_of(None, rec(2.0, 5.0, 10.0))
+    assert first.extra["rounds"] == 1
+    both = suite.faster_of(first, rec(3.0, 4.0, 12.0))
+    assert (both.fwd_ms, both.fwd_rate, both.fwd_bwd_ms, both.fwd_bwd_rate) == (2.0, 0.5, 4.0, 0.25)
+    assert both.peak_extra_mib == 12.0 and both.extra["rounds"] == 2
