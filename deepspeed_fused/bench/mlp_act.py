@@ -131,8 +131,8 @@ def _fns(impl, xs, dh):
 def faster_of(a, b):
     """The record of two rounds of one implementation at one shape with the lower forward and
     forward+backward medians (each taken on its own, the rates with them); ``rounds`` counts them."""
-    if a is None:
-        b.extra["rounds"] = 1
+    if a is None or ("failed" in a.note and "failed" not in b.note):  # a round that failed gives way
+        b.extra["rounds"] = 1 if a is None else a.extra.get("rounds", 1) + 1
         return b
     out = a
     for t, rate in (("fwd_ms", "fwd_rate"), ("fwd_bwd_ms", "fwd_bwd_rate")):
