@@ -24,7 +24,9 @@ Implementations (each when it imports and takes the shape):
   the gate-up layout).
 
 The fwd and fwd+bwd columns are host-inclusive (do_bench); the note adds the CUDA-graph replay
-(device time alone) for every implementation that captures.
+(device time alone) for every implementation that captures. On a GPU each implementation is timed
+in two rounds at each shape, the second in the reverse order, and keeps its faster medians.
+``--tokens N`` runs only the shapes of N tokens.
 """
 from __future__ import annotations
 
@@ -154,6 +156,17 @@ def run(args) -> list:
     shapes = SHAPES if dev == "cuda" else CPU_SHAPES
     if quick and dev == "cuda":
         shapes = [s for s in SHAPES if s[0] in QUICK]
+    extra = list(getattr(args, "extra", None) or [])
+    if "--tokens" in extra:  # ``--tokens N``: only the shapes of N tokens
+        i = extra.index("--tokens")
+        try:
+            tokens = int(extra[i + 1])
+        except (IndexError, ValueError):
+            raise SystemExit("mlp_act: --tokens expects a token count, e.g. --tokens 8192") from None
+        shapes = [s for s in shapes if s[1] == tokens]
+        if not shapes:
+            raise SystemExit(f"mlp_act: no shape of {tokens} tokens (have "
+                             f"{sorted({s[1] for s in SHAPES + CPU_SHAPES})})")
     rep = 20 if quick else 100
     recs = []
     gen = torch.Generator().manual_seed(0)

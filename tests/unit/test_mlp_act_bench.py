@@ -38,3 +38,13 @@ def test_faster_of_keeps_each_median_from_its_faster_round():
     both = suite.faster_of(first, rec(3.0, 4.0, 12.0))
     assert (both.fwd_ms, both.fwd_rate, both.fwd_bwd_ms, both.fwd_bwd_rate) == (2.0, 0.5, 4.0, 0.25)
     assert both.peak_extra_mib == 12.0 and both.extra["rounds"] == 2
+
+
+def test_tokens_option_keeps_the_shapes_of_that_many_tokens(interpret):
+    recs = suite.run(argparse.Namespace(extra=["--tokens", "32"], quick=True))
+    assert {r.shape for r in recs} == {"tiny gelu_tanh gate_up"}
+    import pytest
+
+    for bad in (["--tokens"], ["--tokens", "x"], ["--tokens", "7"]):
+        with pytest.raises(SystemExit, match="--tokens|no shape"):
+            suite.run(argparse.Namespace(extra=bad, quick=True))
