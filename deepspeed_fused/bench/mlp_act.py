@@ -81,6 +81,9 @@ def _impls(act: str, layout: str, dev: str) -> list:
         out = [("deepspeed_fused", lambda gu: mlp_act_fused(gu, act, True), True), ("HF eager", eager, False)]
     if dev != "cuda":
         return out
+    # dynamo's caches start empty at each shape: every shape and grad mode is a recompile, and past
+    # dynamo's recompile limit a compiled function runs eager (which earlier rows of this suite did)
+    torch._dynamo.reset()
     out.append(("torch.compile(eager)", torch.compile(eager, dynamic=False), False))
     try:
         if act == "silu":
