@@ -311,15 +311,20 @@ def plot(records: list[Record], path: str, title: str) -> None:
 
 
 class GpuSampler:
-    """The GPU's SM clock, power and temperature sampled by ``nvidia-smi`` every ``period_ms``
-    while a job runs (a context manager around it): on a power- or heat-limited GPU the same
-    kernels run slower at lower clocks, so a comparison of runs made one after the other says
-    what the clocks were. :attr:`summary` (after the block): None without ``nvidia-smi``, else
-    :func:`summarize_gpu_samples` of the samples."""
+    """The GPU's SM clock, power, temperature and clock-limit reasons sampled by ``nvidia-smi``
+    every ``period_ms`` while a job runs (a context manager around it): on a power- or heat-limited
+    GPU the same kernels run slower at lower clocks, so a comparison of runs made one after the
+    other says what the clocks were and what held them down. :attr:`summary` (after the block):
+    None without ``nvidia-smi``, else :func:`summarize_gpu_samples` of the samples."""
 
     QUERY = "index,utilization.gpu,clocks.sm,power.draw,temperature.gpu"
+    # the reasons the driver lowered the clocks: the software power cap, hardware slowdown (power
+    # brake, heat); older drivers name the fields clocks_throttle_reasons, and without either the
+    # base query runs alone
+    REASONS = ("clocks_event_reasons.sw_power_cap,clocks_event_reasons.hw_slowdown",
+               "clocks_throttle_reasons.sw_power_cap,clocks_throttle_reasons.hw_slowdown")
 
-    def __init__(self, period_ms: int = 500):
+    def __init__(self, period_ms: int = 200):
         self.period_ms = period_ms
         self.summary: Optional[dict] = None
         self._proc = self._file = None
@@ -328,16 +333,25 @@ class GpuSampler:
         import shutil
         import subprocess
         import tempfile
+        import time
 
         exe = shutil.which("nvidia-smi")
         if exe is None:
             return self
-        self._file = tempfile.TemporaryFile(mode="w+")
-        try:
-            self._proc = subprocess.Popen([exe, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
-                                           f"-lms={self.period_ms}"], stdout=self._file, stderr=subprocess.DEVNULL)
-        except OSError:
-            self._proc = None
+        for query in [f"{self.QUERY},{r}" for r in self.REASONS] + [self.QUERY]:
+            self._file = tempfile.TemporaryFile(mode="w+")
+            try:
+                self._proc = subprocess.Popen([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                                               f"-lms={self.period_ms}"], stdout=self._file,
+                                              stderr=subprocess.DEVNULL)
+            except OSError:
+                self._proc = None
+                return self
+            time.sleep(0.3)  # a field this driver does not know ends the process at once, non-zero
+            if self._proc.poll() in (None, 0):
+                return self
+            self._file.close()
+        self._proc = None
         return self
 
     def __exit__(self, *exc):
@@ -356,28 +370,36 @@ class GpuSampler:
 
 def summarize_gpu_samples(text: str, busy_pct: float = 90.0) -> Optional[dict]:
     """Per GPU index, from ``nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw,
-    temperature.gpu --format=csv,noheader,nounits`` lines: the samples while the GPU was busy
-    (utilization >= ``busy_pct``; loading and compiling are not), their median and lowest SM clock
-    (MHz) and median power (W), and the highest temperature (C) of all samples. None without
-    samples."""
+    temperature.gpu[,sw_power_cap,hw_slowdown] --format=csv,noheader,nounits`` lines: the samples
+    while the GPU was busy (utilization >= ``busy_pct``; loading and compiling are not), their
+    median and lowest SM clock (MHz) and median power (W), the highest temperature (C) of all
+    samples, and where the clock-limit reasons were sampled the share of busy samples with the
+    software power cap (``power_capped``) and hardware slowdown (``hw_slowdown``) active. None
+    without samples."""
     per: dict = {}
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 5:
+        if len(parts) not in (5, 7):
             continue
         try:
             idx, util, sm, power, temp = int(parts[0]), float(parts[1]), float(parts[2]), float(parts[3]), float(parts[4])
         except ValueError:  # "[N/A]" fields
             continue
-        per.setdefault(idx, []).append((util, sm, power, temp))
+        reasons = tuple(p.lower() == "active" if p.lower() in ("active", "not active") else None for p in parts[5:])
+        per.setdefault(idx, []).append((util, sm, power, temp, reasons))
     if not per:
         return None
     out = {}
     for idx, rows in sorted(per.items()):
         busy = [r for r in rows if r[0] >= busy_pct]
-        out[str(idx)] = dict(samples=len(rows), busy_samples=len(busy),
-                             sm_mhz_median=statistics.median(r[1] for r in busy) if busy else None,
-                             sm_mhz_min=min(r[1] for r in busy) if busy else None,
-                             power_w_median=statistics.median(r[2] for r in busy) if busy else None,
-                             temp_c_max=max(r[3] for r in rows))
+        rec = dict(samples=len(rows), busy_samples=len(busy),
+                   sm_mhz_median=statistics.median(r[1] for r in busy) if busy else None,
+                   sm_mhz_min=min(r[1] for r in busy) if busy else None,
+                   power_w_median=statistics.median(r[2] for r in busy) if busy else None,
+                   temp_c_max=max(r[3] for r in rows))
+        for i, name in enumerate(("power_capped", "hw_slowdown")):
+            flags = [r[4][i] for r in busy if len(r[4]) > i and r[4][i] is not None]
+            if flags:
+                rec[name] = sum(flags) / len(flags)
+        out[str(idx)] = rec
     return out

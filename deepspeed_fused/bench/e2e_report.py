@@ -68,6 +68,38 @@ def error_headline(text: str, limit: int = 300) -> str:
     return ((m.group(0) if m else "") + found[-1].strip())[:limit]
 
 
+def shared_kernels_table(results: dict, top: int = 12) -> list:
+    """Markdown lines: per pair, the kernels every arm ran with the same name and call count (from
+    each profiled step's ``top_kernels``), the longest first, with each arm's time and each arm's
+    time over the first arm's; empty where fewer than two arms have a breakdown. The same work in
+    every arm, so a kernel that takes longer in one arm ran slower there."""
+    out = []
+    for k, v in results.items():
+        arms = [a for a in _arms_of(v) if _ok(v[a]) and _attributed(v[a].get("breakdown"))
+                and v[a]["breakdown"].get("top_kernels")]
+        if len(arms) < 2:
+            continue
+        rows = [{(r["name"], r.get("calls")): r for r in v[a]["breakdown"]["top_kernels"]} for a in arms]
+        same = [key for key in rows[0] if all(key in r for r in rows[1:])]
+        same.sort(key=lambda key: -rows[0][key]["ms"])
+        if not same:
+            continue
+        if not out:
+            out += ["", "Kernels every arm ran alike (the same kernel and call count in each profiled step; of the "
+                    "longest kernels the breakdown keeps), ms per arm and each arm's time over "
+                    f"`{arms[0]}`'s: the same work, so a kernel that takes longer in one arm ran slower there.", "",
+                    "| pair | kernel | category | calls | " + " | ".join(arms) + " | "
+                    + " | ".join(f"{a} / {arms[0]}" for a in arms[1:]) + " |",
+                    "|---|---|---|---:|" + "---:|" * (2 * len(arms) - 1)]
+        for key in same[:top]:
+            ms = [r[key]["ms"] for r in rows]
+            name = key[0] if len(key[0]) <= 70 else key[0][:67] + "..."
+            out.append(f"| {k} | `{name}` | {rows[0][key].get('category', '')} | {key[1]} | "
+                       + " | ".join(f"{m:.2f}" for m in ms) + " | "
+                       + " | ".join(f"{m / ms[0]:.3f}" if ms[0] else "-" for m in ms[1:]) + " |")
+    return out
+
+
 def clocks_table(results: dict) -> list:
     """Markdown lines: each arm's GPU clocks while it ran (``gpu_clocks``, sampled by the launcher's
     process; GPU 0 of the job), in the order the arms ran; none when no arm has them (a CPU run, an
@@ -82,16 +114,19 @@ def clocks_table(results: dict) -> list:
                     rows.append(f"| {k} | {arm}{where} | {_f(run.get('median_step_s') and run['median_step_s'] * 1e3, '{:.1f}')} | "
                                 f"{_f(g.get('sm_mhz_median'), '{:.0f}')} | {_f(g.get('sm_mhz_min'), '{:.0f}')} | "
                                 f"{_f(g.get('power_w_median'), '{:.0f}')} | {_f(g.get('temp_c_max'), '{:.0f}')} | "
+                                f"{_f(g.get('power_capped'), '{:.0%}', '-')} | {_f(g.get('hw_slowdown'), '{:.0%}', '-')} | "
                                 f"{g.get('busy_samples')} of {g.get('samples')} |")
     if not rows:
         return []
-    return ["", "GPU clocks while each arm ran (`nvidia-smi` every 0.5 s; clock and power: the samples with the "
-            "GPU at least 90% busy, so loading and compiling are left out). The same kernels run slower at "
-            "lower clocks; the arms ran one after the other (in the order `--arms` gave: by default baseline, "
-            "liger, fused).", "",
+    return ["", "GPU clocks while each arm ran (`nvidia-smi` every 0.2 s, or 0.5 s in older runs; "
+            "clock, power and clock-limit reasons: the samples with the GPU at least 90% busy, so loading and "
+            "compiling are left out; power capped / hardware slowdown: the share of those samples in which the "
+            "driver held the clock down for the power limit / for power-brake or heat, `-` where not sampled). "
+            "The same kernels run slower at lower clocks; the arms ran one after the other (in the order "
+            "`--arms` gave: by default baseline, liger, fused).", "",
             "| pair | arm (run: its place in the order) | median step ms | SM clock median MHz | SM clock lowest MHz | "
-            "power median W | temperature max C | busy samples |",
-            "|---|---|---:|---:|---:|---:|---:|---|"] + rows
+            "power median W | temperature max C | power capped | hardware slowdown | busy samples |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"] + rows
 
 
 def compare(pair: str, arms: dict) -> dict:
@@ -499,6 +534,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 how = b.get("how", {})
                 lines.append(f"| {k} | {arm} | {b.get('n_kernels', '')} | "
                              + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
+        lines += shared_kernels_table(results)
         if earlier:
             lines += ["", "Breakdowns written by the earlier kernel-name heuristic (grouping kernels by name) are in "
                       "`e2e.json` but not shown: they counted annotation rows with their kernels and matched "

@@ -290,6 +290,30 @@ def test_gpu_clocks_are_sampled_while_an_arm_runs(tmp_path, monkeypatch):
     assert clocks_table({"dense_x": {"baseline": {}}}) == []
 
 
+def test_gpu_sampler_reads_the_clock_limit_reasons_or_does_without(tmp_path, monkeypatch):
+    """With the reasons fields the summary has the share of busy samples power-capped and slowed;
+    a driver that rejects both field spellings (exits at once) still gives the base samples."""
+    from deepspeed_fused.bench.common import GpuSampler, summarize_gpu_samples
+    from deepspeed_fused.bench.e2e_report import clocks_table
+    import time
+
+    s = summarize_gpu_samples("0, 100, 1600, 690, 70, Active, Not Active\n0, 99, 1700, 600, 70, Not Active, "
+                              "Not Active\n0, 5, 300, 80, 40, Active, Active\n0, 100, 1650, 650, 71, [N/A], [N/A]\n")
+    assert s["0"]["power_capped"] == 0.5 and s["0"]["hw_slowdown"] == 0.0 and s["0"]["busy_samples"] == 3
+    line = next(x for x in clocks_table({"dense_x": {"fused": {"gpu_clocks": s}}}) if x.startswith("| dense_x"))
+    assert "| 50% | 0% | 3 of 4 |" in line
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(
+        "#!/bin/sh\ncase \"$1\" in *reasons*) echo 'not a valid field' >&2; exit 2;; esac\n"
+        "while true; do echo '0, 100, 1500, 650.0, 70'; sleep 0.05; done\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    with GpuSampler(period_ms=50) as g:
+        time.sleep(0.4)
+    assert g.summary["0"]["sm_mhz_median"] == 1500.0 and "power_capped" not in g.summary["0"]
+
+
 def test_balanced_runs_each_arm_twice_in_mirrored_order(tmp_path, monkeypatch):
     """--balanced: baseline, liger, fused, then fused, liger, baseline; each arm's step is the mean
     of its two runs' medians, the runs are listed with their places, the report says so."""
@@ -342,3 +366,23 @@ def test_mean_breakdown_counts_a_missing_category_or_kernel_as_zero():
     assert m["categories"] == {"x": 6.0, "y": 3.0, "z": 6.0}
     assert [(k["name"], k["ms"]) for k in m["top_kernels"]] == [("k1", 6.0), ("k3", 6.0)]
     assert m["micro_steps"] == [dict(total_gpu_ms=15.0, categories={"x": 6.0})]
+
+
+def test_shared_kernels_table_lists_the_kernels_every_arm_ran_alike():
+    """Only kernels with the same name and call count in every arm, longest first, with each arm's
+    time over the first arm's; a pair with one breakdown gives no table."""
+    from deepspeed_fused.bench.e2e_report import shared_kernels_table
+
+    def arm(rows):
+        return dict(breakdown=dict(method="m", top_kernels=[dict(name=n, category=c, ms=ms, calls=k)
+                                                            for n, c, ms, k in rows]))
+
+    results = {"dense_x": {
+        "baseline": arm([("gemm", "GEMMs", 10.0, 4), ("add", "adds", 3.0, 2), ("mine", "x", 1.0, 1)]),
+        "liger": arm([("gemm", "GEMMs", 10.5, 4), ("add", "adds", 3.0, 3)]),
+        "fused": arm([("gemm", "GEMMs", 11.0, 4), ("add", "adds", 3.0, 2)])}}
+    lines = shared_kernels_table(results)
+    rows = [line for line in lines if line.startswith("| dense_x")]
+    assert rows == ["| dense_x | `gemm` | GEMMs | 4 | 10.00 | 10.50 | 11.00 | 1.050 | 1.100 |"]
+    assert "liger / baseline" in "".join(lines)
+    assert shared_kernels_table({"dense_x": {"baseline": results["dense_x"]["baseline"], "liger": {"error": "x"}}}) == []
