@@ -161,7 +161,9 @@ def main(args) -> dict:
                     results[arm] = json.load(f)
                 results[arm]["gpu_clocks"] = r["gpu_clocks"]
             else:
-                results[arm] = {"arm": arm, "error": f"rc={r['rc']}: " + (r["stderr"] or r["stdout"])[-2000:]}
+                why = (f"timeout: no result within {o.arm_timeout:.0f} s" if r["rc"] is None
+                       else f"exit {r['rc']}: " + (r["stderr"] or r["stdout"])[-2000:])
+                results[arm] = {"arm": arm, "error": why}
     doc = {"suite": RESULT, **env_fields(), **_versions(), "options": vars(o), "arms": results}
     render(doc, out_dir)
     return doc
@@ -192,7 +194,9 @@ def render(doc: dict, out_dir: str) -> dict:
              "|---|---:|---:|---:|---:|---|---:|"]
     for arm, m in results.items():
         if "error" in m:
-            lines.append(f"| {arm} | failed: {m['error'].splitlines()[-1][:120] if m['error'] else ''} | | | | | |")
+            from .e2e_report import error_headline
+
+            lines.append(f"| {arm} | failed: {error_headline(m['error'], 160).replace('|', '/')} | | | | | |")
             continue
         vs = (f"{m['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base.get("tokens_per_s") else "")
         diff = ""

@@ -390,3 +390,22 @@ def test_trl_sft_e2e_pair_runs_tiny(tmp_path):
     again = tmp_path / "again"
     trl_e2e.main(argparse.Namespace(out=str(again), quick=False, extra=["--render", str(tmp_path / "e2e_trl_sft.json")]))
     assert (again / "e2e_trl_sft.md").read_text() == (tmp_path / "e2e_trl_sft.md").read_text()
+
+
+def test_trl_sft_e2e_page_names_a_failed_arm_by_its_exception():
+    """A failed arm's row carries its exit code and the last exception line of its stderr, not the
+    traceback's last frame; a timeout says so."""
+    import tempfile
+
+    from deepspeed_fused.bench import trl_e2e
+
+    tb = ("exit 1: Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n"
+          "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n[rank0]: exiting\n")
+    doc = {"suite": trl_e2e.RESULT, "date": "d", "gpu": "g", "torch": "t", "options": dict(
+        batch_size=1, seq_len=8, steps=2, warmup=1), "arms": {
+        "trl": {"arm": "trl", "error": tb}, "lce": {"arm": "lce", "error": "timeout: no result within 60 s"}}}
+    with tempfile.TemporaryDirectory() as d:
+        paths = trl_e2e.render(doc, d)
+        md = open(paths["md"] if isinstance(paths, dict) else f"{d}/e2e_trl_sft.md").read()
+    assert "| trl | failed: exit 1: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB |" in md
+    assert "| lce | failed: timeout: no result within 60 s |" in md
