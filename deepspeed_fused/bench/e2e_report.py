@@ -465,15 +465,16 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                     lines.append(f"- {k}: ran, median step {a['median_step_s'] * 1e3:.1f} ms (first step "
                                  f"{_f(first, '{:.1f}')} s, whole run {_f(a.get('wall_s'), '{:.0f}')} s), peak "
                                  f"allocated {(a['peak_alloc_mib'] or 0) / 1024:.2f} GiB.")
-        profiled = max((v[arm].get("breakdown") or {}).get("profiled_steps", 1) for v in results.values()
-                       for arm in _arms_of(v) if _ok(v[arm]))
-        lines += ["", "## GPU time per category (" + ("one profiled optimizer step" if profiled == 1 else
-                                                     f"the mean of {profiled} profiled optimizer steps") + ", ms)",
-                  "", "![breakdown](e2e_breakdown.png)", ""]
-        if profiled > 1:
-            lines += [f"Balanced: each arm's figures are the mean of its {profiled} profiled optimizer steps, one "
-                      "in each of its runs (one early and one late in the order), so a kernel that runs slower "
-                      "the later it runs weighs on every arm alike.", ""]
+        averaged = [k for k, v in results.items()
+                    if any((v[arm].get("breakdown") or {}).get("profiled_steps", 1) > 1
+                           for arm in _arms_of(v) if _ok(v[arm]))]
+        lines += ["", "## GPU time per category (ms per profiled optimizer step)", "",
+                  "![breakdown](e2e_breakdown.png)", ""]
+        if averaged:
+            lines += ["Balanced (" + ", ".join(f"`{k}`" for k in averaged) + "): each arm's figures are the mean "
+                      "of its profiled optimizer steps, one in each of its runs (one early and one late in the "
+                      "order), so a kernel that runs slower the later it runs weighs on every arm alike. Other "
+                      "pairs: one profiled step per arm.", ""]
         lines += [
                   "Device kernels only (kernels, memcpy, memset), each counted once; the profiler's annotation "
                   "rows (such as `Optimizer.step#AdamW.step`) are not kernels and are not counted. A kernel is "

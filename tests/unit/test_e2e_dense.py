@@ -349,7 +349,7 @@ def test_balanced_runs_each_arm_twice_in_mirrored_order(tmp_path, monkeypatch):
         assert b["categories"]["GEMMs (attention, MLP)"] == pytest.approx(135.0) and b["profiled_steps"] == 2
         assert b["top_kernels"] == [dict(name="gemm", category="GEMMs (attention, MLP)", ms=pytest.approx(135.0),
                                          calls=7)]
-    assert "the mean of 2 profiled optimizer steps" in md
+    assert "Balanced (`dense_gemma3_1b`): each arm's figures are the mean of its profiled optimizer steps" in md
 
 
 def test_mean_breakdown_counts_a_missing_category_or_kernel_as_zero():
