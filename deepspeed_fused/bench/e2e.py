@@ -351,6 +351,8 @@ def mean_breakdown(bds: list) -> dict:
             return None
         if all(isinstance(v, bool) for v in vals) or not all(isinstance(v, (int, float)) for v in vals):
             return vals[0]
+        if all(isinstance(v, int) for v in vals) and len(vals) == n:  # counts stay whole
+            return round(sum(vals) / n)
         return sum(vals) / n
 
     def merge(ds):

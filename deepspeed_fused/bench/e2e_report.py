@@ -517,7 +517,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
             for k, arm, b in micro:
                 m = b["micro_step_mean"]
                 rest = (b.get("outside_micro_steps") or {}).get("total_gpu_ms")
-                lines.append(f"| {k} | {arm} | {m.get('n_micro_steps', '')} | {m['total_gpu_ms']:.1f} | "
+                lines.append(f"| {k} | {arm} | {_f(m.get('n_micro_steps'), '{:.0f}', '')} | {m['total_gpu_ms']:.1f} | "
                              + " | ".join(f"{m['categories'].get(c, 0.0):.1f}" for c in mcats)
                              + f" | {_f(rest, '{:.1f}')} |")
         checks = [(k, arm, v[arm]["breakdown"]) for k, v in results.items() for arm in _arms_of(v)
@@ -533,7 +533,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                       "|---|---|---:|" + "---:|" * len(ways)]
             for k, arm, b in checks:
                 how = b.get("how", {})
-                lines.append(f"| {k} | {arm} | {b.get('n_kernels', '')} | "
+                lines.append(f"| {k} | {arm} | {_f(b.get('n_kernels'), '{:.0f}', '')} | "
                              + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
         lines += shared_kernels_table(results)
         if earlier:

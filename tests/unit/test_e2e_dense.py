@@ -355,14 +355,15 @@ def test_balanced_runs_each_arm_twice_in_mirrored_order(tmp_path, monkeypatch):
 def test_mean_breakdown_counts_a_missing_category_or_kernel_as_zero():
     """A category or kernel only one profiled step has is halved, not taken whole; micro-steps are
     averaged position by position; strings come from the first record."""
-    a = dict(total_gpu_ms=10.0, method="m", categories={"x": 4.0, "y": 6.0},
+    a = dict(total_gpu_ms=10.0, method="m", n_kernels=7, categories={"x": 4.0, "y": 6.0},
              top_kernels=[dict(name="k1", category="x", ms=4.0, calls=2), dict(name="k2", category="y", ms=6.0, calls=1)],
              micro_steps=[dict(total_gpu_ms=10.0, categories={"x": 4.0})])
-    b = dict(total_gpu_ms=20.0, method="m2", categories={"x": 8.0, "z": 12.0},
+    b = dict(total_gpu_ms=20.0, method="m2", n_kernels=8, categories={"x": 8.0, "z": 12.0},
              top_kernels=[dict(name="k1", category="x", ms=8.0, calls=2), dict(name="k3", category="z", ms=12.0, calls=3)],
              micro_steps=[dict(total_gpu_ms=20.0, categories={"x": 8.0}), dict(total_gpu_ms=1.0, categories={})])
     m = e2e.mean_breakdown([a, b])
     assert m["total_gpu_ms"] == 15.0 and m["method"] == "m" and m["profiled_steps"] == 2
+    assert m["n_kernels"] == 8 and isinstance(m["n_kernels"], int)  # a count stays whole (7.5 rounds to 8)
     assert m["categories"] == {"x": 6.0, "y": 3.0, "z": 6.0}
     assert [(k["name"], k["ms"]) for k in m["top_kernels"]] == [("k1", 6.0), ("k3", 6.0)]
     assert m["micro_steps"] == [dict(total_gpu_ms=15.0, categories={"x": 6.0})]
