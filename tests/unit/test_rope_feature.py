@@ -629,3 +629,41 @@ def test_kernels_function_modules(interpret, launches):
         out = model(input_ids=ids).logits
     assert torch.equal(out, want) and launches.n == before and hub_calls == [1, 1]  # attn[1] only
     unpatch_model(model)
+
+
+def test_hub_kernel_instance_skipped_when_the_class_was_patched_for_another_model(interpret, launches):
+    """The class already carries the dispatcher (another model was patched in this process): an
+    instance whose kernels function module runs a hub kernel is still reported as left to it, not
+    counted as replaced, and runs the hub kernel."""
+    pytest.importorskip("kernels")
+    from transformers.models.llama import modeling_llama as ml
+
+    plain = F.plain_function(ml.apply_rotary_pos_emb)
+    if plain is ml.apply_rotary_pos_emb:
+        pytest.skip("this transformers declares no kernels function modules")
+    first = build_model("llama-tiny")
+    assert patch_model(first, ON)["rope"].where == "2 x LlamaAttention"
+    model = build_model("llama-tiny")
+    ref = copy.deepcopy(model)
+    attn = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+    private = attn[0]._kernel_funcs[ml.apply_rotary_pos_emb.kernel_layer_name]
+    hub_calls = []
+
+    def hub_kernel(self, *a, **kw):
+        hub_calls.append(1)
+        return plain(*a, **kw)
+
+    private.forward = types.MethodType(hub_kernel, private)
+    try:
+        rep = patch_model(model, ON)["rope"]
+        assert rep.applied and rep.where == "1 x LlamaAttention", rep.where
+        assert "hub kernel" in rep.reason, rep.reason
+        assert not F.is_replaced(attn[0]) and F.is_replaced(attn[1])
+        ids = _ids()
+        before = launches.n
+        with torch.no_grad():
+            out, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        assert torch.equal(out, want) and launches.n == before + 1 and hub_calls == [1]
+    finally:
+        unpatch_model(model)
+        unpatch_model(first)

@@ -159,6 +159,10 @@ def _kernelized(module, funcs: dict) -> str:
     return ""
 
 
+def _hub_reason(name: str) -> str:
+    return f"{name} runs a hub kernel that the kernels package's kernelize selected (left to it)"
+
+
 def _innermost(fwd):
     """(the function whose code is the forward's body, the chain of wrappers) or a str (why the
     chain cannot be copied): each wrapper must hold the function it wraps (``__wrapped__``) in
@@ -378,6 +382,9 @@ def _classify(module) -> tuple:
             return "skip", "the rotary function recognised earlier was replaced in its module"
         if "forward" in module.__dict__:
             return "skip", "forward patched on the instance"
+        kernel = _kernelized(module, {n: fn for n, (fn, _) in fwd.__ds_rope__[2].items()})
+        if kernel:  # the class was patched for another model; this instance runs its hub kernel
+            return "skip", _hub_reason(kernel)
         if OPT_IN_MARKER.holds(module):
             return "already", live
         return "replace", (None, live, {})
@@ -389,7 +396,7 @@ def _classify(module) -> tuple:
     forms, refused = info
     kernel = _kernelized(module, {n: fn for n, (fn, _) in forms.items()})
     if kernel:
-        return "skip", f"{kernel} runs a hub kernel that the kernels package's kernelize selected (left to it)"
+        return "skip", _hub_reason(kernel)
     return "replace", (fwd, {n: f for n, (_, f) in forms.items()}, refused)
 
 
