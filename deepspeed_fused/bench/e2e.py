@@ -26,7 +26,8 @@ Liger patches applied.
 
 Dense pairs (:data:`DENSE_PAIRS`; ``--pairs dense`` for the four non-reentrant ones): full-depth
 models of the Llama-3.2-3B, Qwen3-1.7B, Qwen3-4B and Gemma-3-1B shapes (random weights), ZeRO-2
-(on one GPU; Qwen3-4B on two, :data:`DENSE_GPUS`: its training state does not fit one 80 GB GPU),
+(on one GPU; Qwen3-4B on two, :data:`DENSE_GPUS`: its training state does not fit one 80 GB GPU; on one
+where that is all the host has and it holds 120 GiB, an H200),
 Hugging Face gradient checkpointing (non-reentrant; ``dense_llama3_3b_reentrant`` the reentrant
 variant), the same three arms at the same micro-batch, the liger arm with the family's patch
 function's defaults (its SwiGLU/GeGLU MLP included) and the fused arm with every feature on,
@@ -155,7 +156,42 @@ DENSE_PAIRS = {
 # master weights and AdamW moments (about 16 bytes a parameter, 64 GB) leave no room for the
 # activations on one 80 GB GPU in any arm; on two, ZeRO-2 halves the optimizer's share.
 DENSE_GPUS = {"dense_qwen3_4b": 2}
+# ... unless one GPU has this much memory (GiB): the Qwen3-4B pair fits one 141 GB H200
+ONE_GPU_FITS_GIB = {"dense_qwen3_4b": 120}
 PAIRS.update({p: ("configs/baseline.json", "configs/fused_all.json", DENSE_GPUS.get(p, 1)) for p in DENSE_PAIRS})
+
+
+def gpu_memory_gib() -> list:
+    """Each visible GPU's total memory in GiB, from ``nvidia-smi`` (no CUDA context in this
+    process, which would hold memory on the jobs' GPU); [] without it."""
+    import shutil
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mem = [float(x) / 1024 for x in out.split() if x.strip().replace(".", "", 1).isdigit()]
+    if vis:
+        idx = [int(i) for i in vis.split(",") if i.strip().isdigit()]
+        mem = [mem[i] for i in idx if i < len(mem)]
+    return mem
+
+
+def pair_gpus(pair: str, default: int, memory: Optional[list] = None) -> int:
+    """The GPUs a pair's arms run on: its own count, or one where a pair that needs several fits one
+    GPU of this host (:data:`ONE_GPU_FITS_GIB`) and the host has fewer GPUs than it asks for."""
+    need = ONE_GPU_FITS_GIB.get(pair)
+    if default <= 1 or need is None:
+        return default
+    memory = gpu_memory_gib() if memory is None else memory
+    if memory and len(memory) < default and memory[0] >= need:
+        return 1
+    return default
 # ``--pairs dense``: the four dense pairs with non-reentrant checkpointing
 DENSE_ALIAS = [p for p in DENSE_PAIRS if not p.endswith("_reentrant")]
 
@@ -276,6 +312,7 @@ def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> d
     :data:`PAIRS`): train.py under the launcher with a time limit; its metrics, or the error.
     ``o.profile`` (default on) profiles one more step for the kernel-time breakdown."""
     base_cfg, fused_cfg, gpus = (pairs or PAIRS)[pair]
+    gpus = pair_gpus(pair, gpus)
     which, extra, env_extra = ARMS[arm]
     config = base_cfg if which == "baseline" else fused_cfg
     tag = f"{pair}.{arm}"
@@ -517,6 +554,7 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
 
 def run_search(pair: str, arm: str, o, tmp: str) -> dict:
     base_cfg, fused_cfg, gpus = PAIRS[pair]
+    gpus = pair_gpus(pair, gpus)
     which, extra, env_extra = ARMS[arm]
     config = base_cfg if which == "baseline" else fused_cfg
     count = [0]

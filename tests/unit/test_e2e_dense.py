@@ -387,3 +387,24 @@ def test_shared_kernels_table_lists_the_kernels_every_arm_ran_alike():
     assert rows == ["| dense_x | `gemm` | GEMMs | 4 | 10.00 | 10.50 | 11.00 | 1.050 | 1.100 |"]
     assert "liger / baseline" in "".join(lines)
     assert shared_kernels_table({"dense_x": {"baseline": results["dense_x"]["baseline"], "liger": {"error": "x"}}}) == []
+
+
+def test_qwen3_4b_pair_runs_on_one_gpu_only_where_one_holds_it(monkeypatch):
+    """The Qwen3-4B pair asks for two GPUs; a host with one GPU of 120 GiB or more (an H200) runs
+    it on that one, a host with two GPUs or one smaller GPU keeps two; other pairs keep their own."""
+    assert e2e.pair_gpus("dense_qwen3_4b", 2, memory=[139.8]) == 1
+    assert e2e.pair_gpus("dense_qwen3_4b", 2, memory=[139.8, 139.8]) == 2
+    assert e2e.pair_gpus("dense_qwen3_4b", 2, memory=[79.6]) == 2
+    assert e2e.pair_gpus("dense_qwen3_4b", 2, memory=[]) == 2
+    assert e2e.pair_gpus("dense_llama3_3b", 1, memory=[139.8]) == 1
+    assert e2e.pair_gpus("zero2_2gpu", 2, memory=[139.8]) == 2
+    seen = []
+    monkeypatch.setattr(e2e, "gpu_memory_gib", lambda: [141.0])
+
+    def launch(train_args, num_gpus, timeout, tmp, env_extra=None):
+        seen.append(num_gpus)
+        return dict(rc=1, stdout="", stderr="x", wall_s=1.0)
+
+    monkeypatch.setattr(e2e, "launch", launch)
+    e2e.run_arm("dense_qwen3_4b", "baseline", _opts("--pairs", "dense_qwen3_4b"), "/tmp")
+    assert seen == [1]
