@@ -30,6 +30,8 @@ in two rounds at each shape, the second in the reverse order, and keeps its fast
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from ..ops.mlp_act import mlp_act, mlp_act_fused
@@ -159,16 +161,16 @@ def run(args) -> list:
     shapes = SHAPES if dev == "cuda" else CPU_SHAPES
     if quick and dev == "cuda":
         shapes = [s for s in SHAPES if s[0] in QUICK]
-    extra = list(getattr(args, "extra", None) or [])
-    if "--tokens" in extra:  # ``--tokens N``: only the shapes of N tokens
-        i = extra.index("--tokens")
-        try:
-            tokens = int(extra[i + 1])
-        except (IndexError, ValueError):
-            raise SystemExit("mlp_act: --tokens expects a token count, e.g. --tokens 8192") from None
-        shapes = [s for s in shapes if s[1] == tokens]
+    p = argparse.ArgumentParser(prog="python -m deepspeed_fused.bench mlp_act", exit_on_error=False)
+    p.add_argument("--tokens", type=int, default=None, help="only the shapes of this many tokens")
+    try:
+        o, _ = p.parse_known_args(list(getattr(args, "extra", None) or []))
+    except argparse.ArgumentError as e:
+        raise SystemExit(f"mlp_act: {e} (a token count, e.g. --tokens 8192)") from None
+    if o.tokens is not None:
+        shapes = [s for s in shapes if s[1] == o.tokens]
         if not shapes:
-            raise SystemExit(f"mlp_act: no shape of {tokens} tokens (have "
+            raise SystemExit(f"mlp_act: no shape of {o.tokens} tokens (have "
                              f"{sorted({s[1] for s in SHAPES + CPU_SHAPES})})")
     rep = 20 if quick else 100
     recs = []
@@ -187,10 +189,10 @@ def run(args) -> list:
                               bytes_fwd_bwd=8 * n, ours=ours, rep=rep, tokens=tokens, intermediate=inter, act=act,
                               layout=layout)
                 shape_recs[iname] = faster_of(shape_recs.get(iname), rec)
-        for iname, _, _ in impls:
+        for iname, impl, _ in impls:
             rec = shape_recs[iname]
             if dev == "cuda" and rec.fwd_bwd_ms:
-                fwd, fwd_bwd = _fns(dict((i, f) for i, f, _ in impls)[iname], xs, dh)
+                fwd, fwd_bwd = _fns(impl, xs, dh)
                 add_graph_times(rec, fwd, fwd_bwd, rep, 3 * n, 8 * n)
             recs.append(rec)
         del xs, dh

@@ -178,6 +178,8 @@ def _versions() -> dict:
 def render(doc: dict, out_dir: str) -> dict:
     """Write ``e2e_trl_sft.{json,md,png}`` of a result ``doc`` (as :func:`main` builds it) under
     ``out_dir``; returns the paths. The plot needs matplotlib (without it: JSON and markdown)."""
+    from .e2e_report import error_headline
+
     o, results = argparse.Namespace(**doc["options"]), doc["arms"]
     base = results.get("trl", {})
     versions = ", ".join(f"{k} {doc[k]}" for k in ("transformers", "trl", "deepspeed") if doc.get(k))
@@ -194,8 +196,6 @@ def render(doc: dict, out_dir: str) -> dict:
              "|---|---:|---:|---:|---:|---|---:|"]
     for arm, m in results.items():
         if "error" in m:
-            from .e2e_report import error_headline
-
             lines.append(f"| {arm} | failed: {error_headline(m['error'], 160).replace('|', '/')} | | | | | |")
             continue
         vs = (f"{m['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base.get("tokens_per_s") else "")
