@@ -264,6 +264,15 @@ def test_failed_arm_is_reported_by_its_exception_line():
     assert error_headline("exit 1: ValueError: a\nRuntimeError: b") == "exit 1: RuntimeError: b"
 
 
+def _fake_nvidia_smi(tmp_path, monkeypatch, body: str) -> None:
+    """An ``nvidia-smi`` stand-in (a shell script of ``body``) first on PATH."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\n" + body)
+    (fake / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+
+
 def test_gpu_clocks_are_sampled_while_an_arm_runs(tmp_path, monkeypatch):
     """The launcher's sampler runs nvidia-smi beside the job (a stand-in script here) and keeps the
     busy samples' clocks; the report lists them per arm."""
@@ -275,11 +284,7 @@ def test_gpu_clocks_are_sampled_while_an_arm_runs(tmp_path, monkeypatch):
     assert s["0"] == dict(samples=3, busy_samples=2, sm_mhz_median=1687.5, sm_mhz_min=1620.0, power_w_median=695.3,
                           temp_c_max=75.0)
     assert s["1"]["sm_mhz_median"] == 1980.0 and summarize_gpu_samples("") is None
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text("#!/bin/sh\nwhile true; do echo '0, 100, 1500, 650.0, 70'; sleep 0.05; done\n")
-    (fake / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    _fake_nvidia_smi(tmp_path, monkeypatch, "while true; do echo '0, 100, 1500, 650.0, 70'; sleep 0.05; done\n")
     import time
 
     with GpuSampler(period_ms=50) as g:
@@ -302,13 +307,8 @@ def test_gpu_sampler_reads_the_clock_limit_reasons_or_does_without(tmp_path, mon
     assert s["0"]["power_capped"] == 0.5 and s["0"]["hw_slowdown"] == 0.0 and s["0"]["busy_samples"] == 3
     line = next(x for x in clocks_table({"dense_x": {"fused": {"gpu_clocks": s}}}) if x.startswith("| dense_x"))
     assert "| 50% | 0% | 3 of 4 |" in line
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text(
-        "#!/bin/sh\ncase \"$1\" in *reasons*) echo 'not a valid field' >&2; exit 2;; esac\n"
-        "while true; do echo '0, 100, 1500, 650.0, 70'; sleep 0.05; done\n")
-    (fake / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    _fake_nvidia_smi(tmp_path, monkeypatch, "case \"$1\" in *reasons*) echo 'not a valid field' >&2; exit 2;; esac\n"
+                     "while true; do echo '0, 100, 1500, 650.0, 70'; sleep 0.05; done\n")
     with GpuSampler(period_ms=50) as g:
         time.sleep(0.4)
     assert g.summary["0"]["sm_mhz_median"] == 1500.0 and "power_capped" not in g.summary["0"]
