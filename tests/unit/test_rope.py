@@ -428,3 +428,41 @@ def test_plans_are_reused(interpret):
     assert len(RL._plans) == 1
     R.fused_rope(q.detach().contiguous(), k, cos, sin)
     assert len(RL._plans) == 2
+
+
+@pytest.mark.parametrize("name", ["llama", "partial", "interleaved", "glm-partial", "deinterleave", "float32-once"])
+@pytest.mark.parametrize("tile_pairs", [None, 1, 64])
+def test_token_tiles_match_row_tiles(interpret, monkeypatch, name, tile_pairs):
+    """Where a token's heads share its angles (q and k as [B, H, S, D] views of [B, S, H, D]),
+    the forward and the layout-keeping backward tile by whole tokens, reading cos/sin once per
+    token; their results equal the row tiles' and the reference's, every element written (odd
+    head counts, pass-through columns, a last tile partly past the tokens)."""
+    spec = SPECS[name]
+    gen = torch.Generator().manual_seed(11)
+    if tile_pairs is not None:  # one token a tile; or a few (15 tokens: the last tile partly past them)
+        monkeypatch.setattr(RL, "_INTERPRETER_TILE_PAIRS", tile_pairs)
+    _, _, q, k, cos, sin = make_inputs(spec, torch.float16, interpret, d=12 if spec.partial else 8, b=3, s=5, hq=5,
+                                       hk=3, gen=gen)
+    q, k = q.detach(), k.detach()
+    gq, gk = torch.randn(q.shape, generator=gen).half(), torch.randn(k.shape, generator=gen).half()
+    results = {}
+    for tokens in (True, False):
+        monkeypatch.setattr(RL, "_TOKEN_TILES", tokens)
+        R.clear_plans()
+        plan = RL._get_plan(q, k, cos, sin, 1, spec)
+        assert (plan.fwd_const["TOK0"] > 0 and plan.fwd_const["TOK1"] > 0) == tokens
+        assert (plan.fwd_const["HP0"], plan.fwd_const["HP1"]) == ((8, 4) if tokens else (1, 1))
+        outs = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))]
+        RL._forward(plan, q, k, cos, sin, outs=outs)
+        keep = (True, True)
+        dx = [torch.full(x.shape, float("nan"), dtype=x.dtype).as_strided(x.shape, plan.dx_strides(i, keep))
+              for i, x in enumerate((q, k))]
+        RL._backward(plan, (gq, gk), cos, sin, outs=dx, keep=keep)
+        const = plan.backward_entry((0, 1), (gq, gk), keep)[3]
+        assert (const["TOK0"] > 0) == tokens
+        results[tokens] = outs + dx
+    qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ref = R.rope_reference(qq, kk, cos, sin, 1, spec)
+    want = list(ref) + list(torch.autograd.grad(ref, (qq, kk), (gq, gk)))
+    for got_t, got_r, w in zip(results[True], results[False], want):
+        assert torch.equal(got_t, w) and torch.equal(got_r, w)
