@@ -23,25 +23,6 @@ from .spec import RopeSpec, compute_dtype
 _TILE_PAIRS = 2048  # rows x pairs per program
 _MAX_BLOCK_R = 64
 _NUM_WARPS = 4
-_TOKEN_TILES = True  # tile by whole tokens where the angles are shared by a token's heads
-_MAX_TOKEN_ROWS = 128  # the most head rows of one token a token tile takes
-_INTERPRETER_TILE_PAIRS = 1 << 16  # the interpreter: few, large programs
-
-
-def _tiling(ints: tuple, block_h: int, block_r: int, on_cuda: bool) -> tuple:
-    """(programs, TOK, HP) of one tensor in one launch, from its 17 kernel ints (see
-    ``_Geometry.ints``): token tiles (TOK tokens x HP >= N2 head rows) where cos and sin do not
-    move along the innermost leading dim (the heads), else ``TOK = 0`` and tiles of ``block_r``
-    rows."""
-    n_rows, n2 = ints[0], ints[2]
-    cs2, ss2 = ints[13], ints[16]
-    if _TOKEN_TILES and n2 > 1 and n_rows > 0 and cs2 == 0 and ss2 == 0 and n2 <= _MAX_TOKEN_ROWS:
-        hp = next_power_of_2(n2)
-        n_tok = n_rows // n2
-        cap = _TILE_PAIRS if on_cuda else _INTERPRETER_TILE_PAIRS
-        tok = max(1, min(cap // (hp * block_h), next_power_of_2(n_tok)))
-        return cdiv(n_tok, tok), tok, hp
-    return cdiv(n_rows, block_r), 0, 1
 
 
 class _Plan:
@@ -49,8 +30,8 @@ class _Plan:
     block sizes, program counts, the forward's kernel arguments; the backward's per gradient
     layout (``bwd``)."""
 
-    __slots__ = ("key", "spec", "rdim", "head_dim", "geos", "x_dtype", "prod", "acc_bwd", "common", "tail",
-                 "dev", "fwd_args", "fwd_const", "fwd_np0", "fwd_total", "bwd")
+    __slots__ = ("key", "spec", "rdim", "head_dim", "geos", "x_dtype", "prod", "acc_bwd", "common", "tail", "progs",
+                 "dev", "fwd_args", "fwd_const", "bwd")
 
     def __init__(self, key, spec: RopeSpec, x: torch.Tensor, x_dtype: torch.dtype, angle_dtype: torch.dtype,
                  checked: tuple, angle_steps: tuple = (1, 1)):
@@ -72,27 +53,18 @@ class _Plan:
         # the rotated columns' offset and the pass-through columns [ps, pe): after the rotated ones,
         # or before them (tail); then the steps of cos's and sin's last dims
         self.tail = ((pairs, rest, 0, rest) if spec.tail else (pairs, 0, rdim, d)) + tuple(angle_steps)
+        self.progs = tuple(cdiv(g.n_rows, block_r) for g in geos)
         self.dev = x.device.index if x.is_cuda else None
         self.bwd = {}
-        self.fwd_args = self.fwd_const = self.fwd_np0 = self.fwd_total = None
-
-    def _tiles(self, ints: tuple) -> tuple:
-        """(programs of the first tensor, all programs, the tiling constexprs) of a launch over the
-        tensors whose kernel ints ``ints`` holds (one or two)."""
-        tiles = [_tiling(i, self.common["BLOCK_H"], self.common["BLOCK_R"], self.dev is not None) for i in ints]
-        np0 = tiles[0][0]
-        total = np0 + (tiles[1][0] if len(tiles) == 2 else 0)
-        t1 = tiles[1] if len(tiles) == 2 else (0, 0, 1)
-        return np0, total, dict(TOK0=tiles[0][1], HP0=tiles[0][2], TOK1=t1[1], HP1=t1[2])
+        self.fwd_args = self.fwd_const = None
 
     def set_forward(self, q: torch.Tensor, k: Optional[torch.Tensor]) -> None:
         ints = tuple(g.ints(x.stride(), g.y_strides) for g, x in zip(self.geos, (q, k)))
-        self.fwd_np0, self.fwd_total, tiles = self._tiles(ints)
         if len(ints) == 1:
             ints = ints * 2
         self.fwd_args = ints[0] + ints[1] + self.tail
         self.fwd_const = dict(self.common, BACKWARD=False, PROD=self.prod, ACC=self.prod,
-                              PASS=self.rdim < self.head_dim, TWO=len(self.geos) == 2, **tiles)
+                              PASS=self.rdim < self.head_dim, TWO=len(self.geos) == 2)
 
     def dx_strides(self, i: int, keep: tuple) -> tuple:
         """The strides of input ``i``'s gradient: contiguous, or the input's own layout where
@@ -107,11 +79,12 @@ class _Plan:
         entry = self.bwd.get(bkey)
         if entry is None:
             ints = tuple(self.geos[i].ints(g.stride(), self.dx_strides(i, keep)) for i, g in zip(present, grads))
-            np0, total, tiles = self._tiles(ints)
             if len(ints) == 1:
                 ints = ints * 2
+            np0 = self.progs[present[0]]
+            total = np0 + (self.progs[present[1]] if len(present) == 2 else 0)
             const = dict(self.common, BACKWARD=True, PROD=self.prod, ACC=self.acc_bwd, PASS=self.rdim < self.head_dim,
-                         TWO=len(present) == 2, **tiles)
+                         TWO=len(present) == 2)
             entry = self.bwd[bkey] = (ints[0] + ints[1] + self.tail, np0, total, const, (self.key, "bwd", bkey))
         return entry
 
@@ -250,11 +223,12 @@ def _forward(plan: _Plan, q, k, cos, sin, outs=None):
     if outs is not None and any(o.stride() != g.y_strides for o, g in zip(outs, plan.geos)):
         raise ValueError("rope: outs must have the plan's output strides")
     if k is None:
-        _launch(plan, plan.key, q, yq, q, yq, cos, sin, plan.fwd_np0, plan.fwd_total, plan.fwd_args, plan.fwd_const)
+        _launch(plan, plan.key, q, yq, q, yq, cos, sin, plan.progs[0], plan.progs[0], plan.fwd_args, plan.fwd_const)
         return yq, None
     g1 = plan.geos[1]
     yk = torch.empty_strided(k.shape, g1.y_strides, dtype=g1.out_dtype, device=k.device) if outs is None else outs[1]
-    _launch(plan, plan.key, q, yq, k, yk, cos, sin, plan.fwd_np0, plan.fwd_total, plan.fwd_args, plan.fwd_const)
+    _launch(plan, plan.key, q, yq, k, yk, cos, sin, plan.progs[0], plan.progs[0] + plan.progs[1], plan.fwd_args,
+            plan.fwd_const)
     return yq, yk
 
 
