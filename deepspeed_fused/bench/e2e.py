@@ -592,7 +592,9 @@ def run_search(pair: str, arm: str, o, tmp: str) -> dict:
         return trials
 
     res = search_largest(run_sizes, o.search_start, o.search_max, confirm=getattr(o, "search_confirm", True))
-    res.update(config=config, arm=arm, seq_len=o.seq_len, model=model, features=arm_features(dict(seen, arm=arm)))
+    res.update(config=config, arm=arm, seq_len=o.seq_len, model=model, features=arm_features(dict(seen, arm=arm)),
+               search_start=o.search_start, search_max=o.search_max, search_steps=o.search_steps,
+               search_warmup=o.search_warmup)
     return res
 
 

@@ -565,6 +565,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                                  for t in sorted(r.get("trials", []),
                                                  key=lambda t: (t["batch"], t.get("alone", False))))
                 largest = _f(r.get("largest"), "{}", "none") + (" (cap)" if r.get("capped") else "")
+                tried += _own_search_settings(r, meta)
                 lines.append(f"| {k} | {arm} | {r.get('features') or 'not recorded'} | {largest} | "
                              f"{_f(r.get('smallest_failed'), '{}', '-')} | "
                              f"{_f(r.get('tokens_per_s'), '{:.0f}')} | "
@@ -585,6 +586,16 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
             lines.append(f"| {k} | {sizes} | {floor(c.get('fused_vs_baseline'))} | {floor(c.get('fused_vs_liger'))} | "
                          f"{_f(c.get('liger_vs_baseline'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _own_search_settings(arm: dict, meta: dict) -> str:
+    """An arm's search settings where they differ from the page's (an arm searched again in a
+    later run, merged by ``--render``), else ""."""
+    keys = ("search_start", "search_max", "search_steps", "search_warmup")
+    if not all(arm.get(k) is not None for k in keys) or all(arm[k] == meta.get(k) for k in keys):
+        return ""
+    return (f" (this arm: doubled from {arm['search_start']} up to the cap {arm['search_max']}, "
+            f"{arm['search_steps']} timed steps after {arm['search_warmup']} warm-up)")
 
 
 def merge(docs: list) -> tuple:

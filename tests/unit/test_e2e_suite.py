@@ -557,6 +557,8 @@ def test_render_the_accumulation_rows_targets_and_search_sizes(tmp_path):
     assert "| zero2 | baseline 8, fused 37 | 5.00 |" in md and "a floor" not in md.split("| zero2 | baseline 8")[1]
     assert d["search"]["zero2"]["compare"]["largest"] == dict(baseline=8, fused=37)
     assert d["search"]["zero2"]["compare"]["fused_capped"] is False
+    assert "this arm:" not in md  # neither arm records settings of its own
+
     # the fused arm still fitting at the cap: said, and its ratio marked as a floor
     fused_s.update(largest=64, smallest_failed=None, capped=True)
     p.write_text(json.dumps(dict(meta=meta, results={}, search=dict(zero2=dict(arms=dict(baseline=base_s,
@@ -608,6 +610,41 @@ def _train_args(**kw):
     d = dict(seq_len=8, seed=3, batch_sizes=None, steps=3, warmup=1)
     d.update(kw)
     return argparse.Namespace(**d)
+
+
+def test_render_names_an_arm_searched_with_other_settings(tmp_path):
+    """An arm searched again with another start and cap (merged from a later run) says so in its
+    row; an arm with the page's settings does not."""
+    meta = dict(date="d", gpu="g", torch="t", triton="tr", liger_kernel="0.8.5", model="m", batch=2, seq=4096,
+                steps=2, warmup=0, search_start=2, search_max=16, search_steps=3, search_warmup=1,
+                search_confirm=True)
+    same = dict(search_start=2, search_max=16, search_steps=3, search_warmup=1)
+
+    def arm(sizes, largest, capped, **settings):
+        trials = [dict(batch=b, status="ok", median_tokens_per_s=1000.0 * b, median_step_s=0.1, peak_alloc_mib=1.0,
+                       position=i, process=1) for i, b in enumerate(sizes)]
+        return dict(trials=trials, largest=largest, smallest_failed=None, capped=capped,
+                    tokens_per_s=1000.0 * largest, median_step_s=0.1, peak_alloc_mib=1.0, features="none",
+                    **settings)
+
+    first = dict(meta=meta, results={}, search=dict(p=dict(arms=dict(baseline=arm((2, 4), 4, False, **same),
+                                                                    fused=arm((2, 4, 8, 16), 16, True, **same)))))
+    later = dict(meta=dict(meta, search_start=16, search_max=64), results={},
+                 search=dict(p=dict(arms=dict(fused=arm((16, 32, 64), 64, True, search_start=16, search_max=64,
+                                                        search_steps=3, search_warmup=1)))))
+    paths = []
+    for i, doc in enumerate((first, later)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    out = tmp_path / "out"
+    out.mkdir()
+    e2e_report.render([str(x) for x in paths], str(out))
+    md = (out / "e2e.md").read_text()
+    assert "doubled from 2 up to the cap 16" in md
+    row = next(x for x in md.splitlines() if x.startswith("| p | fused |"))
+    assert "| 64 (cap) |" in row and "16 32 64 (this arm: doubled from 16 up to the cap 64, 3 timed steps" in row
+    base = next(x for x in md.splitlines() if x.startswith("| p | baseline |"))
+    assert "this arm:" not in base
 
 
 def test_train_steps_with_accumulation_time_each_micro_step(monkeypatch):
