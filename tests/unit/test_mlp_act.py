@@ -257,3 +257,66 @@ def test_double_backward_raises_not_silently_wrong(interpret):
     (dg, _) = torch.autograd.grad(M.mlp_act(g, u, "silu").sum(), (g, u), create_graph=True)
     with pytest.raises(RuntimeError):
         dg.sum().backward()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_gradients_written_over_the_inputs_equal_fresh_ones(interpret, layout, act, dtype):
+    """With ``grads_in_place`` the backward writes the gradients over gate and up (gate_up): the
+    very same tensors come back as the gradients, bit for bit what the fresh-buffer backward gives;
+    the forward is unchanged."""
+    xs, dh = _inputs((3, 5, 40), dtype, interpret, layout, seed=7)
+    first = layout == "gate_up"
+
+    def run(in_place):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        mids = [x * 1 for x in leaves]  # non-leaf temporaries, as a projection's outputs are
+        seen = {}
+
+        def keep(grad, i):
+            seen[i] = grad
+        for i, m in enumerate(mids):
+            m.register_hook(lambda g, i=i: keep(g, i))
+        ptrs = [m.data_ptr() for m in mids]
+        if layout == "split":
+            y = M.mlp_act(*mids, act, grads_in_place=in_place)
+        else:
+            y = M.mlp_act_fused(*mids, act, first, grads_in_place=in_place)
+        y.backward(dh)
+        return y.detach(), [seen[i] for i in range(len(mids))], ptrs
+
+    y0, g0, _ = run(False)
+    y1, g1, ptrs = run(True)
+    assert torch.equal(y0, y1)
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert [g.data_ptr() for g in g1] == ptrs  # written over the inputs
+    assert all(g.data_ptr() not in ptrs for g in g0)
+
+
+def test_gradients_in_place_only_where_the_inputs_can_take_them(interpret):
+    """Inputs that share memory (one tensor as gate and up, the halves of one projection) or that
+    the kernel reads through a copy (a transposed view) get fresh gradients, still exact; a
+    non-bool ``grads_in_place`` is a TypeError."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 32, generator=gen, device=interpret)
+    dh = torch.randn(4, 6, 32, generator=gen, device=interpret)
+
+    def grads(make, in_place):
+        leaf = x.detach().clone().requires_grad_()
+        g, u = make(leaf * 1)
+        y = M.mlp_act(g, u, "silu", grads_in_place=in_place)
+        y.backward(dh)
+        return leaf.grad
+
+    same = lambda t: (t, t)  # noqa: E731
+    halves = lambda t: (torch.cat([t, t], -1)[..., :32], torch.cat([t, t], -1)[..., 32:])  # noqa: E731
+    chunked = lambda t: torch.cat([t, t * 2], -1).chunk(2, -1)  # noqa: E731
+    transposed = lambda t: (t.transpose(0, 1).contiguous().transpose(0, 1), t * 3)  # noqa: E731
+    for make in (same, halves, chunked, transposed):
+        assert torch.equal(grads(make, True), grads(make, False))
+    leaf = x.detach().clone().requires_grad_()
+    with pytest.raises(TypeError, match="grads_in_place must be a bool"):
+        M.mlp_act(leaf * 1, leaf * 2, "silu", grads_in_place=1)
+    with pytest.raises(TypeError, match="grads_in_place must be a bool"):
+        M.mlp_act_fused(torch.cat([leaf, leaf], -1), "silu", True, grads_in_place="yes")

@@ -269,3 +269,70 @@ def test_gradient_checkpointing(interpret, mode):
     assert abs(float(loss_p - loss_e)) <= 1e-6 * abs(float(loss_e))
     for n, g in grads_e.items():
         assert float((grads_p[n] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-12, n
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_gradients_over_the_projections_only_where_no_hook_sees_them(interpret, monkeypatch, family):
+    """The backward writes the activation's input gradients over the projections' outputs only where
+    they are plain ``nn.Linear`` outputs that no forward hook (the module's own or a global one) could
+    have kept; a hooked projection's output is left as the hook saw it (with a global hook the MLPs
+    run eager altogether). Loss and gradients stay the unpatched model's either way."""
+    from deepspeed_fused.ops.mlp_act import launch as L
+
+    split = FAMILIES[family][3] == "split"
+    name = "split_backward" if split else "fused_backward"
+    real = getattr(L, name)
+    seen = []
+
+    def spy(*args, in_place=False, **kw):
+        if split and len(args) > 4:
+            in_place = args[4]
+            args = args[:4]
+        seen.append(in_place)
+        return real(*args, in_place=in_place, **kw)
+
+    monkeypatch.setattr(L, name, spy)
+    base = build(family)
+    patched = copy.deepcopy(base)
+    patch_model(patched, SECTION)
+    loss_e, grads_e = _loss_grads(base)
+    layers = base.config.num_hidden_layers
+
+    def check():
+        loss_p, grads_p = _loss_grads(patched)
+        assert abs(float(loss_p - loss_e)) <= 1e-6 * abs(float(loss_e))
+        for n, g in grads_e.items():
+            assert float((grads_p[n] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-12, n
+
+    check()
+    assert seen == [True] * layers
+    # a hook keeping the first layer's projection output: that layer's gradients are fresh buffers
+    proj = patched.model.layers[0].mlp.gate_proj if split else patched.model.layers[0].mlp.gate_up_proj
+    kept = []
+    handle = proj.register_forward_hook(lambda m, i, o: kept.append((o, o.detach().clone())))
+    seen.clear()
+    check()
+    handle.remove()
+    assert sorted(seen) == [False] + [True] * (layers - 1)
+    assert kept and all(torch.equal(o, c) for o, c in kept)
+    # a global forward hook: the MLPs run their eager forward (as the fallback test shows), no kernel
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        seen.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check()
+        assert seen == []
+    finally:
+        handle.remove()
+    assert not _private_output_with_global_hook(proj)
+
+
+def _private_output_with_global_hook(proj):
+    from deepspeed_fused.features.mlp_act.patch import _private_output
+
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        return _private_output(proj)
+    finally:
+        handle.remove()

@@ -28,6 +28,15 @@ def _eager_tail(act_mod, gate, up):
     return act_mod(gate) * up
 
 
+def _private_output(mod) -> bool:
+    """Whether the output of the projection ``mod`` is a fresh tensor that only the activation will
+    read: ``mod`` runs ``torch.nn.Linear``'s own forward (``F.linear``: a new tensor), with no forward
+    hook, its own or global, that could keep it. Then the activation's backward may write the
+    gradient over it (``grads_in_place``)."""
+    return (type(mod).forward is torch.nn.Linear.forward and "forward" not in mod.__dict__
+            and not mod._forward_hooks and not torch.nn.modules.module._global_forward_hooks)
+
+
 def _make_fused(form: Form):
     """``fused(self, x)``: the forward of ``form`` with the gated activation fused, or None (then the
     class's forward runs: the call's arguments or the module's activation are not the form's)."""
@@ -43,11 +52,13 @@ def _make_fused(form: Form):
             act = activation_of(act_mod)
             if type(act) is not str:
                 return None, act[1]
-            gate = getattr(self, gate_name)(x)
-            up = getattr(self, up_name)(x)
+            gate_mod, up_mod = getattr(self, gate_name), getattr(self, up_name)
+            gate = gate_mod(x)
+            up = up_mod(x)
             ok, why = kernels_take(gate, up)
             if ok and gate.shape == up.shape:
-                h, why = mlp_act(gate, up, act), ""
+                private = _private_output(gate_mod) and _private_output(up_mod)
+                h, why = mlp_act(gate, up, act, grads_in_place=private), ""
             else:
                 h, why = _eager_tail(act_mod, gate, up), why or "gate and up of different shapes"
             if drop_name is not None:
@@ -62,10 +73,12 @@ def _make_fused(form: Form):
             act = activation_of(act_mod)
             if type(act) is not str:
                 return None, act[1]
-            gu = getattr(self, gu_name)(x)
+            gu_mod = getattr(self, gu_name)
+            gu = gu_mod(x)
             ok, why = kernels_take(gu)
             if ok and gu.dim() and gu.shape[-1] % 2 == 0:
-                return getattr(self, down_name)(mlp_act_fused(gu, act, gate_first)), ""
+                h = mlp_act_fused(gu, act, gate_first, grads_in_place=_private_output(gu_mod))
+                return getattr(self, down_name)(h), ""
             a, b = gu.chunk(2, dim=-1)
             gate, up = (a, b) if gate_first else (b, a)
             return getattr(self, down_name)(_eager_tail(act_mod, gate, up)), why or "an odd gate-up width"

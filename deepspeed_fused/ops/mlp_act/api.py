@@ -12,31 +12,32 @@ _NS = "deepspeed_fused"
 
 class _SplitFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, act):
+    def forward(ctx, gate, up, act, in_place):
         ctx.save_for_backward(gate, up)
-        ctx.act = act
+        ctx.act, ctx.in_place = act, in_place
         return launch.split_forward(gate, up, act)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # a double backward raises (the kernels have no graph)
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        dg, du = launch.split_backward(gate, up, dh, ctx.act)
-        return dg, du, None
+        dg, du = launch.split_backward(gate, up, dh, ctx.act, ctx.in_place)
+        return dg, du, None, None
 
 
 class _FusedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up, act, gate_first):
+    def forward(ctx, gate_up, act, gate_first, in_place):
         ctx.save_for_backward(gate_up)
         ctx.args = (act, gate_first)
+        ctx.in_place = in_place
         return launch.fused_forward(gate_up, act, gate_first)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dh):
         (gate_up,) = ctx.saved_tensors
-        return launch.fused_backward(gate_up, dh, *ctx.args), None, None
+        return launch.fused_backward(gate_up, dh, *ctx.args, in_place=ctx.in_place), None, None, None
 
 
 @torch.library.custom_op(f"{_NS}::mlp_act", mutates_args=())
@@ -108,30 +109,41 @@ def _fused_op_backward(ctx, dh):
 _fused_op.register_autograd(_fused_op_backward, setup_context=_fused_setup)
 
 
-def mlp_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+def mlp_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", grads_in_place: bool = False) -> torch.Tensor:
     """``act(gate) * up`` (``act``: ``"silu"``, ``"gelu_tanh"`` or ``"gelu"``) of two tensors of one
     shape, one kernel forward and one backward, with eager's rounding (see :mod:`.kernels`). Only
-    ``gate`` and ``up`` are saved for the backward (eager keeps ``act(gate)`` too)."""
+    ``gate`` and ``up`` are saved for the backward (eager keeps ``act(gate)`` too).
+
+    ``grads_in_place``: the caller guarantees that nothing reads ``gate`` or ``up`` once this
+    call's backward runs (they are temporaries of its own forward, seen by no hook); the backward
+    then writes their gradients over them, two ``gate``-sized buffers fewer at its peak (under
+    ``torch.compile`` the gradients are fresh tensors still)."""
     check_split(gate, up, act)
+    if not isinstance(grads_in_place, bool):
+        raise TypeError(f"mlp_act: grads_in_place must be a bool, got {type(grads_in_place).__name__}")
     if not kernel_ok(gate, up):
         return mlp_act_reference(gate, up, act)
     if torch.compiler.is_compiling():
         return _split_op(gate, up, act)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SplitFn.apply(gate, up, act)
+        return _SplitFn.apply(gate, up, act, grads_in_place)
     return launch.split_forward(gate, up, act)
 
 
-def mlp_act_fused(gate_up: torch.Tensor, act: str = "silu", gate_first: bool = True) -> torch.Tensor:
+def mlp_act_fused(gate_up: torch.Tensor, act: str = "silu", gate_first: bool = True,
+                  grads_in_place: bool = False) -> torch.Tensor:
     """``act(gate) * up`` of one gate-up projection ``[..., 2 I]`` -> ``[..., I]``: the gate its
     first half (``gate_first``, Phi-3's and GLM's ``gate, up = gate_up.chunk(2, -1)``) or its second
     half; the backward writes the ``[..., 2 I]`` input gradient in one buffer (eager's chunk
-    backward copies two halves into a zero-filled one)."""
+    backward copies two halves into a zero-filled one), over ``gate_up`` itself with
+    ``grads_in_place`` (as :func:`mlp_act`'s)."""
     check_fused(gate_up, act, gate_first)
+    if not isinstance(grads_in_place, bool):
+        raise TypeError(f"mlp_act_fused: grads_in_place must be a bool, got {type(grads_in_place).__name__}")
     if not kernel_ok(gate_up):
         return mlp_act_fused_reference(gate_up, act, gate_first)
     if torch.compiler.is_compiling():
         return _fused_op(gate_up, act, gate_first)
     if torch.is_grad_enabled() and gate_up.requires_grad:
-        return _FusedFn.apply(gate_up, act, gate_first)
+        return _FusedFn.apply(gate_up, act, gate_first, grads_in_place)
     return launch.fused_forward(gate_up, act, gate_first)

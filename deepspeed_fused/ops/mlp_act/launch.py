@@ -98,12 +98,28 @@ def split_forward(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tenso
     return h.view(gate.shape)
 
 
-def split_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, act: str) -> tuple:
+def split_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, act: str, in_place: bool = False) -> tuple:
+    """The gradients of ``act(gate) * up``; ``in_place``: written over ``gate`` and ``up`` (each
+    element read before it is written, by the same program) where both are views the kernel can
+    write without a copy and do not share memory, else into fresh tensors."""
     g, u, d = rows2d(gate), rows2d(up), rows2d(dh.to(gate.dtype))
+    if in_place and _writable_over(gate, g) and _writable_over(up, u) and not _share_memory(gate, up):
+        backward_rows(g, u, d, g, u, act)
+        return gate, up
     dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     du = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     backward_rows(g, u, d, dg, du, act)
     return dg.view(gate.shape), du.view(gate.shape)
+
+
+def _writable_over(t: torch.Tensor, t2: torch.Tensor) -> bool:
+    """Whether ``t2`` (``rows2d(t)``) is a view of ``t``'s own elements, so that writing it writes
+    ``t`` (:func:`rows2d` copies where a reshape cannot view ``t`` or its rows would overlap)."""
+    return t.numel() > 0 and t2.data_ptr() == t.data_ptr()
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def fused_forward(gate_up: torch.Tensor, act: str, gate_first: bool = True, exact_exp: bool = True) -> torch.Tensor:
@@ -114,8 +130,14 @@ def fused_forward(gate_up: torch.Tensor, act: str, gate_first: bool = True, exac
 
 
 def fused_backward(gate_up: torch.Tensor, dh: torch.Tensor, act: str, gate_first: bool = True,
-                   exact_exp: bool = True) -> torch.Tensor:
+                   exact_exp: bool = True, in_place: bool = False) -> torch.Tensor:
+    """The gradient of the gate-up projection; ``in_place``: written over ``gate_up`` where the
+    kernel can write it without a copy (see :func:`split_backward`)."""
     gu, d = rows2d(gate_up), rows2d(dh.to(gate_up.dtype))
+    if in_place and _writable_over(gate_up, gu):
+        g, u = halves(gu, gate_first)
+        backward_rows(g, u, d, g, u, act, exact_exp)
+        return gate_up
     dgu = torch.empty((gu.shape[0], gu.shape[1]), dtype=gu.dtype, device=gu.device)
     g, u = halves(gu, gate_first)
     dg, du = halves(dgu, gate_first)
