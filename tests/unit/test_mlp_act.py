@@ -320,3 +320,26 @@ def test_gradients_in_place_only_where_the_inputs_can_take_them(interpret):
         M.mlp_act(leaf * 1, leaf * 2, "silu", grads_in_place=1)
     with pytest.raises(TypeError, match="grads_in_place must be a bool"):
         M.mlp_act_fused(torch.cat([leaf, leaf], -1), "silu", True, grads_in_place="yes")
+
+
+@pytest.mark.parametrize("layout", ["split", "gate_up"])
+def test_a_second_backward_after_gradients_in_place_raises(interpret, layout):
+    """Once the gradients were written over the saved inputs, a second backward through the same
+    graph (``retain_graph=True``) raises autograd's in-place error instead of reading them; with
+    fresh buffers it runs and gives the same gradients again."""
+    xs, dh = _inputs((2, 3, 16), torch.float32, interpret, layout, seed=5)
+    for in_place in (False, True):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        mids = [x * 1 for x in leaves]
+        if layout == "split":
+            y = M.mlp_act(*mids, "silu", grads_in_place=in_place)
+        else:
+            y = M.mlp_act_fused(*mids, "silu", True, grads_in_place=in_place)
+        y.backward(dh, retain_graph=True)
+        first = [x.grad.clone() for x in leaves]
+        if in_place:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward(dh)
+        else:
+            y.backward(dh)
+            assert all(torch.equal(x.grad, 2 * f) for x, f in zip(leaves, first))

@@ -10,6 +10,15 @@ from .reference import mlp_act_fused_reference, mlp_act_reference
 _NS = "deepspeed_fused"
 
 
+def _mark_overwritten(*pairs) -> None:
+    """Bump the version of each saved input its gradient was written over, so that autograd refuses
+    a second backward through the same graph (``retain_graph=True``) instead of reading gradients
+    as inputs."""
+    for saved, grad in pairs:
+        if grad is saved:
+            torch.autograd.graph.increment_version(saved)
+
+
 class _SplitFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, act, in_place):
@@ -22,6 +31,7 @@ class _SplitFn(torch.autograd.Function):
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         dg, du = launch.split_backward(gate, up, dh, ctx.act, ctx.in_place)
+        _mark_overwritten((gate, dg), (up, du))
         return dg, du, None, None
 
 
@@ -37,7 +47,9 @@ class _FusedFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dh):
         (gate_up,) = ctx.saved_tensors
-        return launch.fused_backward(gate_up, dh, *ctx.args, in_place=ctx.in_place), None, None, None
+        dgu = launch.fused_backward(gate_up, dh, *ctx.args, in_place=ctx.in_place)
+        _mark_overwritten((gate_up, dgu))
+        return dgu, None, None, None
 
 
 @torch.library.custom_op(f"{_NS}::mlp_act", mutates_args=())
