@@ -327,9 +327,9 @@ def plots(results: dict, search: dict, out_dir: str) -> None:
                     if failed:
                         ax.plot(failed, [0] * len(failed), "x", color=line.get_color())
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("micro-batch (sequences)")
+            ax.set_xlabel("micro-batch (sequences; x: out of memory)")
             ax.set_ylabel("tokens/s")
-            ax.set_title(f"{k}: tokens/s vs micro-batch (x: out of memory)")
+            ax.set_title(f"{k}: tokens/s vs micro-batch")
             ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "e2e_throughput.png"), dpi=110)
@@ -556,12 +556,12 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                   "its own largest micro-batch.", "",
                   "| pair | arm | features | largest micro-batch that fit | smallest failed | tokens/s at largest | "
                   "step ms | peak alloc GiB | sizes tried (x: out of memory, !: other failure, a: alone in a fresh "
-                  "process) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+                  "process, e: from an earlier search of the arm) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for k, s in search.items():
             for arm in [a for a in ARM_ORDER if a in s.get("arms", {})]:
                 r = s["arms"][arm]
                 tried = " ".join(f"{t['batch']}{'' if t['status'] == 'ok' else ('x' if t['status'] == 'oom' else '!')}"
-                                 f"{'a' if t.get('alone') else ''}"
+                                 f"{'a' if t.get('alone') else ''}{'e' if t.get('earlier') else ''}"
                                  for t in sorted(r.get("trials", []),
                                                  key=lambda t: (t["batch"], t.get("alone", False))))
                 largest = _f(r.get("largest"), "{}", "none") + (" (cap)" if r.get("capped") else "")
@@ -598,6 +598,17 @@ def _own_search_settings(arm: dict, meta: dict) -> str:
             f"{arm['search_steps']} timed steps after {arm['search_warmup']} warm-up)")
 
 
+def _continue_search(earlier: Optional[dict], later: dict) -> dict:
+    """A later search of an arm replaces the earlier one; where the later one started above sizes
+    the earlier one ran, those trials are kept before the later's (marked ``earlier``), so that the
+    page and the plot show the whole range of sizes."""
+    start = later.get("search_start")
+    if not earlier or start is None:
+        return later
+    below = [dict(t, earlier=True) for t in earlier.get("trials", []) if t["batch"] < start]
+    return dict(later, trials=below + list(later.get("trials", []))) if below else later
+
+
 def merge(docs: list) -> tuple:
     """Merge e2e.json documents arm by arm (a later file's arm replaces an earlier one's); the
     comparisons are computed again from the merged arms. Meta: the first document that has
@@ -608,7 +619,9 @@ def merge(docs: list) -> tuple:
             results.setdefault(k, {}).update({a: x for a, x in v.items() if a != "compare"})
             dates.setdefault(k, {}).update({a: d.get("meta", {}).get("date") for a in v if a != "compare"})
         for k, v in (d.get("search") or {}).items():
-            search.setdefault(k, {"arms": {}})["arms"].update(v.get("arms", {}))
+            arms = search.setdefault(k, {"arms": {}})["arms"]
+            for a, x in v.get("arms", {}).items():
+                arms[a] = _continue_search(arms.get(a), x)
     meta = dict(next((d["meta"] for d in docs if d.get("results")), docs[0]["meta"] if docs else {}))
     for d in docs:
         if d.get("search"):

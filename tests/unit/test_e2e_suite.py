@@ -642,9 +642,15 @@ def test_render_names_an_arm_searched_with_other_settings(tmp_path):
     md = (out / "e2e.md").read_text()
     assert "doubled from 2 up to the cap 16" in md
     row = next(x for x in md.splitlines() if x.startswith("| p | fused |"))
-    assert "| 64 (cap) |" in row and "16 32 64 (this arm: doubled from 16 up to the cap 64, 3 timed steps" in row
+    # the earlier search's sizes below the later start are kept, marked; its 16 gives way to the later 16
+    assert "| 64 (cap) |" in row
+    assert "| 2e 4e 8e 16 32 64 (this arm: doubled from 16 up to the cap 64, 3 timed steps" in row
     base = next(x for x in md.splitlines() if x.startswith("| p | baseline |"))
-    assert "this arm:" not in base
+    assert "this arm:" not in base and "e " not in base.split("|")[-2]
+    merged = json.loads((out / "e2e.json").read_text())["search"]["p"]["arms"]["fused"]
+    assert [t["batch"] for t in merged["trials"]] == [2, 4, 8, 16, 32, 64]
+    assert [t.get("earlier", False) for t in merged["trials"]] == [True] * 3 + [False] * 3
+    assert merged["largest"] == 64 and merged["capped"]
 
 
 def test_train_steps_with_accumulation_time_each_micro_step(monkeypatch):
