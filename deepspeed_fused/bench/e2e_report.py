@@ -603,8 +603,8 @@ def _continue_search(earlier: Optional[dict], later: dict) -> dict:
     the earlier one ran, those trials are kept before the later's (marked ``earlier``), so that the
     page and the plot show the whole range of sizes."""
     start = later.get("search_start")
-    if not earlier or start is None:
-        return later
+    if not earlier or start is None or any(t["batch"] < start for t in later.get("trials", [])):
+        return later  # (the later arm already carries sizes below its start: merged before)
     below = [dict(t, earlier=True) for t in earlier.get("trials", []) if t["batch"] < start]
     return dict(later, trials=below + list(later.get("trials", []))) if below else later
 

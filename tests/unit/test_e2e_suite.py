@@ -651,6 +651,12 @@ def test_render_names_an_arm_searched_with_other_settings(tmp_path):
     assert [t["batch"] for t in merged["trials"]] == [2, 4, 8, 16, 32, 64]
     assert [t.get("earlier", False) for t in merged["trials"]] == [True] * 3 + [False] * 3
     assert merged["largest"] == 64 and merged["capped"]
+    # the merged page merged again, with itself: no size twice
+    again = tmp_path / "again"
+    again.mkdir()
+    e2e_report.render([str(out / "e2e.json"), str(out / "e2e.json")], str(again))
+    twice = json.loads((again / "e2e.json").read_text())["search"]["p"]["arms"]["fused"]
+    assert [t["batch"] for t in twice["trials"]] == [2, 4, 8, 16, 32, 64]
 
 
 def test_train_steps_with_accumulation_time_each_micro_step(monkeypatch):
