@@ -159,8 +159,11 @@ def _kernelized(module, funcs: dict) -> str:
     return ""
 
 
-def _hub_reason(name: str) -> str:
-    return f"{name} runs a hub kernel that the kernels package's kernelize selected (left to it)"
+def _hub_reason(module, forms: dict) -> str:
+    """Why ``module`` is left to a hub kernel (``forms``: global name -> (function, form), as the
+    recognition and the dispatcher hold them), or "" when none of its calls runs one."""
+    kernel = _kernelized(module, {n: fn for n, (fn, _) in forms.items()})
+    return f"{kernel} runs a hub kernel that the kernels package's kernelize selected (left to it)" if kernel else ""
 
 
 def _innermost(fwd):
@@ -382,9 +385,9 @@ def _classify(module) -> tuple:
             return "skip", "the rotary function recognised earlier was replaced in its module"
         if "forward" in module.__dict__:
             return "skip", "forward patched on the instance"
-        kernel = _kernelized(module, {n: fn for n, (fn, _) in fwd.__ds_rope__[2].items()})
-        if kernel:  # the class was patched for another model; this instance runs its hub kernel
-            return "skip", _hub_reason(kernel)
+        why = _hub_reason(module, fwd.__ds_rope__[2])
+        if why:  # the class was patched for another model; this instance runs its hub kernel
+            return "skip", why
         if OPT_IN_MARKER.holds(module):
             return "already", live
         return "replace", (None, live, {})
@@ -394,9 +397,9 @@ def _classify(module) -> tuple:
     if "forward" in module.__dict__:
         return "skip", "forward patched on the instance"
     forms, refused = info
-    kernel = _kernelized(module, {n: fn for n, (fn, _) in forms.items()})
-    if kernel:
-        return "skip", _hub_reason(kernel)
+    why = _hub_reason(module, forms)
+    if why:
+        return "skip", why
     return "replace", (fwd, {n: f for n, (_, f) in forms.items()}, refused)
 
 
