@@ -198,7 +198,13 @@ for key, section in (("off", None), ("on", {"linear_cross_entropy": {"enabled": 
     f = next(f for f in rep.features if f.name == "linear_cross_entropy")
     res[key] = {"losses": [h["loss"] for h in tr.state.log_history if "loss" in h], "warnings": msgs,
                 "calls": [f.calls.fused, f.calls.eager] if f.calls else None}
-print("RESULT" + json.dumps(res))
+print("RESULT" + json.dumps(res), flush=True)
+# the process group DeepSpeed opened is closed here, and the interpreter's teardown skipped: threads
+# of the libraries above that are still running at exit can abort it after the results are printed
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 
