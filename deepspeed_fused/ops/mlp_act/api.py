@@ -130,9 +130,7 @@ def mlp_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", grads_in_pl
     call's backward runs (they are temporaries of its own forward, seen by no hook); the backward
     then writes their gradients over them, two ``gate``-sized buffers fewer at its peak (under
     ``torch.compile`` the gradients are fresh tensors still)."""
-    check_split(gate, up, act)
-    if not isinstance(grads_in_place, bool):
-        raise TypeError(f"mlp_act: grads_in_place must be a bool, got {type(grads_in_place).__name__}")
+    check_split(gate, up, act, grads_in_place)
     if not kernel_ok(gate, up):
         return mlp_act_reference(gate, up, act)
     if torch.compiler.is_compiling():
@@ -149,9 +147,7 @@ def mlp_act_fused(gate_up: torch.Tensor, act: str = "silu", gate_first: bool = T
     half; the backward writes the ``[..., 2 I]`` input gradient in one buffer (eager's chunk
     backward copies two halves into a zero-filled one), over ``gate_up`` itself with
     ``grads_in_place`` (as :func:`mlp_act`'s)."""
-    check_fused(gate_up, act, gate_first)
-    if not isinstance(grads_in_place, bool):
-        raise TypeError(f"mlp_act_fused: grads_in_place must be a bool, got {type(grads_in_place).__name__}")
+    check_fused(gate_up, act, gate_first, grads_in_place)
     if not kernel_ok(gate_up):
         return mlp_act_fused_reference(gate_up, act, gate_first)
     if torch.compiler.is_compiling():

@@ -31,7 +31,12 @@ def _tensor(name: str, t) -> None:
         raise ValueError(f"{name}: expected at least one dimension, got a 0-d tensor")
 
 
-def check_split(gate, up, act) -> None:
+def _in_place_flag(op: str, grads_in_place) -> None:
+    if not isinstance(grads_in_place, bool):
+        raise TypeError(f"{op}: grads_in_place must be a bool, got {type(grads_in_place).__name__}")
+
+
+def check_split(gate, up, act, grads_in_place: bool = False) -> None:
     _tensor("gate", gate)
     _tensor("up", up)
     if up.shape != gate.shape:
@@ -39,9 +44,10 @@ def check_split(gate, up, act) -> None:
     if up.device != gate.device:
         raise ValueError(f"up: expected a tensor on {gate.device} (where the gate is), got {up.device}")
     check_act(act)
+    _in_place_flag("mlp_act", grads_in_place)
 
 
-def check_fused(gate_up, act, gate_first) -> None:
+def check_fused(gate_up, act, gate_first, grads_in_place: bool = False) -> None:
     _tensor("gate_up", gate_up)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up: expected an even last dimension (gate and up halves), got shape "
@@ -49,6 +55,7 @@ def check_fused(gate_up, act, gate_first) -> None:
     check_act(act)
     if not isinstance(gate_first, bool):
         raise TypeError(f"gate_first: expected a bool, got {type(gate_first).__name__}")
+    _in_place_flag("mlp_act_fused", grads_in_place)
 
 
 def kernels_take(*ts: torch.Tensor) -> tuple[bool, str]:
