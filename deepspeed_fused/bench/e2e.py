@@ -112,7 +112,7 @@ import time
 from typing import Callable, Optional
 
 from .common import OUT_DIR, GpuSampler, env_fields, free_port, package_version
-from .e2e_report import ARM_ORDER, SWIGLU_ARMS, _write, arm_features, compare, render, search_compare
+from .e2e_report import ARM_ORDER, SEARCH_SETTINGS, SWIGLU_ARMS, _write, arm_features, compare, render, search_compare
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the folder that holds this deepspeed_fused package (a clone's root, or site-packages): the runs
@@ -593,8 +593,7 @@ def run_search(pair: str, arm: str, o, tmp: str) -> dict:
 
     res = search_largest(run_sizes, o.search_start, o.search_max, confirm=getattr(o, "search_confirm", True))
     res.update(config=config, arm=arm, seq_len=o.seq_len, model=model, features=arm_features(dict(seen, arm=arm)),
-               search_start=o.search_start, search_max=o.search_max, search_steps=o.search_steps,
-               search_warmup=o.search_warmup)
+               **{k: getattr(o, k) for k in SEARCH_SETTINGS})
     return res
 
 
@@ -679,8 +678,8 @@ def main(args) -> dict:
     pairs, arms = o.pair_list, o.arm_list
     results, search = {}, {}
     meta = dict(env_fields(), liger_kernel=package_version("liger_kernel"), model=o.model, batch=o.batch_size, seq=o.seq_len,
-                steps=o.steps, warmup=o.warmup, search_start=o.search_start, search_max=o.search_max,
-                search_steps=o.search_steps, search_warmup=o.search_warmup, search_confirm=o.search_confirm)
+                steps=o.steps, warmup=o.warmup, search_confirm=o.search_confirm,
+                **{k: getattr(o, k) for k in SEARCH_SETTINGS})
     dense = [p for p in dict.fromkeys(pairs + o.search_list) if p in DENSE_PAIRS]
     if dense:  # each dense pair's own model and checkpointing
         meta["pair_models"] = {p: dict(model=pair_setup(p, o, [])[0], args=" ".join(DENSE_PAIRS[p][1])) for p in dense}

@@ -23,6 +23,8 @@ STEP_TARGETS = {"zero2": dict(vs_baseline=1.30, vs_liger=1.3),
                 "zero2_2gpu": dict(vs_baseline=1.22, vs_liger=1.2)}
 LOSS_TARGET = 0.005
 SEARCH_TARGET = 1.3
+# the settings of a largest-micro-batch search, recorded in the page's meta and in each searched arm
+SEARCH_SETTINGS = ("search_start", "search_max", "search_steps", "search_warmup")
 
 
 def _ok(a: Optional[dict]) -> bool:
@@ -591,8 +593,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
 def _own_search_settings(arm: dict, meta: dict) -> str:
     """An arm's search settings where they differ from the page's (an arm searched again in a
     later run, merged by ``--render``), else ""."""
-    keys = ("search_start", "search_max", "search_steps", "search_warmup")
-    if not all(arm.get(k) is not None for k in keys) or all(arm[k] == meta.get(k) for k in keys):
+    if not all(arm.get(k) is not None for k in SEARCH_SETTINGS) or all(arm[k] == meta.get(k) for k in SEARCH_SETTINGS):
         return ""
     return (f" (this arm: doubled from {arm['search_start']} up to the cap {arm['search_max']}, "
             f"{arm['search_steps']} timed steps after {arm['search_warmup']} warm-up)")
