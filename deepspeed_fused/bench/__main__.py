@@ -16,6 +16,7 @@ SUITES = {
     "linear_cross_entropy": "deepspeed_fused.bench.linear_cross_entropy",
     "rope": "deepspeed_fused.bench.rope",
     "mlp_act": "deepspeed_fused.bench.mlp_act",
+    "grad_norm": "deepspeed_fused.bench.grad_norm",
     "e2e": "deepspeed_fused.bench.e2e",
     "tp_cross_entropy": "deepspeed_fused.bench.tp_cross_entropy",
     "multi_gpu": "deepspeed_fused.bench.multi_gpu",

@@ -6,7 +6,8 @@ from .linear_cross_entropy import LinearCrossEntropyFeature
 from .moe_reorder import MoeReorderFeature
 from .rope import RopeFeature
 from .mlp_act import MlpActFeature
+from .grad_norm import GradNormFeature
 
-for _feature in (RmsNormFeature, LinearCrossEntropyFeature, MoeReorderFeature, RopeFeature, MlpActFeature):
+for _feature in (RmsNormFeature, LinearCrossEntropyFeature, MoeReorderFeature, RopeFeature, MlpActFeature, GradNormFeature):
     register(_feature)
 del _feature

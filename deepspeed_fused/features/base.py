@@ -189,6 +189,9 @@ class Feature:
 
     name: ClassVar[str] = ""
     config_model: ClassVar[type] = None  # a FeatureConfig subclass
+    # True for a feature that patches the engine (its optimizer), not the model: ``patch_model``
+    # without an engine reports it not applied, and suites that patch bare models leave it off
+    needs_engine: ClassVar[bool] = False
 
     def is_supported(self, env: Environment) -> tuple[bool, str]:
         return True, ""

@@ -34,7 +34,7 @@ def test_every_feature_has_enabled_default_false():
 
 @pytest.mark.parametrize("section, path, expect", [
     ({"rms_norm": {"enabeld": True}}, "deepspeed_fused.rms_norm.enabeld", "allowed keys: enabled"),
-    ({"rms_nrom": {"enabled": True}}, "deepspeed_fused.rms_nrom", "allowed keys: linear_cross_entropy, mlp_act, moe_reorder"),
+    ({"rms_nrom": {"enabled": True}}, "deepspeed_fused.rms_nrom", "allowed keys: grad_norm, linear_cross_entropy, mlp_act, moe_reorder"),
     ({"linear_cross_entropy": {"enabled": True, "bogus": 1}}, "deepspeed_fused.linear_cross_entropy.bogus",
      "unknown key"),
     ({"moe_reorder": {"enable": True}}, "deepspeed_fused.moe_reorder.enable", "allowed keys"),

@@ -24,12 +24,14 @@ EXPERTS, TOP_K = 4, 2
 MAX_LAYERS = 6  # at most this many layers even when the full config has more kinds of layer
 
 
-# the features turned on: every registered feature (rms_norm, linear_cross_entropy, moe_reorder,
-# rope, ... as the registry holds them), each with its default options
+# the features turned on: every registered feature that patches a model (rms_norm,
+# linear_cross_entropy, moe_reorder, rope, ... as the registry holds them), each with its default
+# options; a feature that patches the engine instead (grad_norm: the ZeRO optimizer's gradient norm)
+# has no model-family coverage and is tested on DeepSpeed engines
 def features_config() -> dict:
     from ...features.registry import all_features
 
-    return {f.name: {"enabled": True} for f in all_features()}
+    return {f.name: {"enabled": True} for f in all_features() if not f.needs_engine}
 
 
 # RMSNorm forms (as read from what a module computes; see norm_form)

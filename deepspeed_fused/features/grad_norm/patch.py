@@ -1,0 +1,112 @@
+"""Patching for the ``grad_norm`` feature: the fused ``get_grad_norm_direct`` installed on one
+optimizer instance (its class is left alone), and the link from the engine's model to that
+optimizer by which the hook asks whether the feature is in force and reverts it."""
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Optional
+
+import torch
+
+from ...ops.grad_norm import tensor_norms
+from ..base import CallCounts, count_op_call, op_call_mark
+
+METHOD = "get_grad_norm_direct"
+LINK = "_ds_fused_grad_norm_optimizer"  # model attribute: the OptimizerLink of the optimizer patched
+
+
+class OptimizerLink:
+    """A model's link to the optimizer whose gradient norm is fused (a weak reference). A copy of the
+    model does not carry it (the copy has no engine of its own), nor does a pickle."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, optimizer):
+        self._ref = weakref.ref(optimizer)
+
+    def optimizer(self):
+        return self._ref()
+
+    def __copy__(self):
+        return None
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
+def make_fused(original, calls: CallCounts):
+    """The fused ``get_grad_norm_direct(self, gradients, params, norm_type=2)`` for ``original`` (a
+    recognised method): the same gradients picked and the same float32 total, all-reduces and
+    masking as the original, with every gradient's float64 norm from one
+    :func:`~deepspeed_fused.ops.grad_norm.tensor_norms` call in place of a float64 copy and a
+    ``vector_norm`` per gradient. Norms other than 2, and a DeepSpeed whose norm dtype is not float64
+    (devices without it), run the original."""
+    g = original.__globals__
+    dist = g["dist"]
+    pipe_replicated = g["PIPE_REPLICATED"]
+    is_mp_param = g["is_model_parallel_parameter"]
+    norm_dtype, accelerator = g["get_norm_dtype"], g["get_accelerator"]
+    mask_invalid = g["mask_nan_or_inf_with_val_inplace"]
+
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or norm_dtype() is not torch.float64:
+            calls.eager += 1
+            return original(self, gradients, params, norm_type)
+        mark = op_call_mark()
+        picked = []
+        param_gradients = (t for t in gradients if not getattr(t, "_zero_padding", False))
+        for grad, p in zip(param_gradients, params):
+            if hasattr(p, pipe_replicated) and p.ds_pipe_replicated:
+                continue
+            if is_mp_param(p) or self.model_parallel_rank == 0:
+                picked.append(grad.data)
+        if picked:
+            norms = tensor_norms(picked).to(accelerator().current_device_name())
+            total_norm = norms.pow(2.0).sum().float()
+        else:
+            total_norm = torch.tensor(0.0, dtype=torch.float32).to(self.device)
+        dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=total_norm, op=dist.ReduceOp.SUM)
+        total_norm = total_norm.pow(1. / 2.0)
+        mask_invalid(total_norm, device=self.device)
+        count_op_call(calls, mark)
+        return total_norm
+
+    get_grad_norm_direct.deepspeed_fused = True  # ours: recognised when reverting
+    get_grad_norm_direct.__wrapped__ = original
+    return get_grad_norm_direct
+
+
+def is_fused(optimizer) -> bool:
+    """Whether ``optimizer`` runs the fused method (installed on the instance)."""
+    fn = getattr(optimizer, "__dict__", {}).get(METHOD)
+    return getattr(getattr(fn, "__func__", None), "deepspeed_fused", False) is True
+
+
+def install(model: torch.nn.Module, optimizer, calls: CallCounts) -> None:
+    """Install the fused method on ``optimizer`` (its class's method must be recognised) and link
+    ``model`` to it."""
+    original = getattr(type(optimizer), METHOD)
+    optimizer.__dict__[METHOD] = types.MethodType(make_fused(original, calls), optimizer)
+    model.__dict__[LINK] = OptimizerLink(optimizer)
+
+
+def linked_optimizer(model: torch.nn.Module) -> Optional[object]:
+    """The optimizer ``model`` is linked to (alive), or None."""
+    link = model.__dict__.get(LINK)
+    return link.optimizer() if isinstance(link, OptimizerLink) else None
+
+
+def uninstall(model: torch.nn.Module) -> int:
+    """Remove the fused method from the optimizer ``model`` is linked to, and the link. Returns 1
+    when a fused method was removed, else 0."""
+    opt = linked_optimizer(model)
+    model.__dict__.pop(LINK, None)
+    if opt is not None and is_fused(opt):
+        del opt.__dict__[METHOD]
+        return 1
+    return 0

@@ -1,0 +1,64 @@
+"""Argument checks of the per-tensor norms, and which tensors the kernels take.
+
+A wrong argument raises (``TypeError`` / ``ValueError`` naming it) before any launch; a tensor the
+kernels cannot take has its norm computed by the torch reference, with one warning per reason.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._common import kernel_device_ok, warn_fallback
+
+OP = "grad_norm"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_tensors(tensors) -> list:
+    """``tensors`` as a list, after checking it is a non-empty list or tuple of floating-point
+    tensors on one device."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors: expected a list or tuple of torch.Tensor, got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError("tensors: expected at least one tensor, got an empty sequence")
+    device = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"tensors[{i}]: expected a floating-point tensor, got {t.dtype}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"tensors[{i}]: expected a tensor on {device} (where tensors[0] is), got {t.device}")
+    return list(tensors)
+
+
+def kernels_take(t: torch.Tensor) -> tuple[bool, str]:
+    """Whether the kernels take tensor ``t`` (device, dtype, layout), and why not."""
+    ok, reason = kernel_device_ok(t)
+    if ok and t.dtype not in KERNEL_DTYPES:
+        ok, reason = False, f"dtype {t.dtype} (kernels take float16, bfloat16, float32)"
+    if ok and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        ok, reason = False, "bfloat16 under the Triton interpreter (not exact there)"
+    if ok and not t.is_contiguous():
+        ok, reason = False, "a non-contiguous tensor (kernels read each tensor as one run of memory)"
+    return ok, reason
+
+
+def split_by_kernel(tensors: list) -> tuple[dict, list]:
+    """({dtype: [index, ...]} of the tensors the kernels take, [index, ...] of the others), warning
+    once per reason for the others (the call then counts as one that ran the reference)."""
+    groups: dict = {}
+    others: list = []
+    reasons: list = []
+    for i, t in enumerate(tensors):
+        ok, reason = kernels_take(t)
+        if ok:
+            groups.setdefault(t.dtype, []).append(i)
+        else:
+            others.append(i)
+            if reason not in reasons:
+                reasons.append(reason)
+    for reason in reasons:
+        warn_fallback(OP, reason)
+    return groups, others
