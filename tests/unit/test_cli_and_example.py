@@ -237,7 +237,7 @@ def test_example_job_with_autoep_under_launcher(tmp_path, config):
     if needs_fix:
         assert out.count("AutoEP compatibility: transformers") == 1
     fused = "fused" in config
-    every = ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope", "mlp_act")
+    every = ("rms_norm", "linear_cross_entropy", "moe_reorder", "rope", "mlp_act", "grad_norm")
     for f in report["features"]:
         assert f["enabled"] == (fused and f["name"] in every)
     if fused:  # each feature's status once: its row of the report (no warning besides it)

@@ -7,7 +7,7 @@ from deepspeed_fused.config import ConfigError, parse_config
 from deepspeed_fused.docs import config_reference
 from deepspeed_fused.features.registry import all_features
 
-FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder", "mlp_act"]
+FEATURES = ["rms_norm", "linear_cross_entropy", "moe_reorder", "mlp_act", "grad_norm"]
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 
