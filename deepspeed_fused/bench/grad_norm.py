@@ -17,6 +17,9 @@ Implementations:
   norm (what ``clip_grad_norm_`` uses), which accumulates bf16 gradients in float32;
 * ``torch _foreach_norm(dtype=float64)``: torch's multi-tensor norm asked for float64 results.
 
+The overflow check DeepSpeed runs before the norm in bf16 and fp16 runs is timed the same way:
+the feature's method against DeepSpeed's ``has_overflow_partitioned_grads_serial``.
+
 Host-inclusive (do_bench); the extra columns give each result's float32 total and whether it equals
 DeepSpeed's bit for bit, and the peak memory each call adds.
 """
@@ -82,7 +85,21 @@ def _stand_in():
     opt = types.SimpleNamespace(model_parallel_rank=0, model_parallel_group=None, dp_process_group=None,
                                 device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     opt._model_parallel_all_reduce = types.MethodType(DeepSpeedZeroOptimizer._model_parallel_all_reduce, opt)
+    opt._has_inf_or_nan = DeepSpeedZeroOptimizer._has_inf_or_nan
+    opt.bit16_groups = [None]
     return opt, DeepSpeedZeroOptimizer.get_grad_norm_direct
+
+
+def _overflow_impls(opt) -> list:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from ..features.base import CallCounts
+    from ..features.grad_norm.patch import make_fused_overflow
+
+    original = DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial
+    fused = make_fused_overflow(original, CallCounts())
+    return [("deepspeed_fused", lambda: fused(opt), True),
+            ("DeepSpeed has_overflow_partitioned_grads_serial", lambda: original(opt), False)]
 
 
 def _impls(opt, original) -> list:
@@ -139,6 +156,13 @@ def run(args) -> list:
         for r in recs[-len(impls):]:
             r.extra["equals DeepSpeed"] = None if r.extra["total"] is None or ref is None else \
                 r.extra["total"] == ref
+        # the overflow check DeepSpeed runs before the norm in bf16 and fp16 (one answer: any non-finite)
+        opt.averaged_gradients = {0: grads}
+        for iname, fn, ours in _overflow_impls(opt):
+            recs.append(measure(SUITE, iname, shape + ", overflow check", flat.dtype, fwd=fn, bytes_fwd=nbytes,
+                                ours=ours, rep=20 if quick else 100, model=name, gradients=len(grads),
+                                elements=flat.numel(), total=bool(fn().item()), check="overflow"))
+        opt.averaged_gradients = {}
         del flat, grads, params
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -152,7 +176,7 @@ def summary(recs) -> str:
     total is DeepSpeed's bit for bit."""
     rows = ["| model | implementation | ms | vs DeepSpeed | float32 total | equals DeepSpeed |", "|---|---|---:|---:|---:|---|"]
     for model in dict.fromkeys(r.extra["model"] for r in recs):
-        rs = [r for r in recs if r.extra["model"] == model]
+        rs = [r for r in recs if r.extra["model"] == model and "check" not in r.extra]
         ds = next((r.fwd_ms for r in rs if r.impl.startswith("DeepSpeed")), None)
         for r in rs:
             speed = f"{ds / r.fwd_ms:.2f}x" if ds and r.fwd_ms else "-"
@@ -160,4 +184,13 @@ def summary(recs) -> str:
             same = {True: "yes", False: "no", None: "-"}[r.extra["equals DeepSpeed"]]
             ms = f"{r.fwd_ms:.3f}" if r.fwd_ms else "-"
             rows.append(f"| {model} | {r.impl} | {ms} | {speed} | {total} | {same} |")
+    rows += ["", "The overflow check (bf16 and fp16 runs, before the norm):", "",
+             "| model | implementation | ms | vs DeepSpeed | overflow found |", "|---|---|---:|---:|---|"]
+    for model in dict.fromkeys(r.extra["model"] for r in recs):
+        rs = [r for r in recs if r.extra["model"] == model and r.extra.get("check") == "overflow"]
+        ds = next((r.fwd_ms for r in rs if not r.ours), None)
+        for r in rs:
+            speed = f"{ds / r.fwd_ms:.2f}x" if ds and r.fwd_ms else "-"
+            ms = f"{r.fwd_ms:.3f}" if r.fwd_ms else "-"
+            rows.append(f"| {model} | {r.impl} | {ms} | {speed} | {r.extra['total']} |")
     return "\n".join(rows)

@@ -69,6 +69,9 @@ def test_non_finite_gradients_where_the_reference_has_them():
     got, ref = tensor_norms(views), tensor_norms_reference(views)
     assert got[0].item() == math.inf and math.isnan(got[1].item()) and math.isnan(got[2].item())
     assert math.isfinite(got[3].item())
+    # the largest finite bf16 everywhere: its squares' float64 sum stays finite (no false overflow)
+    big = torch.full((3_000_000,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16, device="cuda")
+    assert math.isfinite(tensor_norms([big])[0].item())
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
 
 
@@ -101,7 +104,10 @@ class TestZero2Engine(DistributedTest):
         _, l0, n0, w0 = _train(False)
         engine, l1, n1, w1 = _train(True)
         rep = {f.name: f for f in engine.deepspeed_fused_report.features}["grad_norm"]
-        assert rep.applied and rep.calls.fused == 3 and rep.calls.reference == 0, (rep.reason, rep.calls)
+        # bf16: the overflow check runs before each norm, both fused
+        assert rep.applied and rep.calls.fused == 6 and rep.calls.reference == 0 and rep.calls.eager == 0, \
+            (rep.reason, rep.calls)
+        assert "has_overflow_partitioned_grads_serial" in rep.where
         # one table, built at the first step: the gradients keep their layout from step to step
         # (DeepSpeed may hand them in a buffer at another address; the table does not depend on it)
         assert len(launch._PLANS) == 1

@@ -170,7 +170,7 @@ def test_changed_method_or_module_is_not_recognised():
     assert "not a known form" in recognise(get_grad_norm_direct)
     other_default = _copy_of(orig)
     other_default.__defaults__ = (1,)
-    assert "norm_type defaults" in recognise(other_default)
+    assert "its defaults are (1,)" in recognise(other_default)
 
 
 # ---- the feature on DeepSpeed engines --------------------------------------------------------------
@@ -209,7 +209,9 @@ class TestFeatureOnEngines(DistributedTest):
         engine, losses1, norms1, params1 = _train(stage, True)
         rep = {f.name: f for f in engine.deepspeed_fused_report.features}["grad_norm"]
         assert rep.applied, rep.reason
-        assert rep.where == f"DeepSpeedZeroOptimizer.get_grad_norm_direct (ZeRO stage {stage})"
+        assert rep.where == (f"DeepSpeedZeroOptimizer.get_grad_norm_direct, has_overflow_partitioned_grads_serial "
+                             f"(ZeRO stage {stage})")
+        # fp32 here: DeepSpeed checks for overflow only in bf16 and fp16, so the norm's calls alone
         assert rep.calls.fused == 3 and rep.calls.reference == 0 and rep.calls.eager == 0, rep.calls
         assert losses1 == losses0
         assert norms1 == norms0 and all(n > 0 for n in norms1)
@@ -240,10 +242,20 @@ class TestFeatureOneRank(DistributedTest):
         assert torch.equal(opt.get_grad_norm_direct(grads, params, norm_type=float("inf")),
                            orig(opt, grads, params, norm_type=float("inf")))
         assert rep.calls.eager == eager + 1
-        # a non-finite gradient: both mask the norm to -1
-        grads[0].view(-1)[3] = float("inf")
-        a, b = opt.get_grad_norm_direct(grads, params), orig(opt, grads, params)
-        assert a.item() == b.item() == -1.0
+        # the overflow check, fused and DeepSpeed's, on finite gradients
+        check = type(opt).has_overflow_partitioned_grads_serial
+        fused = rep.calls.fused
+        a, b = opt.has_overflow_partitioned_grads_serial(), check(opt)
+        assert a.dtype == b.dtype == torch.bool and a.shape == b.shape == (1,) and not a.item() and not b.item()
+        assert rep.calls.fused == fused + 1
+        # a non-finite gradient (inf, then NaN): the norm masked to -1 by both, an overflow for both
+        for bad in (float("inf"), float("nan")):
+            grads[-1].view(-1)[3] = bad
+            a, b = opt.get_grad_norm_direct(grads, params), orig(opt, grads, params)
+            assert a.item() == b.item() == -1.0
+            assert opt.has_overflow_partitioned_grads_serial().item() is True and check(opt).item() is True
+        grads[-1].view(-1)[3] = 1e30  # large, finite: no overflow in either (its square fits float64)
+        assert opt.has_overflow_partitioned_grads_serial().item() is False and check(opt).item() is False
 
     @pytest.mark.parametrize("stage", [0, 3])
     def test_other_optimizers_stay_with_the_reason(self, stage):
@@ -295,7 +307,10 @@ def test_the_benchmark_suite_runs_every_implementation_on_cpu(interpret, monkeyp
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()
-    by = {r.impl: r for r in recs}
+    checks = [r for r in recs if r.extra.get("check") == "overflow"]
+    assert [r.impl for r in checks] == ["deepspeed_fused", "DeepSpeed has_overflow_partitioned_grads_serial"]
+    assert all(r.extra["total"] is False and r.fwd_ms > 0 for r in checks)
+    by = {r.impl: r for r in recs if r not in checks}
     assert list(by)[:2] == ["deepspeed_fused", "DeepSpeed get_grad_norm_direct"]
     assert by["deepspeed_fused"].ours and by["deepspeed_fused"].fwd_ms > 0
     assert by["deepspeed_fused"].extra["total"] == by["DeepSpeed get_grad_norm_direct"].extra["total"] > 0
@@ -311,3 +326,26 @@ def test_a_table_serves_the_same_layout_at_another_address(small_chunks):
     assert len(launch._PLANS) == 1
     assert torch.allclose(nb, tensor_norms_reference([b[:100], b[100:350], b[350:]]), rtol=1e-15, atol=0)
     assert not torch.equal(na, nb)
+
+
+def test_the_overflow_check_is_recognised_with_the_functions_it_calls():
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from deepspeed_fused.features.grad_norm.recognition import recognise_overflow
+
+    assert isinstance(recognise_overflow(DeepSpeedZeroOptimizer), Form)
+    assert "not a known form" in recognise_overflow(DeepSpeedZeroOptimizer_Stage3)
+
+    class OwnCheck(DeepSpeedZeroOptimizer):  # an override that also looks at the gradient's size
+        @staticmethod
+        def _has_inf_or_nan(x, j=None):
+            return x.numel() > 10**9 or not torch.isfinite(x).all()
+
+    assert "OwnCheck._has_inf_or_nan" in recognise_overflow(OwnCheck)
+
+    class NotStatic(DeepSpeedZeroOptimizer):
+        def _has_inf_or_nan(self, x, j=None):
+            return False
+
+    assert "is not a staticmethod" in recognise_overflow(NotStatic)

@@ -1,4 +1,4 @@
-"""Feature "grad_norm": DeepSpeed's ZeRO-1/2 gradient norm reads each gradient once.
+"""Feature "grad_norm": DeepSpeed's ZeRO-1/2 gradient norm and overflow check read each gradient once.
 
 Every step, DeepSpeed's ZeRO stage 1 and 2 optimizer (``DeepSpeedZeroOptimizer``) measures the
 global norm of the gradients (for ``gradient_clipping`` and for the norm it logs) in
@@ -11,6 +11,13 @@ model-parallel groups, the masking of a non-finite norm) is the original's, with
 original's module binds. The per-gradient norms differ from DeepSpeed's only in the order of their
 float64 additions, so the float32 total is DeepSpeed's except where that float64 sum lies within a
 few float64 units of a float32 rounding boundary.
+
+Before the norm, with bf16 or fp16, the optimizer checks the gradients for infinities and NaNs
+(``has_overflow_partitioned_grads_serial``: an ``amax`` and an ``amin`` of each gradient and five
+small kernels to count it). Where that method and the two functions it calls are the known forms,
+it runs fused too: the same per-gradient float64 norms, which are non-finite exactly where a
+gradient holds a non-finite element (a float64 sum of squares of 16- or 32-bit floats cannot
+overflow), give DeepSpeed's answer. The call counts count each call of either method.
 
 What is recognised is the method's bytecode (:mod:`.templates`: the form of DeepSpeed 0.19), not
 the class name; any other form (another DeepSpeed release, a subclass that overrides the method,
@@ -29,8 +36,8 @@ from typing import Any, Optional
 import torch
 
 from ..base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport
-from .patch import METHOD, install, is_fused, linked_optimizer, uninstall
-from .recognition import Form, recognise
+from .patch import METHOD, OVERFLOW_METHOD, fused_methods, install, is_fused, linked_optimizer, remove, uninstall
+from .recognition import Form, recognise, recognise_overflow
 
 
 class GradNormConfig(FeatureConfig):
@@ -84,14 +91,24 @@ class GradNormFeature(Feature):
         if opt is None:
             return FeatureReport(name=self.name, enabled=True, reason=form)
         uninstall(model)
-        if is_fused(opt):  # linked from another model: one fused method per optimizer
-            del opt.__dict__[METHOD]
+        remove(opt)  # linked from another model: one set of fused methods per optimizer
+        name = type(opt).__name__
+        methods, details, reason = [METHOD], {"norm": form.describe()}, ""
+        overflow = recognise_overflow(type(opt))
+        if OVERFLOW_METHOD in opt.__dict__:
+            reason = f"overflow check left as it is: {name}.{OVERFLOW_METHOD} is already replaced on this optimizer"
+        elif isinstance(overflow, Form):
+            methods.append(OVERFLOW_METHOD)
+            details["overflow check"] = overflow.describe()
+        else:
+            reason = f"overflow check left as it is: {overflow}"
         calls = CallCounts()
-        install(model, opt, calls)
+        install(model, opt, calls, methods)
         stage = getattr(opt, "partition_gradients", None)
-        where = f"{type(opt).__name__}.{METHOD}" + ("" if stage is None else f" (ZeRO stage {2 if stage else 1})")
-        return FeatureReport(name=self.name, enabled=True, applied=True, where=where,
-                             details={"form": form.describe()}, calls=calls)
+        where = f"{name}." + ", ".join(fused_methods(opt)) + \
+            ("" if stage is None else f" (ZeRO stage {2 if stage else 1})")
+        return FeatureReport(name=self.name, enabled=True, applied=True, where=where, reason=reason,
+                             details=details, calls=calls)
 
     def revert(self, model: torch.nn.Module) -> int:
         return uninstall(model)

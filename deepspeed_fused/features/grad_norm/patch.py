@@ -1,5 +1,6 @@
-"""Patching for the ``grad_norm`` feature: the fused ``get_grad_norm_direct`` installed on one
-optimizer instance (its class is left alone), and the link from the engine's model to that
+"""Patching for the ``grad_norm`` feature: the fused ``get_grad_norm_direct`` and
+``has_overflow_partitioned_grads_serial`` installed on one optimizer instance (its class is left
+alone), and the link from the engine's model to that
 optimizer by which the hook asks whether the feature is in force and reverts it."""
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from ...ops.grad_norm import tensor_norms
 from ..base import CallCounts, count_op_call, op_call_mark
 
 METHOD = "get_grad_norm_direct"
+OVERFLOW_METHOD = "has_overflow_partitioned_grads_serial"
+METHODS = (METHOD, OVERFLOW_METHOD)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LINK = "_ds_fused_grad_norm_optimizer"  # model attribute: the OptimizerLink of the optimizer patched
 
 
@@ -81,17 +85,54 @@ def make_fused(original, calls: CallCounts):
     return get_grad_norm_direct
 
 
+def make_fused_overflow(original, calls: CallCounts):
+    """The fused ``has_overflow_partitioned_grads_serial(self)`` for ``original`` (a recognised
+    method, whose ``_has_inf_or_nan`` is DeepSpeed's): whether any element of any gradient of the
+    partition is infinite or NaN, from one :func:`~deepspeed_fused.ops.grad_norm.tensor_norms` call
+    in place of an ``amax``, an ``amin`` and five small kernels per gradient. A float64 sum of the
+    squares of float16, bfloat16 or float32 values cannot overflow (their squares are below 2^256),
+    so a norm is non-finite exactly where its gradient holds a non-finite element; the result is
+    DeepSpeed's (a one-element bool tensor). Sparse or float64 gradients run the original."""
+
+    def has_overflow_partitioned_grads_serial(self):
+        grads = []
+        for i in range(len(self.bit16_groups)):
+            for grad in self.averaged_gradients[i]:
+                if grad is not None:
+                    grads.append(grad.data)
+        if not grads or any(g.is_sparse or g.dtype not in _KERNEL_DTYPES for g in grads):
+            calls.eager += 1
+            return original(self)
+        mark = op_call_mark()
+        overflow = torch.isfinite(tensor_norms(grads)).all().logical_not().reshape(1)
+        count_op_call(calls, mark)
+        return overflow
+
+    has_overflow_partitioned_grads_serial.deepspeed_fused = True
+    has_overflow_partitioned_grads_serial.__wrapped__ = original
+    return has_overflow_partitioned_grads_serial
+
+
+_MAKERS = {METHOD: make_fused, OVERFLOW_METHOD: make_fused_overflow}
+
+
+def fused_methods(optimizer) -> list:
+    """The names of the fused methods installed on ``optimizer``."""
+    d = getattr(optimizer, "__dict__", {})
+    return [m for m in METHODS if getattr(getattr(d.get(m), "__func__", None), "deepspeed_fused", False) is True]
+
+
 def is_fused(optimizer) -> bool:
-    """Whether ``optimizer`` runs the fused method (installed on the instance)."""
-    fn = getattr(optimizer, "__dict__", {}).get(METHOD)
-    return getattr(getattr(fn, "__func__", None), "deepspeed_fused", False) is True
+    """Whether ``optimizer`` runs a fused method (installed on the instance)."""
+    return bool(fused_methods(optimizer))
 
 
-def install(model: torch.nn.Module, optimizer, calls: CallCounts) -> None:
-    """Install the fused method on ``optimizer`` (its class's method must be recognised) and link
+def install(model: torch.nn.Module, optimizer, calls: CallCounts, methods=(METHOD,)) -> None:
+    """Install the fused ``methods`` on ``optimizer`` (its class's must be recognised) and link
     ``model`` to it."""
-    original = getattr(type(optimizer), METHOD)
-    optimizer.__dict__[METHOD] = types.MethodType(make_fused(original, calls), optimizer)
+    for name in methods:
+        original = getattr(type(optimizer), name)
+        optimizer.__dict__[name] = types.MethodType(_MAKERS[name](original, calls), optimizer)
     model.__dict__[LINK] = OptimizerLink(optimizer)
 
 
@@ -101,12 +142,17 @@ def linked_optimizer(model: torch.nn.Module) -> Optional[object]:
     return link.optimizer() if isinstance(link, OptimizerLink) else None
 
 
+def remove(optimizer) -> int:
+    """Remove the fused methods from ``optimizer``; returns how many there were."""
+    names = fused_methods(optimizer)
+    for name in names:
+        del optimizer.__dict__[name]
+    return len(names)
+
+
 def uninstall(model: torch.nn.Module) -> int:
-    """Remove the fused method from the optimizer ``model`` is linked to, and the link. Returns 1
-    when a fused method was removed, else 0."""
+    """Remove the fused methods from the optimizer ``model`` is linked to, and the link. Returns 1
+    when fused methods were removed, else 0."""
     opt = linked_optimizer(model)
     model.__dict__.pop(LINK, None)
-    if opt is not None and is_fused(opt):
-        del opt.__dict__[METHOD]
-        return 1
-    return 0
+    return int(opt is not None and remove(opt) > 0)

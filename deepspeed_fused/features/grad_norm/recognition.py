@@ -1,6 +1,7 @@
 """Recognition for the ``grad_norm`` feature: the bytecode of an optimizer's
-``get_grad_norm_direct`` normalised and compared with the templates of :mod:`.templates`
-(:func:`recognise` -> :class:`Form` or why not).
+``get_grad_norm_direct`` (:func:`recognise`) and of its overflow check and the two functions that
+check calls (:func:`recognise_overflow`) normalised and compared with the templates of
+:mod:`.templates` (-> :class:`Form` or why not).
 
 Normalisation: local names by order of first use (the parameters by position), globals,
 attributes and constants by name or value, jump targets by offset, nested code (the generator
@@ -18,7 +19,8 @@ from typing import Union
 
 import torch
 
-from .templates import FORMS, GLOBALS
+from .templates import (FORMS, GLOBALS, HAS_INF_OR_NAN_FORMS, HAS_INF_OR_NAN_GLOBALS, HAS_INF_OR_NAN_STATIC_FORMS,
+                        HAS_INF_OR_NAN_STATIC_GLOBALS, OVERFLOW_FORMS, OVERFLOW_GLOBALS)
 
 _SKIP_OPS = {"CACHE", "RESUME", "NOP", "EXTENDED_ARG", "PRECALL"}
 
@@ -63,13 +65,13 @@ def _normalized(code: types.CodeType) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _templates() -> list:
-    return [(_normalized(t.__code__), t.__name__, desc) for t, desc in FORMS]
+def _templates(kind: str) -> list:
+    return [(_normalized(t.__code__), t.__name__, desc) for t, desc in _KINDS[kind][0]]
 
 
-def _global_problem(g: dict) -> str:
-    """'' when module globals ``g`` bind every name of :data:`.templates.GLOBALS` as expected."""
-    for name, kind in GLOBALS.items():
+def _global_problem(g: dict, expected: dict) -> str:
+    """'' when module globals ``g`` bind every name of ``expected`` as expected."""
+    for name, kind in expected.items():
         v = g.get(name, g.get("__builtins__", {}).get(name) if isinstance(g.get("__builtins__"), dict) else None)
         ok = {
             "torch": v is torch,
@@ -83,24 +85,65 @@ def _global_problem(g: dict) -> str:
     return ""
 
 
-def recognise(method) -> Union[Form, str]:
-    """The :class:`Form` of ``method`` (an optimizer class's ``get_grad_norm_direct``), or why it
-    stays as it is (a str)."""
-    fn = getattr(method, "__func__", method)
+def _match(fn, kind: str, what: str, defaults) -> Union[Form, str]:
     code = getattr(fn, "__code__", None)
     if code is None:
         return f"{getattr(fn, '__qualname__', fn)!s} is not a Python function"
     if fn.__closure__:
         return (f"{fn.__qualname__} is a closure (a wrapper around the method, or a method built at run time), "
-                f"not a known form of DeepSpeed's ZeRO-1/2 gradient norm (plain methods)")
+                f"not a known form of {what} (plain methods)")
     norm = _normalized(code)
-    for tmpl, name, desc in _templates():
+    forms, expected = _KINDS[kind]
+    for tmpl, name, desc in _templates(kind):
         if norm == tmpl:
-            problem = _global_problem(fn.__globals__)
+            problem = _global_problem(fn.__globals__, expected)
             if problem:
                 return f"{fn.__qualname__}: {problem}"
-            if fn.__defaults__ != (2,):
-                return f"{fn.__qualname__}: norm_type defaults to {fn.__defaults__!r}, not 2"
+            if fn.__defaults__ != defaults:
+                return f"{fn.__qualname__}: its defaults are {fn.__defaults__!r}, not {defaults!r}"
             return Form(template=name, description=desc)
-    return (f"{fn.__qualname__} ({fn.__module__}) is not a known form of DeepSpeed's ZeRO-1/2 gradient norm "
-            f"(known: {', '.join(d for _, d in FORMS)})")
+    return (f"{fn.__qualname__} ({fn.__module__}) is not a known form of {what} "
+            f"(known: {', '.join(d for _, d in forms)})")
+
+
+def recognise(method) -> Union[Form, str]:
+    """The :class:`Form` of ``method`` (an optimizer class's ``get_grad_norm_direct``), or why it
+    stays as it is (a str)."""
+    return _match(getattr(method, "__func__", method), "norm", "DeepSpeed's ZeRO-1/2 gradient norm", (2,))
+
+
+def recognise_overflow(optimizer_class) -> Union[Form, str]:
+    """The :class:`Form` of ``optimizer_class``'s overflow check (its
+    ``has_overflow_partitioned_grads_serial``, the ``_has_inf_or_nan`` that calls and the module
+    function that calls in turn), or why it stays as it is (a str). The fused check answers "is any
+    gradient element non-finite", which is what the three compute together."""
+    method = getattr(optimizer_class, OVERFLOW_METHOD, None)
+    if method is None:
+        return f"{optimizer_class.__name__} has no {OVERFLOW_METHOD}"
+    form = _match(method, "overflow", "DeepSpeed's ZeRO-1/2 overflow check", None)
+    if not isinstance(form, Form):
+        return form
+    static = optimizer_class.__dict__.get("_has_inf_or_nan")
+    for klass in optimizer_class.__mro__:  # the staticmethod object where the class or a base defines it
+        if "_has_inf_or_nan" in klass.__dict__:
+            static = klass.__dict__["_has_inf_or_nan"]
+            break
+    if not isinstance(static, staticmethod):
+        return f"{optimizer_class.__name__}._has_inf_or_nan is not a staticmethod"
+    inner = _match(static.__func__, "static", "the optimizer's _has_inf_or_nan", (None,))
+    if not isinstance(inner, Form):
+        return inner
+    leaf = static.__func__.__globals__["has_inf_or_nan"]
+    leaf_form = _match(leaf, "leaf", "DeepSpeed's has_inf_or_nan", None)
+    if not isinstance(leaf_form, Form):
+        return leaf_form
+    return form
+
+
+OVERFLOW_METHOD = "has_overflow_partitioned_grads_serial"
+_KINDS = {
+    "norm": (FORMS, GLOBALS),
+    "overflow": (OVERFLOW_FORMS, OVERFLOW_GLOBALS),
+    "static": (HAS_INF_OR_NAN_STATIC_FORMS, HAS_INF_OR_NAN_STATIC_GLOBALS),
+    "leaf": (HAS_INF_OR_NAN_FORMS, HAS_INF_OR_NAN_GLOBALS),
+}
