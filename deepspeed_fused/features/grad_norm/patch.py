@@ -66,7 +66,9 @@ def make_fused(original, calls: CallCounts):
         for grad, p in zip(param_gradients, params):
             if hasattr(p, pipe_replicated) and p.ds_pipe_replicated:
                 continue
-            if is_mp_param(p) or self.model_parallel_rank == 0:
+            # DeepSpeed's test, its two terms in the other order (both are pure): on model-parallel
+            # rank 0, as in every run without model parallelism, no per-parameter call
+            if self.model_parallel_rank == 0 or is_mp_param(p):
                 picked.append(grad.data)
         if picked:
             norms = tensor_norms(picked).to(accelerator().current_device_name())

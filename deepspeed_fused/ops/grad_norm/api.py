@@ -18,7 +18,7 @@ def _norms(tensors: list) -> torch.Tensor:
         return tensor_norms_reference(tensors)
     out = None
     for idx in groups.values():
-        part = launch.norms([tensors[i] for i in idx])
+        part = launch.norms(tensors if len(idx) == len(tensors) else [tensors[i] for i in idx])
         if part is None:  # the group cannot share a base pointer: one launch per tensor
             part = torch.cat([launch.norms([tensors[i]]) for i in idx])
         if len(idx) == len(tensors):

@@ -47,18 +47,26 @@ def kernels_take(t: torch.Tensor) -> tuple[bool, str]:
 
 def split_by_kernel(tensors: list) -> tuple[dict, list]:
     """({dtype: [index, ...]} of the tensors the kernels take, [index, ...] of the others), warning
-    once per reason for the others (the call then counts as one that ran the reference)."""
+    once per reason for the others (the call then counts as one that ran the reference). The
+    tensors share a device (:func:`check_tensors`): where it lies is decided once, then each
+    tensor's dtype and layout (a few attribute reads per tensor: DeepSpeed hands hundreds)."""
+    ok, reason = kernel_device_ok(tensors[0])
+    if not ok:
+        warn_fallback(OP, reason)
+        return {}, list(range(len(tensors)))
+    no_bf16 = tensors[0].device.type == "cpu"  # the interpreter's bfloat16 is not exact
     groups: dict = {}
     others: list = []
-    reasons: list = []
     for i, t in enumerate(tensors):
-        ok, reason = kernels_take(t)
-        if ok:
-            groups.setdefault(t.dtype, []).append(i)
+        dt = t.dtype
+        if dt in KERNEL_DTYPES and not (no_bf16 and dt is torch.bfloat16) and t.is_contiguous():
+            g = groups.get(dt)
+            if g is None:
+                groups[dt] = g = []
+            g.append(i)
         else:
             others.append(i)
-            if reason not in reasons:
-                reasons.append(reason)
+    reasons = dict.fromkeys(kernels_take(tensors[i])[1] for i in others)
     for reason in reasons:
         warn_fallback(OP, reason)
     return groups, others
