@@ -7,15 +7,19 @@ built on the meta device). Each implementation is called as the optimizer calls 
 the float32 global norm; deepspeed.comm runs with one rank (its all-reduce included). Effective
 bytes: the gradients read once (2 bytes an element).
 
-Implementations:
+Implementations, each inside DeepSpeed's method (the same gradients picked, the same float32
+total, all-reduce and masking; only the per-gradient norms differ):
 
-* ``deepspeed_fused``: the ``grad_norm`` feature's method (per-gradient norms from one
-  :func:`~deepspeed_fused.ops.grad_norm.tensor_norms` call, the rest DeepSpeed's);
+* ``deepspeed_fused``: the ``grad_norm`` feature's method (one
+  :func:`~deepspeed_fused.ops.grad_norm.tensor_norms` call);
 * ``DeepSpeed get_grad_norm_direct``: DeepSpeed's own method (a float64 copy and a
   ``vector_norm`` per gradient);
-* ``torch get_total_norm (foreach)``: ``torch.nn.utils.get_total_norm``, torch's multi-tensor
-  norm (what ``clip_grad_norm_`` uses), which accumulates bf16 gradients in float32;
-* ``torch _foreach_norm(dtype=float64)``: torch's multi-tensor norm asked for float64 results.
+* ``torch _foreach_norm(dtype=float64)``: torch's multi-tensor norm (what ``clip_grad_norm_`` and
+  ``get_total_norm`` use) asked for float64 results;
+* ``torch _foreach_norm(dtype=float32)``: the same in float32 (not DeepSpeed's total).
+
+The per-gradient norms are also timed alone (host-inclusive and as CUDA-graph replays), with the
+float64 copy and ``vector_norm`` per gradient that DeepSpeed's method takes.
 
 The overflow check DeepSpeed runs before the norm in bf16 and fp16 runs is timed the same way:
 the feature's method against DeepSpeed's ``has_overflow_partitioned_grads_serial``.
@@ -30,7 +34,8 @@ import types
 
 import torch
 
-from .common import free_port, measure
+from ..ops.grad_norm import tensor_norms, tensor_norms_reference
+from .common import free_port, graph_ms, measure
 
 SUITE = "grad_norm"
 TITLE = "Global gradient norm of a ZeRO-1/2 step (bf16 gradients of full models), host-inclusive"
@@ -102,23 +107,33 @@ def _overflow_impls(opt) -> list:
             ("DeepSpeed has_overflow_partitioned_grads_serial", lambda: original(opt), False)]
 
 
+def _foreach(dtype):
+    """torch's multi-tensor norm of a list, results (and accumulation) in ``dtype``, as float64."""
+    def norms(ts):
+        return torch.stack(torch._foreach_norm(ts, 2, dtype=dtype)).to(torch.float64)
+    return norms
+
+
 def _impls(opt, original) -> list:
+    """(name, fn(gradients, params) -> float32 norm, ours): DeepSpeed's method, and the method with
+    each implementation of the per-gradient norms in its place (the same gradients picked, the same
+    total, all-reduce and masking), so that only the per-gradient norms differ."""
     from ..features.base import CallCounts
     from ..features.grad_norm.patch import make_fused
 
-    fused = make_fused(original, CallCounts())
-    out = [("deepspeed_fused", lambda g, p: fused(opt, g, p), True),
-           ("DeepSpeed get_grad_norm_direct", lambda g, p: original(opt, g, p), False)]
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    if get_total_norm is not None:
-        out.append(("torch get_total_norm (foreach)", lambda g, p: get_total_norm(g, 2.0, foreach=True).float(),
-                    False))
+    out = [("deepspeed_fused", make_fused(original, CallCounts()), True),
+           ("DeepSpeed get_grad_norm_direct", original, False),
+           ("torch _foreach_norm(dtype=float64)", make_fused(original, CallCounts(), _foreach(torch.float64)), False),
+           ("torch _foreach_norm(dtype=float32)", make_fused(original, CallCounts(), _foreach(torch.float32)), False)]
+    return [(name, (lambda g, p, f=f: f(opt, g, p)), ours) for name, f, ours in out]
 
-    def foreach64(g, p):
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g, 2, dtype=torch.float64))).float()
 
-    out.append(("torch _foreach_norm(dtype=float64)", foreach64, False))
-    return out
+def _op_impls() -> list:
+    """The per-gradient norms alone: (name, fn(gradients) -> norms, ours)."""
+    return [("deepspeed_fused", tensor_norms, True),
+            ("torch _foreach_norm(dtype=float64)", _foreach(torch.float64), False),
+            ("torch _foreach_norm(dtype=float32)", _foreach(torch.float32), False),
+            ("float64 copy + vector_norm per gradient (DeepSpeed's)", tensor_norms_reference, False)]
 
 
 def run(args) -> list:
@@ -156,6 +171,19 @@ def run(args) -> list:
         for r in recs[-len(impls):]:
             r.extra["equals DeepSpeed"] = None if r.extra["total"] is None or ref is None else \
                 r.extra["total"] == ref
+        # the per-gradient norms alone, with their device time (CUDA graphs)
+        exact = tensor_norms_reference(grads)
+        for iname, fn, ours in _op_impls():
+            rel = ((fn(grads) - exact).abs() / exact.clamp_min(1e-300)).max().item()
+            rec = measure(SUITE, iname, shape + ", norms alone", flat.dtype, fwd=lambda f=fn: f(grads),
+                          bytes_fwd=nbytes, ours=ours, rep=20 if quick else 100, model=name, gradients=len(grads),
+                          elements=flat.numel(), total=None, check="norms", max_rel_err=rel)
+            try:
+                rec.extra["graph_ms"] = graph_ms(lambda f=fn: f(grads))
+            except Exception as e:  # reported, not fatal
+                rec.note = f"no CUDA graph: {type(e).__name__}"
+            recs.append(rec)
+        del exact
         # the overflow check DeepSpeed runs before the norm in bf16 and fp16 (one answer: any non-finite)
         opt.averaged_gradients = {0: grads}
         for iname, fn, ours in _overflow_impls(opt):
@@ -184,6 +212,19 @@ def summary(recs) -> str:
             same = {True: "yes", False: "no", None: "-"}[r.extra["equals DeepSpeed"]]
             ms = f"{r.fwd_ms:.3f}" if r.fwd_ms else "-"
             rows.append(f"| {model} | {r.impl} | {ms} | {speed} | {total} | {same} |")
+    rows += ["", "The per-gradient norms alone (host-inclusive, and device time from CUDA graphs; the largest "
+             "relative difference from the float64 copy's norms):", "",
+             "| model | implementation | ms | device ms | vs DeepSpeed's copies | largest rel. difference |",
+             "|---|---|---:|---:|---:|---:|"]
+    for model in dict.fromkeys(r.extra["model"] for r in recs):
+        rs = [r for r in recs if r.extra["model"] == model and r.extra.get("check") == "norms"]
+        ds = next((r.fwd_ms for r in rs if r.impl.startswith("float64 copy")), None)
+        for r in rs:
+            speed = f"{ds / r.fwd_ms:.2f}x" if ds and r.fwd_ms else "-"
+            ms = f"{r.fwd_ms:.3f}" if r.fwd_ms else "-"
+            g = r.extra.get("graph_ms")
+            rows.append(f"| {model} | {r.impl} | {ms} | {g:.3f} | {speed} | {r.extra['max_rel_err']:.1e} |" if g else
+                        f"| {model} | {r.impl} | {ms} | - | {speed} | {r.extra['max_rel_err']:.1e} |")
     rows += ["", "The overflow check (bf16 and fp16 runs, before the norm):", "",
              "| model | implementation | ms | vs DeepSpeed | overflow found |", "|---|---|---:|---:|---|"]
     for model in dict.fromkeys(r.extra["model"] for r in recs):

@@ -42,13 +42,14 @@ class OptimizerLink:
         return (type(None), ())
 
 
-def make_fused(original, calls: CallCounts):
+def make_fused(original, calls: CallCounts, norms=tensor_norms):
     """The fused ``get_grad_norm_direct(self, gradients, params, norm_type=2)`` for ``original`` (a
     recognised method): the same gradients picked and the same float32 total, all-reduces and
     masking as the original, with every gradient's float64 norm from one
     :func:`~deepspeed_fused.ops.grad_norm.tensor_norms` call in place of a float64 copy and a
     ``vector_norm`` per gradient. Norms other than 2, and a DeepSpeed whose norm dtype is not float64
-    (devices without it), run the original."""
+    (devices without it), run the original. ``norms`` (a list of tensors -> their float64 norms)
+    is for the benchmark, which puts other per-tensor norms in the same method to compare them."""
     g = original.__globals__
     dist = g["dist"]
     pipe_replicated = g["PIPE_REPLICATED"]
@@ -71,8 +72,8 @@ def make_fused(original, calls: CallCounts):
             if self.model_parallel_rank == 0 or is_mp_param(p):
                 picked.append(grad.data)
         if picked:
-            norms = tensor_norms(picked).to(accelerator().current_device_name())
-            total_norm = norms.pow(2.0).sum().float()
+            per_grad = norms(picked).to(accelerator().current_device_name())
+            total_norm = per_grad.pow(2.0).sum().float()
         else:
             total_norm = torch.tensor(0.0, dtype=torch.float32).to(self.device)
         dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
