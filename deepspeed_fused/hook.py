@@ -119,7 +119,7 @@ def patch_model(model: torch.nn.Module, config: Any = None, engine: Any = None,
         fcfg = getattr(cfg, feature.name)
         prev = rec.get(feature.name)
         active = _is_applied(feature, model, rec)
-        if active and fcfg.enabled and prev is not None and prev[0] == fcfg:
+        if active and fcfg.enabled and prev is not None and prev[0] == fcfg and feature.serves(model, engine):
             reports.append(prev[1])  # applied with these options: installing twice is a no-op
             continue
         note = ""

@@ -213,6 +213,13 @@ class Feature:
         kernels run), shown in the report's status, e.g. "torch reference: no GPU"."""
         return ""
 
+    def serves(self, model: torch.nn.Module, engine: Any) -> bool:
+        """For a feature applied to ``model``: whether what it applied serves ``engine`` too (False
+        makes the hook apply it again). A feature of the model serves any engine; one that patches
+        the engine (``needs_engine``) serves the engine it was applied with, so that a model given to
+        ``deepspeed.initialize`` again gets its new engine patched."""
+        return True
+
 
 class OptIn:
     """A feature's per-instance opt-in marker value: one shared object per feature that copies

@@ -353,3 +353,21 @@ def test_the_overflow_check_is_recognised_with_the_functions_it_calls():
             return False
 
     assert "is not a staticmethod" in recognise_overflow(NotStatic)
+
+
+class TestSecondEngine(DistributedTest):
+    world_size = 1
+
+    def test_a_model_initialized_again_gets_its_new_optimizer_patched(self):
+        engine1, *_ = _train(2, True, steps=1)
+        model = engine1.module
+        opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine2, *_ = deepspeed.initialize(model=model, optimizer=opt2, config=_config(2, True))
+        assert engine2.optimizer is not engine1.optimizer
+        assert "get_grad_norm_direct" in engine2.optimizer.__dict__
+        assert "get_grad_norm_direct" not in engine1.optimizer.__dict__  # one engine at a time
+        rep = {f.name: f for f in engine2.deepspeed_fused_report.features}["grad_norm"]
+        ids = torch.randint(0, 100, (2, 16))
+        engine2.backward(engine2(input_ids=ids, labels=ids).loss)
+        engine2.step()
+        assert rep.applied and rep.calls.fused == 1, rep.calls

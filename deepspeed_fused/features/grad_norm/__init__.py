@@ -117,5 +117,8 @@ class GradNormFeature(Feature):
         opt = linked_optimizer(model)
         return opt is not None and is_fused(opt)
 
+    def serves(self, model: torch.nn.Module, engine: Any) -> bool:
+        return engine is None or linked_optimizer(model) is getattr(engine, "optimizer", None)
+
     def fallback(self, env: Environment) -> str:
         return "" if env.kernels_available else "torch reference: no GPU"
