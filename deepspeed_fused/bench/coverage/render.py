@@ -155,7 +155,9 @@ def render_markdown(doc: dict) -> str:
              "the loss. The model is deep-copied and both copies run one training forward and backward on the "
              "same batch (2 x 16 random tokens, one row right-padded, some labels -100; image-text models "
              "get text only, no pixels): the unpatched model, and the copy after `patch_model` with every "
-             "registered feature on (" + ", ".join(f"`{n}`" for n in doc.get("features", [])) + ").", "",
+             "registered feature that patches a model on (" + ", ".join(f"`{n}`" for n in doc.get("features", []))
+             + "; `grad_norm` patches the engine's ZeRO optimizer and is tested on DeepSpeed engines, "
+             "tests/unit/test_grad_norm.py).", "",
              f"Target in fp32: the loss within {tol.get('fp32_loss_rtol', FP32_LOSS_RTOL):g} relative and every "
              f"parameter's gradient within {tol.get('fp32_grad_rtol', FP32_GRAD_RTOL):g} of its norm. A gradient "
              "past that is checked against an fp64 run of the unpatched model: it is fp32 noise (and passes) "
