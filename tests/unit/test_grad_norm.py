@@ -371,3 +371,24 @@ class TestSecondEngine(DistributedTest):
         engine2.backward(engine2(input_ids=ids, labels=ids).loss)
         engine2.step()
         assert rep.applied and rep.calls.fused == 1, rep.calls
+
+
+class TestOtherCodeFirst(DistributedTest):
+    world_size = 1
+
+    def test_a_method_replaced_by_other_code_is_left_with_the_reason(self):
+        from deepspeed_fused import patch_model
+
+        engine, *_ = _train(2, False, steps=1)
+        opt = engine.optimizer
+        theirs = types.MethodType(lambda self, *a, **k: torch.tensor(1.0), opt)
+        opt.__dict__["has_overflow_partitioned_grads_serial"] = theirs
+        rep = {f.name: f for f in patch_model(engine.module, _config(2, True), engine=engine).features}["grad_norm"]
+        assert rep.applied and "overflow check left as it is" in rep.reason and "already replaced" in rep.reason
+        assert opt.__dict__["has_overflow_partitioned_grads_serial"] is theirs
+        assert rep.where.endswith("get_grad_norm_direct (ZeRO stage 2)")
+        unpatch_model(engine.module)
+        assert opt.__dict__["has_overflow_partitioned_grads_serial"] is theirs  # theirs stays
+        opt.__dict__["get_grad_norm_direct"] = theirs
+        rep = {f.name: f for f in patch_model(engine.module, _config(2, True), engine=engine).features}["grad_norm"]
+        assert not rep.applied and "already replaced on this optimizer by other code" in rep.reason

@@ -73,7 +73,7 @@ def _why_not(engine: Any) -> tuple[Optional[object], Any]:
                       f"and 2 optimizer's gradient norm is fused")
     if getattr(opt, "cpu_offload", False):
         return None, f"{name} offloads to the CPU (ZeRO-Offload computes the norm on the host)"
-    if METHOD in getattr(opt, "__dict__", {}) and not is_fused(opt):
+    if METHOD in getattr(opt, "__dict__", {}) and METHOD not in fused_methods(opt):
         return None, f"{name}.{METHOD} is already replaced on this optimizer by other code"
     form = recognise(method)
     if not isinstance(form, Form):
