@@ -194,6 +194,11 @@ def test_example_job_runs_under_launcher(tmp_path):
     assert (f"[train] deepspeed_fused calls: linear_cross_entropy {c['fused']} fused, {c['reference']} reference, "
             "0 eager") in out
     assert "linear_cross_entropy: running the torch reference" not in out  # the report row said it
+    gn = summary["report"]["features"][5]
+    assert gn["name"] == "grad_norm" and gn["applied"] and gn["calls"][ran] >= 3 and gn["calls"]["eager"] == 0, gn
+    if not torch.cuda.is_available():
+        assert re.search(r"grad_norm +yes +applied \(torch reference: no GPU\)", out), out[-3000:]
+        assert "grad_norm: running the torch reference" not in out
     # one more step profiled (on CPU the leaf CPU ops stand for kernels): every category of the
     # e2e breakdown is filled where this job has that work, and they add up to the total
     b = json.loads(profile.read_text())
