@@ -183,3 +183,31 @@ class TestAccelerate(DistributedTest):
                 losses[key].append(out.loss.item())
             AcceleratorState._reset_state(True)
         _check(engine, shown, losses["on"], losses["off"], ["rms_norm", "linear_cross_entropy", "moe_reorder"])
+
+
+class TestTrainerGradNorm(DistributedTest):
+    """The HF Trainer logs DeepSpeed's global gradient norm and clips with it (``max_grad_norm`` into
+    ``gradient_clipping: "auto"``): with ``grad_norm`` on, the logged norms and the losses are the
+    same as without it, and the report counts every step's norm (one per parameter group)."""
+    world_size = 1
+    init_distributed = False
+
+    def test_logged_norms_and_losses_equal(self, tmp_path):
+        from transformers import Trainer, TrainingArguments
+
+        data = [{"input_ids": ids, "labels": ids} for ids in _batches(2 * STEPS)]
+        logs = {}
+        for key, section in (("off", None), ("on", {"grad_norm": {"enabled": True}})):
+            args = TrainingArguments(output_dir=str(tmp_path / key), deepspeed=hf_ds_config(2, section),
+                                     per_device_train_batch_size=2, max_steps=STEPS, logging_steps=1, report_to=[],
+                                     save_strategy="no", learning_rate=1e-3, use_cpu=True, disable_tqdm=True, seed=0,
+                                     max_grad_norm=0.05)
+            trainer = Trainer(model=build_model("llama-tiny"), args=args, train_dataset=data)
+            trainer.train()
+            logs[key] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        rep = trainer.model_wrapped.deepspeed_fused_report["grad_norm"]
+        groups = len(trainer.model_wrapped.optimizer.bit16_groups)  # the Trainer's decay / no-decay groups
+        assert groups == 2
+        assert rep.applied and rep.calls.fused == STEPS * groups and rep.calls.reference == 0, (rep.reason, rep.calls)
+        assert len(logs["on"]) == STEPS and logs["on"] == logs["off"], logs
+        assert all(n > 0.05 for _, n in logs["on"])  # clipped at every step: the norm scaled the update
