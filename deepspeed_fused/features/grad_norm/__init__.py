@@ -17,7 +17,8 @@ Before the norm, with bf16 or fp16, the optimizer checks the gradients for infin
 small kernels to count it). Where that method and the two functions it calls are the known forms,
 it runs fused too: the same per-gradient float64 norms, which are non-finite exactly where a
 gradient holds a non-finite element (a float64 sum of squares of 16- or 32-bit floats cannot
-overflow), give DeepSpeed's answer. The call counts count each call of either method.
+overflow), give DeepSpeed's answer. The call counts count each call of either method (DeepSpeed
+takes the norm once per parameter group and step, and checks for overflow once per step).
 
 What is recognised is the method's bytecode (:mod:`.templates`: the form of DeepSpeed 0.19), not
 the class name; any other form (another DeepSpeed release, a subclass that overrides the method,
