@@ -1,7 +1,7 @@
 """Patching for the ``grad_norm`` feature: the fused ``get_grad_norm_direct`` and
 ``has_overflow_partitioned_grads_serial`` installed on one optimizer instance (its class is left
-alone), and the link from the engine's model to that
-optimizer by which the hook asks whether the feature is in force and reverts it."""
+alone), and the link from the engine's model to that optimizer, by which the hook asks whether the
+feature is in force and reverts it."""
 from __future__ import annotations
 
 import types
@@ -16,7 +16,9 @@ from ..base import CallCounts, count_op_call, op_call_mark
 METHOD = "get_grad_norm_direct"
 OVERFLOW_METHOD = "has_overflow_partitioned_grads_serial"
 METHODS = (METHOD, OVERFLOW_METHOD)
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the gradient dtypes whose squares a float64 sum holds without overflow (each square below 2^256):
+# for these, a non-finite norm means a non-finite element
+_NARROW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 LINK = "_ds_fused_grad_norm_optimizer"  # model attribute: the OptimizerLink of the optimizer patched
 
 
@@ -103,7 +105,7 @@ def make_fused_overflow(original, calls: CallCounts):
             for grad in self.averaged_gradients[i]:
                 if grad is not None:
                     grads.append(grad.data)
-        if not grads or any(g.is_sparse or g.dtype not in _KERNEL_DTYPES for g in grads):
+        if not grads or any(g.is_sparse or g.dtype not in _NARROW_FLOATS for g in grads):
             calls.eager += 1
             return original(self)
         mark = op_call_mark()
