@@ -79,7 +79,7 @@ def _why_not(engine: Any) -> tuple[Optional[object], Any]:
         return None, f"{name}.{METHOD} is already replaced on this optimizer by other code"
     form = recognise(method)
     if not isinstance(form, Form):
-        return None, f"{name}.{METHOD}: {form}"
+        return None, form  # names the method
     return opt, form
 
 

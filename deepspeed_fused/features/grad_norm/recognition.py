@@ -90,8 +90,14 @@ def _match(fn, kind: str, what: str, defaults) -> Union[Form, str]:
     if code is None:
         return f"{getattr(fn, '__qualname__', fn)!s} is not a Python function"
     if fn.__closure__:
-        return (f"{fn.__qualname__} is a closure (a wrapper around the method, or a method built at run time), "
-                f"not a known form of {what} (plain methods)")
+        inner = [c.cell_contents for c in fn.__closure__ if isinstance(getattr(c, "cell_contents", None),
+                                                                      types.FunctionType)]
+        wrapped = inner[0] if len(inner) == 1 else None
+        if wrapped is not None:  # a decorator's wrapper (DeepSpeed wraps ZeRO-3's norm for NVTX ranges)
+            return (f"{wrapped.__qualname__} ({wrapped.__module__}), wrapped by {fn.__qualname__}, is not a known "
+                    f"form of {what} (the known forms are plain methods)")
+        return (f"{fn.__qualname__} is a closure (a method built at run time), not a known form of {what} "
+                f"(the known forms are plain methods)")
     norm = _normalized(code)
     forms, expected = _KINDS[kind]
     for tmpl, name, desc in _templates(kind):
