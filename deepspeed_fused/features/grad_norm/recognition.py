@@ -129,11 +129,9 @@ def recognise_overflow(optimizer_class) -> Union[Form, str]:
     form = _match(method, "overflow", "DeepSpeed's ZeRO-1/2 overflow check", None)
     if not isinstance(form, Form):
         return form
-    static = optimizer_class.__dict__.get("_has_inf_or_nan")
-    for klass in optimizer_class.__mro__:  # the staticmethod object where the class or a base defines it
-        if "_has_inf_or_nan" in klass.__dict__:
-            static = klass.__dict__["_has_inf_or_nan"]
-            break
+    # the staticmethod object where the class or a base defines it
+    static = next((k.__dict__["_has_inf_or_nan"] for k in optimizer_class.__mro__ if "_has_inf_or_nan" in k.__dict__),
+                  None)
     if not isinstance(static, staticmethod):
         return f"{optimizer_class.__name__}._has_inf_or_nan is not a staticmethod"
     inner = _match(static.__func__, "static", "the optimizer's _has_inf_or_nan", (None,))

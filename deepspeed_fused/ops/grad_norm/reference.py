@@ -11,8 +11,3 @@ def tensor_norms_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     (a copy of it in float64, then its 2-norm), on the first tensor's device."""
     return torch.stack([torch.linalg.vector_norm(t.detach().to(torch.float64)) for t in tensors])
 
-
-def sum_of_squares_reference(t: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of ``t``'s squares (a 0-d tensor): what the kernels compute before the root."""
-    x = t.detach().to(torch.float64)
-    return (x * x).sum()
