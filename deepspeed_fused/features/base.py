@@ -19,6 +19,7 @@ import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import StrictBool
 
+from ..ops._common import device_reason, fallback_reported
 from ..ops._common import reference_calls  # noqa: F401  (importable from here: the features' counting)
 
 
@@ -219,6 +220,20 @@ class Feature:
         the engine (``needs_engine``) serves the engine it was applied with, so that a model given to
         ``deepspeed.initialize`` again gets its new engine patched."""
         return True
+
+
+def reference_fallback(op: str, env: Environment) -> str:
+    """:meth:`Feature.fallback` of a feature that stays applied where its op cannot launch kernels
+    (the op runs its torch reference there): the report row's text, or "" where the kernels run.
+    The row says it, so the op does not warn about the same reason at its first call."""
+    if env.triton_version is None:
+        fallback_reported(op, "Triton is not installed")
+        return "torch reference: no Triton"
+    if env.kernels_available:
+        return ""
+    if not env.cuda_available:
+        fallback_reported(op, device_reason("cpu"))
+    return "torch reference: no GPU"
 
 
 class OptIn:

@@ -36,8 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...ops._common import device_reason, fallback_reported
-from ..base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport
+from ..base import CallCounts, Environment, Feature, FeatureConfig, FeatureReport, reference_fallback
 from .patch import METHOD, OVERFLOW_METHOD, fused_methods, install, is_fused, linked_optimizer, remove, uninstall
 from .recognition import Form, recognise, recognise_overflow
 
@@ -123,12 +122,4 @@ class GradNormFeature(Feature):
         return engine is None or linked_optimizer(model) is getattr(engine, "optimizer", None)
 
     def fallback(self, env: Environment) -> str:
-        # The report row says it, so the op does not warn about the same reason at its first call.
-        if env.triton_version is None:
-            fallback_reported("grad_norm", "Triton is not installed")
-            return "torch reference: no Triton"
-        if env.kernels_available:
-            return ""
-        if not env.cuda_available:
-            fallback_reported("grad_norm", device_reason("cpu"))
-        return "torch reference: no GPU"
+        return reference_fallback("grad_norm", env)

@@ -63,8 +63,7 @@ from typing import Literal, Union
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 from typing_extensions import Annotated
 
-from ...ops._common import device_reason, fallback_reported
-from ..base import CallCounts, Feature, FeatureConfig, FeatureReport
+from ..base import CallCounts, Feature, FeatureConfig, FeatureReport, reference_fallback
 from .patch import (_PATCHED_CLASSES, _STATE, _head_module, _own_state, _patch_class, _shard_text,  # noqa: F401
                     _state_from_cfg, _unfused_reason, _unpatch_class, _vocab_shard, fused_state, is_patched)
 from .recognition import _analyze, _is_lm_candidate, causal_lm_support  # noqa: F401
@@ -203,12 +202,4 @@ class LinearCrossEntropyFeature(Feature):
                 or trl.late_hook(model) is not None)
 
     def fallback(self, env):
-        # The report row says it, so the op does not warn about the same reason at its first call.
-        if env.triton_version is None:
-            fallback_reported("linear_cross_entropy", "Triton is not installed")
-            return "torch reference: no Triton"
-        if env.kernels_available:
-            return ""
-        if not env.cuda_available:
-            fallback_reported("linear_cross_entropy", device_reason("cpu"))
-        return "torch reference: no GPU"
+        return reference_fallback("linear_cross_entropy", env)
