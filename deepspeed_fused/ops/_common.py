@@ -71,6 +71,21 @@ def kernel_device_ok(t: torch.Tensor) -> tuple[bool, str]:
     return False, device_reason(t.device.type)
 
 
+FLOAT_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def float_kernel_ok(t: torch.Tensor) -> tuple[bool, str]:
+    """Whether a kernel over floating-point elements can take tensor ``t`` because of where it
+    lives (:func:`kernel_device_ok`) and its dtype (float16, bfloat16, float32; not bfloat16 under
+    the interpreter, which does not round it as a GPU does), and why not."""
+    ok, reason = kernel_device_ok(t)
+    if ok and t.dtype not in FLOAT_KERNEL_DTYPES:
+        ok, reason = False, f"dtype {t.dtype} (kernels take float16, bfloat16, float32)"
+    if ok and t.dtype == torch.bfloat16 and t.device.type == "cpu":
+        ok, reason = False, "bfloat16 under the Triton interpreter (not exact there)"
+    return ok, reason
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host code. Triton's ``triton.cdiv`` and ``triton.next_power_of_2`` are
     constexpr functions: each host call goes through their wrapper (about 2 us), and a launch plan

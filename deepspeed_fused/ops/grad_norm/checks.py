@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .._common import kernel_device_ok, warn_fallback
+from .._common import FLOAT_KERNEL_DTYPES, float_kernel_ok, kernel_device_ok, warn_fallback
 
 OP = "grad_norm"
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_tensors(tensors) -> list:
@@ -35,11 +34,7 @@ def check_tensors(tensors) -> list:
 
 def kernels_take(t: torch.Tensor) -> tuple[bool, str]:
     """Whether the kernels take tensor ``t`` (device, dtype, layout), and why not."""
-    ok, reason = kernel_device_ok(t)
-    if ok and t.dtype not in KERNEL_DTYPES:
-        ok, reason = False, f"dtype {t.dtype} (kernels take float16, bfloat16, float32)"
-    if ok and t.dtype == torch.bfloat16 and t.device.type == "cpu":
-        ok, reason = False, "bfloat16 under the Triton interpreter (not exact there)"
+    ok, reason = float_kernel_ok(t)
     if ok and not t.is_contiguous():
         ok, reason = False, "a non-contiguous tensor (kernels read each tensor as one run of memory)"
     return ok, reason
@@ -59,7 +54,7 @@ def split_by_kernel(tensors: list) -> tuple[dict, list]:
     others: list = []
     for i, t in enumerate(tensors):
         dt = t.dtype
-        if dt in KERNEL_DTYPES and not (no_bf16 and dt is torch.bfloat16) and t.is_contiguous():
+        if dt in FLOAT_KERNEL_DTYPES and not (no_bf16 and dt is torch.bfloat16) and t.is_contiguous():
             g = groups.get(dt)
             if g is None:
                 groups[dt] = g = []

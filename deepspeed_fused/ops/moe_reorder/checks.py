@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from .._common import kernel_device_ok, warn_fallback
+from .._common import float_kernel_ok, warn_fallback
 
 OP = "moe_reorder"
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def kernels_take(x: torch.Tensor) -> tuple[bool, str]:
     """Whether the kernels take rows like ``x`` (device and dtype), and why not."""
-    ok, reason = kernel_device_ok(x)
-    if ok and x.dtype not in KERNEL_DTYPES:
-        ok, reason = False, f"dtype {x.dtype} (kernels take float16, bfloat16, float32)"
-    if ok and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        ok, reason = False, "bfloat16 under the Triton interpreter (not exact there)"
-    return ok, reason
+    return float_kernel_ok(x)
 
 
 def kernel_ok(op: str, x: torch.Tensor) -> bool:
