@@ -290,6 +290,21 @@ def test_merge_names_each_pairs_date_when_the_files_differ():
     assert "pair_dates" not in m
 
 
+def test_merge_names_each_pairs_gpu_when_the_files_differ():
+    meta = dict(date="2026-12-06", gpu="NVIDIA H100 80GB HBM3", torch="t", triton="tr", model="m", batch=2,
+                seq=4096, steps=2, warmup=0)
+    h100 = dict(meta=meta, results=dict(zero2=dict(baseline=_arm(0.2, [12, 11]), fused=_arm(0.16, [12, 11]))))
+    h200 = dict(meta=dict(meta, gpu="NVIDIA H200"), results=dict(zero3=dict(baseline=_arm(0.2, [12, 11]))))
+    res, search, m = e2e_report.merge([h100, h200])
+    assert m["pair_gpus"] == {"zero2": "NVIDIA H100 80GB HBM3", "zero3": "NVIDIA H200"}
+    md = e2e_report.markdown(res, search, m)
+    assert "one GPU per pair (below)" in md and "NVIDIA H100 80GB HBM3, torch" not in md
+    assert "`zero2` NVIDIA H100 80GB HBM3; `zero3` NVIDIA H200." in md
+    _, _, m = e2e_report.merge([h100, h100])
+    assert "pair_gpus" not in m
+    assert "NVIDIA H100 80GB HBM3, torch" in e2e_report.markdown(*e2e_report.merge([h100]))
+
+
 def _run_suite(tmp_path, *args):
     import subprocess
 
