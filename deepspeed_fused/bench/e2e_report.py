@@ -20,7 +20,17 @@ SWIGLU_ARMS = ("liger_swiglu", "liger_swiglu_noautotune")
 # (SEARCH_TARGET); the losses within LOSS_TARGET of the baseline's in every pair
 STEP_TARGETS = {"zero2": dict(vs_baseline=1.30, vs_liger=1.3),
                 "zero2_accum8": dict(vs_baseline=1.5, vs_liger=1.3),
-                "zero2_2gpu": dict(vs_baseline=1.22, vs_liger=1.2)}
+                "zero2_2gpu": dict(vs_baseline=1.22, vs_liger=1.2),
+                # the dense pairs: full depth, gradient checkpointing, every feature against the
+                # family's Liger patch
+                "dense_qwen3_1_7b": dict(vs_baseline=1.3, vs_liger=1.1),
+                "dense_qwen3_4b": dict(vs_baseline=1.3, vs_liger=1.1),
+                "dense_gemma3_1b": dict(vs_baseline=1.3, vs_liger=1.1),
+                "dense_llama3_3b": dict(vs_baseline=1.3, vs_liger=1.05),
+                "dense_llama3_3b_reentrant": dict(vs_baseline=1.3, vs_liger=1.05)}
+# a balanced arm's two runs (the same arm early and late in the order) whose median steps differ by
+# more than this are flagged: the GPU changed under the run, and its comparisons are not to be trusted
+RUNS_AGREE = 0.05
 LOSS_TARGET = 0.005
 SEARCH_TARGET = 1.3
 # the settings of a largest-micro-batch search, recorded in the page's meta and in each searched arm
@@ -178,9 +188,19 @@ def compare(pair: str, arms: dict) -> dict:
         v = out.get("speedup_vs_liger")
         checks.append(dict(name=f"vs_liger_{t['vs_liger']}", what="optimizer step, fused vs Liger", measured=v,
                            target=f">= {t['vs_liger']}", met=v >= t["vs_liger"] if v is not None else None))
+    for name in ARM_ORDER:
+        a = arms.get(name)
+        steps = [r.get("median_step_s") for r in (a.get("runs") or [])] if _ok(a) else []
+        if len(steps) > 1 and all(steps):
+            spread = max(steps) / min(steps) - 1
+            checks.append(dict(name=f"{name}_runs_agree", what=f"{name}: its runs' median steps, slower over faster",
+                               measured=spread, target=f"<= {RUNS_AGREE:.0%}", met=spread <= RUNS_AGREE))
     out["checks"] = checks
-    # the fused-vs-baseline loss check and the step targets (the Liger arm's loss is shown, not a target)
-    out["targets"] = {c["name"]: c["met"] for c in checks if c["name"] != "liger_loss_0_5pct"}
+    # the fused-vs-baseline loss check and the step targets (the Liger arm's loss is shown, not a
+    # target; the runs' agreement says whether the comparison holds, and is shown with the checks)
+    out["targets"] = {c["name"]: c["met"] for c in checks
+                      if c["name"] != "liger_loss_0_5pct" and not c["name"].endswith("_runs_agree")}
+    out["runs_agree"] = all(c["met"] for c in checks if c["name"].endswith("_runs_agree"))
     return out
 
 
@@ -366,7 +386,9 @@ def targets_text() -> str:
     return ("Targets (the fused arm's optimizer step, every feature on): "
             + ", ".join(f"`{pair}` >= {t['vs_baseline']}x the baseline's and >= {t['vs_liger']}x the Liger arm's"
                         for pair, t in STEP_TARGETS.items())
-            + f"; every pair: the loss of every micro-step within {LOSS_TARGET:.1%} of the baseline's.")
+            + f"; every pair: the loss of every micro-step within {LOSS_TARGET:.1%} of the baseline's. "
+            f"Balanced runs: an arm's two median steps more than {RUNS_AGREE:.0%} apart flag the pair as not "
+            "comparable (the GPU changed under the run).")
 
 
 def markdown(results: dict, search: dict, meta: dict) -> str:
@@ -437,6 +459,8 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
             loss = (f"{_f(c.get('max_loss_rel_diff'), '{:.3%}')} / {_f(c.get('liger_max_loss_rel_diff'), '{:.3%}')}")
             tg = ", ".join(f"{n}: {'yes' if ok else ('n/a' if ok is None else 'no')}"
                            for n, ok in c.get("targets", {}).items())
+            if c.get("runs_agree") is False:
+                tg += "; runs disagree (checks below): not comparable"
             lines.append(f"| {k} | {_f(c.get('gradient_accumulation_steps') or _accum_of(v['fused']), '{}')} | "
                          f"{_f(c.get('speedup'))} | {_f(c.get('speedup_vs_liger'))} | "
                          f"{_f(c.get('liger_speedup'))} | {_f(c.get('fb_speedup'))} / "
@@ -448,7 +472,8 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                       "| pair | check | measured | target | met |", "|---|---|---:|---|---|"]
             for k, x in checks:
                 m = x.get("measured")
-                shown = _f(m, "{:.3%}") if "loss" in x["name"] else _f(m, "{:.3f}x")
+                shown = (_f(m, "{:.3%}") if "loss" in x["name"] else _f(m, "{:.1%}") if x["name"].endswith("_runs_agree")
+                         else _f(m, "{:.3f}x"))
                 met = "yes" if x.get("met") else ("n/a" if x.get("met") is None else "no")
                 lines.append(f"| {k} | {x['what']} | {shown} | {x['target']} | {met} |")
         lines += clocks_table(results)

@@ -220,6 +220,31 @@ def test_compare_targets():
     assert "error" in e2e_report.compare("zero2", dict(baseline=dict(error="exit 1"), fused=arms["fused"]))
 
 
+def test_compare_dense_targets_and_balanced_runs_that_disagree():
+    def balanced(a, *steps):
+        return dict(a, runs=[dict(position=i, median_step_s=s) for i, s in enumerate(steps)])
+
+    arms = dict(baseline=balanced(_arm(0.64, [12.0, 11.0]), 0.643, 0.637),
+                liger=balanced(_arm(0.523, [12.0, 11.0]), 0.518, 0.529),
+                fused=balanced(_arm(0.453, [12.0, 11.0]), 0.452, 0.453))
+    c = e2e_report.compare("dense_llama3_3b", arms)
+    # Llama-3.2-3B: 1.3x eager and 1.05x Liger; the Qwen3 and Gemma 3 shapes: 1.1x Liger
+    assert c["targets"] == {"loss_0_5pct": True, "speedup_1.3": True, "vs_liger_1.05": True}
+    assert c["runs_agree"] is True
+    assert {x["name"] for x in c["checks"]} >= {"baseline_runs_agree", "liger_runs_agree", "fused_runs_agree"}
+    assert e2e_report.compare("dense_qwen3_1_7b", arms)["targets"]["vs_liger_1.1"] is True
+    arms["liger"] = balanced(arms["liger"], 0.436, 0.574)  # one run 32% over the other
+    c = e2e_report.compare("dense_qwen3_1_7b", arms)
+    assert c["runs_agree"] is False and "liger_runs_agree" not in c["targets"]
+    spread = next(x for x in c["checks"] if x["name"] == "liger_runs_agree")
+    assert spread["measured"] == pytest.approx(0.574 / 0.436 - 1) and spread["met"] is False
+    md = e2e_report.markdown(dict(dense_qwen3_1_7b=dict(arms, compare=c)), {},
+                             dict(date="d", gpu="g", torch="t", triton="tr", model="m", batch=2, seq=4096, steps=8,
+                                  warmup=2))
+    assert "runs disagree (checks below): not comparable" in md
+    assert "| dense_qwen3_1_7b | liger: its runs' median steps, slower over faster | 31.7% | <= 5% | no |" in md
+
+
 def test_render_merges_parts_and_writes_every_output(tmp_path):
     pytest.importorskip("matplotlib")
     cats = {"rms_norm": 1.0, "lm_head + loss": 2.0, "other": 3.0}
