@@ -10,12 +10,14 @@ registry.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import dis
 import functools
 from typing import Any, ClassVar, Optional
 
 import torch
+import torch.utils.checkpoint
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import StrictBool
 
@@ -122,6 +124,25 @@ def count_op_call(calls: Optional[CallCounts], mark: Optional[int]) -> None:
             calls.reference += 1
         else:
             calls.fused += 1
+
+
+# How torch.utils.checkpoint's non-reentrant checkpoint ends a recomputation early: once the
+# region's last saved tensor is recomputed, its pack raises this, and the rest of the region's
+# forward is skipped. (An empty tuple, which no exception matches, where torch has none.)
+RECOMPUTE_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
+@contextlib.contextmanager
+def counted_if_recompute_stops(count):
+    """Run a patched call's ops; when a non-reentrant checkpoint's recomputation stops inside them
+    (the stop comes from the pack of the region's last saved tensor, so every op of the call that
+    saves for the backward has run), ``count()`` counts the call before the stop goes on, as the
+    call's own count after its ops would have. Other exceptions pass through uncounted."""
+    try:
+        yield
+    except RECOMPUTE_STOP:
+        count()
+        raise
 
 
 class SharedCallCounts(CallCounts):

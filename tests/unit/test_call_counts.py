@@ -129,3 +129,37 @@ def test_counting_reads_no_device_state(interpret):
     t.start()
     t.join()
     assert seen == [0]  # per thread
+
+
+LAYER_FEATURES = ("rms_norm", "rope", "mlp_act", "moe_reorder")
+
+
+@pytest.mark.parametrize("model_name", ["llama-tiny", "qwen3-moe-tiny", "gemma3-tiny"])
+def test_checkpoint_recomputation_is_counted(interpret, model_name):
+    """Under activation checkpointing every layer's forward runs again in the backward, and each
+    recomputed call is counted. Non-reentrant checkpointing ends a recomputation early, inside the
+    op that saves the layer's last tensor (the MLP's down projection, the MoE combine, Gemma's
+    closing norm): the calls around that op count as in a reentrant run, which recomputes whole."""
+    cfg = {k: {"enabled": True} for k in ("rms_norm", "linear_cross_entropy", "rope", "mlp_act", "moe_reorder")}
+    counts = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = build_model(model_name).float().train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        rep = patch_model(model, cfg)
+        ids = torch.randint(0, model.config.vocab_size, (2, 16))
+        with KernelLaunches() as launches:
+            loss = model(input_ids=ids, labels=ids).loss
+            forward = {f.name: f.calls.fused for f in rep.features if f.applied}
+            loss.backward()
+        after = {f.name: (f.calls.fused, f.calls.reference, f.calls.eager) for f in rep.features if f.applied}
+        counts[reentrant] = (forward, after, launches.n)
+        for name in LAYER_FEATURES:
+            if name in after:  # each layer's calls once more in the backward, all of them fused
+                outside = 1 if name == "rms_norm" else 0  # the final norm, after the layers
+                assert after[name] == (2 * forward[name] - outside, 0, 0), (reentrant, name, forward, after)
+        assert after["linear_cross_entropy"] == (1, 0, 0)  # the head is outside the layers
+    # the same calls counted (and about the same kernels launched: the non-reentrant run skips the
+    # ops after the region's last saved tensor)
+    assert counts[False][:2] == counts[True][:2], counts
+    assert 0 < counts[False][2] <= counts[True][2]

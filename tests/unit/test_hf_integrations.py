@@ -211,3 +211,50 @@ class TestTrainerGradNorm(DistributedTest):
         assert rep.applied and rep.calls.fused == STEPS * groups and rep.calls.reference == 0, (rep.reason, rep.calls)
         assert len(logs["on"]) == STEPS and logs["on"] == logs["off"], logs
         assert all(n > 0.05 for _, n in logs["on"])  # clipped at every step: the norm scaled the update
+
+
+DENSE_SECTION = {"rms_norm": {"enabled": True}, "linear_cross_entropy": {"enabled": True}, "rope": {"enabled": True},
+                 "mlp_act": {"enabled": True}, "grad_norm": {"enabled": True}}
+
+
+class TestTrainerGradientCheckpointing(DistributedTest):
+    """A dense model trained as users train one: the HF Trainer with ``gradient_checkpointing``
+    (non-reentrant and reentrant), ZeRO-2, clipping on, every dense feature in the section. Each
+    feature's kernels run in every forward, the recomputed ones included, none falls back, and the
+    logged losses and gradient norms are those of the same run without the section."""
+    world_size = 1
+    init_distributed = False
+
+    @pytest.mark.parametrize("reentrant", [False, True])
+    def test_losses_and_norms_match_with_every_dense_feature(self, tmp_path, reentrant):
+        from transformers import Trainer, TrainingArguments
+
+        data = [{"input_ids": ids, "labels": ids} for ids in _batches(2 * STEPS)]
+        logs, calls = {}, {}
+        for key, section in (("off", None), ("on", DENSE_SECTION)):
+            args = TrainingArguments(output_dir=str(tmp_path / key), deepspeed=hf_ds_config(2, section),
+                                     per_device_train_batch_size=2, max_steps=STEPS, logging_steps=1, report_to=[],
+                                     save_strategy="no", learning_rate=1e-3, use_cpu=True, disable_tqdm=True, seed=0,
+                                     max_grad_norm=0.05, gradient_checkpointing=True,
+                                     gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model = build_model("llama-tiny")
+            trainer = Trainer(model=model, args=args, train_dataset=data)
+            trainer.train()
+            assert model.is_gradient_checkpointing
+            logs[key] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+            rep = trainer.model_wrapped.deepspeed_fused_report
+            calls[key] = {f.name: (f.calls.fused, f.calls.reference, f.calls.eager) for f in rep.features
+                          if f.applied}
+        assert set(calls["on"]) == set(DENSE_SECTION), calls
+        for name, (fused, reference, eager) in calls["on"].items():
+            assert fused > 0 and reference == 0 and eager == 0, (name, calls)
+        # checkpointing runs each layer's forward again in the backward: the norms, rope and the
+        # activation count both passes; the head (outside the layers) and the norm once a step
+        layers = build_model("llama-tiny").config.num_hidden_layers
+        assert calls["on"]["mlp_act"][0] == 2 * layers * STEPS, calls
+        assert calls["on"]["rope"][0] == 2 * layers * STEPS, calls
+        assert calls["on"]["linear_cross_entropy"][0] == STEPS, calls
+        assert len(logs["on"]) == len(logs["off"]) == STEPS
+        for (la, na), (lb, nb) in zip(logs["on"], logs["off"]):
+            assert abs(la - lb) <= RTOL * abs(lb) and abs(na - nb) <= 1e-5 * abs(nb), logs
+        assert all(n > 0.05 for _, n in logs["on"])  # clipped at every step

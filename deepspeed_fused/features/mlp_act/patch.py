@@ -38,8 +38,10 @@ def _private_output(mod) -> bool:
 
 
 def _make_fused(form: Form):
-    """``fused(self, x)``: the forward of ``form`` with the gated activation fused, or None (then the
-    class's forward runs: the call's arguments or the module's activation are not the form's)."""
+    """``fused(self, x, settle)``: the forward of ``form`` with the gated activation fused, or None
+    (then the class's forward runs: the call's arguments or the module's activation are not the
+    form's). ``settle(why)`` counts the call once the activation has run ("" fused, else why the
+    eager math ran)."""
     layout = form.layout
     act_name, down_name = form.attr("act"), form.attr("down")
 
@@ -47,7 +49,7 @@ def _make_fused(form: Form):
         gate_name, up_name = form.attr("gate"), form.attr("up")
         drop_name = dict(form.roles).get("dropout")
 
-        def fused(self, x):
+        def fused(self, x, settle):
             act_mod = getattr(self, act_name)
             act = activation_of(act_mod)
             if type(act) is not str:
@@ -61,6 +63,7 @@ def _make_fused(form: Form):
                 h, why = mlp_act(gate, up, act, grads_in_place=private), ""
             else:
                 h, why = _eager_tail(act_mod, gate, up), why or "gate and up of different shapes"
+            settle(why)
             if drop_name is not None:
                 h = getattr(self, drop_name)(h)
             return getattr(self, down_name)(h), why
@@ -68,7 +71,7 @@ def _make_fused(form: Form):
         gu_name = form.attr("gate_up")
         gate_first = layout == "gate_up"
 
-        def fused(self, x):
+        def fused(self, x, settle):
             act_mod = getattr(self, act_name)
             act = activation_of(act_mod)
             if type(act) is not str:
@@ -78,10 +81,14 @@ def _make_fused(form: Form):
             ok, why = kernels_take(gu)
             if ok and gu.dim() and gu.shape[-1] % 2 == 0:
                 h = mlp_act_fused(gu, act, gate_first, grads_in_place=_private_output(gu_mod))
+                settle("")
                 return getattr(self, down_name)(h), ""
             a, b = gu.chunk(2, dim=-1)
             gate, up = (a, b) if gate_first else (b, a)
-            return getattr(self, down_name)(_eager_tail(act_mod, gate, up)), why or "an odd gate-up width"
+            why = why or "an odd gate-up width"
+            h = _eager_tail(act_mod, gate, up)
+            settle(why)
+            return getattr(self, down_name)(h), why
 
     return fused
 
@@ -93,13 +100,19 @@ def _make_dispatcher(original, form: Form):
         if getattr(self, MARKER, None) is OPT_IN and len(args) == 1 and not kwargs:
             calls = self.__dict__.get(CALLS)
             mark = op_call_mark()
-            out, why = fused(self, args[0])
-            if out is not None:
+
+            def settle(why):
+                # counted as soon as the activation ran, before the down projection: a non-reentrant
+                # checkpoint's recomputation ends inside that projection (its saved input is the
+                # layer's last), and the call's ops have run by then
                 if calls is not None:
                     if why:
                         calls.eager += 1
                     else:
                         count_op_call(calls, mark)  # fused, or reference when the op ran its torch code
+
+            out, why = fused(self, args[0], settle)
+            if out is not None:
                 if why:
                     warn_fallback("mlp_act", f"{why}; {type(self).__name__} runs its eager math")
                 return out

@@ -13,7 +13,7 @@ import torch
 from ...ops._common import warn_fallback
 from ...ops.rms_norm import (FORMS, RMSForm, rms_norm_form_kernel_ok, rms_norm_kernel_ok, try_fused_rms_norm,
                               try_fused_rms_norm_form)
-from ..base import OptInMarker
+from ..base import OptInMarker, counted_if_recompute_stops
 from .recognition import (_ACT_NAMES, _LLAMA_SPEC, SUPPORTED_CLASSES, FormSpec, _looks_like_norm, _module_reason,
                           recognise)
 
@@ -29,6 +29,11 @@ OPT_IN = OPT_IN_MARKER.value  # read by the dispatchers
 _DISPATCHERS: dict = {}
 
 
+def _add_fused(calls) -> None:
+    if calls is not None:
+        calls.fused += 1
+
+
 def _dispatcher(original, attempt):
     """The forward installed on a recognised class. On an opted-in instance, ``attempt(self,
     hidden_states, args, kwargs)`` gives the fused output (counted fused), a str saying why this call
@@ -38,7 +43,11 @@ def _dispatcher(original, attempt):
     def forward(self, hidden_states, *args, **kwargs):
         if getattr(self, MARKER, None) is OPT_IN:
             calls = self.__dict__.get(CALLS)
-            got = attempt(self, hidden_states, args, kwargs)
+            # a region whose last saved tensor is a norm's (Gemma's post-feedforward norm ends its
+            # decoder layer) ends a non-reentrant checkpoint's recomputation inside the fused norm:
+            # counted there too (the eager forward below is counted before it runs)
+            with counted_if_recompute_stops(lambda: _add_fused(calls)):
+                got = attempt(self, hidden_states, args, kwargs)
             if got is not None and not isinstance(got, str):
                 if calls is not None:
                     calls.fused += 1
