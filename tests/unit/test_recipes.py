@@ -47,16 +47,27 @@ def _launcher(script, tmp_path, *args):
         remove_shm_buffers(port)
 
 
-@pytest.mark.parametrize("script, served", [("trl_sft.py", True), ("trl_grpo.py", True), ("hf_trainer.py", False)])
-def test_recipe_under_deepspeed_launcher(script, served, tmp_path):
+@pytest.mark.parametrize("script, served, args", [("trl_sft.py", True, ()), ("trl_grpo.py", True, ()),
+                                                   ("hf_trainer.py", False, ()),
+                                                   ("hf_trainer.py", False, ("--gradient-checkpointing",))])
+def test_recipe_under_deepspeed_launcher(script, served, args, tmp_path):
     if script.startswith("trl"):
         pytest.importorskip("trl")
-    out = _launcher(script, tmp_path, "--steps", "2")
+    out = _launcher(script, tmp_path, "--steps", "2", *args)
     counts = _counts(out)
     fused, reference, eager = counts["linear_cross_entropy"]
     assert fused >= 2 and reference == 0 and eager == 0, counts
-    assert counts["rms_norm"][0] > 0 and counts["rope"][0] > 0, counts
+    # the dense model's other features: kernels in every call (grad_norm: one norm per parameter
+    # group and step, the overflow check only in fp16/bf16)
+    for name in ("rms_norm", "rope", "mlp_act", "grad_norm"):
+        assert counts[name][0] > 0 and counts[name][1:] == (0, 0), (name, counts)
     assert ("TRL fused LM head served" in out) == served
+    if script == "hf_trainer.py":  # one forward a step, each layer's again in the backward when checkpointed
+        from deepspeed_fused.models import model_config
+
+        layers = model_config("qwen3-tiny").num_hidden_layers
+        per_step = layers * (2 if args else 1)
+        assert counts["mlp_act"][0] == counts["rope"][0] == 2 * per_step, counts
 
 
 def test_accelerate_recipe(tmp_path):
