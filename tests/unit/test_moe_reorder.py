@@ -786,12 +786,16 @@ def test_not_applicable_and_config():
 # ----------------------------------------------------------------------------------------------
 
 
-def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
+def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None, ckpt=None):
     import deepspeed
 
     import deepspeed_fused  # noqa: F401  (installs the initialize hook)
 
     model = build_model(name, torch.float32, seed=0)
+    if ckpt is not None:  # Hugging Face gradient checkpointing: each layer's forward again in the backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
+        model.train()
+    forwards = 2 if ckpt is not None else 1
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0},
            "zero_allow_untested_optimizer": True,
            "expert_parallel": {"enabled": True, "autoep_size": ep_size, **(ep_extra or {})}}
@@ -841,10 +845,10 @@ def _autoep_run(name, ep_size, feature, steps=2, ep_extra=None):
         mr.route_dispatch = orig_dispatch
     # the local path dispatches straight into the padded buffer at autoep_size 1; with more ranks
     # the expert side still permutes (our gathers)
-    assert calls["dispatch"] == (2 * steps if feature else 0)
-    assert calls["n"] == (2 * steps if feature and ep_size > 1 else 0)
+    assert calls["dispatch"] == (2 * steps * forwards if feature else 0)
+    assert calls["n"] == (2 * steps * forwards if feature and ep_size > 1 else 0)
     if feature:  # the report's live count: one per layer forward whose reorder ran as our gathers
-        assert (rep.calls.fused, rep.calls.eager) == (2 * steps, 0), rep.calls
+        assert (rep.calls.fused, rep.calls.eager) == (2 * steps * forwards, 0), rep.calls
         assert unpatch_model(engine.module) == {"moe_reorder": 2}
         assert not moe_reorder.autoep_patched() and not moe_reorder.local_path_patched()
     return losses, grads
@@ -874,6 +878,26 @@ class TestAutoEP(DistributedTest):
             assert ga.keys() == gb.keys() and len(ga) > 0
             for k in ga:
                 assert same(ga[k], gb[k]), k
+
+
+class TestAutoEPCheckpointing(DistributedTest):
+    """AutoEP layers under gradient checkpointing: the recomputed layers run the fused local path
+    again (counted, a non-reentrant recomputation ending inside the combine included), with the
+    losses and gradients of the same run without the feature."""
+    world_size = [1, 2]
+
+    @pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant"])
+    def test_autoep_recomputed_layers(self, ckpt):
+        import deepspeed.comm as dist
+
+        ep = dist.get_world_size()
+        losses_ref, grads_ref = _autoep_run("qwen3-moe-tiny", ep, feature=False, ckpt=ckpt)
+        losses, grads = _autoep_run("qwen3-moe-tiny", ep, feature=True, ckpt=ckpt)
+        same = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731  (as above)
+        assert all(same(a, b) for a, b in zip(losses, losses_ref)), (losses, losses_ref)
+        for ga, gb in zip(grads, grads_ref):
+            assert ga.keys() == gb.keys() and len(ga) > 0
+            assert all(same(ga[k], gb[k]) for k in ga)
 
 
 def test_autoep_patch_refcount_and_contract(interpret):

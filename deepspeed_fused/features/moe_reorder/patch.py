@@ -187,8 +187,12 @@ def _fused_local_forward(self, hidden_states):
             or not reorder.kernels_take(hidden_states)[0]):
         return original(self, hidden_states)  # its reorder runs our permute_by_local_expert (counted there)
     mark = op_call_mark()
+    def count():  # (ep_size > 1: counted in permute_by_local_expert)
+        if self.ep_size == 1:
+            count_op_call(_AUTOEP_CALLS, mark)
+
     # (a non-reentrant checkpoint's recomputation may end inside the combine: counted there too)
-    with counted_if_recompute_stops(lambda: self.ep_size == 1 and count_op_call(_AUTOEP_CALLS, mark)):
+    with counted_if_recompute_stops(count):
         x = hidden_states.reshape(-1, hdim)
         # DeepSpeed's own early checks (fail every rank before any collective)
         if self.combine_impl == "fused_weighted_sum" and not self._fused_combine_checked:
@@ -236,8 +240,7 @@ def _fused_local_forward(self, hidden_states):
             expert_output = layer.unpermute_by_local_expert(expert_output, perm_indices, n_tokens)
             expert_output = layer._AllToAllV.apply(self.ep_group, expert_output, plan.output_splits, plan.input_splits)
         output = reorder.route_combine(expert_output, maps, post).reshape(bsz, seqlen, hdim)
-    if self.ep_size == 1:  # (ep_size > 1: counted in permute_by_local_expert above)
-        count_op_call(_AUTOEP_CALLS, mark)
+    count()
     return self._finalize_output(output, x, hidden_states, hdim)
 
 
