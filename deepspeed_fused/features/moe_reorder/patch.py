@@ -187,61 +187,69 @@ def _fused_local_forward(self, hidden_states):
             or not reorder.kernels_take(hidden_states)[0]):
         return original(self, hidden_states)  # its reorder runs our permute_by_local_expert (counted there)
     mark = op_call_mark()
+
     def count():  # (ep_size > 1: counted in permute_by_local_expert)
         if self.ep_size == 1:
             count_op_call(_AUTOEP_CALLS, mark)
 
+    x = hidden_states.reshape(-1, hdim)
     # (a non-reentrant checkpoint's recomputation may end inside the combine: counted there too)
     with counted_if_recompute_stops(count):
-        x = hidden_states.reshape(-1, hdim)
-        # DeepSpeed's own early checks (fail every rank before any collective)
-        if self.combine_impl == "fused_weighted_sum" and not self._fused_combine_checked:
-            layer.fused_token_ops.assert_supported(x, score_apply=self.score_apply)
-            self._fused_combine_checked = True
-        if self.row_weighting_impl == "fused" and not self._fused_row_weighting_checked:
-            layer.fused_token_ops.assert_row_weighting_supported(x, x.new_empty((x.shape[0], 1), dtype=torch.float32))
-            self._fused_row_weighting_checked = True
-        ro = layer.RouterOutput(*self.router(x, self.expert_bias))
-        pending_plan = None
-        if self.async_split_plan and self.ep_size > 1 and self.comm_backend == layer.COMM_BACKEND:
-            pending_plan = self._start_async_split_plan(ro.num_tokens_per_expert)
-        with torch.no_grad():
-            self.tokens_per_expert.add_(ro.num_tokens_per_expert)
-        top_k = self.top_k
-        sorted_assignments = torch.argsort(ro.selected_experts.view(-1), stable=True)
-        pre = ro.top_scores if self.score_apply == "pre" else None
-        post = ro.top_scores if self.score_apply == "post" else None
-        validate = _AUTOEP["validate"] > 0
-        if self.ep_size == 1:
-            n_routed = sorted_assignments.numel()
-            stand_in = x.new_empty((n_routed, 0))
-            if _AUTOEP["direct"]:
-                permuted_indices, aligned_counts, _ = _direct_indices(stand_in, ro.num_tokens_per_expert)
-            else:
-                permuted_indices, aligned_counts, _ = _probe_indices(_AUTOEP["originals"][0], stand_in,
-                                                                     ro.num_tokens_per_expert)
-            if validate:
-                reorder.validate_permutation(permuted_indices, n_routed)
-            maps = reorder.route_maps(sorted_assignments, top_k, permuted_indices)
-            expert_output = self.experts(reorder.route_dispatch(x, maps, pre), aligned_counts)
-        else:
-            if pending_plan is not None:
-                plan = self._wait_async_split_plan(pending_plan)
-            else:
-                plan = layer.compute_split_plan(selected_experts=ro.selected_experts, num_experts=self.num_experts,
-                                                ep_size=self.ep_size, num_local_experts=self.num_local_experts,
-                                                ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
-            maps = reorder.route_maps(sorted_assignments, top_k)
-            routed = reorder.route_dispatch(x, maps, pre)  # the all-to-all send buffer, in one pass
-            routed = layer._AllToAllV.apply(self.ep_group, routed, plan.input_splits, plan.output_splits)
-            routed, perm_indices, aligned_counts, n_tokens = layer.permute_by_local_expert(routed,
-                                                                                          plan.local_counts_by_source)
-            expert_output = self.experts(routed, aligned_counts)
-            expert_output = layer.unpermute_by_local_expert(expert_output, perm_indices, n_tokens)
-            expert_output = layer._AllToAllV.apply(self.ep_group, expert_output, plan.output_splits, plan.input_splits)
-        output = reorder.route_combine(expert_output, maps, post).reshape(bsz, seqlen, hdim)
+        output = _local_tokens_as_gathers(self, layer, x).reshape(bsz, seqlen, hdim)
     count()
     return self._finalize_output(output, x, hidden_states, hdim)
+
+
+def _local_tokens_as_gathers(self, layer, x):
+    """The local token work of :func:`_fused_local_forward` on the rows ``x`` (uncounted): the
+    router, the dispatch into the experts (through the all-to-all above ``autoep_size`` 1) and the
+    combine, whose ``[tokens, hidden]`` result it returns."""
+    # DeepSpeed's own early checks (fail every rank before any collective)
+    if self.combine_impl == "fused_weighted_sum" and not self._fused_combine_checked:
+        layer.fused_token_ops.assert_supported(x, score_apply=self.score_apply)
+        self._fused_combine_checked = True
+    if self.row_weighting_impl == "fused" and not self._fused_row_weighting_checked:
+        layer.fused_token_ops.assert_row_weighting_supported(x, x.new_empty((x.shape[0], 1), dtype=torch.float32))
+        self._fused_row_weighting_checked = True
+    ro = layer.RouterOutput(*self.router(x, self.expert_bias))
+    pending_plan = None
+    if self.async_split_plan and self.ep_size > 1 and self.comm_backend == layer.COMM_BACKEND:
+        pending_plan = self._start_async_split_plan(ro.num_tokens_per_expert)
+    with torch.no_grad():
+        self.tokens_per_expert.add_(ro.num_tokens_per_expert)
+    top_k = self.top_k
+    sorted_assignments = torch.argsort(ro.selected_experts.view(-1), stable=True)
+    pre = ro.top_scores if self.score_apply == "pre" else None
+    post = ro.top_scores if self.score_apply == "post" else None
+    validate = _AUTOEP["validate"] > 0
+    if self.ep_size == 1:
+        n_routed = sorted_assignments.numel()
+        stand_in = x.new_empty((n_routed, 0))
+        if _AUTOEP["direct"]:
+            permuted_indices, aligned_counts, _ = _direct_indices(stand_in, ro.num_tokens_per_expert)
+        else:
+            permuted_indices, aligned_counts, _ = _probe_indices(_AUTOEP["originals"][0], stand_in,
+                                                                 ro.num_tokens_per_expert)
+        if validate:
+            reorder.validate_permutation(permuted_indices, n_routed)
+        maps = reorder.route_maps(sorted_assignments, top_k, permuted_indices)
+        expert_output = self.experts(reorder.route_dispatch(x, maps, pre), aligned_counts)
+    else:
+        if pending_plan is not None:
+            plan = self._wait_async_split_plan(pending_plan)
+        else:
+            plan = layer.compute_split_plan(selected_experts=ro.selected_experts, num_experts=self.num_experts,
+                                            ep_size=self.ep_size, num_local_experts=self.num_local_experts,
+                                            ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
+        maps = reorder.route_maps(sorted_assignments, top_k)
+        routed = reorder.route_dispatch(x, maps, pre)  # the all-to-all send buffer, in one pass
+        routed = layer._AllToAllV.apply(self.ep_group, routed, plan.input_splits, plan.output_splits)
+        routed, perm_indices, aligned_counts, n_tokens = layer.permute_by_local_expert(routed,
+                                                                                      plan.local_counts_by_source)
+        expert_output = self.experts(routed, aligned_counts)
+        expert_output = layer.unpermute_by_local_expert(expert_output, perm_indices, n_tokens)
+        expert_output = layer._AllToAllV.apply(self.ep_group, expert_output, plan.output_splits, plan.input_splits)
+    return reorder.route_combine(expert_output, maps, post)
 
 
 def _install_local_path() -> None:
@@ -331,62 +339,68 @@ def deepspeed_fused_experts_forward(self: torch.nn.Module, hidden_states: torch.
     segmented sum for the gradient where eager runs an index-put over every row). Sentinel
     expert ids (``>= num_experts``, experts of other ranks under transformers' expert parallelism)
     sit in padding slots: zero rows, no GEMM rows and no contribution or gradient."""
-    from transformers.integrations.moe import _grouped_linear
-
-    mark = op_call_mark()  # counted at the end: fused, or reference when an op ran its torch reference
+    mark = op_call_mark()  # counted once its ops ran: fused, or reference when an op ran its torch reference
     calls = self.__dict__.get(_CALLS_ATTR)
     # (a non-reentrant checkpoint's recomputation may end inside the combine, whose saved inputs are
     # the layer's last: counted there too)
     with counted_if_recompute_stops(lambda: count_op_call(calls, mark)):
-        num_top_k = top_k_index.size(-1)
-        num_experts = self.num_experts
-
-        # One counting sort builds what grouped_mm's sort, histc and cumsum build, plus the route maps
-        # (two launches, no host sync). The order within an expert is the assignments' own (a stable
-        # sort; torch.sort's is unspecified), which changes no row's result.
-        sort = reorder.route_sort(top_k_index.reshape(-1), num_experts, num_top_k)
-        maps, offsets = sort.maps, sort.offsets
-        # Sentinels (ids >= num_experts) exist only under transformers' expert parallelism (>= 5.2x says
-        # so; older 5.x does not, so they are assumed possible). They sort after every expert and
-        # their slots are padding: the dispatch writes zero rows there, the combine never reads them
-        # and its backward writes zero gradients there, and grouped_mm leaves rows past offsets[-1]
-        # unwritten, which only the next grouped_mm (reading rows below offsets[-1]) consumes. So the
-        # outputs need no mask. A per-row expert bias (GPT-OSS) is expert_bias: transformers' gather
-        # bias[ids] sums its gradient over every row, the sentinels' included (hence its masks); this
-        # one sums each expert's own rows offsets[e-1]:offsets[e] only.
-        has_bias = getattr(self, "has_bias", False)
-        selected = reorder.route_dispatch(hidden_states, maps)
-
-        if getattr(self, "has_gate", True):
-            weight, bias = self.gate_up_proj, (self.gate_up_proj_bias if has_bias else None)
-        else:
-            weight, bias = self.up_proj, (self.up_proj_bias if has_bias else None)
-        is_transposed = getattr(self, "is_transposed", False)
-        proj = _experts_linear(_grouped_linear, selected, weight, offsets, is_transposed)
-        # the activation, decided once: none (act_fn), the fused SiLU gate, GPT-OSS's gate (which adds
-        # the gate-up bias as its rows load) or the module's own
-        gate = None if not getattr(self, "has_gate", True) else \
-            "swiglu" if fused_gate(self) else "oai" if oai_gate_of(self) else "module"
-        if bias is not None and gate != "oai":
-            proj = reorder.expert_bias(proj, bias, sort.experts, offsets)
-        if gate is None:
-            proj = self.act_fn(proj)
-        elif gate == "swiglu":
-            proj = reorder.swiglu(proj)  # silu(gate) * up in one kernel (its backward one more)
-        elif gate == "oai":  # GPT-OSS's clamped gate, one kernel each way, its bias added as the rows load
-            bias_args = (bias, sort.experts, offsets) if bias is not None else ()
-            proj = reorder.oai_gate(proj, self.alpha, self.limit, *bias_args)
-        else:
-            proj = self._apply_gate(proj)
-        proj = _experts_linear(_grouped_linear, proj, self.down_proj, offsets, is_transposed)
-        if has_bias:
-            proj = reorder.expert_bias(proj, self.down_proj_bias, sort.experts, offsets)
-        if getattr(self, "has_post_expert_norm", False):
-            proj = self.post_expert_norm(proj)
-
-        out = reorder.route_combine(proj, maps, top_k_weights)
+        out = _experts_as_gathers(self, hidden_states, top_k_index, top_k_weights)
     count_op_call(calls, mark)
     return out.to(hidden_states.dtype)
+
+
+def _experts_as_gathers(self, hidden_states, top_k_index, top_k_weights):
+    """The work of :func:`deepspeed_fused_experts_forward` (uncounted): the combined rows, in the
+    combine's dtype."""
+    from transformers.integrations.moe import _grouped_linear
+
+    num_top_k = top_k_index.size(-1)
+    num_experts = self.num_experts
+
+    # One counting sort builds what grouped_mm's sort, histc and cumsum build, plus the route maps
+    # (two launches, no host sync). The order within an expert is the assignments' own (a stable
+    # sort; torch.sort's is unspecified), which changes no row's result.
+    sort = reorder.route_sort(top_k_index.reshape(-1), num_experts, num_top_k)
+    maps, offsets = sort.maps, sort.offsets
+    # Sentinels (ids >= num_experts) exist only under transformers' expert parallelism (>= 5.2x says
+    # so; older 5.x does not, so they are assumed possible). They sort after every expert and
+    # their slots are padding: the dispatch writes zero rows there, the combine never reads them
+    # and its backward writes zero gradients there, and grouped_mm leaves rows past offsets[-1]
+    # unwritten, which only the next grouped_mm (reading rows below offsets[-1]) consumes. So the
+    # outputs need no mask. A per-row expert bias (GPT-OSS) is expert_bias: transformers' gather
+    # bias[ids] sums its gradient over every row, the sentinels' included (hence its masks); this
+    # one sums each expert's own rows offsets[e-1]:offsets[e] only.
+    has_bias = getattr(self, "has_bias", False)
+    selected = reorder.route_dispatch(hidden_states, maps)
+
+    if getattr(self, "has_gate", True):
+        weight, bias = self.gate_up_proj, (self.gate_up_proj_bias if has_bias else None)
+    else:
+        weight, bias = self.up_proj, (self.up_proj_bias if has_bias else None)
+    is_transposed = getattr(self, "is_transposed", False)
+    proj = _experts_linear(_grouped_linear, selected, weight, offsets, is_transposed)
+    # the activation, decided once: none (act_fn), the fused SiLU gate, GPT-OSS's gate (which adds
+    # the gate-up bias as its rows load) or the module's own
+    gate = None if not getattr(self, "has_gate", True) else \
+        "swiglu" if fused_gate(self) else "oai" if oai_gate_of(self) else "module"
+    if bias is not None and gate != "oai":
+        proj = reorder.expert_bias(proj, bias, sort.experts, offsets)
+    if gate is None:
+        proj = self.act_fn(proj)
+    elif gate == "swiglu":
+        proj = reorder.swiglu(proj)  # silu(gate) * up in one kernel (its backward one more)
+    elif gate == "oai":  # GPT-OSS's clamped gate, one kernel each way, its bias added as the rows load
+        bias_args = (bias, sort.experts, offsets) if bias is not None else ()
+        proj = reorder.oai_gate(proj, self.alpha, self.limit, *bias_args)
+    else:
+        proj = self._apply_gate(proj)
+    proj = _experts_linear(_grouped_linear, proj, self.down_proj, offsets, is_transposed)
+    if has_bias:
+        proj = reorder.expert_bias(proj, self.down_proj_bias, sort.experts, offsets)
+    if getattr(self, "has_post_expert_norm", False):
+        proj = self.post_expert_norm(proj)
+
+    return reorder.route_combine(proj, maps, top_k_weights)
 
 
 def register_experts_implementation() -> None:

@@ -49,8 +49,7 @@ def _dispatcher(original, attempt):
             with counted_if_recompute_stops(lambda: _add_fused(calls)):
                 got = attempt(self, hidden_states, args, kwargs)
             if got is not None and not isinstance(got, str):
-                if calls is not None:
-                    calls.fused += 1
+                _add_fused(calls)
                 return got
             if got is not None:
                 warn_fallback("rms_norm", f"{got}; the module runs its eager forward", reference=False)
