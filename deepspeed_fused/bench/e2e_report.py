@@ -644,12 +644,13 @@ def merge(docs: list) -> tuple:
     """Merge e2e.json documents arm by arm (a later file's arm replaces an earlier one's); the
     comparisons are computed again from the merged arms. Meta: the first document that has
     fixed-setup results (else the first), with the search settings of one that ran a search."""
-    results, search, dates, gpus = {}, {}, {}, {}
+    results, search = {}, {}
+    measured = {"date": {}, "gpu": {}}  # meta key -> pair -> arm -> the value of the arm's file
     for d in docs:
         for k, v in d.get("results", {}).items():
             results.setdefault(k, {}).update({a: x for a, x in v.items() if a != "compare"})
-            dates.setdefault(k, {}).update({a: d.get("meta", {}).get("date") for a in v if a != "compare"})
-            gpus.setdefault(k, {}).update({a: d.get("meta", {}).get("gpu") for a in v if a != "compare"})
+            for key, per_pair in measured.items():
+                per_pair.setdefault(k, {}).update({a: d.get("meta", {}).get(key) for a in v if a != "compare"})
         for k, v in (d.get("search") or {}).items():
             arms = search.setdefault(k, {"arms": {}})["arms"]
             for a, x in v.get("arms", {}).items():
@@ -662,14 +663,12 @@ def merge(docs: list) -> tuple:
     models = {k: v for d in docs for k, v in (d.get("meta", {}).get("pair_models") or {}).items()}
     if models:  # the dense pairs' own models, from every file
         meta["pair_models"] = models
-    # the date each pair was measured (its arms', from their files' meta), where the files differ
-    by_pair = {k: sorted({x for x in a.values() if x}) for k, a in dates.items()}
-    if len({x for v in by_pair.values() for x in v}) > 1:
-        meta["pair_dates"] = {k: ", ".join(v) for k, v in by_pair.items()}
-    # and the GPU, where the files name more than one (a pair's arms compare only on one GPU)
-    by_pair = {k: sorted({x for x in a.values() if x}) for k, a in gpus.items()}
-    if len({x for v in by_pair.values() for x in v}) > 1:
-        meta["pair_gpus"] = {k: ", ".join(v) for k, v in by_pair.items()}
+    # the date each pair was measured and its GPU (its arms', from their files' meta), where the
+    # files differ (a pair's arms compare only on one GPU)
+    for key, per_pair in measured.items():
+        by_pair = {k: sorted({x for x in a.values() if x}) for k, a in per_pair.items()}
+        if len({x for v in by_pair.values() for x in v}) > 1:
+            meta[f"pair_{key}s"] = {k: ", ".join(v) for k, v in by_pair.items()}
     for k, v in results.items():
         v["compare"] = compare(k, v)
     for k, v in search.items():
