@@ -117,16 +117,34 @@ def enable_grad_ckpt(model, mode: str) -> None:
     decoder layer's activations recomputed in the backward, through transformers' own
     ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` in transformers before 5.25)
     with ``torch.utils.checkpoint``'s ``use_reentrant`` false or true."""
-    if mode == "off":
+    if not _grad_ckpt_on(mode):
         return
-    if mode not in ("non-reentrant", "reentrant"):
-        raise ValueError(f"grad_ckpt: expected off, non-reentrant or reentrant, got {mode!r}")
     model.config.use_cache = False
     kw = {"use_reentrant": mode == "reentrant"}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def _grad_ckpt_on(mode: str) -> bool:
+    if mode not in ("off", "non-reentrant", "reentrant"):
+        raise ValueError(f"grad_ckpt: expected off, non-reentrant or reentrant, got {mode!r}")
+    return mode != "off"
+
+
+def trainer_grad_ckpt_args(mode: str) -> dict:
+    """The Hugging Face Trainer's arguments for gradient checkpointing ``mode`` (as
+    :func:`enable_grad_ckpt`), under the names the installed transformers takes
+    (``activation_checkpointing`` from 5.25 on, ``gradient_checkpointing`` before)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    on = _grad_ckpt_on(mode)
+    name = "activation_checkpointing" if "activation_checkpointing" in {
+        f.name for f in dataclasses.fields(TrainingArguments)} else "gradient_checkpointing"
+    return {name: on, f"{name}_kwargs": {"use_reentrant": mode == "reentrant"}}
 
 
 def is_oom(e: BaseException) -> bool:

@@ -11,7 +11,6 @@ usually trained, with the Trainer's gradient checkpointing (non-reentrant; ``ree
 other kind): the recomputed layers run the same fused kernels. A tiny random model is built
 offline, so this runs on a CPU in about a minute.
 """
-import dataclasses
 import os
 import sys
 
@@ -21,22 +20,16 @@ import torch  # noqa: E402
 
 import deepspeed_fused  # noqa: E402,F401  (installs the hook on deepspeed.initialize)
 from deepspeed_fused.models import build_model  # noqa: E402
+from deepspeed_fused.train import trainer_grad_ckpt_args  # noqa: E402
 from _recipe_common import close_process_group, print_report, recipe_parser  # noqa: E402  (this folder's shared parts)
-
-
-def checkpointing(training_arguments, kind):
-    """The Trainer's gradient checkpointing arguments (``activation_checkpointing`` from transformers
-    5.25 on, ``gradient_checkpointing`` before): on for ``kind`` "non-reentrant" or "reentrant"."""
-    name = "activation_checkpointing" if "activation_checkpointing" in {
-        f.name for f in dataclasses.fields(training_arguments)} else "gradient_checkpointing"
-    return {name: kind is not None, f"{name}_kwargs": {"use_reentrant": kind == "reentrant"}}
 
 
 def main():
     p = recipe_parser(__doc__, steps=4)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--gradient-checkpointing", nargs="?", const="non-reentrant", choices=["non-reentrant", "reentrant"],
-                   help="the Trainer's gradient checkpointing (default kind: non-reentrant)")
+    p.add_argument("--gradient-checkpointing", nargs="?", default="off", const="non-reentrant",
+                   choices=["off", "non-reentrant", "reentrant"],
+                   help="the Trainer's gradient checkpointing (given alone: non-reentrant)")
     p.add_argument("--output_dir", default=os.path.join("runs", "hf_trainer"))
     args, _ = p.parse_known_args()  # the launcher adds --local_rank
 
@@ -50,7 +43,7 @@ def main():
     targs = TrainingArguments(output_dir=args.output_dir, deepspeed=args.deepspeed_config, max_steps=args.steps,
                               per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, bf16=cuda,
                               use_cpu=not cuda, save_strategy="no", report_to=[], disable_tqdm=True,
-                              **checkpointing(TrainingArguments, args.gradient_checkpointing))
+                              **trainer_grad_ckpt_args(args.gradient_checkpointing))
     trainer = Trainer(model=model, args=targs, train_dataset=data)
     trainer.train()
     report = trainer.model_wrapped.deepspeed_fused_report

@@ -1,7 +1,6 @@
 """HF Trainer and Accelerate call ``deepspeed.initialize`` themselves: with the section in their
 DeepSpeed config (HF style, ``"auto"`` values), the features apply, the report is shown once on
 rank 0, and the losses match a run without the section (CPU, gloo, one rank, a few steps)."""
-import dataclasses
 import logging
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from deepspeed_fused.features import linear_cross_entropy as lce
 from deepspeed_fused.hook import report_logger
+from deepspeed_fused.train import trainer_grad_ckpt_args
 from tiny_models import build_model
 from unit.common import DistributedTest
 
@@ -232,18 +232,17 @@ class TestTrainerGradientCheckpointing(DistributedTest):
 
         data = [{"input_ids": ids, "labels": ids} for ids in _batches(2 * STEPS)]
         logs, calls = {}, {}
-        # the Trainer's name for it: activation_checkpointing from transformers 5.25 on
-        ckpt = "activation_checkpointing" if "activation_checkpointing" in {
-            f.name for f in dataclasses.fields(TrainingArguments)} else "gradient_checkpointing"
+        ckpt = trainer_grad_ckpt_args("reentrant" if reentrant else "non-reentrant")
+        flag = next(k for k in ckpt if not k.endswith("_kwargs"))  # the Trainer's name for it
         for key, section in (("off", None), ("on", DENSE_SECTION)):
             args = TrainingArguments(output_dir=str(tmp_path / key), deepspeed=hf_ds_config(2, section),
                                      per_device_train_batch_size=2, max_steps=STEPS, logging_steps=1, report_to=[],
                                      save_strategy="no", learning_rate=1e-3, use_cpu=True, disable_tqdm=True, seed=0,
-                                     max_grad_norm=0.05, **{ckpt: True, f"{ckpt}_kwargs": {"use_reentrant": reentrant}})
+                                     max_grad_norm=0.05, **ckpt)
             model = build_model("llama-tiny")
             trainer = Trainer(model=model, args=args, train_dataset=data)
             trainer.train()
-            assert getattr(model, f"is_{ckpt}")
+            assert getattr(model, f"is_{flag}")
             logs[key] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
             rep = trainer.model_wrapped.deepspeed_fused_report
             calls[key] = {f.name: (f.calls.fused, f.calls.reference, f.calls.eager) for f in rep.features
