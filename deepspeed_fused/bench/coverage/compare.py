@@ -287,8 +287,9 @@ def run_family(fam: Family, mode: str = "fp32") -> dict:
                 loss_p, grads_p = _loss_and_grads(patched, batch)
         rec["warnings"] = sorted({str(w.message).splitlines()[0][:200] for w in caught
                                   if "deepspeed_fused" in str(w.message)})
+        # the features the suite turned on (not those that patch an engine, off here)
         rec["reports"] = {n: dict(applied=r.applied, where=r.where, reason=r.reason, fallback=r.fallback,
-                                  calls=_calls(r)) for n, r in reports.items()}
+                                  calls=_calls(r)) for n, r in reports.items() if r.enabled}
         rec["norms"] = _norm_info(inv, patched, reports["rms_norm"])
         rec["loss_fused"] = _lce_info(patched, reports["linear_cross_entropy"])
         rec["moe"] = _moe_info(patched, reports["moe_reorder"], counter.counts)
