@@ -35,8 +35,10 @@ Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two
      correlation id, on the launching thread): an ``e2e::`` range or the optimizer's
      ``Optimizer.step#`` annotation gives its category; an autograd
      ``evaluate_function`` (the backward of some node, on autograd's thread) is followed to the
-     forward op that created that node (the profiler's forward-backward flow, or its sequence
-     number) and takes the category of the ranges around that op; ``AccumulateGrad`` (where
+     forward op that created that node (the profiler's forward-backward flow; else its sequence
+     number, counted per forward thread: a reentrant checkpoint's recomputed nodes are made on
+     autograd's thread; else the latest forward op of the node's name) and takes the category of
+     the ranges around that op; ``AccumulateGrad`` (where
      ZeRO's gradient hooks run) is ``zero: gradients``;
   3. for a kernel whose launch is missing from the trace: the device-side copy of an ``e2e::``
      range around it on its stream (``gpu_user_annotation``, used only here, never counted);
@@ -171,6 +173,8 @@ class _Trace:
         self.windows = []  # the micro-step ranges, (start, end), in time order
         flows_s, flows_f = {}, collections.defaultdict(list)
         fwd_seq = collections.defaultdict(list)  # sequence number -> [(tid, ts)] of forward ops
+        fwd_named = collections.defaultdict(list)  # forward op name -> [(ts, tid)]
+        bwd_fwd_ids = collections.Counter()  # the forward-thread ids named by backward ops
         cpu_ops = collections.defaultdict(list)
         for ev in events:
             ph, cat = ev.get("ph"), ev.get("cat")
@@ -202,8 +206,11 @@ class _Trace:
             elif cat == "cpu_op":
                 if name.startswith(EVALUATE):
                     self.ranges[ev.get("tid")].append(_Span(ev, "evaluate"))
+                    if args.get("Fwd thread id"):
+                        bwd_fwd_ids[args["Fwd thread id"]] += 1
                 elif args.get("Sequence number") is not None and not args.get("Fwd thread id"):
                     fwd_seq[args["Sequence number"]].append((ev.get("tid"), float(ev["ts"])))
+                    fwd_named[name].append((float(ev["ts"]), ev.get("tid")))
                 if not device:
                     cpu_ops[ev.get("tid")].append(_Span(ev, "op"))
         if not device:  # CPU run: leaf cpu_ops stand for kernels, launched where they run
@@ -218,14 +225,15 @@ class _Trace:
         for v in flows_f.values():
             v.sort()
         self.flows_s, self.flows_f = flows_s, flows_f
-        # Sequence numbers are per forward thread; take the thread with the most forward ops as the
-        # forward thread, and the latest op with the number on it (the one that created the node).
+        # Sequence numbers are counted per forward thread. The thread with the most forward ops is the
+        # main forward thread, and the forward-thread id that backward ops name most often is its id;
+        # a node made on another thread (a reentrant checkpoint recomputes the layer's forward on
+        # autograd's thread, where the counter starts again) is looked up among the other threads' ops.
         count = collections.Counter(tid for v in fwd_seq.values() for tid, _ in v)
-        main = count.most_common(1)[0][0] if count else None
-        self.fwd_seq = {}
-        for seq, v in fwd_seq.items():
-            on_main = [p for p in v if p[0] == main]
-            self.fwd_seq[seq] = max(on_main or v, key=lambda p: p[1])
+        self.main_tid = count.most_common(1)[0][0] if count else None
+        self.main_fwd_id = bwd_fwd_ids.most_common(1)[0][0] if bwd_fwd_ids else None
+        self.fwd_seq = {seq: sorted(v, key=lambda p: p[1]) for seq, v in fwd_seq.items()}
+        self.fwd_named = {n: sorted(v) for n, v in fwd_named.items()}
         self.windows.sort()
         self._cache = {}
 
@@ -270,7 +278,41 @@ class _Trace:
             i += 1
         seq = ev.args.get("Sequence number")
         if seq is not None and seq >= 0:
-            return self.fwd_seq.get(seq)
+            before = [p for p in self.fwd_seq.get(seq, []) if p[1] <= ev.start]  # a node's forward precedes it
+            fid = ev.args.get("Fwd thread id")
+            if fid and self.main_fwd_id is not None and fid != self.main_fwd_id:
+                pool = [p for p in before if p[0] != self.main_tid]
+                pool = [p for p in pool if p[0] == ev.tid] or pool
+            else:
+                pool = [p for p in before if p[0] == self.main_tid] or before
+            if pool:
+                return pool[-1]
+        return self._forward_by_name(ev)
+
+    def _forward_by_name(self, ev: _Span):
+        """(tid, ts) of the latest forward op, before ``ev``, that made a node of this name: an
+        ``autograd.Function`` ``F``'s node is ``FBackward``, an aten op ``aten::f``'s ``FBackward0``;
+        on ``ev``'s own thread first. None if there is none."""
+        node = ev.name[len(EVALUATE):]
+        m = re.fullmatch(r"(.+?)Backward(\d*)", node)
+        if m is None:
+            return None
+        base, n = m.groups()
+        names = [base] if not n else ["aten::" + re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower(), base]
+        for own in (True, False):
+            best = None
+            for name in names:
+                v = self.fwd_named.get(name, [])
+                i = bisect.bisect_right(v, (ev.start, float("inf")))
+                while i > 0:
+                    ts, tid = v[i - 1]
+                    if not own or tid == ev.tid:
+                        if best is None or ts > best[1]:
+                            best = (tid, ts)
+                        break
+                    i -= 1
+            if best is not None:
+                return best
         return None
 
     def category_at(self, tid, ts, depth: int = 0):
@@ -311,7 +353,8 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
         p = at if at is not None else tr.launch.get(corr)
         if p is not None:
             points.append(p)
-    tr.prefill(points + list(tr.flows_s.values()) + list(tr.fwd_seq.values()))  # one sweep per thread
+    fwd_points = [p for v in tr.fwd_seq.values() for p in v] + [(tid, ts) for v in tr.fwd_named.values() for ts, tid in v]
+    tr.prefill(points + list(tr.flows_s.values()) + fwd_points)  # one sweep per thread
     cats = {c: 0.0 for c in CATEGORIES}
     how = collections.Counter()
     per_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
@@ -343,8 +386,8 @@ def attribute(trace, device: bool = True, top: int = 40) -> dict:
                 via = "device_range" if cat is not None else "no_launch"
         if cat == "moe":
             cat = MOE_GEMM if GEMM_KERNEL.search(name) else MOE_OTHER
-        elif cat == "attention":
-            cat = GEMMS if GEMM_KERNEL.search(name) else ATTN_CORE if ATTN_KERNEL.search(name) else ATTN_REST
+        elif cat == "attention":  # the attention kernels first: cuDNN's SDPA kernels have GEMM-like names
+            cat = ATTN_CORE if ATTN_KERNEL.search(name) else GEMMS if GEMM_KERNEL.search(name) else ATTN_REST
         elif cat == "mlp":
             cat = GEMMS if GEMM_KERNEL.search(name) else MLP_ACT
         if cat is None:

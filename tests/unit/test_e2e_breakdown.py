@@ -105,6 +105,73 @@ def test_backward_kernels_follow_their_forward_op_by_flow_and_by_sequence_number
     _sums_to_total(b)
 
 
+def test_a_reentrant_checkpoints_recomputed_nodes_link_to_the_recomputation_not_to_the_main_thread():
+    """Under reentrant checkpointing the layer's forward runs again on autograd's thread, whose
+    sequence numbers start again from 0: the number of a recomputed node also names an older op of
+    the main thread, and only the forward-thread id of its backward tells them apart."""
+    t = Trace()
+    t.range("e2e::mlp", 0, 100)  # the main thread's op 5: inside the MLP
+    t.op("aten::mul", 10, 5, **{"Sequence number": 5, "Fwd thread id": 0})
+    t.kernel("mul_kernel", 11, 10)
+    t.range("e2e::rms_norm", 300, 100)  # the main thread's op 6, forward of a node of the main thread
+    t.op("aten::pow", 310, 5, **{"Sequence number": 6, "Fwd thread id": 0})
+    t.kernel("pow_kernel", 311, 10)
+    # the recomputation on autograd's thread: its op 5 is a norm's
+    t.range("e2e::rms_norm", 1000, 100, tid=BWD)
+    t.op("aten::rsqrt", 1010, 5, tid=BWD, **{"Sequence number": 5, "Fwd thread id": 0})
+    t.kernel("rsqrt_kernel", 1011, 10, tid=BWD)
+    t.op("autograd::engine::evaluate_function: RsqrtBackward0", 2000, 50, tid=BWD,
+         **{"Sequence number": 5, "Fwd thread id": 2})
+    t.kernel("rsqrt_backward_kernel", 2010, 40, tid=BWD)
+    for i in range(2):  # backward of main-thread nodes: their id is the main forward thread's
+        t.op("autograd::engine::evaluate_function: PowBackward0", 2100 + 100 * i, 50, tid=BWD,
+             **{"Sequence number": 6, "Fwd thread id": 1})
+        t.kernel("pow_backward_kernel", 2110 + 100 * i, 20, tid=BWD)
+    b = attribute(t.events)
+    c = b["categories"]
+    assert c["rms_norm"] == pytest.approx(0.01 + 0.01 + 0.04 + 0.04)
+    assert c["mlp activation"] == pytest.approx(0.01)
+    assert b["how"]["backward_link"] == pytest.approx(0.08)
+    _sums_to_total(b)
+
+
+def test_a_node_without_flow_or_sequence_number_links_to_the_latest_forward_op_of_its_name():
+    t = Trace()
+    t.range("e2e::rms_norm", 0, 100)
+    t.op("_FusedRMSNormFn", 10, 5, **{"Sequence number": 3, "Fwd thread id": 0})
+    t.range("e2e::attention", 200, 100)
+    t.op("aten::mul", 210, 5, **{"Sequence number": 4, "Fwd thread id": 0})
+    t.range("e2e::rms_norm", 400, 100, tid=BWD)  # recomputed on autograd's thread, number unknown
+    t.op("_FusedRMSNormFn", 410, 5, tid=BWD)
+    # the gradient-accumulation add that autograd runs inside the node's evaluation
+    t.op("autograd::engine::evaluate_function: _FusedRMSNormFnBackward", 1000, 50, tid=BWD)
+    t.kernel("vectorized_elementwise_kernel<CUDAFunctor_add>", 1010, 30, tid=BWD)
+    t.op("autograd::engine::evaluate_function: MulBackward0", 1100, 50, tid=BWD,
+         **{"Sequence number": -1, "Fwd thread id": 1})
+    t.kernel("mul_kernel", 1110, 20, tid=BWD)
+    t.op("autograd::engine::evaluate_function: DivBackward0", 1200, 50, tid=BWD)  # no aten::div anywhere
+    t.kernel("div_kernel", 1210, 10, tid=BWD)
+    b = attribute(t.events)
+    c = b["categories"]
+    assert c["rms_norm"] == pytest.approx(0.03)
+    assert c["rope + attention elementwise"] == pytest.approx(0.02)  # aten::mul inside the attention range
+    assert c["other"] == pytest.approx(0.01) and b["how"]["backward_unlinked"] == pytest.approx(0.01)
+    _sums_to_total(b)
+
+
+def test_cudnn_attention_kernels_are_attention_not_gemms():
+    t = Trace()
+    t.range("e2e::attention", 0, 1000)
+    t.kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", 10, 300)
+    t.kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 20, 200)
+    t.kernel("_ZN7cutlass13device_kernelIN5flash20FlashAttnFwdSm90", 30, 100)
+    t.kernel("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>", 40, 10)
+    c = attribute(t.events)["categories"]
+    assert c["attention"] == pytest.approx(0.4)
+    assert c["GEMMs (attention, MLP)"] == pytest.approx(0.2)
+    assert c["rope + attention elementwise"] == pytest.approx(0.01)
+
+
 def test_our_kernels_by_name_nccl_moe_split_and_innermost_range():
     t = Trace()
     t.range("e2e::moe", 0, 1000)
