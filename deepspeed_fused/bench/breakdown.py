@@ -337,7 +337,7 @@ class _Trace:
         return None, ""
 
 
-def attribute(trace, device: bool = True, top: int = 40) -> dict:
+def attribute(trace, device: bool = True, top: int = 80) -> dict:
     """Sum the kernel time of a profiler Chrome trace (path, dict or event list) into categories.
 
     ``device=False`` (a CPU-only run) takes the leaf CPU ops as the kernels instead. Returns

@@ -112,6 +112,43 @@ def shared_kernels_table(results: dict, top: int = 12) -> list:
     return out
 
 
+def category_vs_liger_table(results: dict, tolerance_ms: float = 0.05) -> list:
+    """Markdown lines: per pair with a breakdown in both the ``liger`` and ``fused`` arms, each
+    category either arm spends time in: Liger's ms, ours, the difference, and how much of the
+    difference is the same kernels (same name and call count among each step's longest kernels)
+    running longer in ours, the rest being work that differs (other kernels, other call counts, or
+    kernels below the kept list). A category is ``<=`` where ours is at most Liger's plus
+    ``tolerance_ms``. Empty where no pair has both arms."""
+    out = []
+    for k, v in results.items():
+        pair = [v.get(a) for a in ("liger", "fused")]
+        if not all(a and _ok(a) and _attributed(a.get("breakdown")) for a in pair):
+            continue
+        lb, fb = (a["breakdown"] for a in pair)
+        kept = [{(r["name"], r.get("calls")): r for r in b.get("top_kernels") or []} for b in (lb, fb)]
+        if not out:
+            out += ["", "Ours against Liger, category by category (ms per profiled optimizer step): the difference, "
+                    "and the part of it that is the same kernels (same name and call count among each step's "
+                    "longest kernels) taking longer in ours, which is the GPU running them slower (see the clocks "
+                    "above), not more work; the rest is work that differs between the arms. `<=`: ours takes at most "
+                    f"Liger's time (+{tolerance_ms} ms).", "",
+                    "| pair | category | liger | fused | fused - liger | same kernels, slower | other work | fused <= liger |",
+                    "|---|---|---:|---:|---:|---:|---:|---|"]
+        for c in _categories([lb, fb]):
+            lm, fm = lb["categories"].get(c, 0.0), fb["categories"].get(c, 0.0)
+            if lm == 0.0 and fm == 0.0:
+                continue
+            same = [key for key, r in kept[0].items() if r.get("category") == c and key in kept[1]
+                    and kept[1][key].get("category") == c]
+            slower = sum(kept[1][key]["ms"] - kept[0][key]["ms"] for key in same)
+            diff = fm - lm
+            verdict = "yes" if diff <= tolerance_ms else ("no: the same kernels, slower" if diff - slower <= tolerance_ms
+                                                          else "no")
+            out.append(f"| {k} | {c} | {lm:.1f} | {fm:.1f} | {diff:+.1f} | {slower:+.1f} | {diff - slower:+.1f} | "
+                       f"{verdict} |")
+    return out
+
+
 def clocks_table(results: dict) -> list:
     """Markdown lines: each arm's GPU clocks while it ran (``gpu_clocks``, sampled by the launcher's
     process; GPU 0 of the job), in the order the arms ran; none when no arm has them (a CPU run, an
@@ -567,6 +604,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 how = b.get("how", {})
                 lines.append(f"| {k} | {arm} | {_f(b.get('n_kernels'), '{:.0f}', '')} | "
                              + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
+        lines += category_vs_liger_table(results)
         lines += shared_kernels_table(results)
         if earlier:
             lines += ["", "Breakdowns written by the earlier kernel-name heuristic (grouping kernels by name) are in "

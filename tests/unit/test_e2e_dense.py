@@ -389,6 +389,27 @@ def test_shared_kernels_table_lists_the_kernels_every_arm_ran_alike():
     assert shared_kernels_table({"dense_x": {"baseline": results["dense_x"]["baseline"], "liger": {"error": "x"}}}) == []
 
 
+def test_category_vs_liger_table_splits_each_difference_into_slower_kernels_and_other_work():
+    """Per category: Liger's and our ms, the difference, the part of it that the same kernels (name and
+    call count) took longer in ours, and the verdict; a pair without both arms gives no table."""
+    from deepspeed_fused.bench.e2e_report import category_vs_liger_table
+
+    def arm(cats, rows):
+        return dict(breakdown=dict(method="m", categories=cats, top_kernels=[
+            dict(name=n, category=c, ms=ms, calls=k) for n, c, ms, k in rows]))
+
+    results = {"dense_x": {
+        "liger": arm({"GEMMs": 10.0, "norm": 3.0, "act": 1.0, "moe": 0.0},
+                     [("gemm", "GEMMs", 10.0, 4), ("liger_norm", "norm", 3.0, 2), ("swiglu", "act", 1.0, 2)]),
+        "fused": arm({"GEMMs": 10.5, "norm": 2.0, "act": 1.2, "moe": 0.0},
+                     [("gemm", "GEMMs", 10.5, 4), ("our_norm", "norm", 2.0, 2), ("gated", "act", 1.2, 2)])}}
+    rows = [line for line in category_vs_liger_table(results) if line.startswith("| dense_x")]
+    assert rows == ["| dense_x | GEMMs | 10.0 | 10.5 | +0.5 | +0.5 | +0.0 | no: the same kernels, slower |",
+                    "| dense_x | norm | 3.0 | 2.0 | -1.0 | +0.0 | -1.0 | yes |",
+                    "| dense_x | act | 1.0 | 1.2 | +0.2 | +0.0 | +0.2 | no |"]
+    assert category_vs_liger_table({"dense_x": {"liger": results["dense_x"]["liger"], "fused": {"error": "x"}}}) == []
+
+
 def test_qwen3_4b_pair_runs_on_one_gpu_only_where_one_holds_it(monkeypatch):
     """The Qwen3-4B pair asks for two GPUs; a host with one GPU of 120 GiB or more (an H200) runs
     it on that one, a host with two GPUs or one smaller GPU keeps two; other pairs keep their own."""
