@@ -117,6 +117,10 @@ NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
 GEMM_KERNEL = re.compile(r"gemm|cutlass|nvjet|xmma|wgmma|sm90_|sm80_|matmul|grouped_mm|_mm_|addmm|up_proj|down_proj|"
                          r"_dW\d|dX_expanded|^aten::(mm|bmm|addmm|_grouped_mm|linear)$", re.IGNORECASE)
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# what a breakdown records as its method; the earlier rules (the first string) put cuDNN's attention
+# kernels with the GEMMs and looked a recomputed node's forward op up on the main thread
+METHOD_V1 = "kernels once each, by name/range (deepspeed_fused.bench.breakdown)"
+METHOD = "kernels once each, by name/range, backward nodes by flow, per-thread sequence number or name (v2)"
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 EVALUATE = "autograd::engine::evaluate_function: "
 
@@ -406,7 +410,7 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
     rows = sorted(({"name": n, "category": c, "ms": v[0], "calls": v[1]} for (n, c), v in per_kernel.items()),
                   key=lambda r: -r["ms"])
     out = dict(total_gpu_ms=total, categories=cats, how=dict(how), n_kernels=len(tr.kernels),
-               top_kernels=rows[:top], method="kernels once each, by name/range (deepspeed_fused.bench.breakdown)")
+               top_kernels=rows[:top], method=METHOD)
     if windows:
         n = len(windows)
         out.update(micro_steps=windows, outside_micro_steps=outside,

@@ -11,6 +11,7 @@ import re
 from typing import Callable, Optional
 
 from .common import read_json
+from .breakdown import METHOD_V1
 
 # the arms, in the order the tables list them (deepspeed_fused.bench.e2e.ARMS defines each)
 ARM_ORDER = ("baseline", "liger", "liger_swiglu", "liger_swiglu_noautotune", "fused")
@@ -553,10 +554,21 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                   "the router's auxiliary loss cut out), the MoE blocks (split by kernel name into the expert GEMMs "
                   "and the rest), attention, DeepSpeed's `engine.step` (gradient norm, clipping, FP32/BF16 copies) "
                   "with the optimizer's own step inside it, `engine.backward` and ZeRO-3's parameter fetch/release. "
-                  "Backward kernels (on autograd's thread) take the category of the forward op that created their "
-                  "autograd node; `AccumulateGrad` (where ZeRO's gradient hooks run) is `zero: gradients`. The "
+                  "The attention range is split by kernel name into the attention kernels (SDPA's flash, cuDNN "
+                  "and memory-efficient kernels), the projection GEMMs and the rest; the MLP range into its GEMMs "
+                  "and the gated activation. Backward kernels (on autograd's thread) take the category of the "
+                  "forward op that created their autograd node (the profiler's forward-backward flow, else the "
+                  "node's sequence number on its own forward thread: a reentrant checkpoint recomputes on "
+                  "autograd's thread, else the latest forward op of the node's name); `AccumulateGrad` (where ZeRO's gradient hooks run) is `zero: gradients`. The "
                   "categories add up to the total. With gradient accumulation the profiled optimizer step has all "
                   "its micro-steps. See `deepspeed_fused/bench/breakdown.py`.", ""]
+        v1 = [k for k, v in results.items() if any(_ok(v[arm]) and (v[arm].get("breakdown") or {}).get("method")
+                                                   == METHOD_V1 for arm in _arms_of(v))]
+        if v1:
+            lines += ["Breakdowns of the earlier attribution rules (" + ", ".join(f"`{k}`" for k in v1) + "): "
+                      "cuDNN's attention kernels there count as `GEMMs (attention, MLP)`, and a backward node "
+                      "recomputed by a reentrant checkpoint, or found by neither flow nor sequence number, as "
+                      "`other`.", ""]
         cats = _categories(v[arm]["breakdown"] for v in results.values() for arm in _arms_of(v)
                            if _ok(v[arm]) and _attributed(v[arm].get("breakdown")))
         cats, earlier, header = cats or None, False, False
