@@ -178,7 +178,6 @@ class _Trace:
         flows_s, flows_f = {}, collections.defaultdict(list)
         fwd_seq = collections.defaultdict(list)  # sequence number -> [(tid, ts)] of forward ops
         fwd_named = collections.defaultdict(list)  # forward op name -> [(ts, tid)]
-        bwd_fwd_ids = collections.Counter()  # the forward-thread ids named by backward ops
         cpu_ops = collections.defaultdict(list)
         for ev in events:
             ph, cat = ev.get("ph"), ev.get("cat")
@@ -210,8 +209,6 @@ class _Trace:
             elif cat == "cpu_op":
                 if name.startswith(EVALUATE):
                     self.ranges[ev.get("tid")].append(_Span(ev, "evaluate"))
-                    if args.get("Fwd thread id"):
-                        bwd_fwd_ids[args["Fwd thread id"]] += 1
                 elif args.get("Sequence number") is not None and not args.get("Fwd thread id"):
                     fwd_seq[args["Sequence number"]].append((ev.get("tid"), float(ev["ts"])))
                     fwd_named[name].append((float(ev["ts"]), ev.get("tid")))
@@ -229,15 +226,23 @@ class _Trace:
         for v in flows_f.values():
             v.sort()
         self.flows_s, self.flows_f = flows_s, flows_f
-        # Sequence numbers are counted per forward thread. The thread with the most forward ops is the
-        # main forward thread, and the forward-thread id that backward ops name most often is its id;
-        # a node made on another thread (a reentrant checkpoint recomputes the layer's forward on
-        # autograd's thread, where the counter starts again) is looked up among the other threads' ops.
+        # Sequence numbers are counted per forward thread (a reentrant checkpoint recomputes a layer's
+        # forward on autograd's thread, with a counter of its own), and a backward op names its forward
+        # thread by the profiler's own thread id, not the trace's: each such id is mapped to the trace
+        # thread whose forward ops carry the numbers of its nodes most often (the right thread has
+        # every one of them, another only those its counter happens to share).
         count = collections.Counter(tid for v in fwd_seq.values() for tid, _ in v)
         self.main_tid = count.most_common(1)[0][0] if count else None
-        self.main_fwd_id = bwd_fwd_ids.most_common(1)[0][0] if bwd_fwd_ids else None
         self.fwd_seq = {seq: sorted(v, key=lambda p: p[1]) for seq, v in fwd_seq.items()}
         self.fwd_named = {n: sorted(v) for n, v in fwd_named.items()}
+        votes = collections.defaultdict(collections.Counter)
+        for spans in self.ranges.values():
+            for sp in spans:
+                fid, seq = sp.args.get("Fwd thread id"), sp.args.get("Sequence number")
+                if sp.kind == "evaluate" and fid and seq is not None and seq >= 0:
+                    for tid in {t for t, ts in self.fwd_seq.get(seq, []) if ts <= sp.start}:
+                        votes[fid][tid] += 1
+        self.fwd_thread = {fid: c.most_common(1)[0][0] for fid, c in votes.items()}
         self.windows.sort()
         self._cache = {}
 
@@ -283,12 +288,9 @@ class _Trace:
         seq = ev.args.get("Sequence number")
         if seq is not None and seq >= 0:
             before = [p for p in self.fwd_seq.get(seq, []) if p[1] <= ev.start]  # a node's forward precedes it
-            fid = ev.args.get("Fwd thread id")
-            if fid and self.main_fwd_id is not None and fid != self.main_fwd_id:
-                pool = [p for p in before if p[0] != self.main_tid]
-                pool = [p for p in pool if p[0] == ev.tid] or pool
-            else:
-                pool = [p for p in before if p[0] == self.main_tid] or before
+            tid = self.fwd_thread.get(ev.args.get("Fwd thread id"))
+            pool = [p for p in before if p[0] == tid] if tid is not None else []
+            pool = pool or [p for p in before if p[0] == self.main_tid] or before
             if pool:
                 return pool[-1]
         return self._forward_by_name(ev)

@@ -107,31 +107,35 @@ def test_backward_kernels_follow_their_forward_op_by_flow_and_by_sequence_number
 
 def test_a_reentrant_checkpoints_recomputed_nodes_link_to_the_recomputation_not_to_the_main_thread():
     """Under reentrant checkpointing the layer's forward runs again on autograd's thread, whose
-    sequence numbers start again from 0: the number of a recomputed node also names an older op of
-    the main thread, and only the forward-thread id of its backward tells them apart."""
+    sequence numbers are counted apart: the number of a recomputed node can also name an op of the
+    main thread, and only the forward-thread id of its backward tells them apart. The recomputed
+    nodes outnumber the main thread's (as in a checkpointed model), and the ids are mapped anyway."""
     t = Trace()
+    for seq in range(1, 5):  # the main thread runs most of the forward ops
+        t.op("aten::view", seq, 1, **{"Sequence number": seq, "Fwd thread id": 0})
     t.range("e2e::mlp", 0, 100)  # the main thread's op 5: inside the MLP
     t.op("aten::mul", 10, 5, **{"Sequence number": 5, "Fwd thread id": 0})
     t.kernel("mul_kernel", 11, 10)
     t.range("e2e::rms_norm", 300, 100)  # the main thread's op 6, forward of a node of the main thread
     t.op("aten::pow", 310, 5, **{"Sequence number": 6, "Fwd thread id": 0})
     t.kernel("pow_kernel", 311, 10)
-    # the recomputation on autograd's thread: its op 5 is a norm's
+    # the recomputation on autograd's thread: its op 5 is a norm's, 7 and 8 are its own only
     t.range("e2e::rms_norm", 1000, 100, tid=BWD)
-    t.op("aten::rsqrt", 1010, 5, tid=BWD, **{"Sequence number": 5, "Fwd thread id": 0})
+    for seq in (5, 7, 8):
+        t.op("aten::rsqrt", 1000 + seq, 1, tid=BWD, **{"Sequence number": seq, "Fwd thread id": 0})
     t.kernel("rsqrt_kernel", 1011, 10, tid=BWD)
-    t.op("autograd::engine::evaluate_function: RsqrtBackward0", 2000, 50, tid=BWD,
-         **{"Sequence number": 5, "Fwd thread id": 2})
-    t.kernel("rsqrt_backward_kernel", 2010, 40, tid=BWD)
-    for i in range(2):  # backward of main-thread nodes: their id is the main forward thread's
-        t.op("autograd::engine::evaluate_function: PowBackward0", 2100 + 100 * i, 50, tid=BWD,
-             **{"Sequence number": 6, "Fwd thread id": 1})
-        t.kernel("pow_backward_kernel", 2110 + 100 * i, 20, tid=BWD)
+    for i, seq in enumerate((5, 7, 8)):
+        t.op("autograd::engine::evaluate_function: RsqrtBackward0", 2000 + 10 * i, 5, tid=BWD,
+             **{"Sequence number": seq, "Fwd thread id": 2})
+        t.kernel("rsqrt_backward_kernel", 2001 + 10 * i, 40, tid=BWD)
+    t.op("autograd::engine::evaluate_function: PowBackward0", 2100, 50, tid=BWD,
+         **{"Sequence number": 6, "Fwd thread id": 1})  # a node of the main thread
+    t.kernel("pow_backward_kernel", 2110, 20, tid=BWD)
     b = attribute(t.events)
     c = b["categories"]
-    assert c["rms_norm"] == pytest.approx(0.01 + 0.01 + 0.04 + 0.04)
+    assert c["rms_norm"] == pytest.approx(0.01 + 0.01 + 3 * 0.04 + 0.02)
     assert c["mlp activation"] == pytest.approx(0.01)
-    assert b["how"]["backward_link"] == pytest.approx(0.08)
+    assert b["how"]["backward_link"] == pytest.approx(0.14)
     _sums_to_total(b)
 
 
