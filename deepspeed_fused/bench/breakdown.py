@@ -7,7 +7,8 @@ Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two
   module forward hooks and instance/class wrappers set up here, never the features themselves, so
   the same ranges exist in every arm (features off, Liger-Kernel, features on):
 
-  - every module whose class name ends in ``RMSNorm`` (transformers', Liger's): ``rms_norm``;
+  - every module whose class name ends in ``RMSNorm`` (transformers', Liger's; a Liger class's
+    family suffix such as ``ForGemma3`` left out, here and below): ``rms_norm``;
   - from the end of the decoder stack (the base model's forward) to the end of the causal LM's
     forward: ``lm_head + loss`` (logits GEMM and cross-entropy, or a fused loss), with the MoE
     router's auxiliary loss (``load_balancing_loss_func``) cut out as its own range;
@@ -427,8 +428,13 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
 # Ranges for one profiled step
 # ---------------------------------------------------------------------------------------------
 
+# a class name's family suffix, as Liger-Kernel names its per-family classes (LigerRMSNormForGemma3,
+# LigerGEGLUMLPForGemma4)
+_FOR_FAMILY = re.compile(r"For[A-Z0-9]\w*$")
+
+
 def _range_kind(module) -> Optional[str]:
-    name = type(module).__name__
+    name = _FOR_FAMILY.sub("", type(module).__name__)
     if name.endswith("RMSNorm"):
         return "rms_norm"
     if name.endswith("SparseMoeBlock") or name.endswith("MoeBlock") or name == "AutoEPMoELayer":

@@ -176,6 +176,16 @@ def test_cudnn_attention_kernels_are_attention_not_gemms():
     assert c["rope + attention elementwise"] == pytest.approx(0.01)
 
 
+def test_range_kinds_by_class_name_with_ligers_family_suffixes():
+    kinds = {n: bd._range_kind(type(n, (torch.nn.Module,), {})()) for n in (
+        "LlamaRMSNorm", "LigerRMSNorm", "LigerRMSNormForGemma3", "LigerGEGLUMLPForGemma4", "LlamaMLP",
+        "Gemma3DecoderLayer", "Qwen3MoeSparseMoeBlock", "LlamaAttention", "GemmaForCausalLM", "RMSNormFormatter")}
+    assert kinds == {"LlamaRMSNorm": "rms_norm", "LigerRMSNorm": "rms_norm", "LigerRMSNormForGemma3": "rms_norm",
+                     "LigerGEGLUMLPForGemma4": "mlp", "LlamaMLP": "mlp", "Gemma3DecoderLayer": "decoder_layer",
+                     "Qwen3MoeSparseMoeBlock": "moe", "LlamaAttention": "attention", "GemmaForCausalLM": None,
+                     "RMSNormFormatter": None}
+
+
 def test_our_kernels_by_name_nccl_moe_split_and_innermost_range():
     t = Trace()
     t.range("e2e::moe", 0, 1000)
