@@ -360,7 +360,7 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
         p = at if at is not None else tr.launch.get(corr)
         if p is not None:
             points.append(p)
-    fwd_points = [p for v in tr.fwd_seq.values() for p in v] + [(tid, ts) for v in tr.fwd_named.values() for ts, tid in v]
+    fwd_points = [p for v in tr.fwd_seq.values() for p in v]  # (fwd_named holds the same ops)
     tr.prefill(points + list(tr.flows_s.values()) + fwd_points)  # one sweep per thread
     cats = {c: 0.0 for c in CATEGORIES}
     how = collections.Counter()
