@@ -20,8 +20,9 @@ Implementations (each when it imports and takes the shape):
 The partial-rotary (GPT-NeoX form, a quarter of the head rotated) and DeepSeek-V3 interleave
 (MLA's 64-wide rope part, one key head) shapes have eager and torch.compile as peers only.
 
-``python -m deepspeed_fused.bench rope --sweep --out DIR`` times the kernel's tile knobs instead
-(CUDA-graph device time of our forward and backward at the Qwen3 and Llama shapes).
+``python -m deepspeed_fused.bench rope --sweep --out DIR`` times the kernel's knobs instead (tile
+sizes, warps, and q's and k's tiles interleaved or not; CUDA-graph device time of our forward and
+backward at the Qwen3, Llama and Gemma-3-1B shapes).
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ SHAPES = [
     ("NeoX partial 1/4, 8192 tok", "gpt_neox", "apply_rotary_pos_emb", 1, 8192, 32, 32, 128, 32),
     ("DeepSeek-V3 MLA rope 8192 tok", "deepseek_v3", "apply_rotary_pos_emb_interleave", 1, 8192, 128, 1, 64, 64),
 ]
+# the sweep's shapes: the target shapes, and few wide heads (Gemma-3-1B: the angles as many bytes as k)
+SWEEP_SHAPES = [x for x in SHAPES if x[0] in ("Qwen3 8192 tok", "Qwen3 2x4096 tok", "Llama 8192 tok")] + [
+    ("Gemma-3-1B 2x4096 tok", "gemma3", "apply_rotary_pos_emb", 2, 4096, 4, 1, 256, 256)]
 TARGET_SHAPES = ("Qwen3 8192 tok", "Qwen3 2x4096 tok", "Llama 8192 tok")
 CPU_SHAPES = [("Llama tiny", "llama", "apply_rotary_pos_emb", 1, 8, 4, 2, 16, 16),
               ("DeepSeek-V3 tiny", "deepseek_v3", "apply_rotary_pos_emb_interleave", 1, 8, 4, 1, 16, 16)]
@@ -136,13 +140,14 @@ def sweep(args) -> list:
     if not torch.cuda.is_available():
         raise SystemExit("the rope sweep needs a GPU (it times CUDA-graph replays)")
     dtype = torch.bfloat16
-    knobs = ("_TILE_PAIRS", "_MAX_BLOCK_R", "_NUM_WARPS")
-    settings = [(t, r, w) for t in (1024, 2048, 4096, 8192) for r in (16, 32, 64, 128) for w in (2, 4, 8)]
+    knobs = ("_TILE_PAIRS", "_MAX_BLOCK_R", "_NUM_WARPS", "_INTERLEAVE_QK")
+    settings = [(t, r, w, False) for t in (1024, 2048, 4096, 8192) for r in (16, 32, 64, 128) for w in (2, 4, 8)]
+    settings += [(t, r, 4, True) for t in (1024, 2048, 4096, 8192) for r in (16, 32, 64, 128)]
     saved = {k: getattr(_ops, k) for k in knobs}
     recs = []
     gen = torch.Generator().manual_seed(0)
     try:
-        for name, fam, fname, b, s, hq, hk, d, w in SHAPES[:3]:
+        for name, fam, fname, b, s, hq, hk, d, w in SWEEP_SHAPES:
             mod, fn = _family_fn(fam, fname)
             _, form = _ours(mod, fn)
             qb, kb, cos, sin, gq, gk = _inputs(b, s, hq, hk, d, w, "cuda", dtype, gen)
@@ -156,7 +161,8 @@ def sweep(args) -> list:
                 plan = _ops._get_plan(q, k, cos, sin, 1, form.spec)
                 fms = graph_ms(lambda: _ops._forward(plan, q, k, cos, sin), rep=50)
                 bms = graph_ms(lambda: _ops._backward(plan, (gq, gk), cos, sin), rep=50)
-                recs.append(Record(SUITE, "tile_pairs/max_block_r/warps " + "/".join(map(str, setting)), name,
+                recs.append(Record(SUITE, "tile_pairs/max_block_r/warps/interleave_qk " + "/".join(map(str, setting)),
+                                   name,
                                    "bfloat16", ours=True, fwd_ms=fms, fwd_bwd_ms=bms, unit="TB/s",
                                    fwd_rate=(2 * e + a) / fms / 1e9, fwd_bwd_rate=(2 * e + a) / bms / 1e9,
                                    note="fwd and bwd (not fwd+bwd) alone, CUDA-graph device time", **env_fields()))

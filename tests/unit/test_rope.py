@@ -141,6 +141,36 @@ def test_poisoned_outputs(interpret):
     assert all(torch.equal(a, b_) for a, b_ in zip(dx, want))
 
 
+@pytest.mark.parametrize("hq,hk,bshd", [(3, 2, True), (4, 1, True), (8, 2, False), (2, 5, True)])
+@pytest.mark.parametrize("name", ["llama", "partial"])
+def test_interleaved_q_and_k_tiles_write_every_element_as_eager(interpret, monkeypatch, hq, hk, bshd, name):
+    """With ``_INTERLEAVE_QK`` the programs take q's and k's tiles in one proportional order (small
+    tiles, so each tensor has many, in uneven numbers): every output and gradient element is
+    written (poisoned first) and equals eager's, forward and backward."""
+    spec = SPECS[name]
+    monkeypatch.setattr(RL, "_TILE_PAIRS", 4)  # a few rows per tile: many programs of each tensor
+    monkeypatch.setattr(RL, "_INTERLEAVE_QK", True)
+    RL.clear_plans()
+    try:
+        gen = torch.Generator().manual_seed(11)
+        _, _, q, k, cos, sin = make_inputs(spec, torch.float32, interpret, d=8, s=7, hq=hq, hk=hk, gen=gen)
+        # [B, H, S, D] views of token-major projections (rows token by token), or contiguous (head by head)
+        q, k = (q.detach(), k.detach()) if bshd else (q.detach().contiguous(), k.detach().contiguous())
+        plan = RL._get_plan(q, k, cos, sin, 1, spec)
+        assert plan.common["INTERLEAVE"] and plan.progs[0] > 4 and plan.progs[1] > 4 and plan.progs[0] != plan.progs[1]
+        outs = [torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))]
+        RL._forward(plan, q, k, cos, sin, outs=outs)
+        assert all(torch.equal(o, r) for o, r in zip(outs, R.rope_reference(q, k, cos, sin, 1, spec)))
+        gq, gk = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
+        dx = [torch.full(q.shape, float("nan")), torch.full(k.shape, float("nan"))]
+        RL._backward(plan, (gq, gk), cos, sin, outs=dx)
+        qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+        want = torch.autograd.grad(R.rope_reference(qq, kk, cos, sin, 1, spec), (qq, kk), (gq, gk))
+        assert all(torch.equal(a, b_) for a, b_ in zip(dx, want))
+    finally:
+        RL.clear_plans()
+
+
 @pytest.mark.parametrize("layout", ["bhsd-view", "contiguous", "bshd-ud2", "qkv-slice", "cos-batch-1", "3d",
                                     "head-dim-strided"])
 def test_layouts(interpret, layout):

@@ -136,10 +136,26 @@ if HAS_TRITON:
                      BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, PAIRS: tl.constexpr,
                      ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr, NEG: tl.constexpr, BACKWARD: tl.constexpr,
                      PROD: tl.constexpr, ACC: tl.constexpr, PASS: tl.constexpr, TWO: tl.constexpr,
-                     CONTRACT: tl.constexpr):
-        # programs [0, NP0) take tensor 0 (q), the rest tensor 1 (k): one launch for both
+                     CONTRACT: tl.constexpr, INTERLEAVE: tl.constexpr):
+        # programs [0, NP0) take tensor 0 (q), the rest tensor 1 (k): one launch for both; with
+        # INTERLEAVE, q's and k's tiles alternate in proportion (program i is q's tile
+        # floor(i * NP0 / n) when that count grows at i + 1, else k's next tile), so where rows are
+        # token-major the k tiles of a stretch of tokens run right after its q tiles, while the
+        # angles the two share are still in L2
         pid = tl.program_id(0)
-        if TWO:
+        if TWO and INTERLEAVE:
+            n = tl.num_programs(0).to(tl.int64)
+            i = pid.to(tl.int64)
+            q_before = (i * NP0) // n
+            if ((i + 1) * NP0) // n > q_before:
+                _rope_rows(X0, Y0, C, S, q_before, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
+                           sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
+                           HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
+            else:
+                _rope_rows(X1, Y1, C, S, i - q_before, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1,
+                           cb2, sb0, sb1, sb2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
+                           HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
+        elif TWO:
             if pid >= NP0:
                 _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2,
                            sb0, sb1, sb2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,

@@ -23,6 +23,9 @@ from .spec import RopeSpec, compute_dtype
 _TILE_PAIRS = 2048  # rows x pairs per program
 _MAX_BLOCK_R = 64
 _NUM_WARPS = 4
+# q's and k's tiles in one proportional order instead of all of q's first (see the kernel); off until
+# the sweep (``bench rope --sweep``) shows it pays
+_INTERLEAVE_QK = False
 
 
 class _Plan:
@@ -49,7 +52,8 @@ class _Plan:
         self.common = dict(BLOCK_R=block_r, BLOCK_H=block_h,
                            BLOCK_P=next_power_of_2(min(rest, 128)) if rest else 1,
                            PAIRS=spec.pairing == "adjacent", ANGLE_PAIR=spec.angles != "position",
-                           HALVES=spec.output == "halves", NEG=spec.negate, CONTRACT=spec.contract == "complex")
+                           HALVES=spec.output == "halves", NEG=spec.negate, CONTRACT=spec.contract == "complex",
+                           INTERLEAVE=bool(_INTERLEAVE_QK))
         # the rotated columns' offset and the pass-through columns [ps, pe): after the rotated ones,
         # or before them (tail); then the steps of cos's and sin's last dims
         self.tail = ((pairs, rest, 0, rest) if spec.tail else (pairs, 0, rdim, d)) + tuple(angle_steps)
