@@ -57,6 +57,21 @@ def test_specs_against_reference(name, dtype, shape):
     _check(SPECS[name], dtype, shape, seed=shape[0] + shape[2])
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["llama", "partial", "deinterleave"])
+def test_interleaved_q_and_k_tiles(name, shape):
+    """The launch knob that orders q's and k's tiles in proportion: the same results, bf16."""
+    if shape[0] % 4 and SPECS[name].partial:
+        pytest.skip("partial specs rotate half the head: needs d % 4 == 0")
+    RL._INTERLEAVE_QK = True
+    RL.clear_plans()
+    try:
+        _check(SPECS[name], torch.bfloat16, shape, seed=shape[2])
+    finally:
+        RL._INTERLEAVE_QK = False
+        RL.clear_plans()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["llama", "deinterleave", "glm-partial", "cast-back", "float32-once", "float32-each"])
 def test_float32_angles(name, dtype):
