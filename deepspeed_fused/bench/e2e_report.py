@@ -559,16 +559,16 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                   "and the gated activation. Backward kernels (on autograd's thread) take the category of the "
                   "forward op that created their autograd node (the profiler's forward-backward flow, else the "
                   "node's sequence number on its own forward thread: a reentrant checkpoint recomputes on "
-                  "autograd's thread, else the latest forward op of the node's name); `AccumulateGrad` (where ZeRO's gradient hooks run) is `zero: gradients`. The "
-                  "categories add up to the total. With gradient accumulation the profiled optimizer step has all "
+                  "autograd's thread, else the latest forward op of the node's name); `AccumulateGrad` (where "
+                  "ZeRO's gradient hooks run) is `zero: gradients`. The categories add up to the total. With gradient accumulation the profiled optimizer step has all "
                   "its micro-steps. See `deepspeed_fused/bench/breakdown.py`.", ""]
         v1 = [k for k, v in results.items() if any(_ok(v[arm]) and (v[arm].get("breakdown") or {}).get("method")
                                                    == METHOD_V1 for arm in _arms_of(v))]
         if v1:
             lines += ["Breakdowns of the earlier attribution rules (" + ", ".join(f"`{k}`" for k in v1) + "): "
-                      "cuDNN's attention kernels there count as `GEMMs (attention, MLP)`, and a backward node "
+                      "cuDNN's attention kernels there count as `GEMMs (attention, MLP)`, a backward node "
                       "recomputed by a reentrant checkpoint, or found by neither flow nor sequence number, as "
-                      "`other`.", ""]
+                      "`other`, and Liger's per-family norms (`LigerRMSNormForGemma3`) had no norm range.", ""]
         cats = _categories(v[arm]["breakdown"] for v in results.values() for arm in _arms_of(v)
                            if _ok(v[arm]) and _attributed(v[arm].get("breakdown")))
         cats, earlier, header = cats or None, False, False
