@@ -52,10 +52,10 @@ SHAPES = [
     ("NeoX partial 1/4, 8192 tok", "gpt_neox", "apply_rotary_pos_emb", 1, 8192, 32, 32, 128, 32),
     ("DeepSeek-V3 MLA rope 8192 tok", "deepseek_v3", "apply_rotary_pos_emb_interleave", 1, 8192, 128, 1, 64, 64),
 ]
-# the sweep's shapes: the target shapes, and few wide heads (Gemma-3-1B: the angles as many bytes as k)
-SWEEP_SHAPES = [x for x in SHAPES if x[0] in ("Qwen3 8192 tok", "Qwen3 2x4096 tok", "Llama 8192 tok")] + [
-    ("Gemma-3-1B 2x4096 tok", "gemma3", "apply_rotary_pos_emb", 2, 4096, 4, 1, 256, 256)]
 TARGET_SHAPES = ("Qwen3 8192 tok", "Qwen3 2x4096 tok", "Llama 8192 tok")
+# the sweep's shapes: the target shapes, and few wide heads (Gemma-3-1B: the angles as many bytes as k)
+SWEEP_SHAPES = [x for x in SHAPES if x[0] in TARGET_SHAPES] + [
+    ("Gemma-3-1B 2x4096 tok", "gemma3", "apply_rotary_pos_emb", 2, 4096, 4, 1, 256, 256)]
 CPU_SHAPES = [("Llama tiny", "llama", "apply_rotary_pos_emb", 1, 8, 4, 2, 16, 16),
               ("DeepSeek-V3 tiny", "deepseek_v3", "apply_rotary_pos_emb_interleave", 1, 8, 4, 1, 16, 16)]
 _LOOPED = ("deepspeed_fused", "HF eager", "Liger liger_rotary_pos_emb", "DeepSpeed 0.19.8 fused_apply_rotary_pos_emb",

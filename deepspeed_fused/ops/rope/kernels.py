@@ -143,26 +143,24 @@ if HAS_TRITON:
         # token-major the k tiles of a stretch of tokens run right after its q tiles, while the
         # angles the two share are still in L2
         pid = tl.program_id(0)
-        if TWO and INTERLEAVE:
-            n = tl.num_programs(0).to(tl.int64)
-            i = pid.to(tl.int64)
-            q_before = (i * NP0) // n
-            if ((i + 1) * NP0) // n > q_before:
-                _rope_rows(X0, Y0, C, S, q_before, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
+        if TWO:
+            if INTERLEAVE:
+                n = tl.num_programs(0).to(tl.int64)
+                i = pid.to(tl.int64)
+                tile_q = (i * NP0) // n
+                is_q = ((i + 1) * NP0) // n > tile_q
+                tile_k = i - tile_q
+            else:
+                is_q = pid < NP0
+                tile_q = pid
+                tile_k = pid - NP0
+            if is_q:
+                _rope_rows(X0, Y0, C, S, tile_q, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
                            sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
                            HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
             else:
-                _rope_rows(X1, Y1, C, S, i - q_before, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1,
-                           cb2, sb0, sb1, sb2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
-                           HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
-        elif TWO:
-            if pid >= NP0:
-                _rope_rows(X1, Y1, C, S, pid - NP0, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2,
+                _rope_rows(X1, Y1, C, S, tile_k, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2,
                            sb0, sb1, sb2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
-                           HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
-            else:
-                _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
-                           sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
                            HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
         else:
             _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
