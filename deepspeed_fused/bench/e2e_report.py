@@ -81,6 +81,11 @@ def error_headline(text: str, limit: int = 300) -> str:
     return ((m.group(0) if m else "") + found[-1].strip())[:limit]
 
 
+def _kernels_by_key(b: dict) -> dict:
+    """A breakdown's kept kernels by (name, calls): the same kernel run the same number of times."""
+    return {(r["name"], r.get("calls")): r for r in b.get("top_kernels") or []}
+
+
 def shared_kernels_table(results: dict, top: int = 12) -> list:
     """Markdown lines: per pair, the kernels every arm ran with the same name and call count (from
     each profiled step's ``top_kernels``), the longest first, with each arm's time and each arm's
@@ -92,7 +97,7 @@ def shared_kernels_table(results: dict, top: int = 12) -> list:
                 and v[a]["breakdown"].get("top_kernels")]
         if len(arms) < 2:
             continue
-        rows = [{(r["name"], r.get("calls")): r for r in v[a]["breakdown"]["top_kernels"]} for a in arms]
+        rows = [_kernels_by_key(v[a]["breakdown"]) for a in arms]
         same = [key for key in rows[0] if all(key in r for r in rows[1:])]
         same.sort(key=lambda key: -rows[0][key]["ms"])
         if not same:
@@ -126,7 +131,7 @@ def category_vs_liger_table(results: dict, tolerance_ms: float = 0.05) -> list:
         if not all(a and _ok(a) and _attributed(a.get("breakdown")) for a in pair):
             continue
         lb, fb = (a["breakdown"] for a in pair)
-        kept = [{(r["name"], r.get("calls")): r for r in b.get("top_kernels") or []} for b in (lb, fb)]
+        kept = [_kernels_by_key(b) for b in (lb, fb)]
         if not out:
             out += ["", "Ours against Liger, category by category (ms per profiled optimizer step): the difference, "
                     "and the part of it that is the same kernels (same name and call count among each step's "
