@@ -29,7 +29,8 @@ models of the Llama-3.2-3B, Qwen3-1.7B, Qwen3-4B and Gemma-3-1B shapes (random w
 (on one GPU; Qwen3-4B on two, :data:`DENSE_GPUS`: its training state does not fit one 80 GB GPU; on one
 where that is all the host has and it holds 120 GiB, an H200),
 Hugging Face gradient checkpointing (non-reentrant; ``dense_llama3_3b_reentrant`` the reentrant
-variant), the same three arms at the same micro-batch, the liger arm with the family's patch
+variant; ``dense_qwen3_4b_bf16_states`` the Qwen3-4B shape on one 80 GB GPU with ZeRO-2's master
+weights, gradients and AdamW moments in bf16, ``configs/bf16_states_*.json``), the same three arms at the same micro-batch, the liger arm with the family's patch
 function's defaults (its SwiGLU/GeGLU MLP included) and the fused arm with every feature on,
 ``mlp_act`` included (``configs/fused_all.json``). ``--dense-model NAME`` runs them all on
 another model (a tiny stand-in for a quick check).
@@ -151,14 +152,21 @@ DENSE_PAIRS = {
     "dense_qwen3_4b": ("qwen3-4b", ["--grad-ckpt", "non-reentrant"]),
     "dense_gemma3_1b": ("gemma3-1b", ["--grad-ckpt", "non-reentrant"]),
     "dense_llama3_3b_reentrant": ("llama-3.2-3b", ["--grad-ckpt", "reentrant"]),
+    # the Qwen3-4B shape on one 80 GB GPU: ZeRO-2 keeping its master weights, gradients and AdamW
+    # moments in bf16 (DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states), about
+    # 10 bytes a parameter instead of 16; the same config in all three arms
+    "dense_qwen3_4b_bf16_states": ("qwen3-4b", ["--grad-ckpt", "non-reentrant"]),
 }
+# the configs of a dense pair that are not the ZeRO-2 pair's (baseline, fused)
+DENSE_CONFIGS = {"dense_qwen3_4b_bf16_states": ("configs/bf16_states_baseline.json", "configs/bf16_states_fused.json")}
 # GPUs of each dense pair: one, but two for the Qwen3-4B shape, whose bf16 weights, gradients, fp32
 # master weights and AdamW moments (about 16 bytes a parameter, 64 GB) leave no room for the
 # activations on one 80 GB GPU in any arm; on two, ZeRO-2 halves the optimizer's share.
 DENSE_GPUS = {"dense_qwen3_4b": 2}
 # ... unless one GPU has this much memory (GiB): the Qwen3-4B pair fits one 141 GB H200
 ONE_GPU_FITS_GIB = {"dense_qwen3_4b": 120}
-PAIRS.update({p: ("configs/baseline.json", "configs/fused_all.json", DENSE_GPUS.get(p, 1)) for p in DENSE_PAIRS})
+PAIRS.update({p: DENSE_CONFIGS.get(p, ("configs/baseline.json", "configs/fused_all.json")) + (DENSE_GPUS.get(p, 1),)
+              for p in DENSE_PAIRS})
 
 
 def gpu_memory_gib() -> list:
@@ -192,8 +200,8 @@ def pair_gpus(pair: str, default: int, memory: Optional[list] = None) -> int:
     if memory and len(memory) < default and memory[0] >= need:
         return 1
     return default
-# ``--pairs dense``: the four dense pairs with non-reentrant checkpointing
-DENSE_ALIAS = [p for p in DENSE_PAIRS if not p.endswith("_reentrant")]
+# ``--pairs dense``: the four dense pairs with non-reentrant checkpointing and the ZeRO-2 pair's configs
+DENSE_ALIAS = [p for p in DENSE_PAIRS if not p.endswith("_reentrant") and p not in DENSE_CONFIGS]
 
 
 def pair_setup(pair: str, o, extra: list) -> tuple:

@@ -26,6 +26,7 @@ STEP_TARGETS = {"zero2": dict(vs_baseline=1.30, vs_liger=1.3),
                 # family's Liger patch
                 "dense_qwen3_1_7b": dict(vs_baseline=1.3, vs_liger=1.1),
                 "dense_qwen3_4b": dict(vs_baseline=1.3, vs_liger=1.1),
+                "dense_qwen3_4b_bf16_states": dict(vs_baseline=1.3, vs_liger=1.1),
                 "dense_gemma3_1b": dict(vs_baseline=1.3, vs_liger=1.1),
                 "dense_llama3_3b": dict(vs_baseline=1.3, vs_liger=1.05),
                 "dense_llama3_3b_reentrant": dict(vs_baseline=1.3, vs_liger=1.05)}

@@ -36,13 +36,26 @@ def test_dense_fused_config_turns_every_feature_on():
     from deepspeed_fused.config import parse_config
     from deepspeed_fused.features import all_features
 
+    def load(name):
+        with open(e2e.config_file(name)) as f:
+            return json.load(f)
+
     for pair in e2e.DENSE_PAIRS:
         base, fused, gpus = e2e.PAIRS[pair]
-        assert (base, fused) == e2e.PAIRS["zero2"][:2]  # ZeRO-2, as the MoE pair
-        assert gpus == (2 if pair == "dense_qwen3_4b" else 1)  # Qwen3-4B's training state needs two
-        with open(e2e.config_file(fused)) as f:
-            parsed = parse_config(json.load(f))
+        assert gpus == (2 if pair == "dense_qwen3_4b" else 1)  # Qwen3-4B's fp32 training state needs two
+        if pair in e2e.DENSE_CONFIGS:
+            # the zero2 pair's configs with bf16 master weights, gradients and optimizer states
+            for mine, theirs in zip((base, fused), e2e.PAIRS["zero2"][:2]):
+                a, b = load(mine), load(theirs)
+                assert a.pop("bf16") == dict(enabled=True, bf16_master_weights_and_grads=True,
+                                             bf16_optimizer_states=True)
+                b.pop("bf16")
+                assert a == b
+        else:
+            assert (base, fused) == e2e.PAIRS["zero2"][:2]  # ZeRO-2, as the MoE pair
+        parsed = parse_config(load(fused))
         assert parsed.mlp_act.enabled and all(getattr(parsed, f.name).enabled for f in all_features())
+        assert not any(getattr(parse_config(load(base)), f.name).enabled for f in all_features())
 
 
 def _flags(train_args):
