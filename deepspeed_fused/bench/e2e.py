@@ -690,7 +690,9 @@ def main(args) -> dict:
                 **{k: getattr(o, k) for k in SEARCH_SETTINGS})
     dense = [p for p in dict.fromkeys(pairs + o.search_list) if p in DENSE_PAIRS]
     if dense:  # each dense pair's own model and checkpointing
-        meta["pair_models"] = {p: dict(model=pair_setup(p, o, [])[0], args=" ".join(DENSE_PAIRS[p][1])) for p in dense}
+        meta["pair_models"] = {p: dict(model=pair_setup(p, o, [])[0], args=" ".join(DENSE_PAIRS[p][1]),
+                                       **({"configs": " / ".join(DENSE_CONFIGS[p])} if p in DENSE_CONFIGS else {}))
+                               for p in dense}
 
     def partial():  # e2e.json after every run: a job stopped from outside keeps what finished
         with open(os.path.join(out_dir, "e2e.json"), "w") as f:

@@ -464,8 +464,9 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 + "; ".join(f"`{k}` {g}" for k, g in meta["pair_gpus"].items()) + ".")
              + ("" if not meta.get("pair_models") else " Dense pairs (their own models, full depth, random init, "
                 "ZeRO-2; `liger`: the family's `apply_liger_kernel_to_<family>()` defaults; `fused`: every feature "
-                "on, `mlp_act` included): " + "; ".join(f"`{k}`: `{v['model']}`, {v['args']}"
-                                                        for k, v in meta["pair_models"].items()) + "."), ""]
+                "on, `mlp_act` included): " + "; ".join(
+                    f"`{k}`: `{v['model']}`, {v['args']}" + (f", configs {v['configs']}" if v.get("configs") else "")
+                    for k, v in meta["pair_models"].items()) + "."), ""]
     if results:
         lines += ["![loss](e2e_loss.png)", "", "![speed and memory](e2e_speed_memory.png)", "",
                   "Step: one optimizer step (all its micro-steps and the optimizer), wall time; tokens/s: the "

@@ -105,6 +105,10 @@ def test_report_names_each_dense_pairs_model(tmp_path):
                 pair_models={"dense_qwen3_1_7b": dict(model="qwen3-1.7b", args="--grad-ckpt non-reentrant")})
     md = e2e_report.markdown({}, {}, meta)
     assert "`dense_qwen3_1_7b`: `qwen3-1.7b`, --grad-ckpt non-reentrant" in md
+    # a pair with configs of its own names them
+    four = dict(model="qwen3-4b", args="--grad-ckpt non-reentrant", configs="a.json / b.json")
+    md = e2e_report.markdown({}, {}, dict(meta, pair_models={"dense_qwen3_4b_bf16_states": four}))
+    assert "`dense_qwen3_4b_bf16_states`: `qwen3-4b`, --grad-ckpt non-reentrant, configs a.json / b.json" in md
     a = dict(meta=meta, results={}, search={})
     b = dict(meta=dict(meta, pair_models={"dense_gemma3_1b": dict(model="gemma3-1b", args="x")}), results={},
              search={})
