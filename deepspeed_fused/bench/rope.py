@@ -150,7 +150,9 @@ def sweep(args) -> list:
         raise SystemExit("the rope sweep needs a GPU (it times CUDA-graph replays)")
     dtype = torch.bfloat16
     knobs = ("_TILE_PAIRS", "_MAX_BLOCK_R", "_NUM_WARPS", "_INTERLEAVE_QK")
-    settings = [(t, r, w, i) for t in (1024, 2048, 4096) for r in (16, 64) for w in (4, 8) for i in (False, True)]
+    # the default tiles and a smaller and a larger one (tile and warp settings have moved ours by under
+    # 1% at the target shapes), each with q's and k's tiles in order and interleaved
+    settings = [(t, r, w, i) for t, r, w in ((2048, 64, 4), (1024, 16, 4), (4096, 64, 8)) for i in (False, True)]
     saved = {k: getattr(_ops, k) for k in knobs}
     recs = []
     gen = torch.Generator().manual_seed(0)
