@@ -93,6 +93,14 @@ def test_run_arm_launches_each_dense_arm(tmp_path, monkeypatch):
     assert os.path.basename(base[base.index("--deepspeed_config") + 1]) == "baseline.json"
     assert os.path.basename(fused[fused.index("--deepspeed_config") + 1]) == "fused_all.json"
     assert "--liger" in liger and "--liger-defaults" in liger and "--liger-defaults" not in base
+    # a pair with configs of its own launches them, the same model and checkpointing
+    seen.clear()
+    o = _opts("--pairs", "dense_qwen3_4b_bf16_states", "--steps", "2", "--warmup", "1")
+    for arm in ("baseline", "liger", "fused"):
+        assert "error" not in e2e.run_arm("dense_qwen3_4b_bf16_states", arm, o, str(tmp_path))
+    names = [os.path.basename(a[a.index("--deepspeed_config") + 1]) for a in seen]
+    assert names == ["bf16_states_baseline.json", "bf16_states_baseline.json", "bf16_states_fused.json"]
+    assert all(a[a.index("--model") + 1] == "qwen3-4b" for a in seen)
     # a stand-in model for every dense pair; the MoE pairs keep the suite's model
     o = _opts("--pairs", "dense_qwen3_4b", "--dense-model", "llama-tiny")
     assert e2e.pair_setup("dense_qwen3_4b", o, []) == ("llama-tiny", ["--grad-ckpt", "non-reentrant"])
