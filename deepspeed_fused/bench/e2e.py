@@ -30,10 +30,11 @@ models of the Llama-3.2-3B, Qwen3-1.7B, Qwen3-4B and Gemma-3-1B shapes (random w
 where that is all the host has and it holds 120 GiB, an H200),
 Hugging Face gradient checkpointing (non-reentrant; ``dense_llama3_3b_reentrant`` the reentrant
 variant; ``dense_qwen3_4b_bf16_states`` the Qwen3-4B shape on one 80 GB GPU with ZeRO-2's master
-weights, gradients and AdamW moments in bf16, ``configs/bf16_states_*.json``), the same three arms at the same micro-batch, the liger arm with the family's patch
-function's defaults (its SwiGLU/GeGLU MLP included) and the fused arm with every feature on,
-``mlp_act`` included (``configs/fused_all.json``). ``--dense-model NAME`` runs them all on
-another model (a tiny stand-in for a quick check).
+weights, gradients and AdamW moments in bf16, ``configs/bf16_states_*.json``), the same three
+arms at the same micro-batch, the liger arm with the family's patch function's defaults (its
+SwiGLU/GeGLU MLP included) and the fused arm with every feature on, ``mlp_act`` included
+(``configs/fused_all.json``). ``--dense-model NAME`` runs them all on another model (a tiny
+stand-in for a quick check).
 
 Pairs (``--pairs``, default ``zero2,zero2_accum8,autoep,zero3``; ``none`` for none): ZeRO-2,
 ``zero2_accum8`` (ZeRO-2 with ``gradient_accumulation_steps`` 8: ``configs/accum8_*.json``, the
