@@ -567,8 +567,9 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                   "forward op that created their autograd node (the profiler's forward-backward flow, else the "
                   "node's sequence number on its own forward thread: a reentrant checkpoint recomputes on "
                   "autograd's thread, else the latest forward op of the node's name); `AccumulateGrad` (where "
-                  "ZeRO's gradient hooks run) is `zero: gradients`. The categories add up to the total. With gradient accumulation the profiled optimizer step has all "
-                  "its micro-steps. See `deepspeed_fused/bench/breakdown.py`.", ""]
+                  "ZeRO's gradient hooks run) is `zero: gradients`. The categories add up to the total. With "
+                  "gradient accumulation the profiled optimizer step has all its micro-steps. See "
+                  "`deepspeed_fused/bench/breakdown.py`.", ""]
         v1 = [k for k, v in results.items() if any(_ok(v[arm]) and (v[arm].get("breakdown") or {}).get("method")
                                                    == METHOD_V1 for arm in _arms_of(v))]
         if v1:
