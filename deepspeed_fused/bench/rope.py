@@ -21,8 +21,9 @@ The partial-rotary (GPT-NeoX form, a quarter of the head rotated) and DeepSeek-V
 (MLA's 64-wide rope part, one key head) shapes have eager and torch.compile as peers only.
 
 ``python -m deepspeed_fused.bench rope --sweep --out DIR`` times the kernel's knobs instead (tile
-sizes, warps, and q's and k's tiles interleaved or not; CUDA-graph device time of our forward and
-backward at the Qwen3, Llama and Gemma-3-1B shapes, and Liger's forward and backward ops there).
+sizes, warps, q's and k's tiles interleaved or not, the angles' shared halves read once or in full;
+CUDA-graph device time of our forward and backward at the Qwen3, Llama and Gemma-3-1B shapes, and
+Liger's forward and backward ops there).
 """
 from __future__ import annotations
 
@@ -149,10 +150,12 @@ def sweep(args) -> list:
     if not torch.cuda.is_available():
         raise SystemExit("the rope sweep needs a GPU (it times CUDA-graph replays)")
     dtype = torch.bfloat16
-    knobs = ("_TILE_PAIRS", "_MAX_BLOCK_R", "_NUM_WARPS", "_INTERLEAVE_QK")
-    # the default tiles and a smaller and a larger one (tile and warp settings have moved ours by under
-    # 1% at the target shapes), each with q's and k's tiles in order and interleaved
-    settings = [(t, r, w, i) for t, r, w in ((2048, 64, 4), (1024, 16, 4), (4096, 64, 8)) for i in (False, True)]
+    knobs = ("_TILE_PAIRS", "_MAX_BLOCK_R", "_NUM_WARPS", "_INTERLEAVE_QK", "_SHARE_HALVES")
+    # the default tiles with q's and k's tiles in order and interleaved, each reading the angles'
+    # shared halves once and in full; a smaller and a larger tile (tile and warp settings have moved
+    # ours by under 1% at the target shapes), interleaved or not, halves read once
+    settings = [(2048, 64, 4, i, h) for i in (False, True) for h in (True, False)]
+    settings += [(t, r, w, i, True) for t, r, w, i in ((1024, 16, 4, False), (4096, 64, 8, True))]
     saved = {k: getattr(_ops, k) for k in knobs}
     liger = _liger_ops()
     recs = []
@@ -170,11 +173,15 @@ def sweep(args) -> list:
                     setattr(_ops, kname, v)
                 _ops.clear_plans()
                 plan = _ops._get_plan(q, k, cos, sin, 1, form.spec)
-                fms = graph_ms(lambda: _ops._forward(plan, q, k, cos, sin), rep=50)
-                bms = graph_ms(lambda: _ops._backward(plan, (gq, gk), cos, sin), rep=50)
-                label = "tile_pairs/max_block_r/warps/interleave_qk " + "/".join(map(str, setting))
+                # the angles' flag as a model's first layer leaves it for the others (compared once
+                # per forward): made before the graphs, which time the rotation alone
+                same = _ops._same_halves(plan, cos, sin)
+                fms = graph_ms(lambda: _ops._forward(plan, q, k, cos, sin, same=same), rep=50)
+                bms = graph_ms(lambda: _ops._backward(plan, (gq, gk), cos, sin, same=same), rep=50)
+                label = "tile_pairs/max_block_r/warps/interleave_qk/share_halves " + "/".join(map(str, setting))
+                nb = 2 * e + (a // 2 if int(same) else a)
                 recs.append(Record(SUITE, label, name, "bfloat16", ours=True, fwd_ms=fms, fwd_bwd_ms=bms, unit="TB/s",
-                                   fwd_rate=(2 * e + a) / fms / 1e9, fwd_bwd_rate=(2 * e + a) / bms / 1e9,
+                                   fwd_rate=nb / fms / 1e9, fwd_bwd_rate=nb / bms / 1e9,
                                    note="fwd and bwd (not fwd+bwd) alone, CUDA-graph device time", **env_fields()))
             if liger is not None:  # Liger's kernel at the same shape: in place on q and k, on the gradients
                 fwd_op, bwd_op = liger

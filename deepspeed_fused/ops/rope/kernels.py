@@ -11,7 +11,9 @@ float32 inputs round as eager does too.
 Rows are addressed through up to three strided leading dims and a strided head dim with no
 copy; cos/sin are broadcast over the heads through zero strides, their last dims read with
 strides of their own (``csd``, ``ssd``: the halves of a complex tensor are views of step 2,
-a ``freqs_cis`` built from a transposed product has a larger step).
+a ``freqs_cis`` built from a transposed product has a larger step). Per-position angles whose
+two columns of each pair hold the same bits (``SAME``, checked on the device by the launch) are
+read once, from the pair's first column.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _rope_rows(X, Y, C, S, tile, n_rows, N1, N2, xs0, xs1, xs2, xsd, ys0, ys1, ys2, ysd, cs0, cs1, cs2,
+    def _rope_rows(X, Y, C, S, SAME, tile, n_rows, N1, N2, xs0, xs1, xs2, xsd, ys0, ys1, ys2, ysd, cs0, cs1, cs2,
                    ss0, ss1, ss2,
                    H, ROFF, PS, PE, csd, ssd, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, ANGLE_PAIR: tl.constexpr, HALVES: tl.constexpr,
@@ -94,8 +96,15 @@ if HAS_TRITON:
             cs = cf
             ss = sf
         else:
-            cs = tl.load(C + crow + (as_ * csd)[None, :], mask=m, other=0.0).to(tl.float32)
-            ss = tl.load(S + srow + (as_ * ssd)[None, :], mask=m, other=0.0).to(tl.float32)
+            # SAME (an int32 on the device) is nonzero when cos's and sin's columns s hold the very
+            # bits of their columns f (Hugging Face builds them as two copies of one half): the
+            # second half is then not read, and its values are those of the first, bit for bit
+            same = tl.load(SAME)
+            ms = m & (same == 0)
+            cs = tl.load(C + crow + (as_ * csd)[None, :], mask=ms, other=0.0).to(tl.float32)
+            ss = tl.load(S + srow + (as_ * ssd)[None, :], mask=ms, other=0.0).to(tl.float32)
+            cs = tl.where(same != 0, cf, cs)
+            ss = tl.where(same != 0, sf, ss)
         if NEG:
             sf = -sf
             ss = -ss
@@ -129,7 +138,7 @@ if HAS_TRITON:
                 tl.store(Y + yrow + (c * ysd)[None, :], v.to(out_ty), mask=mm)
 
     @triton.jit
-    def _rope_kernel(X0, Y0, X1, Y1, C, S, NP0,
+    def _rope_kernel(X0, Y0, X1, Y1, C, S, SAME, NP0,
                      n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2, sa0, sa1, sa2,
                      n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2, sb0, sb1, sb2,
                      H, ROFF, PS, PE, csd, ssd,
@@ -155,14 +164,14 @@ if HAS_TRITON:
                 tile_q = pid
                 tile_k = pid - NP0
             if is_q:
-                _rope_rows(X0, Y0, C, S, tile_q, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
-                           sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
+                _rope_rows(X0, Y0, C, S, SAME, tile_q, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1,
+                           ca2, sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
                            HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
             else:
-                _rope_rows(X1, Y1, C, S, tile_k, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1, cb2,
-                           sb0, sb1, sb2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
+                _rope_rows(X1, Y1, C, S, SAME, tile_k, n1, b1, b2, xb0, xb1, xb2, xbd, yb0, yb1, yb2, ybd, cb0, cb1,
+                           cb2, sb0, sb1, sb2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
                            HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)
         else:
-            _rope_rows(X0, Y0, C, S, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
+            _rope_rows(X0, Y0, C, S, SAME, pid, n0, a1, a2, xa0, xa1, xa2, xad, ya0, ya1, ya2, yad, ca0, ca1, ca2,
                        sa0, sa1, sa2, H, ROFF, PS, PE, csd, ssd, BLOCK_R, BLOCK_H, BLOCK_P, PAIRS, ANGLE_PAIR,
                        HALVES, NEG, BACKWARD, PROD, ACC, PASS, CONTRACT)

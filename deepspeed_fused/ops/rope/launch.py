@@ -8,6 +8,7 @@ calls :func:`clear_plans`).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -26,6 +27,9 @@ _NUM_WARPS = 4
 # q's and k's tiles in one proportional order instead of all of q's first (see the kernel); off until
 # the sweep (``bench rope --sweep``) shows it pays
 _INTERLEAVE_QK = False
+# per-position angles: read each pair's second column only where it differs from the first (a flag
+# computed on the device once per cos/sin tensor, see :func:`_same_halves`)
+_SHARE_HALVES = True
 
 
 class _Plan:
@@ -99,9 +103,11 @@ _direct: dict = {}  # launch key -> the compiled kernel's direct launcher
 
 
 def clear_plans() -> None:
-    """Forget the launch plans and direct launchers (the benchmark's sweep changes the knobs)."""
+    """Forget the launch plans, direct launchers and angle flags (the benchmark's sweep changes the
+    knobs)."""
     _plans.clear()
     _direct.clear()
+    _same_cache.clear()
 
 
 def _key(q, k, cos, sin, ud, spec, tag=None):
@@ -196,47 +202,100 @@ def _probe_complex(device: torch.device, p: int = 37, layouts: tuple = ("contigu
     return ""
 
 
-def _launch(plan: _Plan, lkey, x0, y0, x1, y1, cos, sin, np0: int, total: int, args: tuple, const: dict) -> None:
+_ZEROS: dict = {}  # device -> an int32 zero (the flag of angles read in full)
+_SAME_MAX = 4
+_same_cache: list = []  # (weakref to cos, to sin, their versions, the flag), most recent first
+
+
+def _zero_flag(device: torch.device) -> torch.Tensor:
+    flag = _ZEROS.get(device)
+    if flag is None:
+        flag = _ZEROS[device] = torch.zeros((), dtype=torch.int32, device=device)
+    return flag
+
+
+def _same_halves(plan: _Plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``SAME`` flag: an int32 on the device, 1 when the per-position angles hold in
+    each pair's second column the very bits of its first (cos's and sin's columns ``[h, 2h)`` equal
+    to ``[0, h)``, or the odd columns to the even ones for adjacent pairs), else 0. Then the kernel
+    reads only the first columns and computes what it computes from both. Compared on the device
+    (no host sync) and kept per cos/sin tensor and version, so the model's layers, which share one
+    cos/sin, compare once per forward."""
+    if plan.common["ANGLE_PAIR"] or not _SHARE_HALVES:
+        return _zero_flag(cos.device)
+    versions = None
+    # under CUDA-graph capture the graph keeps a flag of its own (a cached one may be freed before
+    # the graph's last replay)
+    if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
+        try:
+            versions = (cos._version, sin._version)
+        except RuntimeError:  # inference tensors keep no version: compare on every call
+            pass
+    if versions is not None:
+        for rc, rs, v, flag in tuple(_same_cache):
+            if rc() is cos and rs() is sin and v == versions:
+                return flag
+    h = plan.rdim // 2
+    ints = {2: torch.int16, 4: torch.int32}[cos.element_size()]
+
+    def halves(t):
+        t = t[..., :2 * h].view(ints)  # the bits: -0.0 and +0.0 differ, a NaN equals its own bits
+        return (t[..., 0::2], t[..., 1::2]) if plan.common["PAIRS"] else (t[..., :h], t[..., h:])
+
+    (c0, c1), (s0, s1) = halves(cos), halves(sin)
+    flag = torch.logical_and(torch.eq(c0, c1).all(), torch.eq(s0, s1).all()).to(torch.int32)
+    if versions is not None:
+        _same_cache.insert(0, (weakref.ref(cos), weakref.ref(sin), versions, flag))
+        del _same_cache[_SAME_MAX:]
+    return flag
+
+
+def _launch(plan: _Plan, lkey, x0, y0, x1, y1, cos, sin, np0: int, total: int, args: tuple, const: dict,
+            same: Optional[torch.Tensor] = None) -> None:
     """One launch: programs [0, np0) rotate x0 into y0, the rest x1 into y1. The first launch of a
     key goes through Triton's JIT (which compiles), later ones through the compiled kernel's C
     launcher (pointers as ints; the key fixes everything the JIT specializes on)."""
     if total == 0:
         return
+    if same is None:
+        same = _same_halves(plan, cos, sin)
     dev = plan.dev
     direct = dev is not None and not _launch_hooks() and _current_device() == dev
     if direct:
         fn = _direct.get(lkey)
         if fn is not None:
             fn(_raw_stream(dev), x0.data_ptr(), y0.data_ptr(), x1.data_ptr(), y1.data_ptr(), cos.data_ptr(),
-               sin.data_ptr(), np0, *args)
+               sin.data_ptr(), same.data_ptr(), np0, *args)
             return
     grid = (total,)
     with _on_device(x0):
-        compiled = _kernels._rope_kernel[grid](x0, y0, x1, y1, cos, sin, np0, *args, **const, num_warps=_NUM_WARPS,
-                                      enable_fp_fusion=False)
+        compiled = _kernels._rope_kernel[grid](x0, y0, x1, y1, cos, sin, same, np0, *args, **const,
+                                               num_warps=_NUM_WARPS, enable_fp_fusion=False)
     if direct:
         fn = direct_launcher(compiled, grid, tuple(const.values()))
         if fn is not None:
             _direct[lkey] = fn
 
 
-def _forward(plan: _Plan, q, k, cos, sin, outs=None):
-    """The outputs, fresh (or ``outs``, in the plan's layout: tests poison them)."""
+def _forward(plan: _Plan, q, k, cos, sin, outs=None, same=None):
+    """The outputs, fresh (or ``outs``, in the plan's layout: tests poison them); ``same``: the
+    kernel's angle flag where the caller holds it (else :func:`_same_halves`)."""
     g0 = plan.geos[0]
     yq = torch.empty_strided(q.shape, g0.y_strides, dtype=g0.out_dtype, device=q.device) if outs is None else outs[0]
     if outs is not None and any(o.stride() != g.y_strides for o, g in zip(outs, plan.geos)):
         raise ValueError("rope: outs must have the plan's output strides")
     if k is None:
-        _launch(plan, plan.key, q, yq, q, yq, cos, sin, plan.progs[0], plan.progs[0], plan.fwd_args, plan.fwd_const)
+        _launch(plan, plan.key, q, yq, q, yq, cos, sin, plan.progs[0], plan.progs[0], plan.fwd_args, plan.fwd_const,
+                same)
         return yq, None
     g1 = plan.geos[1]
     yk = torch.empty_strided(k.shape, g1.y_strides, dtype=g1.out_dtype, device=k.device) if outs is None else outs[1]
     _launch(plan, plan.key, q, yq, k, yk, cos, sin, plan.progs[0], plan.progs[0] + plan.progs[1], plan.fwd_args,
-            plan.fwd_const)
+            plan.fwd_const, same)
     return yq, yk
 
 
-def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None, keep: tuple = (False, False)) -> list:
+def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None, keep: tuple = (False, False), same=None) -> list:
     """Input gradients of the outputs whose gradients ``grads`` holds (None: no gradient), in the
     inputs' dtype, contiguous as eager autograd leaves them, or in the input's own layout where
     ``keep`` says so (or into ``outs``); one launch for both."""
@@ -251,7 +310,7 @@ def _backward(plan: _Plan, grads: tuple, cos, sin, outs=None, keep: tuple = (Fal
     if outs is not None and any(dx.stride() != plan.dx_strides(i, keep) for i, dx in zip(present, dxs)):
         raise ValueError("rope: outs must have the plan's gradient strides")
     x1, y1 = (gs[1], dxs[1]) if len(gs) == 2 else (gs[0], dxs[0])
-    _launch(plan, lkey, gs[0], dxs[0], x1, y1, cos, sin, np0, total, args, const)
+    _launch(plan, lkey, gs[0], dxs[0], x1, y1, cos, sin, np0, total, args, const, same)
     for i, dx in zip(present, dxs):
         out[i] = dx
     return out
