@@ -17,7 +17,8 @@ from deepspeed_fused.ops import rope as R
 from deepspeed_fused.ops.rope import launch as RL
 from tiny_models import build_model
 from unit.common import cuda_device_count
-from unit.test_rope import SPECS, make_inputs
+from unit.test_rope import SPECS, angle_width, make_inputs
+from unit.test_rope_shared_angles import POSITION, check_against_reference, qk, shared_angles
 from unit.test_rope_feature import Launches, check_family, modeling_modules
 
 pytestmark = pytest.mark.gpu
@@ -153,6 +154,55 @@ def test_cuda_graph_and_direct_launches():
     ref = R.rope_reference(q, k, cos, sin)
     want = ref + torch.autograd.grad(ref, (qb, kb), (gq, gk))
     assert all(torch.equal(a, b) for a, b in zip(captured, want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", POSITION)
+def test_shared_angles(name, dtype):
+    """Angles built as Hugging Face builds them (the flag set: the second columns not read) at a
+    realistic shape, forward and backward bitwise against the reference."""
+    spec = SPECS[name]
+    gen = torch.Generator().manual_seed(21)
+    q, k = qk("cuda", dtype, d=128, b=2, s=257, hq=16, hk=4, gen=gen)
+    cos, sin = shared_angles(spec, angle_width(spec, 128), b=2, s=257, gen=gen, dtype=dtype)
+    cos, sin = cos.cuda(), sin.cuda()
+    assert int(RL._same_halves(RL._get_plan(q, k, cos, sin, 1, spec), cos, sin)) == 1
+    check_against_reference(q, k, cos, sin, spec, gen)
+
+
+def test_shared_angles_no_host_sync_and_graph_replay_after_a_write():
+    """The flag's device-side check makes no host sync (fresh cos/sin: no cached flag); a CUDA
+    graph computes its own flag, so a replay after cos is written in place (its halves now
+    differ) gives the new angles' result."""
+    spec = SPECS["llama"]
+    gen = torch.Generator().manual_seed(22)
+    q, k = qk("cuda", torch.bfloat16, d=128, b=1, s=256, hq=8, hk=2, gen=gen)
+    cos, sin = shared_angles(spec, 128, b=1, s=256, gen=gen, dtype=torch.bfloat16)
+    cos, sin = cos.cuda(), sin.cuda()
+    R.fused_rope(q, k, cos, sin, 1, spec)  # plans and compiled kernels
+    torch.cuda.synchronize()
+    c2, s2 = cos.clone(), sin.clone()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        R.fused_rope(q, k, c2, s2, 1, spec)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        R.fused_rope(q, k, c2, s2, 1, spec)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        yq, yk = R.fused_rope(q, k, c2, s2, 1, spec)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip((yq, yk), R.rope_reference(q, k, c2, s2, 1, spec)))
+    c2[..., 64:].mul_(0.5)
+    s2[..., :64].add_(0.125)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip((yq, yk), R.rope_reference(q, k, c2, s2, 1, spec)))
 
 
 def test_no_host_sync():
