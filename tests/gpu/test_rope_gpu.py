@@ -171,8 +171,8 @@ def test_shared_angles(name, dtype):
 
 
 def test_shared_angles_no_host_sync_and_graph_replay_after_a_write():
-    """The flag's device-side check makes no host sync (fresh cos/sin: no cached flag); a CUDA
-    graph computes its own flag, so a replay after cos is written in place (its halves now
+    """The flag's device-side check makes no host sync (fresh cos/sin: no cached flag); another
+    stream gets a flag of its own; a CUDA graph computes its own flag, so a replay after cos is written in place (its halves now
     differ) gives the new angles' result."""
     spec = SPECS["llama"]
     gen = torch.Generator().manual_seed(22)
@@ -192,6 +192,7 @@ def test_shared_angles_no_host_sync_and_graph_replay_after_a_write():
     with torch.cuda.stream(stream):
         R.fused_rope(q, k, c2, s2, 1, spec)
     torch.cuda.current_stream().wait_stream(stream)
+    assert sum(1 for rc, *_ in RL._same_cache if rc() is c2) == 2  # a flag per stream
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
         yq, yk = R.fused_rope(q, k, c2, s2, 1, spec)

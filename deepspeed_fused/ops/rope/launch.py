@@ -204,7 +204,7 @@ def _probe_complex(device: torch.device, p: int = 37, layouts: tuple = ("contigu
 
 _ZEROS: dict = {}  # device -> an int32 zero (the flag of angles read in full)
 _SAME_MAX = 4
-_same_cache: list = []  # (weakref to cos, to sin, their versions, the flag), most recent first
+_same_cache: list = []  # (weakref to cos, to sin, (their versions, the stream), the flag), most recent first
 
 
 def _zero_flag(device: torch.device) -> torch.Tensor:
@@ -219,8 +219,8 @@ def _same_halves(plan: _Plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     each pair's second column the very bits of its first (cos's and sin's columns ``[h, 2h)`` equal
     to ``[0, h)``, or the odd columns to the even ones for adjacent pairs), else 0. Then the kernel
     reads only the first columns and computes what it computes from both. Compared on the device
-    (no host sync) and kept per cos/sin tensor and version, so the model's layers, which share one
-    cos/sin, compare once per forward."""
+    (no host sync) and kept per cos/sin tensor, version and stream, so the model's layers, which
+    share one cos/sin, compare once per forward."""
     if plan.common["ANGLE_PAIR"] or not _SHARE_HALVES:
         return _zero_flag(cos.device)
     versions = None
@@ -228,7 +228,9 @@ def _same_halves(plan: _Plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     # the graph's last replay)
     if not (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
         try:
-            versions = (cos._version, sin._version)
+            # the stream too: a flag is read only on the stream that wrote it (and that the
+            # allocator orders its reuse on)
+            versions = (cos._version, sin._version, _raw_stream(cos.device.index) if cos.is_cuda else None)
         except RuntimeError:  # inference tensors keep no version: compare on every call
             pass
     if versions is not None:
