@@ -5,6 +5,10 @@ with the flag on and off, the flag never claims halves that differ (signed zeros
 in-place write after a call), and with the flag on the second columns are not read."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -187,3 +191,31 @@ def test_pair_angles_take_the_zero_flag(interpret):
     cos, sin = theta.cos().to(interpret), theta.sin().to(interpret)
     assert flag(q, k, cos, sin, spec) == 0
     check_against_reference(q, k, cos, sin, spec, gen)
+
+
+_COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepspeed_fused.ops.rope import kernels as K
+fn = K._rope_kernel
+ptrs = {"X0": "*bf16", "Y0": "*bf16", "X1": "*bf16", "Y1": "*bf16", "C": "*bf16", "S": "*bf16", "SAME": "*i32"}
+for pairs in (False, True):
+    for bwd in (False, True):
+        const = dict(BLOCK_R=16, BLOCK_H=64, BLOCK_P=1, PAIRS=pairs, ANGLE_PAIR=False, HALVES=False, NEG=False,
+                     BACKWARD=bwd, PROD=2, ACC=2, PASS=False, TWO=True, CONTRACT=False, INTERLEAVE=False)
+        sig = {n: ("constexpr" if n in const else ptrs.get(n, "i32")) for n in fn.arg_names}
+        out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=4, enable_fp_fusion=False))
+        assert ".entry _rope_kernel" in out.asm["ptx"]
+print("ok")
+"""
+
+
+def test_the_flag_path_compiles_for_an_h100():
+    """The kernel with the flag (bf16, both pairings, forward and backward) compiles to sm90 PTX
+    (no GPU needed; a fresh process without the interpreter)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
