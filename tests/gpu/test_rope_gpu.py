@@ -18,7 +18,7 @@ from deepspeed_fused.ops.rope import launch as RL
 from tiny_models import build_model
 from unit.common import cuda_device_count
 from unit.test_rope import SPECS, angle_width, make_inputs
-from unit.test_rope_shared_angles import POSITION, check_against_reference, qk, shared_angles
+from unit.test_rope_shared_angles import POSITION, check_against_reference, flag, qk, shared_angles
 from unit.test_rope_feature import Launches, check_family, modeling_modules
 
 pytestmark = pytest.mark.gpu
@@ -164,21 +164,19 @@ def test_shared_angles(name, dtype):
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(21)
     q, k = qk("cuda", dtype, d=128, b=2, s=257, hq=16, hk=4, gen=gen)
-    cos, sin = shared_angles(spec, angle_width(spec, 128), b=2, s=257, gen=gen, dtype=dtype)
-    cos, sin = cos.cuda(), sin.cuda()
-    assert int(RL._same_halves(RL._get_plan(q, k, cos, sin, 1, spec), cos, sin)) == 1
+    cos, sin = shared_angles(spec, angle_width(spec, 128), "cuda", b=2, s=257, gen=gen, dtype=dtype)
+    assert flag(q, k, cos, sin, spec) == 1
     check_against_reference(q, k, cos, sin, spec, gen)
 
 
 def test_shared_angles_no_host_sync_and_graph_replay_after_a_write():
     """The flag's device-side check makes no host sync (fresh cos/sin: no cached flag); another
-    stream gets a flag of its own; a CUDA graph computes its own flag, so a replay after cos is written in place (its halves now
-    differ) gives the new angles' result."""
+    stream gets a flag of its own; a CUDA graph computes its own flag, so a replay after cos is
+    written in place (its halves now differ) gives the new angles' result."""
     spec = SPECS["llama"]
     gen = torch.Generator().manual_seed(22)
     q, k = qk("cuda", torch.bfloat16, d=128, b=1, s=256, hq=8, hk=2, gen=gen)
-    cos, sin = shared_angles(spec, 128, b=1, s=256, gen=gen, dtype=torch.bfloat16)
-    cos, sin = cos.cuda(), sin.cuda()
+    cos, sin = shared_angles(spec, 128, "cuda", b=1, s=256, gen=gen, dtype=torch.bfloat16)
     R.fused_rope(q, k, cos, sin, 1, spec)  # plans and compiled kernels
     torch.cuda.synchronize()
     c2, s2 = cos.clone(), sin.clone()

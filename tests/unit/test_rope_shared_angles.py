@@ -22,12 +22,12 @@ from unit.test_rope import SPECS, angle_width
 POSITION = [n for n, s in SPECS.items() if s.angles == "position"]
 
 
-def shared_angles(spec: RopeSpec, width: int, b=2, s=5, gen=None, dtype=torch.float32):
-    """cos/sin [b, s, width] whose pairs share their angle: halves concatenated (rotate_half
-    forms), or each angle repeated in place (adjacent pairs)."""
+def shared_angles(spec: RopeSpec, width: int, device, b=2, s=5, gen=None, dtype=torch.float32):
+    """cos/sin [b, s, width] on ``device`` whose pairs share their angle: halves concatenated
+    (rotate_half forms), or each angle repeated in place (adjacent pairs)."""
     theta = torch.randn(b, s, width // 2, generator=gen, dtype=torch.float64) * 3
     full = theta.repeat_interleave(2, dim=-1) if spec.pairing == "adjacent" else torch.cat([theta, theta], -1)
-    return full.cos().to(dtype), full.sin().to(dtype)
+    return full.cos().to(device, dtype), full.sin().to(device, dtype)
 
 
 def qk(device, dtype, d=8, b=2, s=5, hq=3, hk=2, gen=None):
@@ -62,8 +62,7 @@ def test_shared_angles_set_the_flag_and_match_the_reference(interpret, name, dty
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(5)
     q, k = qk(interpret, dtype, gen=gen)
-    cos, sin = shared_angles(spec, angle_width(spec, 8), gen=gen, dtype=dtype)
-    cos, sin = cos.to(interpret), sin.to(interpret)
+    cos, sin = shared_angles(spec, angle_width(spec, 8), interpret, gen=gen, dtype=dtype)
     assert flag(q, k, cos, sin, spec) == 1
     check_against_reference(q, k, cos, sin, spec, gen)
 
@@ -76,8 +75,7 @@ def test_flag_on_reads_only_the_first_columns(interpret, name):
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(6)
     q, k = qk(interpret, torch.float32, gen=gen)
-    cos, sin = shared_angles(spec, angle_width(spec, 8), gen=gen)
-    cos, sin = cos.to(interpret), sin.to(interpret)
+    cos, sin = shared_angles(spec, angle_width(spec, 8), interpret, gen=gen)
     second = slice(1, None, 2) if spec.pairing == "adjacent" else slice(cos.shape[-1] // 2, None)
     pc, ps = cos.clone(), sin.clone()
     pc[..., second] = float("nan")
@@ -103,10 +101,9 @@ def test_halves_differing_only_in_the_sign_of_zero_are_not_shared(interpret):
     spec = SPECS["llama"]
     gen = torch.Generator().manual_seed(7)
     q, k = qk(interpret, torch.float32, gen=gen)
-    cos, sin = shared_angles(spec, 8, gen=gen)
+    cos, sin = shared_angles(spec, 8, interpret, gen=gen)
     cos[..., 0], cos[..., 4] = 0.0, -0.0
     sin[..., 1], sin[..., 5] = -0.0, 0.0
-    cos, sin = cos.to(interpret), sin.to(interpret)
     assert flag(q, k, cos, sin, spec) == 0
     check_against_reference(q, k, cos, sin, spec, gen)
 
@@ -117,11 +114,10 @@ def test_non_finite_shared_angles_give_eagers_non_finite_results(interpret):
     spec = SPECS["llama"]
     gen = torch.Generator().manual_seed(8)
     q, k = qk(interpret, torch.float32, gen=gen)
-    cos, sin = shared_angles(spec, 8, gen=gen)
+    cos, sin = shared_angles(spec, 8, interpret, gen=gen)
     cos[0, 1, [2, 6]] = float("nan")
     sin[1, 3, [0, 4]] = float("inf")
     q[0, 1, 2, 3] = float("inf")
-    cos, sin = cos.to(interpret), sin.to(interpret)
     assert flag(q, k, cos, sin, spec) == 1
     check_against_reference(q, k, cos, sin, spec, gen)
 
@@ -132,8 +128,7 @@ def test_an_in_place_write_after_a_call_is_seen(interpret):
     spec = SPECS["llama"]
     gen = torch.Generator().manual_seed(9)
     q, k = qk(interpret, torch.float32, gen=gen)
-    cos, sin = shared_angles(spec, 8, gen=gen)
-    cos, sin = cos.to(interpret), sin.to(interpret)
+    cos, sin = shared_angles(spec, 8, interpret, gen=gen)
     RL.clear_plans()
     check_against_reference(q, k, cos, sin, spec, gen)
     assert flag(q, k, cos, sin, spec) == 1
@@ -152,8 +147,7 @@ def test_the_cache_is_small_and_keeps_no_tensor_alive(interpret):
     q, k = qk(interpret, torch.float32, gen=gen)
     RL.clear_plans()
     for _ in range(RL._SAME_MAX + 3):
-        cos, sin = shared_angles(spec, 8, gen=gen)
-        cos, sin = cos.to(interpret), sin.to(interpret)
+        cos, sin = shared_angles(spec, 8, interpret, gen=gen)
         assert flag(q, k, cos, sin, spec) == 1
     assert len(RL._same_cache) == RL._SAME_MAX
     del cos, sin
@@ -169,15 +163,13 @@ def test_inference_tensors_and_the_knob(interpret, monkeypatch):
     gen = torch.Generator().manual_seed(12)
     q, k = qk(interpret, torch.float32, gen=gen)
     with torch.inference_mode():
-        cos, sin = shared_angles(spec, 8, gen=gen)
-        cos, sin = cos.to(interpret), sin.to(interpret)
+        cos, sin = shared_angles(spec, 8, interpret, gen=gen)
         n = len(RL._same_cache)
         assert flag(q, k, cos, sin, spec) == 1 and len(RL._same_cache) == n
         out = R.fused_rope(q, k, cos, sin, 1, spec)
         assert all(torch.equal(a, b_) for a, b_ in zip(out, R.rope_reference(q, k, cos, sin, 1, spec)))
     monkeypatch.setattr(RL, "_SHARE_HALVES", False)
-    cos, sin = shared_angles(spec, 8, gen=gen)
-    cos, sin = cos.to(interpret), sin.to(interpret)
+    cos, sin = shared_angles(spec, 8, interpret, gen=gen)
     assert flag(q, k, cos, sin, spec) == 0
     check_against_reference(q, k, cos, sin, spec, gen)
 
