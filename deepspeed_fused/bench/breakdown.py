@@ -343,17 +343,27 @@ class _Trace:
             return cat, "backward_link"
         return None, ""
 
+    def unlinked_node(self, tid, ts) -> str:
+        """The autograd node (``MulBackward0``) of the innermost ``evaluate_function`` around a point
+        that :meth:`category_at` left ``backward_unlinked``; "" if none."""
+        for sp in self.enclosing(tid, ts):
+            if sp.kind == "evaluate":
+                return sp.name[len(EVALUATE):]
+        return ""
+
 
 def attribute(trace, device: bool = True, top: int = 80) -> dict:
     """Sum the kernel time of a profiler Chrome trace (path, dict or event list) into categories.
 
     ``device=False`` (a CPU-only run) takes the leaf CPU ops as the kernels instead. Returns
     ``total_gpu_ms``, ``categories`` (ms, summing exactly to the total), ``how`` (ms per way of
-    attribution: name, range, backward_link, accumulate_grad, none), ``n_kernels`` and the top
-    kernels with their category. A trace with ``e2e::micro_step`` ranges also gets ``micro_steps``
-    (per range, in time order: ``total_gpu_ms``, ``categories``, ``n_kernels`` of the kernels
-    launched inside it), ``micro_step_mean`` (their mean) and ``outside_micro_steps`` (the rest:
-    the optimizer step at the accumulation boundary, kernels without a launch)."""
+    attribution: name, range, backward_link, accumulate_grad, none), ``n_kernels``, the top
+    kernels with their category and ``unlinked_nodes`` (the ``backward_unlinked`` time by the
+    autograd node it ran in, longest first: which node's forward op was not found). A trace
+    with ``e2e::micro_step`` ranges also gets ``micro_steps`` (per range, in time order:
+    ``total_gpu_ms``, ``categories``, ``n_kernels`` of the kernels launched inside it),
+    ``micro_step_mean`` (their mean) and ``outside_micro_steps`` (the rest: the optimizer step at
+    the accumulation boundary, kernels without a launch)."""
     tr = _Trace(_events(trace), device)
     points = []
     for name, dur, corr, at, _ in tr.kernels:
@@ -364,6 +374,7 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
     tr.prefill(points + list(tr.flows_s.values()) + fwd_points)  # one sweep per thread
     cats = {c: 0.0 for c in CATEGORIES}
     how = collections.Counter()
+    unlinked = collections.Counter()  # backward node name -> ms of its kernels left unlinked
     per_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
     total = 0.0
     windows = [dict(total_gpu_ms=0.0, categories={c: 0.0 for c in CATEGORIES}, n_kernels=0) for _ in tr.windows]
@@ -388,6 +399,8 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
             if p is not None:
                 cat, why = tr.category_at(*p)
                 via = why if cat is not None else (why or "none")
+                if via == "backward_unlinked":
+                    unlinked[tr.unlinked_node(*p)] += ms
             else:
                 cat = tr.device_category(*dev) if dev is not None else None
                 via = "device_range" if cat is not None else "no_launch"
@@ -413,7 +426,8 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
     rows = sorted(({"name": n, "category": c, "ms": v[0], "calls": v[1]} for (n, c), v in per_kernel.items()),
                   key=lambda r: -r["ms"])
     out = dict(total_gpu_ms=total, categories=cats, how=dict(how), n_kernels=len(tr.kernels),
-               top_kernels=rows[:top], method=METHOD)
+               top_kernels=rows[:top], method=METHOD,
+               unlinked_nodes=dict(sorted(unlinked.items(), key=lambda kv: -kv[1])))
     if windows:
         n = len(windows)
         out.update(micro_steps=windows, outside_micro_steps=outside,

@@ -624,6 +624,13 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 how = b.get("how", {})
                 lines.append(f"| {k} | {arm} | {_f(b.get('n_kernels'), '{:.0f}', '')} | "
                              + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
+            unlinked = [(k, arm, b["unlinked_nodes"]) for k, arm, b in checks if b.get("unlinked_nodes")]
+            if unlinked:
+                lines += ["", "The `backward_unlinked` time by the autograd node it ran in (ms; longest first):", "",
+                          "| pair | arm | nodes |", "|---|---|---|"]
+                for k, arm, nodes in unlinked:
+                    lines.append(f"| {k} | {arm} | "
+                                 + ", ".join(f"`{n or '?'}` {ms:.2f}" for n, ms in list(nodes.items())[:6]) + " |")
         lines += category_vs_liger_table(results)
         lines += shared_kernels_table(results)
         if earlier:

@@ -102,6 +102,7 @@ def test_backward_kernels_follow_their_forward_op_by_flow_and_by_sequence_number
     assert c["other"] == pytest.approx(0.01)
     assert b["how"]["backward_link"] == pytest.approx(0.04 + 0.14)
     assert b["how"]["backward_unlinked"] == pytest.approx(0.01)  # no forward op carries its number
+    assert b["unlinked_nodes"] == {"ViewBackward0": pytest.approx(0.01)}
     _sums_to_total(b)
 
 
@@ -160,6 +161,7 @@ def test_a_node_without_flow_or_sequence_number_links_to_the_latest_forward_op_o
     assert c["rms_norm"] == pytest.approx(0.03)
     assert c["rope + attention elementwise"] == pytest.approx(0.02)  # aten::mul inside the attention range
     assert c["other"] == pytest.approx(0.01) and b["how"]["backward_unlinked"] == pytest.approx(0.01)
+    assert list(b["unlinked_nodes"]) == ["DivBackward0"] and b["unlinked_nodes"]["DivBackward0"] == pytest.approx(0.01)
     _sums_to_total(b)
 
 
