@@ -258,20 +258,24 @@ def test_dense_suite_smoke_on_cpu(tmp_path):
     assert "`dense_qwen3_1_7b`: `qwen3-tiny`" in (tmp_path / "e2e.md").read_text()
 
 
+def _page_arm(breakdown):
+    """An arm as the e2e page reads it: one step, every figure 1, the given breakdown."""
+    hist = [dict(step=0, loss=1.0, step_s=1.0, tokens_per_s=1.0)]
+    return dict(median_step_s=1.0, step_s_p10=1.0, step_s_p90=1.0, median_tokens_per_s=1.0,
+                peak_alloc_mib=1.0, peak_reserved_mib=1.0, history=hist, breakdown=breakdown)
+
+
+_PAGE_META = dict(date="2026-12-05", gpu="cpu", torch="-", triton="-", model="m", batch=2, seq=8, steps=1, warmup=0)
+
+
 def test_report_breakdown_columns_are_the_union_of_the_arms_categories():
     old = dict(total_gpu_ms=3.0, categories={"rms_norm": 1.0, "attention": 2.0}, how={}, n_kernels=2,
                method="kernels once each, by name/range (deepspeed_fused.bench.breakdown)")
     new = dict(total_gpu_ms=6.0, categories={"rms_norm": 1.0, "attention": 1.0, "residual adds": 4.0}, how={},
                n_kernels=3, method=old["method"])
 
-    def arm(b):
-        hist = [dict(step=0, loss=1.0, step_s=1.0, tokens_per_s=1.0)]
-        return dict(median_step_s=1.0, step_s_p10=1.0, step_s_p90=1.0, median_tokens_per_s=1.0,
-                    peak_alloc_mib=1.0, peak_reserved_mib=1.0, history=hist, breakdown=b)
-
-    results = {"zero2": {"fused": arm(old)}, "dense_qwen3_1_7b": {"fused": arm(new)}}
-    meta = dict(date="2026-12-05", gpu="cpu", torch="-", triton="-", model="m", batch=2, seq=8, steps=1, warmup=0)
-    md = e2e_report.markdown(results, {}, meta)
+    results = {"zero2": {"fused": _page_arm(old)}, "dense_qwen3_1_7b": {"fused": _page_arm(new)}}
+    md = e2e_report.markdown(results, {}, _PAGE_META)
     assert "| pair | arm | total | rms_norm | attention | residual adds |" in md
     assert "| dense_qwen3_1_7b | fused | 6.0 | 1.0 | 1.0 | 4.0 |" in md
     assert "| zero2 | fused | 3.0 | 1.0 | 2.0 | 0.0 |" in md
@@ -279,21 +283,17 @@ def test_report_breakdown_columns_are_the_union_of_the_arms_categories():
 
 def test_report_names_the_backward_nodes_whose_time_was_left_unlinked():
     def arm(unlinked):
-        b = dict(total_gpu_ms=3.0, categories={"rms_norm": 1.0, "other": 2.0},
-                 how={"range": 1.0, "backward_unlinked": 2.0 if unlinked else 0.0}, n_kernels=2,
-                 method=bd.METHOD, unlinked_nodes=unlinked)
-        hist = [dict(step=0, loss=1.0, step_s=1.0, tokens_per_s=1.0)]
-        return dict(median_step_s=1.0, step_s_p10=1.0, step_s_p90=1.0, median_tokens_per_s=1.0,
-                    peak_alloc_mib=1.0, peak_reserved_mib=1.0, history=hist, breakdown=b)
+        return _page_arm(dict(total_gpu_ms=3.0, categories={"rms_norm": 1.0, "other": 2.0},
+                              how={"range": 1.0, "backward_unlinked": 2.0 if unlinked else 0.0}, n_kernels=2,
+                              method=bd.METHOD, unlinked_nodes=unlinked))
 
     results = {"dense_qwen3_1_7b": {"liger": arm({}), "fused": arm({"_FusedRMSNormFnBackward": 1.5, "": 0.5})}}
-    meta = dict(date="2026-12-05", gpu="cpu", torch="-", triton="-", model="m", batch=2, seq=8, steps=1, warmup=0)
-    md = e2e_report.markdown(results, {}, meta)
+    md = e2e_report.markdown(results, {}, _PAGE_META)
     assert "| dense_qwen3_1_7b | fused | `_FusedRMSNormFnBackward` 1.50, `?` 0.50 |" in md
     assert "| dense_qwen3_1_7b | liger |" not in md.split("by the autograd node it ran in")[1]
     # a breakdown without the field (written before it existed) adds no table
     del results["dense_qwen3_1_7b"]["fused"]["breakdown"]["unlinked_nodes"]
-    assert "by the autograd node it ran in" not in e2e_report.markdown(results, {}, meta)
+    assert "by the autograd node it ran in" not in e2e_report.markdown(results, {}, _PAGE_META)
 
 
 def test_failed_arm_is_reported_by_its_exception_line():
