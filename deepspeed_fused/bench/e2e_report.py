@@ -626,7 +626,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                              + " | ".join(f"{how.get(w, 0.0):.1f}" for w in ways) + " |")
             unlinked = [(k, arm, b["unlinked_nodes"]) for k, arm, b in checks if b.get("unlinked_nodes")]
             if unlinked:
-                lines += ["", "The `backward_unlinked` time by the autograd node it ran in (ms; longest first):", "",
+                lines += ["", "The `backward_unlinked` time by the autograd node it ran in (ms; the six longest):", "",
                           "| pair | arm | nodes |", "|---|---|---|"]
                 for k, arm, nodes in unlinked:
                     lines.append(f"| {k} | {arm} | "
