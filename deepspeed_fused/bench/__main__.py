@@ -46,8 +46,10 @@ def main(argv=None) -> int:
             continue
         records = mod.run(args)
         # a suite run in a mode of its own names its files (rms_norm --forms: rms_norm_forms.*)
+        # and says how it timed where that is not the default's do_bench (rope --sweep: CUDA graphs)
+        method = {"method": mod.METHOD} if getattr(mod, "METHOD", None) else {}
         paths = write_results(getattr(mod, "RESULT", None) or name, records, args.out, title=getattr(mod, "TITLE", ""),
-                              notes=getattr(mod, "NOTES", ""), command=getattr(mod, "COMMAND", None))
+                              notes=getattr(mod, "NOTES", ""), command=getattr(mod, "COMMAND", None), **method)
         with open(paths["md"]) as f:
             print(f.read())
         print("wrote", ", ".join(str(v) for v in paths.values()))

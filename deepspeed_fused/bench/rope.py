@@ -36,13 +36,26 @@ from ..ops.rope import fused_rope
 from .common import Record, add_graph_times, env_fields, graph_ms, loop_ms, measure
 
 SUITE = "rope"
-TITLE = "Fused rotary embedding (q and k) forward and forward+backward"
+_TITLE = "Fused rotary embedding (q and k) forward and forward+backward"
+TITLE = _TITLE
 _NOTES = ("Targets (H200, bf16, host-inclusive): forward+backward >= 2x HF eager and >= 1.2x Liger's RoPE at the "
           "Qwen3 and Llama shapes. The fwd and fwd+bwd columns are host-inclusive (do_bench; fwd+bwd: the forward, "
           "then torch.autograd.grad); the note adds the wall-clock loop and, for every implementation that "
           "captures, the CUDA-graph replay (device time alone). Effective bytes: fwd = q, k, cos, sin read + both "
           "outputs written; fwd+bwd twice that.")
 NOTES = _NOTES
+RESULT = None  # the files' name when not the suite's (the sweep's: rope_sweep.*)
+COMMAND = None
+METHOD = None
+_SWEEP_TITLE = "the rotary kernel's knobs against Liger's kernel, forward and backward alone"
+_SWEEP_NOTES = ("Each row: one setting of the kernel's knobs (`deepspeed_fused/ops/rope/launch.py`), or Liger's "
+                "`rope_forward` / `rope_backward` at the same shape. The `fwd ms` column is the forward alone and "
+                "the `fwd+bwd ms` column the backward alone (not their sum), CUDA-graph device time; rates: q and k "
+                "read and written, and the angles as read (half of cos and sin where the setting reads the shared "
+                "halves once and they are equal). Liger's ops write over q and k in place; its backward takes the "
+                "gradients as `[B, S, H, D]` and is handed them here contiguous as `[B, H, S, D]`, so its time "
+                "includes a copy of each that a model whose attention returns that layout would not make.")
+_SWEEP_METHOD = "Medians of CUDA-graph replays (50 each)."
 
 # name, family module, function, B, S, q heads, kv heads, head dim, cos width, form kwargs of fused_rope
 SHAPES = [
@@ -201,8 +214,13 @@ def sweep(args) -> list:
 
 
 def run(args) -> list:
+    global RESULT, TITLE, COMMAND, METHOD, NOTES
     if "--sweep" in (getattr(args, "extra", None) or []):
+        # its own files, so that a sweep written into the results folder leaves the suite's page alone
+        RESULT, TITLE, METHOD, NOTES = "rope_sweep", _SWEEP_TITLE, _SWEEP_METHOD, _SWEEP_NOTES
+        COMMAND = "python -m deepspeed_fused.bench rope --sweep"
         return sweep(args)
+    RESULT, TITLE, COMMAND, METHOD = None, _TITLE, None, None
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     quick = getattr(args, "quick", False)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -233,7 +251,6 @@ def run(args) -> list:
         del qb, kb, gq, gk
         if dev == "cuda":
             torch.cuda.empty_cache()
-    global NOTES
     NOTES = _NOTES + "\n\n" + summary(recs) if dev == "cuda" else _NOTES
     return recs
 

@@ -36,3 +36,27 @@ def test_breakdown_counts_the_rope_kernel_as_rope():
     t.kernel("_rope_kernel", 1010, 60)
     b = attribute(t.events)
     assert b["categories"]["rope + attention elementwise"] == pytest.approx(0.1)
+
+
+def test_sweep_writes_its_own_files(monkeypatch, tmp_path):
+    """``rope --sweep`` writes rope_sweep.* with its own title, timing method and command, and
+    leaves the suite's rope.* alone; a plain run afterwards names the suite's files again. (The
+    sweep itself needs a GPU: its timing is replaced by one record here.)"""
+    from deepspeed_fused.bench.__main__ import main
+    from deepspeed_fused.bench.common import Record
+
+    rec = Record(suite.SUITE, "tile_pairs/max_block_r/warps/interleave_qk/share_halves 2048/64/4/False/True",
+                 "Qwen3 8192 tok", "bfloat16", ours=True, fwd_ms=0.058, fwd_bwd_ms=0.059, unit="TB/s")
+    monkeypatch.setattr(suite, "sweep", lambda args: [rec])
+    assert main(["rope", "--sweep", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "rope.md").exists()
+    md = (tmp_path / "rope_sweep.md").read_text()
+    assert "`python -m deepspeed_fused.bench rope --sweep`" in md
+    assert "CUDA-graph replays" in md and "do_bench" not in md.split("\n")[2]
+    assert "backward alone" in md and "Targets" not in md
+    assert json.load(open(tmp_path / "rope_sweep.json"))[0]["impl"] == rec.impl
+    # the plain suite's names come back (its run is replaced too: the module state is what is checked)
+    monkeypatch.setattr(suite, "CPU_SHAPES", [])
+    assert suite.run(argparse.Namespace(extra=[], quick=True)) == []
+    assert (suite.RESULT, suite.COMMAND, suite.METHOD) == (None, None, None)
+    assert suite.TITLE.startswith("Fused rotary embedding") and suite.NOTES.startswith("Targets")
