@@ -45,6 +45,8 @@ def test_sweep_writes_its_own_files(monkeypatch, tmp_path):
     from deepspeed_fused.bench.__main__ import main
     from deepspeed_fused.bench.common import Record
 
+    for name in ("RESULT", "TITLE", "COMMAND", "METHOD", "NOTES"):  # restored after the test whatever happens
+        monkeypatch.setattr(suite, name, getattr(suite, name))
     rec = Record(suite.SUITE, "tile_pairs/max_block_r/warps/interleave_qk/share_halves 2048/64/4/False/True",
                  "Qwen3 8192 tok", "bfloat16", ours=True, fwd_ms=0.058, fwd_bwd_ms=0.059, unit="TB/s")
     monkeypatch.setattr(suite, "sweep", lambda args: [rec])
@@ -55,7 +57,7 @@ def test_sweep_writes_its_own_files(monkeypatch, tmp_path):
     assert "CUDA-graph replays" in md and "do_bench" not in md.split("\n")[2]
     assert "backward alone" in md and "Targets" not in md
     assert json.load(open(tmp_path / "rope_sweep.json"))[0]["impl"] == rec.impl
-    # the plain suite's names come back (its run is replaced too: the module state is what is checked)
+    # a plain run names the suite's files again (with no shapes it times nothing: the module state is checked)
     monkeypatch.setattr(suite, "CPU_SHAPES", [])
     assert suite.run(argparse.Namespace(extra=[], quick=True)) == []
     assert (suite.RESULT, suite.COMMAND, suite.METHOD) == (None, None, None)
