@@ -47,6 +47,7 @@ NOTES = _NOTES
 RESULT = None  # the files' name when not the suite's (the sweep's: rope_sweep.*)
 COMMAND = None
 METHOD = None
+PANELS = None
 _SWEEP_TITLE = "the rotary kernel's knobs against Liger's kernel, forward and backward alone"
 _SWEEP_NOTES = ("Each row: one setting of the kernel's knobs (`deepspeed_fused/ops/rope/launch.py`), or Liger's "
                 "`rope_forward` / `rope_backward` at the same shape. The `fwd ms` column is the forward alone and "
@@ -56,6 +57,7 @@ _SWEEP_NOTES = ("Each row: one setting of the kernel's knobs (`deepspeed_fused/o
                 "gradients as `[B, S, H, D]` and is handed them here contiguous as `[B, H, S, D]`, so its time "
                 "includes a copy of each that a model whose attention returns that layout would not make.")
 _SWEEP_METHOD = "Medians of CUDA-graph replays (50 each)."
+_SWEEP_PANELS = ("forward alone (CUDA graph)", "backward alone (CUDA graph)")
 
 # name, family module, function, B, S, q heads, kv heads, head dim, cos width, form kwargs of fused_rope
 SHAPES = [
@@ -214,13 +216,13 @@ def sweep(args) -> list:
 
 
 def run(args) -> list:
-    global RESULT, TITLE, COMMAND, METHOD, NOTES
+    global RESULT, TITLE, COMMAND, METHOD, NOTES, PANELS
     if "--sweep" in (getattr(args, "extra", None) or []):
         # its own files, so that a sweep written into the results folder leaves the suite's page alone
         RESULT, TITLE, METHOD, NOTES = "rope_sweep", _SWEEP_TITLE, _SWEEP_METHOD, _SWEEP_NOTES
-        COMMAND = "python -m deepspeed_fused.bench rope --sweep"
+        COMMAND, PANELS = "python -m deepspeed_fused.bench rope --sweep", _SWEEP_PANELS
         return sweep(args)
-    RESULT, TITLE, COMMAND, METHOD = None, _TITLE, None, None
+    RESULT, TITLE, COMMAND, METHOD, PANELS = None, _TITLE, None, None, None
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     quick = getattr(args, "quick", False)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

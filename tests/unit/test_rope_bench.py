@@ -45,12 +45,19 @@ def test_sweep_writes_its_own_files(monkeypatch, tmp_path):
     from deepspeed_fused.bench.__main__ import main
     from deepspeed_fused.bench.common import Record
 
-    for name in ("RESULT", "TITLE", "COMMAND", "METHOD", "NOTES"):  # restored after the test whatever happens
+    from deepspeed_fused.bench import common
+
+    for name in ("RESULT", "TITLE", "COMMAND", "METHOD", "NOTES", "PANELS"):  # restored after the test whatever happens
         monkeypatch.setattr(suite, name, getattr(suite, name))
     rec = Record(suite.SUITE, "tile_pairs/max_block_r/warps/interleave_qk/share_halves 2048/64/4/False/True",
                  "Qwen3 8192 tok", "bfloat16", ours=True, fwd_ms=0.058, fwd_bwd_ms=0.059, unit="TB/s")
     monkeypatch.setattr(suite, "sweep", lambda args: [rec])
+    plotted = []
+    monkeypatch.setattr(common, "plot", lambda records, path, title, **kw: plotted.append((path, kw)))
     assert main(["rope", "--sweep", "--out", str(tmp_path)]) == 0
+    # the plot's panels say what the two columns hold here: each direction alone, not forward+backward
+    assert plotted == [(str(tmp_path / "rope_sweep.png"), {"panels": suite._SWEEP_PANELS})]
+    assert "backward alone" in suite._SWEEP_PANELS[1]
     assert not (tmp_path / "rope.md").exists()
     md = (tmp_path / "rope_sweep.md").read_text()
     assert "`python -m deepspeed_fused.bench rope --sweep`" in md
@@ -60,5 +67,5 @@ def test_sweep_writes_its_own_files(monkeypatch, tmp_path):
     # a plain run names the suite's files again (with no shapes it times nothing: the module state is checked)
     monkeypatch.setattr(suite, "CPU_SHAPES", [])
     assert suite.run(argparse.Namespace(extra=[], quick=True)) == []
-    assert (suite.RESULT, suite.COMMAND, suite.METHOD) == (None, None, None)
+    assert (suite.RESULT, suite.COMMAND, suite.METHOD, suite.PANELS) == (None, None, None, None)
     assert suite.TITLE.startswith("Fused rotary embedding") and suite.NOTES.startswith("Targets")
