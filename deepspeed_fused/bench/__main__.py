@@ -45,13 +45,12 @@ def main(argv=None) -> int:
             mod.main(args)
             continue
         records = mod.run(args)
-        # a suite run in a mode of its own names its files (rms_norm --forms: rms_norm_forms.*)
-        # and says how it timed where that is not the default's do_bench (rope --sweep: CUDA graphs)
-        # (and what its plot's panels show where its columns mean other than forward and forward+backward)
-        method = {"method": mod.METHOD} if getattr(mod, "METHOD", None) else {}
-        method.update({"panels": mod.PANELS} if getattr(mod, "PANELS", None) else {})
+        # a suite run in a mode of its own names its files (rms_norm --forms: rms_norm_forms.*), and says
+        # how it timed and what its plot's panels show where not do_bench's forward and forward+backward
+        # (rope --sweep: CUDA graphs, each direction alone)
         paths = write_results(getattr(mod, "RESULT", None) or name, records, args.out, title=getattr(mod, "TITLE", ""),
-                              notes=getattr(mod, "NOTES", ""), command=getattr(mod, "COMMAND", None), **method)
+                              notes=getattr(mod, "NOTES", ""), command=getattr(mod, "COMMAND", None),
+                              method=getattr(mod, "METHOD", None), panels=getattr(mod, "PANELS", None))
         with open(paths["md"]) as f:
             print(f.read())
         print("wrote", ", ".join(str(v) for v in paths.values()))

@@ -244,13 +244,18 @@ def ratios_to_best_peer(records: list[Record]) -> dict:
     return out
 
 
+DO_BENCH_METHOD = "Medians of `triton.testing.do_bench` (at least 10 runs each)."
+PLOT_PANELS = ("forward", "forward + backward")  # what the fwd_ms and fwd_bwd_ms columns usually hold
+
+
 def write_results(suite: str, records: list[Record], out_dir: Optional[str] = None, title: str = "",
-                  notes: str = "", method: str = "Medians of `triton.testing.do_bench` (at least 10 runs each).",
-                  command: Optional[str] = None, panels: Optional[tuple] = None) -> dict:
+                  notes: str = "", method: Optional[str] = None, command: Optional[str] = None,
+                  panels: Optional[tuple] = None) -> dict:
     """Write SUITE.json, SUITE.md and SUITE.png; return the paths. ``method`` says how the times
-    were taken, ``command`` how the suite is run (default ``python -m deepspeed_fused.bench SUITE``),
-    ``panels`` what the plot's two panels show (default: the ``fwd_ms`` and ``fwd_bwd_ms`` columns
-    as forward and forward + backward)."""
+    were taken (default :data:`DO_BENCH_METHOD`), ``command`` how the suite is run (default
+    ``python -m deepspeed_fused.bench SUITE``), ``panels`` what the plot's two panels show (default
+    :data:`PLOT_PANELS`)."""
+    method = method or DO_BENCH_METHOD
     out_dir = out_dir or OUT_DIR
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, f"{suite}.{k}") for k in ("json", "md", "png")}
@@ -277,13 +282,13 @@ def write_results(suite: str, records: list[Record], out_dir: Optional[str] = No
     with open(paths["md"], "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
-        plot(records, paths["png"], f"{suite} ({env['gpu']})", **({"panels": panels} if panels else {}))
+        plot(records, paths["png"], f"{suite} ({env['gpu']})", panels)
     except Exception as e:  # matplotlib missing: JSON and MD still written
         paths["png"] = f"not written: {e}"
     return paths
 
 
-def plot(records: list[Record], path: str, title: str, panels: tuple = ("forward", "forward + backward")) -> None:
+def plot(records: list[Record], path: str, title: str, panels: Optional[tuple] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,7 +297,7 @@ def plot(records: list[Record], path: str, title: str, panels: tuple = ("forward
     shapes = list(dict.fromkeys(r.shape for r in records))
     impls = list(dict.fromkeys(r.impl for r in records))
     fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(shapes) * 2), 5))
-    for ax, attr, label in zip(axes, ("fwd_ms", "fwd_bwd_ms"), panels):
+    for ax, attr, label in zip(axes, ("fwd_ms", "fwd_bwd_ms"), panels or PLOT_PANELS):
         width = 0.8 / max(1, len(impls))
         for i, impl in enumerate(impls):
             vals = []

@@ -42,21 +42,19 @@ def test_sweep_writes_its_own_files(monkeypatch, tmp_path):
     """``rope --sweep`` writes rope_sweep.* with its own title, timing method and command, and
     leaves the suite's rope.* alone; a plain run afterwards names the suite's files again. (The
     sweep itself needs a GPU: its timing is replaced by one record here.)"""
-    from deepspeed_fused.bench.__main__ import main
-    from deepspeed_fused.bench.common import Record
-
     from deepspeed_fused.bench import common
+    from deepspeed_fused.bench.__main__ import main
 
     for name in ("RESULT", "TITLE", "COMMAND", "METHOD", "NOTES", "PANELS"):  # restored after the test whatever happens
         monkeypatch.setattr(suite, name, getattr(suite, name))
-    rec = Record(suite.SUITE, "tile_pairs/max_block_r/warps/interleave_qk/share_halves 2048/64/4/False/True",
+    rec = common.Record(suite.SUITE, "tile_pairs/max_block_r/warps/interleave_qk/share_halves 2048/64/4/False/True",
                  "Qwen3 8192 tok", "bfloat16", ours=True, fwd_ms=0.058, fwd_bwd_ms=0.059, unit="TB/s")
     monkeypatch.setattr(suite, "sweep", lambda args: [rec])
     plotted = []
-    monkeypatch.setattr(common, "plot", lambda records, path, title, **kw: plotted.append((path, kw)))
+    monkeypatch.setattr(common, "plot", lambda records, path, title, panels: plotted.append((path, panels)))
     assert main(["rope", "--sweep", "--out", str(tmp_path)]) == 0
     # the plot's panels say what the two columns hold here: each direction alone, not forward+backward
-    assert plotted == [(str(tmp_path / "rope_sweep.png"), {"panels": suite._SWEEP_PANELS})]
+    assert plotted == [(str(tmp_path / "rope_sweep.png"), suite._SWEEP_PANELS)]
     assert "backward alone" in suite._SWEEP_PANELS[1]
     assert not (tmp_path / "rope.md").exists()
     md = (tmp_path / "rope_sweep.md").read_text()
