@@ -650,7 +650,9 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                   + f". Each size ran {meta.get('search_steps')} timed steps after {meta.get('search_warmup')} "
                   f"warm-up (tokens/s: their median). `(cap)`: the arm still fit at the cap, so its figure is a floor, "
                   f"not its largest micro-batch. Target: fused >= {SEARCH_TARGET}x the baseline's tokens/s, each at "
-                  "its own largest micro-batch.", "",
+                  "its own largest micro-batch."
+                  + ("" if not meta.get("search_dates") else " Searched (merged with `--render`): "
+                     + "; ".join(f"`{k}` {d}" for k, d in meta["search_dates"].items()) + "."), "",
                   "| pair | arm | features | largest micro-batch that fit | smallest failed | tokens/s at largest | "
                   "step ms | peak alloc GiB | sizes tried (x: out of memory, !: other failure, a: alone in a fresh "
                   "process, e: from an earlier search of the arm) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -705,21 +707,32 @@ def _continue_search(earlier: Optional[dict], later: dict) -> dict:
     return dict(later, trials=below + list(later.get("trials", []))) if below else later
 
 
+def _measured(doc: dict, key: str, pair: str, per_pair: Optional[str] = None) -> Optional[str]:
+    """A pair's ``date`` or ``gpu`` in one result file: the file's per-pair value where it is itself
+    a merge of several (``pair_dates``, ``pair_gpus``, ``search_dates``), else its meta's."""
+    meta = doc.get("meta", {})
+    return (meta.get(per_pair or f"pair_{key}s") or {}).get(pair) or meta.get(key)
+
+
 def merge(docs: list) -> tuple:
     """Merge e2e.json documents arm by arm (a later file's arm replaces an earlier one's); the
     comparisons are computed again from the merged arms. Meta: the first document that has
     fixed-setup results (else the first), with the search settings of one that ran a search."""
     results, search = {}, {}
     measured = {"date": {}, "gpu": {}}  # meta key -> pair -> arm -> the value of the arm's file
+    searched: dict = {}  # pair -> arm -> the date of the file its search came from
     for d in docs:
         for k, v in d.get("results", {}).items():
             results.setdefault(k, {}).update({a: x for a, x in v.items() if a != "compare"})
             for key, per_pair in measured.items():
-                per_pair.setdefault(k, {}).update({a: d.get("meta", {}).get(key) for a in v if a != "compare"})
+                per_pair.setdefault(k, {}).update({a: _measured(d, key, k) for a in v if a != "compare"})
         for k, v in (d.get("search") or {}).items():
             arms = search.setdefault(k, {"arms": {}})["arms"]
             for a, x in v.get("arms", {}).items():
+                # an arm without its own settings (an older file) ran with its file's
+                x = dict({s: d["meta"][s] for s in SEARCH_SETTINGS if s in d.get("meta", {})}, **x)
                 arms[a] = _continue_search(arms.get(a), x)
+                searched.setdefault(k, {})[a] = _measured(d, "date", k, "search_dates")
     meta = dict(next((d["meta"] for d in docs if d.get("results")), docs[0]["meta"] if docs else {}))
     for d in docs:
         if d.get("search"):
@@ -731,9 +744,12 @@ def merge(docs: list) -> tuple:
     # the date each pair was measured and its GPU (its arms', from their files' meta), where the
     # files differ (a pair's arms compare only on one GPU)
     for key, per_pair in measured.items():
-        by_pair = {k: sorted({x for x in a.values() if x}) for k, a in per_pair.items()}
+        by_pair = {k: sorted({y for x in a.values() if x for y in x.split(", ")}) for k, a in per_pair.items()}
         if len({x for v in by_pair.values() for x in v}) > 1:
             meta[f"pair_{key}s"] = {k: ", ".join(v) for k, v in by_pair.items()}
+    search_dates = {k: sorted({y for x in a.values() if x for y in x.split(", ")}) for k, a in searched.items()}
+    if len({x for v in search_dates.values() for x in v}) > 1:  # searches of several dates, merged
+        meta["search_dates"] = {k: ", ".join(v) for k, v in search_dates.items()}
     for k, v in results.items():
         v["compare"] = compare(k, v)
     for k, v in search.items():

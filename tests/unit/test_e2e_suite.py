@@ -315,6 +315,36 @@ def test_merge_names_each_pairs_date_when_the_files_differ():
     assert "pair_dates" not in m
 
 
+def test_merge_keeps_each_pairs_date_through_a_second_merge():
+    """A merged file merged again with a later one keeps the dates it names per pair, for results
+    and for searches, instead of taking its own meta's date for every pair."""
+    meta = dict(date="2026-12-06", gpu="g", torch="t", triton="tr", model="m", batch=2, seq=4096, steps=2, warmup=0,
+                search_start=2, search_max=16, search_steps=3, search_warmup=1)
+    arm = dict(trials=[dict(batch=2, status="ok", median_tokens_per_s=1.0, median_step_s=0.1)], largest=2,
+               smallest_failed=None, capped=True, tokens_per_s=1.0, median_step_s=0.1)
+    a = dict(meta=meta, results=dict(p=dict(baseline=_arm(0.2, [12, 11]))), search=dict(s=dict(arms=dict(liger=arm))))
+    b = dict(meta=dict(meta, date="2026-12-07"), results=dict(q=dict(baseline=_arm(0.2, [12, 11]))),
+             search=dict(t=dict(arms=dict(liger=arm))))
+    res, search, m = e2e_report.merge([a, b])
+    assert m["pair_dates"] == {"p": "2026-12-06", "q": "2026-12-07"}
+    assert m["search_dates"] == {"s": "2026-12-06", "t": "2026-12-07"}
+    assert "Searched (merged with `--render`): `s` 2026-12-06; `t` 2026-12-07." in e2e_report.markdown(res, search, m)
+    merged = dict(meta=m, results=res, search=search)
+    c = dict(meta=dict(meta, date="2026-12-08"), results={}, search=dict(u=dict(arms=dict(liger=arm))))
+    _, _, m2 = e2e_report.merge([merged, c])
+    assert m2["pair_dates"] == {"p": "2026-12-06", "q": "2026-12-07"}
+    assert m2["search_dates"] == {"s": "2026-12-06", "t": "2026-12-07", "u": "2026-12-08"}
+    _, _, m3 = e2e_report.merge([a, a])
+    assert "search_dates" not in m3 and "pair_dates" not in m3
+    # an arm stored without its own settings keeps its file's, and says so beside a later file's page
+    c = dict(meta=dict(meta, date="2026-12-08", search_start=4, search_max=64), results={},
+             search=dict(u=dict(arms=dict(liger=arm))))
+    res, search, m4 = e2e_report.merge([c, a])
+    assert search["s"]["arms"]["liger"]["search_start"] == 2 and m4["search_start"] == 4
+    row = next(x for x in e2e_report.markdown(res, search, m4).splitlines() if x.startswith("| s | liger |"))
+    assert "(this arm: doubled from 2 up to the cap 16, 3 timed steps after 1 warm-up)" in row
+
+
 def test_merge_names_each_pairs_gpu_when_the_files_differ():
     meta = dict(date="2026-12-06", gpu="NVIDIA H100 80GB HBM3", torch="t", triton="tr", model="m", batch=2,
                 seq=4096, steps=2, warmup=0)
