@@ -70,8 +70,9 @@ Outputs (under ``--out``, default ``docs/benchmarks/``): ``e2e.json``, ``e2e.md`
 ``e2e_throughput.png`` (tokens/s against micro-batch). ``--render A/e2e.json B/e2e.json ...``
 merges earlier runs (arm by arm, searches too) and writes the outputs without running anything,
 so the suite can be run in parts, each under a machine's per-command time limit; ``e2e.json`` is
-also written after every run (marked ``partial``), so a part stopped from outside keeps the runs
-that finished.
+also written after every run and after every process of a search (marked ``partial``), so a part
+stopped from outside keeps the runs that finished and the sizes a search measured (its arm marked
+``unfinished``: the largest size that fit so far, a floor; ``(unfinished)`` on the page).
 
 Targets (:data:`.e2e_report.STEP_TARGETS`, printed with the measured values in ``e2e.md`` and stored under
 ``compare.checks`` in ``e2e.json``): for ZeRO-2 with every feature on, >= 1.30x the baseline's
@@ -476,8 +477,19 @@ def _next_chain(trials: list, good: Optional[int], bad: int) -> list:
     return [b for b in chain if not any(t["batch"] == b for t in trials)]
 
 
+def _search_summary(trials: list, good: Optional[int], bad: Optional[int], stopped: Optional[str], proc: int,
+                    confirmed: set) -> dict:
+    best = next((t for t in reversed(trials) if t["status"] == "ok" and t["batch"] == good), None)
+    return dict(trials=trials, largest=good, smallest_failed=bad, capped=bad is None and good is not None,
+                stopped=stopped, processes=proc, confirmed_alone=sorted(confirmed),
+                tokens_per_s=best["median_tokens_per_s"] if best else None,
+                median_step_s=best["median_step_s"] if best else None,
+                peak_alloc_mib=best.get("peak_alloc_mib") if best else None,
+                peak_reserved_mib=best.get("peak_reserved_mib") if best else None)
+
+
 def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: int = 64,
-                   confirm: bool = True) -> dict:
+                   confirm: bool = True, progress: Optional[Callable[[dict], None]] = None) -> dict:
     """The largest micro-batch that runs: doubling from ``start`` to ``max_size``, then a search
     between the largest size that ran and the smallest that ran out of memory.
 
@@ -492,7 +504,11 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
     ``confirm``: when the smallest size that ran out of memory did so after other sizes in its
     process (whose memory may have been left fragmented), it runs once more alone in a fresh
     process (its trial marked ``alone``); if it fits there, the search goes on above it. Each
-    trial gets ``process`` (the process's number) and ``position`` (its place in that chain)."""
+    trial gets ``process`` (the process's number) and ``position`` (its place in that chain).
+
+    ``progress(result)``, if given, is called after every process with the search as it stands
+    (marked ``unfinished``: the largest size that fit so far, ``capped`` False), so that a run
+    stopped from outside keeps the sizes it measured."""
     doubling, size = [], start
     while size <= max_size:
         doubling.append(size)
@@ -510,6 +526,12 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
             if alone:
                 t["alone"] = True
         trials.extend(res)
+        if progress is not None:
+            fit = [t["batch"] for t in trials if t["status"] == "ok"]
+            so_far = max(fit) if fit else None
+            above = [t["batch"] for t in trials if t["status"] == "oom" and (so_far is None or t["batch"] > so_far)]
+            progress(dict(_search_summary(list(trials), so_far, min(above) if above else None, None, proc, confirmed),
+                          capped=False, unfinished=True))
         return res
 
     while True:
@@ -552,16 +574,12 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
         chain = (_next_chain(trials, good, bad) if bad is not None else
                  [b for b in doubling if b > good and not any(t["batch"] == b for t in trials)])
         # (an empty chain: the next failed size is adjacent; it is confirmed in the next round)
-    best = next((t for t in reversed(trials) if t["status"] == "ok" and t["batch"] == good), None)
-    return dict(trials=trials, largest=good, smallest_failed=bad, capped=bad is None and good is not None,
-                stopped=stopped, processes=proc, confirmed_alone=sorted(confirmed),
-                tokens_per_s=best["median_tokens_per_s"] if best else None,
-                median_step_s=best["median_step_s"] if best else None,
-                peak_alloc_mib=best.get("peak_alloc_mib") if best else None,
-                peak_reserved_mib=best.get("peak_reserved_mib") if best else None)
+    return _search_summary(trials, good, bad, stopped, proc, confirmed)
 
 
-def run_search(pair: str, arm: str, o, tmp: str) -> dict:
+def run_search(pair: str, arm: str, o, tmp: str, progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """One arm's micro-batch search (:func:`search_largest`); ``progress(result)`` after every
+    process, with the unfinished search described as the finished one is."""
     base_cfg, fused_cfg, gpus = PAIRS[pair]
     gpus = pair_gpus(pair, gpus)
     which, extra, env_extra = ARMS[arm]
@@ -600,10 +618,14 @@ def run_search(pair: str, arm: str, o, tmp: str) -> dict:
                                    error=f"exit {r['rc']}: {r['stderr'][-800:]}"))
         return trials
 
-    res = search_largest(run_sizes, o.search_start, o.search_max, confirm=getattr(o, "search_confirm", True))
-    res.update(config=config, arm=arm, seq_len=o.seq_len, model=model, features=arm_features(dict(seen, arm=arm)),
-               **{k: getattr(o, k) for k in SEARCH_SETTINGS})
-    return res
+    def describe(res: dict) -> dict:
+        res.update(config=config, arm=arm, seq_len=o.seq_len, model=model, features=arm_features(dict(seen, arm=arm)),
+                   **{k: getattr(o, k) for k in SEARCH_SETTINGS})
+        return res
+
+    return describe(search_largest(run_sizes, o.search_start, o.search_max,
+                                   confirm=getattr(o, "search_confirm", True),
+                                   progress=None if progress is None else (lambda r: progress(describe(r)))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -713,7 +735,11 @@ def main(args) -> dict:
         for name in o.search_list:
             search[name] = dict(arms={})
             for arm in o.search_arm_list:
-                search[name]["arms"][arm] = run_search(name, arm, o, tmp)
+                def progress(r, name=name, arm=arm):  # the arm's search as it stands, after each process
+                    search[name]["arms"][arm] = r
+                    partial()
+
+                search[name]["arms"][arm] = run_search(name, arm, o, tmp, progress)
                 partial()
             search[name]["compare"] = search_compare(search[name]["arms"])
     return _write(results, search, meta, out_dir)

@@ -294,6 +294,7 @@ def search_compare(arms: dict) -> dict:
     out: dict = dict(largest={a: r.get("largest") for a, r in arms.items()})
     if fused:
         out["fused_capped"] = bool(fused.get("capped"))
+        out["fused_unfinished"] = bool(fused.get("unfinished"))
     if base and fused and base.get("tokens_per_s") and fused.get("tokens_per_s"):
         out["fused_vs_baseline"] = fused["tokens_per_s"] / base["tokens_per_s"]
         out["target_1_3"] = out["fused_vs_baseline"] >= SEARCH_TARGET
@@ -302,6 +303,27 @@ def search_compare(arms: dict) -> dict:
     if liger and base and liger.get("tokens_per_s") and base.get("tokens_per_s"):
         out["liger_vs_baseline"] = liger["tokens_per_s"] / base["tokens_per_s"]
     return out
+
+
+def _floor(arm: Optional[dict]) -> str:
+    """Why an arm's searched figure is a floor, not its largest micro-batch: "cap" (it fit at the
+    search's cap), "unfinished" (the run ended before its search did), else ""."""
+    if not arm:
+        return ""
+    return "cap" if arm.get("capped") else ("unfinished" if arm.get("unfinished") else "")
+
+
+def _ratio_note(num: Optional[dict], den: Optional[dict], names: tuple) -> str:
+    """What a tokens/s ratio of two searched arms is when either figure is a floor."""
+    a, b = _floor(num), _floor(den)
+    if a and b:
+        why = "at the cap" if a == b == "cap" else "not searched to the end"
+        return f" (both floors: {names[0]} and {names[1]} {why})"
+    if a:
+        return f" ({names[0]} {'at the cap' if a == 'cap' else 'unfinished'}: a floor)"
+    if b:
+        return f" ({names[1]} {'at the cap' if b == 'cap' else 'unfinished'}: an upper bound)"
+    return ""
 
 
 def _arms_of(v: dict) -> list:
@@ -385,7 +407,9 @@ def plots(results: dict, search: dict, out_dir: str) -> None:
                 ok = sorted((t["batch"], t["median_tokens_per_s"]) for t in s.get("trials", []) if t["status"] == "ok")
                 if ok:
                     line, = ax.plot([b for b, _ in ok], [v for _, v in ok], styles.get(arm, "-"), marker="o",
-                                    label=f"{arm} (largest {s.get('largest')}" + (", the search cap" if s.get("capped") else "") + ")")
+                                    label=f"{arm} (largest {s.get('largest')}"
+                                    + {"cap": ", the search cap", "unfinished": " so far, search unfinished"}.get(
+                                        _floor(s), "") + ")")
                     if s.get("largest") is not None:
                         ax.plot([s["largest"]], [s["tokens_per_s"]], marker="*", markersize=14,
                                 color=line.get_color())
@@ -649,7 +673,11 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                      "fresh process" if meta.get("search_confirm", False) else "")
                   + f". Each size ran {meta.get('search_steps')} timed steps after {meta.get('search_warmup')} "
                   f"warm-up (tokens/s: their median). `(cap)`: the arm still fit at the cap, so its figure is a floor, "
-                  f"not its largest micro-batch. Target: fused >= {SEARCH_TARGET}x the baseline's tokens/s, each at "
+                  f"not its largest micro-batch"
+                  + ("; `(unfinished)`: the run ended before the arm's search did, its figure is the largest size "
+                     "that fit so far, also a floor" if any(_floor(r) == "unfinished" for s in search.values()
+                                                             for r in s.get("arms", {}).values()) else "")
+                  + f". Target: fused >= {SEARCH_TARGET}x the baseline's tokens/s, each at "
                   "its own largest micro-batch."
                   + ("" if not meta.get("search_dates") else " Searched (merged with `--render`): "
                      + "; ".join(f"`{k}` {d}" for k, d in meta["search_dates"].items()) + "."), "",
@@ -663,7 +691,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                                  f"{'a' if t.get('alone') else ''}{'e' if t.get('earlier') else ''}"
                                  for t in sorted(r.get("trials", []),
                                                  key=lambda t: (t["batch"], t.get("alone", False))))
-                largest = _f(r.get("largest"), "{}", "none") + (" (cap)" if r.get("capped") else "")
+                largest = _f(r.get("largest"), "{}", "none") + (f" ({_floor(r)})" if _floor(r) else "")
                 tried += _own_search_settings(r, meta)
                 lines.append(f"| {k} | {arm} | {r.get('features') or 'not recorded'} | {largest} | "
                              f"{_f(r.get('smallest_failed'), '{}', '-')} | "
@@ -676,14 +704,17 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                   "Liger vs baseline |", "|---|---|---:|---:|---:|"]
         for k, s in search.items():
             c = s.get("compare", {})
-            sizes = ", ".join(f"{a} {_f(s['arms'][a].get('largest'), '{}', 'none')}"
-                              + (" (cap)" if s["arms"][a].get("capped") else "")
-                              for a in ARM_ORDER if a in s.get("arms", {}))
-            def floor(v):  # a ratio with the fused arm at the cap is a lower bound
-                return _f(v) + (" (fused at the cap: a floor)" if c.get("fused_capped") and v is not None else "")
+            arms = s.get("arms", {})
+            sizes = ", ".join(f"{a} {_f(arms[a].get('largest'), '{}', 'none')}"
+                              + (f" ({_floor(arms[a])})" if _floor(arms[a]) else "")
+                              for a in ARM_ORDER if a in arms)
 
-            lines.append(f"| {k} | {sizes} | {floor(c.get('fused_vs_baseline'))} | {floor(c.get('fused_vs_liger'))} | "
-                         f"{_f(c.get('liger_vs_baseline'))} |")
+            def ratio(v, num, den):  # a ratio with a floor on either side says which bound it is
+                return _f(v) + (_ratio_note(arms.get(num), arms.get(den), (num, den)) if v is not None else "")
+
+            lines.append(f"| {k} | {sizes} | {ratio(c.get('fused_vs_baseline'), 'fused', 'baseline')} | "
+                         f"{ratio(c.get('fused_vs_liger'), 'fused', 'liger')} | "
+                         f"{ratio(c.get('liger_vs_baseline'), 'liger', 'baseline')} |")
     return "\n".join(lines) + "\n"
 
 

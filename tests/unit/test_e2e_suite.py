@@ -165,6 +165,82 @@ def test_search_capped_nothing_fits_and_other_failures():
     assert r["largest"] == 4 and "ended after micro-batch 4" in r["stopped"]
 
 
+def test_search_progress_reports_the_search_as_it_stands_after_every_process():
+    """After each process, the sizes measured so far, marked unfinished with the largest that fit
+    so far; the finished result is not marked."""
+    run, calls = fragmenting_runner(20, 16)
+    seen = []
+    r = e2e.search_largest(run, start=1, max_size=64, progress=lambda x: seen.append(x))
+    assert len(seen) == r["processes"] == len(calls) > 2
+    for k, x in enumerate(seen):
+        assert x["unfinished"] and not x["capped"] and x["stopped"] is None and x["processes"] == k + 1
+        fit = [t["batch"] for t in x["trials"] if t["status"] == "ok"]
+        assert x["largest"] == max(fit) and x["tokens_per_s"] == 100.0 * max(fit)
+        oom_above = [t["batch"] for t in x["trials"] if t["status"] == "oom" and t["batch"] > max(fit)]
+        assert x["smallest_failed"] == (min(oom_above) if oom_above else None)
+    assert seen[-1]["largest"] == r["largest"] == 20 and "unfinished" not in r
+    assert [x["largest"] for x in seen] == sorted(x["largest"] for x in seen)
+
+
+def test_a_stopped_search_leaves_its_arm_unfinished_in_the_partial_file(tmp_path, monkeypatch):
+    """The suite writes e2e.json after every process of a search: a run stopped from outside
+    keeps the arm's sizes so far, marked unfinished, and the page calls the figure a floor."""
+    def stopped_search(pair, arm, o, tmp, progress=None):
+        run, _ = fake_runner(5)
+        calls = []
+
+        def run_sizes(chain):
+            calls.append(chain)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # the run stopped from outside while its second process ran
+            return run(chain)
+
+        def describe(r):
+            return dict(r, arm=arm, features="none", **{k: getattr(o, k) for k in e2e_report.SEARCH_SETTINGS})
+
+        return e2e.search_largest(run_sizes, o.search_start, o.search_max, progress=lambda r: progress(describe(r)))
+
+    monkeypatch.setattr(e2e, "run_search", stopped_search)
+    args = type("A", (), dict(extra=["--pairs", "none", "--search", "zero2", "--search-arms", "liger,fused"],
+                              quick=False, out=str(tmp_path)))()
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main(args)
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["partial"]
+    liger = doc["search"]["zero2"]["arms"]["liger"]
+    assert liger["unfinished"] and liger["largest"] == 4 and liger["smallest_failed"] == 8
+    assert [t["batch"] for t in liger["trials"]] == [1, 2, 4, 8] and "fused" not in doc["search"]["zero2"]["arms"]
+    out = tmp_path / "page"
+    out.mkdir()
+    e2e_report.render([str(tmp_path / "e2e.json")], str(out))
+    md = (out / "e2e.md").read_text()
+    assert "| zero2 | liger | none | 4 (unfinished) | 8 |" in md
+    assert "`(unfinished)`: the run ended before the arm's search did" in md
+
+
+def test_search_ratios_say_which_bound_a_floor_makes():
+    def arm(largest, **flags):
+        return dict(trials=[dict(batch=largest, status="ok", median_tokens_per_s=10.0 * largest, median_step_s=1.0)],
+                    largest=largest, tokens_per_s=10.0 * largest, median_step_s=1.0,
+                    **dict(dict(capped=False), **flags))
+
+    meta = dict(date="d", gpu="g", torch="t", triton="tr", model="m", batch=2, seq=4096, steps=2, warmup=0,
+                search_start=4, search_max=64, search_steps=3, search_warmup=1, search_confirm=True)
+    search = dict(a=dict(arms=dict(baseline=arm(4), liger=arm(64, capped=True), fused=arm(64, capped=True))),
+                  b=dict(arms=dict(baseline=arm(4), liger=arm(28), fused=arm(32, unfinished=True))),
+                  c=dict(arms=dict(baseline=arm(4), liger=arm(30, unfinished=True), fused=arm(25))))
+    for v in search.values():
+        v["compare"] = e2e_report.search_compare(v["arms"])
+    rows = {x.split("|")[1].strip(): x for x in e2e_report.markdown({}, search, meta).splitlines()
+            if x.count("|") == 6 and "," in x}
+    assert "| 16.00 (fused at the cap: a floor) | 1.00 (both floors: fused and liger at the cap) | " \
+           "16.00 (liger at the cap: a floor) |" in rows["a"]
+    assert "fused 32 (unfinished)" in rows["b"] and "| 8.00 (fused unfinished: a floor) | 1.14 (fused unfinished: a " \
+           "floor) | 7.00 |" in rows["b"]
+    assert "| 6.25 | 0.83 (liger unfinished: an upper bound) | 7.50 (liger unfinished: a floor) |" in rows["c"]
+    assert e2e_report.search_compare(search["b"]["arms"])["fused_unfinished"]
+
+
 def test_bisect_chain():
     assert e2e.bisect_chain(8, 16) == [12, 14, 15]
     assert e2e.bisect_chain(0, 1) == [] and e2e.bisect_chain(4, 5) == []
