@@ -89,7 +89,8 @@ Flags: ``--model --steps --warmup --batch-size --seq-len`` (the fixed setup), ``
 ``--arm-timeout`` (s per run, default 600), ``--liger-swiglu-timeout`` (default 420),
 ``--keep-traces DIR`` (each profiled step's Chrome trace), ``--search PAIRS --search-arms
 --search-start --search-max --search-steps --search-warmup --search-timeout`` (s per search
-process), ``--no-search-confirm``, ``--include HOST:IDS`` (the launcher's ``--include``: e.g.
+process), ``--no-search-confirm``, ``--search-resume E2E_JSON`` (continue the searches a stopped
+run left unfinished in that file), ``--include HOST:IDS`` (the launcher's ``--include``: e.g.
 ``localhost:1`` runs on the second GPU, so two single-GPU parts can run side by side on a two-GPU
 host), ``--render FILES``; the bench's ``--out DIR`` and ``--quick`` (defaults of 3 steps and 512 tokens;
 flags given explicitly win).
@@ -489,7 +490,8 @@ def _search_summary(trials: list, good: Optional[int], bad: Optional[int], stopp
 
 
 def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: int = 64,
-                   confirm: bool = True, progress: Optional[Callable[[dict], None]] = None) -> dict:
+                   confirm: bool = True, progress: Optional[Callable[[dict], None]] = None,
+                   earlier: Optional[list] = None) -> dict:
     """The largest micro-batch that runs: doubling from ``start`` to ``max_size``, then a search
     between the largest size that ran and the smallest that ran out of memory.
 
@@ -508,7 +510,13 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
 
     ``progress(result)``, if given, is called after every process with the search as it stands
     (marked ``unfinished``: the largest size that fit so far, ``capped`` False), so that a run
-    stopped from outside keeps the sizes it measured."""
+    stopped from outside keeps the sizes it measured.
+
+    ``earlier``: the trials of an unfinished search of the same arm (its ``progress``), which this
+    one continues: the largest size that fit and the smallest that did not above it are taken
+    from them, sizes that ran alone count as confirmed, and the next process is the one the
+    search would have run next, so an interrupted search and its continuation run the processes
+    of one uninterrupted search."""
     doubling, size = [], start
     while size <= max_size:
         doubling.append(size)
@@ -516,6 +524,17 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
     chain = list(doubling)
     trials, good, bad, stopped, proc = [], None, None, None, 0
     confirmed = set()
+    if earlier:
+        trials = [dict(t) for t in earlier]
+        proc = max(t.get("process", 0) for t in trials)
+        confirmed = {t["batch"] for t in trials if t.get("alone")}
+        fit = [t["batch"] for t in trials if t["status"] == "ok"]
+        good = max(fit) if fit else None
+        above = [t["batch"] for t in trials if t["status"] == "oom" and (good is None or t["batch"] > good)]
+        bad = min(above) if above else None
+        tried = {t["batch"] for t in trials}
+        chain = (_next_chain(trials, good, bad) if bad is not None else
+                 [b for b in doubling if (good is None or b > good) and b not in tried])
 
     def run(sizes, alone=False):
         nonlocal proc
@@ -577,9 +596,11 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
     return _search_summary(trials, good, bad, stopped, proc, confirmed)
 
 
-def run_search(pair: str, arm: str, o, tmp: str, progress: Optional[Callable[[dict], None]] = None) -> dict:
+def run_search(pair: str, arm: str, o, tmp: str, progress: Optional[Callable[[dict], None]] = None,
+               earlier: Optional[dict] = None) -> dict:
     """One arm's micro-batch search (:func:`search_largest`); ``progress(result)`` after every
-    process, with the unfinished search described as the finished one is."""
+    process, with the unfinished search described as the finished one is; ``earlier``: the arm's
+    unfinished search to continue (:func:`resumable`)."""
     base_cfg, fused_cfg, gpus = PAIRS[pair]
     gpus = pair_gpus(pair, gpus)
     which, extra, env_extra = ARMS[arm]
@@ -625,7 +646,26 @@ def run_search(pair: str, arm: str, o, tmp: str, progress: Optional[Callable[[di
 
     return describe(search_largest(run_sizes, o.search_start, o.search_max,
                                    confirm=getattr(o, "search_confirm", True),
-                                   progress=None if progress is None else (lambda r: progress(describe(r)))))
+                                   progress=None if progress is None else (lambda r: progress(describe(r))),
+                                   earlier=(earlier or {}).get("trials")))
+
+
+RESUME_KEYS = ("model", "seq_len", "search_steps", "search_warmup", "search_start", "search_max")
+
+
+def resumable(doc: dict, pair: str, arm: str, o) -> Optional[dict]:
+    """The unfinished search of ``pair``/``arm`` in an e2e.json document (``--search-resume``), or
+    None where it has none (a finished arm is searched again). SystemExit where the earlier search
+    ran with other settings than this run's: its sizes would not compare."""
+    r = ((doc.get("search") or {}).get(pair) or {}).get("arms", {}).get(arm)
+    if not r or not r.get("unfinished"):
+        return None
+    now = dict(model=pair_setup(pair, o, [])[0], seq_len=o.seq_len, **{k: getattr(o, k) for k in SEARCH_SETTINGS})
+    differ = [f"{k} {r.get(k)!r} (this run {now[k]!r})" for k in RESUME_KEYS if r.get(k) != now[k]]
+    if differ:
+        raise SystemExit(f"e2e: --search-resume: the unfinished search of {pair} / {arm} ran with other settings: "
+                         + ", ".join(differ) + "; expected the same as this run's")
+    return r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,6 +706,9 @@ def parse_options(args):
     p.add_argument("--search-timeout", type=float, default=600.0, help="seconds per search process")
     p.add_argument("--no-search-confirm", dest="search_confirm", action="store_false",
                    help="do not try the smallest failed size again alone in a fresh process")
+    p.add_argument("--search-resume", default=None, metavar="E2E_JSON",
+                   help="continue the searches this file holds unfinished (a run stopped from outside), "
+                        "with the same settings; finished arms and arms it lacks are searched from the start")
     p.add_argument("--include", default=None, metavar="HOST:IDS",
                    help="the deepspeed launcher's --include for every run (e.g. localhost:1: the second GPU), "
                         "so two jobs can share a host; its GPU count must match the pairs'")
@@ -695,6 +738,15 @@ def parse_options(args):
     if o.search_list and not 1 <= o.search_start <= o.search_max:
         raise SystemExit(f"e2e: --search-start {o.search_start} / --search-max {o.search_max}: expected "
                          "1 <= start <= max")
+    o.resume_doc = None
+    if o.search_resume is not None:
+        try:
+            with open(o.search_resume) as f:
+                o.resume_doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"e2e: --search-resume {o.search_resume!r}: expected a readable e2e.json ({e})")
+        if not isinstance(o.resume_doc, dict) or not isinstance(o.resume_doc.get("search", {}), dict):
+            raise SystemExit(f"e2e: --search-resume {o.search_resume!r}: expected an e2e.json document")
     return o
 
 
@@ -716,6 +768,10 @@ def main(args) -> dict:
         meta["pair_models"] = {p: dict(model=pair_setup(p, o, [])[0], args=" ".join(DENSE_PAIRS[p][1]),
                                        **({"configs": " / ".join(DENSE_CONFIGS[p])} if p in DENSE_CONFIGS else {}))
                                for p in dense}
+
+    # the unfinished searches to continue, checked before anything runs
+    resume = {(k, a): resumable(o.resume_doc, k, a, o) for k in o.search_list for a in o.search_arm_list
+              if o.resume_doc}
 
     def partial():  # e2e.json after every run: a job stopped from outside keeps what finished
         with open(os.path.join(out_dir, "e2e.json"), "w") as f:
@@ -739,7 +795,7 @@ def main(args) -> dict:
                     search[name]["arms"][arm] = r
                     partial()
 
-                search[name]["arms"][arm] = run_search(name, arm, o, tmp, progress)
+                search[name]["arms"][arm] = run_search(name, arm, o, tmp, progress, resume.get((name, arm)))
                 partial()
             search[name]["compare"] = search_compare(search[name]["arms"])
     return _write(results, search, meta, out_dir)

@@ -185,7 +185,7 @@ def test_search_progress_reports_the_search_as_it_stands_after_every_process():
 def test_a_stopped_search_leaves_its_arm_unfinished_in_the_partial_file(tmp_path, monkeypatch):
     """The suite writes e2e.json after every process of a search: a run stopped from outside
     keeps the arm's sizes so far, marked unfinished, and the page calls the figure a floor."""
-    def stopped_search(pair, arm, o, tmp, progress=None):
+    def stopped_search(pair, arm, o, tmp, progress=None, earlier=None):
         run, _ = fake_runner(5)
         calls = []
 
@@ -216,6 +216,86 @@ def test_a_stopped_search_leaves_its_arm_unfinished_in_the_partial_file(tmp_path
     md = (out / "e2e.md").read_text()
     assert "| zero2 | liger | none | 4 (unfinished) | 8 |" in md
     assert "`(unfinished)`: the run ended before the arm's search did" in md
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("runner", [lambda: fake_runner(13), lambda: fake_runner(63), lambda: fake_runner(100),
+                                    lambda: fragmenting_runner(40, 31), lambda: fragmenting_runner(23, 22),
+                                    lambda: fragmenting_runner(64, 20)])
+def test_a_resumed_search_runs_the_processes_the_uninterrupted_one_would(runner):
+    """Stopped after any process and continued from what ``progress`` kept, the search runs the
+    remaining processes of the uninterrupted search and ends with its answer."""
+    run, calls = runner()
+    whole = e2e.search_largest(run, start=1, max_size=64)
+    for k in range(1, whole["processes"]):
+        run, calls2 = runner()
+        seen = []
+
+        def stop_after_k(chain, run=run, calls2=calls2):
+            if len(calls2) == k:
+                raise _Stop
+            return run(chain)
+
+        with pytest.raises(_Stop):
+            e2e.search_largest(stop_after_k, 1, 64, progress=seen.append)
+        assert seen[-1]["unfinished"] and seen[-1]["processes"] == k
+        run, calls3 = runner()
+        r = e2e.search_largest(run, 1, 64, earlier=seen[-1]["trials"])
+        assert calls2[:k] + calls3 == calls, k
+        for key in ("largest", "smallest_failed", "capped", "processes", "confirmed_alone", "tokens_per_s"):
+            assert r[key] == whole[key], (k, key)
+        assert [(t["batch"], t["status"], t["process"], t.get("alone", False)) for t in r["trials"]] == \
+            [(t["batch"], t["status"], t["process"], t.get("alone", False)) for t in whole["trials"]]
+    # a finished search continued runs nothing
+    run, calls4 = runner()
+    assert e2e.search_largest(run, 1, 64, earlier=whole["trials"])["largest"] == whole["largest"] and not calls4
+
+
+def _search_opts(*extra):
+    return e2e.parse_options(type("A", (), dict(extra=["--pairs", "none", "--search", "zero2", *extra],
+                                                quick=False))())
+
+
+def test_resumable_takes_an_unfinished_arm_with_the_same_settings(tmp_path):
+    o = _search_opts("--search-start", "4")
+    same = dict(model=e2e.pair_setup("zero2", o, [])[0], seq_len=o.seq_len,
+                **{k: getattr(o, k) for k in e2e_report.SEARCH_SETTINGS})
+    arm = dict(same, trials=[dict(batch=4, status="ok")], unfinished=True)
+    doc = dict(search=dict(zero2=dict(arms=dict(fused=arm, liger=dict(same, trials=[])))))
+    assert e2e.resumable(doc, "zero2", "fused", o) is arm
+    assert e2e.resumable(doc, "zero2", "liger", o) is None  # finished: searched from the start
+    assert e2e.resumable(doc, "zero2", "baseline", o) is None and e2e.resumable({}, "zero2", "fused", o) is None
+    with pytest.raises(SystemExit, match=r"search_steps 5 \(this run 3\)"):
+        e2e.resumable(doc, "zero2", "fused", _search_opts("--search-start", "4", "--search-steps", "3"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    for path, what in ((bad, "expected an e2e.json document"), (tmp_path / "none.json", "expected a readable")):
+        with pytest.raises(SystemExit, match=what):
+            _search_opts("--search-resume", str(path))
+
+
+def test_the_suite_continues_the_unfinished_arms_of_the_resume_file(tmp_path, monkeypatch):
+    o = _search_opts()
+    same = dict(model=e2e.pair_setup("zero2", o, [])[0], seq_len=o.seq_len,
+                **{k: getattr(o, k) for k in e2e_report.SEARCH_SETTINGS})
+    unfinished = dict(same, trials=[dict(batch=1, status="ok", process=1, position=0)], unfinished=True)
+    path = tmp_path / "stopped.json"
+    path.write_text(json.dumps(dict(meta={}, results={}, search=dict(zero2=dict(arms=dict(
+        liger=unfinished, fused=dict(same, trials=[])))))))
+    got = {}
+
+    def fake_search(pair, arm, o, tmp, progress=None, earlier=None):
+        got[arm] = earlier
+        return dict(trials=[], largest=None, smallest_failed=None, capped=False, tokens_per_s=None)
+
+    monkeypatch.setattr(e2e, "run_search", fake_search)
+    args = type("A", (), dict(extra=["--pairs", "none", "--search", "zero2", "--search-arms", "baseline,liger,fused",
+                                     "--search-resume", str(path)], quick=False, out=str(tmp_path / "out")))()
+    e2e.main(args)
+    assert got == dict(baseline=None, liger=unfinished, fused=None)
 
 
 def test_search_ratios_say_which_bound_a_floor_makes():
