@@ -450,14 +450,17 @@ def _accum_of(a: dict) -> Optional[int]:
     return len(h[0].get("micro_losses") or [None])
 
 
-def targets_text() -> str:
-    """The targets of :data:`STEP_TARGETS` in words."""
+def targets_text(pairs=None, balanced: bool = True) -> str:
+    """The targets of :data:`STEP_TARGETS` in words, of ``pairs`` (default every pair with one);
+    ``balanced``: with the rule for balanced runs."""
+    shown = [p for p in STEP_TARGETS if pairs is None or p in pairs]
     return ("Targets (the fused arm's optimizer step, every feature on): "
-            + ", ".join(f"`{pair}` >= {t['vs_baseline']}x the baseline's and >= {t['vs_liger']}x the Liger arm's"
-                        for pair, t in STEP_TARGETS.items())
-            + f"; every pair: the loss of every micro-step within {LOSS_TARGET:.1%} of the baseline's. "
-            f"Balanced runs: an arm's two median steps more than {RUNS_AGREE:.0%} apart flag the pair as not "
-            "comparable (the GPU changed under the run).")
+            + ", ".join(f"`{pair}` >= {STEP_TARGETS[pair]['vs_baseline']}x the baseline's and >= "
+                        f"{STEP_TARGETS[pair]['vs_liger']}x the Liger arm's" for pair in shown)
+            + ("; " if shown else "")
+            + f"every pair: the loss of every micro-step within {LOSS_TARGET:.1%} of the baseline's."
+            + (f" Balanced runs: an arm's two median steps more than {RUNS_AGREE:.0%} apart flag the pair as not "
+               "comparable (the GPU changed under the run)." if balanced else ""))
 
 
 def markdown(results: dict, search: dict, meta: dict) -> str:
@@ -514,7 +517,8 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                              f"{_f(fb * 1e3 if fb else None, '{:.1f}')} | "
                              f"{(a['peak_alloc_mib'] or 0) / 1024:.2f} | {(a['peak_reserved_mib'] or 0) / 1024:.2f} | "
                              f"{a['history'][-1]['loss']:.4f} |")
-        lines += ["", targets_text(), "",
+        lines += ["", targets_text(set(results), any(v[a].get("runs") for v in results.values() for a in _arms_of(v))),
+                  "",
                   "| pair | accum | fused vs baseline | fused vs Liger | Liger vs baseline | fwd+bwd fused vs "
                   "baseline / Liger | peak alloc reduction fused / Liger | max loss rel. diff fused / Liger | NaN | "
                   "targets met |",
@@ -766,9 +770,11 @@ def merge(docs: list) -> tuple:
                 arms[a] = _continue_search(arms.get(a), x)
                 searched.setdefault(k, {})[a] = _measured(d, "date", k, "search_dates")
     meta = dict(next((d["meta"] for d in docs if d.get("results")), docs[0]["meta"] if docs else {}))
+    for key in ("pair_dates", "pair_gpus", "search_dates"):  # that file's own merge's: computed again below
+        meta.pop(key, None)
     for d in docs:
         if d.get("search"):
-            meta.update({k: v for k, v in d["meta"].items() if k.startswith("search_")})
+            meta.update({k: v for k, v in d["meta"].items() if k.startswith("search_") and k != "search_dates"})
             break
     models = {k: v for d in docs for k, v in (d.get("meta", {}).get("pair_models") or {}).items()}
     if models:  # the dense pairs' own models, from every file

@@ -492,6 +492,12 @@ def test_merge_keeps_each_pairs_date_through_a_second_merge():
     assert m2["search_dates"] == {"s": "2026-12-06", "t": "2026-12-07", "u": "2026-12-08"}
     _, _, m3 = e2e_report.merge([a, a])
     assert "search_dates" not in m3 and "pair_dates" not in m3
+    # a later file that replaces every arm of the merged one leaves one date: none named per pair
+    d = dict(meta=dict(meta, date="2026-12-09"), results=dict(p=dict(baseline=_arm(0.2, [12, 11])),
+                                                            q=dict(baseline=_arm(0.2, [12, 11]))),
+             search=dict(s=dict(arms=dict(liger=arm)), t=dict(arms=dict(liger=arm))))
+    _, _, m5 = e2e_report.merge([merged, d])
+    assert "pair_dates" not in m5 and "search_dates" not in m5, (m5.get("pair_dates"), m5.get("search_dates"))
     # an arm stored without its own settings keeps its file's, and says so beside a later file's page
     c = dict(meta=dict(meta, date="2026-12-08", search_start=4, search_max=64), results={},
              search=dict(u=dict(arms=dict(liger=arm))))
