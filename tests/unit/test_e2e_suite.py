@@ -507,6 +507,15 @@ def test_merge_keeps_each_pairs_date_through_a_second_merge():
     assert "(this arm: doubled from 2 up to the cap 16, 3 timed steps after 1 warm-up)" in row
 
 
+def test_the_targets_line_names_the_pages_pairs_and_the_balanced_rule_only_when_used():
+    text = e2e_report.targets_text({"zero2", "dense_gemma3_1b"}, balanced=False)
+    assert "`zero2` >= 1.3x the baseline's" in text and "`dense_gemma3_1b` >= 1.3x the baseline's and >= 1.1x" in text
+    assert "zero2_accum8" not in text and "dense_llama3_3b" not in text and "Balanced runs" not in text
+    assert "Balanced runs: an arm's two median steps more than 5% apart" in e2e_report.targets_text({"zero2"})
+    assert e2e_report.targets_text(set(), balanced=False).endswith(
+        "every feature on): every pair: the loss of every micro-step within 0.5% of the baseline's.")
+
+
 def test_merge_names_each_pairs_gpu_when_the_files_differ():
     meta = dict(date="2026-12-06", gpu="NVIDIA H100 80GB HBM3", torch="t", triton="tr", model="m", batch=2,
                 seq=4096, steps=2, warmup=0)
