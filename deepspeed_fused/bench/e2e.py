@@ -478,6 +478,15 @@ def _next_chain(trials: list, good: Optional[int], bad: int) -> list:
     return [b for b in chain if not any(t["batch"] == b for t in trials)]
 
 
+def _bounds(trials: list) -> tuple:
+    """(the largest size that ran, the smallest that ran out of memory above it) of ``trials``;
+    None for either where there is none."""
+    fit = [t["batch"] for t in trials if t["status"] == "ok"]
+    good = max(fit) if fit else None
+    above = [t["batch"] for t in trials if t["status"] == "oom" and (good is None or t["batch"] > good)]
+    return good, (min(above) if above else None)
+
+
 def _search_summary(trials: list, good: Optional[int], bad: Optional[int], stopped: Optional[str], proc: int,
                     confirmed: set) -> dict:
     best = next((t for t in reversed(trials) if t["status"] == "ok" and t["batch"] == good), None)
@@ -528,10 +537,7 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
         trials = [dict(t) for t in earlier]
         proc = max(t.get("process", 0) for t in trials)
         confirmed = {t["batch"] for t in trials if t.get("alone")}
-        fit = [t["batch"] for t in trials if t["status"] == "ok"]
-        good = max(fit) if fit else None
-        above = [t["batch"] for t in trials if t["status"] == "oom" and (good is None or t["batch"] > good)]
-        bad = min(above) if above else None
+        good, bad = _bounds(trials)
         tried = {t["batch"] for t in trials}
         chain = (_next_chain(trials, good, bad) if bad is not None else
                  [b for b in doubling if (good is None or b > good) and b not in tried])
@@ -546,10 +552,7 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
                 t["alone"] = True
         trials.extend(res)
         if progress is not None:
-            fit = [t["batch"] for t in trials if t["status"] == "ok"]
-            so_far = max(fit) if fit else None
-            above = [t["batch"] for t in trials if t["status"] == "oom" and (so_far is None or t["batch"] > so_far)]
-            progress(dict(_search_summary(list(trials), so_far, min(above) if above else None, None, proc, confirmed),
+            progress(dict(_search_summary(list(trials), *_bounds(trials), None, proc, confirmed),
                           capped=False, unfinished=True))
         return res
 

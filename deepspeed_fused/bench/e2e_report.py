@@ -781,13 +781,11 @@ def merge(docs: list) -> tuple:
         meta["pair_models"] = models
     # the date each pair was measured and its GPU (its arms', from their files' meta), where the
     # files differ (a pair's arms compare only on one GPU)
-    for key, per_pair in measured.items():
+    for key, per_pair in (("pair_dates", measured["date"]), ("pair_gpus", measured["gpu"]),
+                          ("search_dates", searched)):
         by_pair = {k: sorted({y for x in a.values() if x for y in x.split(", ")}) for k, a in per_pair.items()}
-        if len({x for v in by_pair.values() for x in v}) > 1:
-            meta[f"pair_{key}s"] = {k: ", ".join(v) for k, v in by_pair.items()}
-    search_dates = {k: sorted({y for x in a.values() if x for y in x.split(", ")}) for k, a in searched.items()}
-    if len({x for v in search_dates.values() for x in v}) > 1:  # searches of several dates, merged
-        meta["search_dates"] = {k: ", ".join(v) for k, v in search_dates.items()}
+        if len({x for v in by_pair.values() for x in v}) > 1:  # (a value a merged file names is "a, b")
+            meta[key] = {k: ", ".join(v) for k, v in by_pair.items()}
     for k, v in results.items():
         v["compare"] = compare(k, v)
     for k, v in search.items():
