@@ -51,6 +51,45 @@ def test_search_finds_the_largest_size_in_fresh_processes(tmp_path):
     assert r["features"].startswith("ours: rms_norm, linear_cross_entropy, moe_reorder, rope"), r["features"]
 
 
+class _Stopped(Exception):
+    pass
+
+
+@pytest.mark.gpu_heavy
+def test_a_search_stopped_after_two_processes_resumes_to_the_same_kind_of_answer(tmp_path):
+    """The search stopped from outside after its second process (the progress it reported then is
+    what the suite writes to e2e.json), continued from that report in new processes: it ends with
+    the largest size fitting and the next out of memory first in its process, the stopped run's
+    sizes kept and none of them run again."""
+    o = e2e.parse_options(type("A", (), dict(extra=["--model", "qwen3-moe-tiny", "--seq-len", "16384",
+                                                    "--search", "zero2", "--search-steps", "1",
+                                                    "--search-warmup", "0", "--search-start", "16",
+                                                    "--search-max", "4096", "--search-timeout", "300"],
+                                             quick=False))())
+    seen = []
+    for part in ("a", "b"):  # each run's own folder: its metrics files are numbered from 1
+        (tmp_path / part).mkdir()
+
+    def stop_after_two(r):
+        seen.append(json.loads(json.dumps(r, default=str)))  # as the suite's e2e.json keeps it
+        if r["processes"] == 2:
+            raise _Stopped
+
+    with pytest.raises(_Stopped):
+        e2e.run_search("zero2", "fused", o, str(tmp_path / "a"), progress=stop_after_two)
+    snapshot = seen[-1]
+    assert snapshot["unfinished"] and snapshot["largest"] is not None, snapshot
+    r = e2e.run_search("zero2", "fused", o, str(tmp_path / "b"), earlier=snapshot)
+    assert r["stopped"] is None and "unfinished" not in r, r
+    assert r["trials"][:len(snapshot["trials"])] == snapshot["trials"]
+    assert r["processes"] > 2 and r["largest"] >= snapshot["largest"], r
+    assert r["smallest_failed"] == r["largest"] + 1 and not r["capped"], r
+    bound = [x for x in r["trials"] if x["batch"] == r["smallest_failed"]]
+    assert all(x["status"] == "oom" for x in bound) and any(x["position"] == 0 for x in bound)
+    later = [x["batch"] for x in r["trials"][len(snapshot["trials"]):] if not x.get("alone")]
+    assert not set(later) & {x["batch"] for x in snapshot["trials"]}
+
+
 def test_accumulation_job_records_every_micro_step(tmp_path):
     d = _launch(tmp_path, "--steps", "3", "--warmup", "1", "--seq-len", "256", "--deepspeed_config",
                 e2e.config_file("configs/accum8_fused.json"), "--profile-out", str(tmp_path / "p.json"))
