@@ -487,6 +487,16 @@ def _bounds(trials: list) -> tuple:
     return good, (min(above) if above else None)
 
 
+def _chain_after(trials: list, doubling: list, good: Optional[int], bad: Optional[int]) -> list:
+    """The next process's sizes from the bounds so far: between ``good`` and ``bad``
+    (:func:`_next_chain`), or, with no size above ``good`` out of memory yet, the doubling's sizes
+    above it not yet tried."""
+    if bad is not None:
+        return _next_chain(trials, good, bad)
+    tried = {t["batch"] for t in trials}
+    return [b for b in doubling if (good is None or b > good) and b not in tried]
+
+
 def _search_summary(trials: list, good: Optional[int], bad: Optional[int], stopped: Optional[str], proc: int,
                     confirmed: set) -> dict:
     best = next((t for t in reversed(trials) if t["status"] == "ok" and t["batch"] == good), None)
@@ -538,9 +548,7 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
         proc = max(t.get("process", 0) for t in trials)
         confirmed = {t["batch"] for t in trials if t.get("alone")}
         good, bad = _bounds(trials)
-        tried = {t["batch"] for t in trials}
-        chain = (_next_chain(trials, good, bad) if bad is not None else
-                 [b for b in doubling if (good is None or b > good) and b not in tried])
+        chain = _chain_after(trials, doubling, good, bad)
 
     def run(sizes, alone=False):
         nonlocal proc
@@ -590,11 +598,8 @@ def search_largest(run_sizes: Callable[[list], list], start: int = 1, max_size: 
         if res[0]["status"] != "ok":
             stopped = f"{res[0]['status']} at micro-batch {bad}: {res[0].get('error', '')[:300]}"
             break
-        good = bad  # it fits alone: the search goes on above it
-        higher = [t["batch"] for t in trials if t["status"] == "oom" and t["batch"] > good]
-        bad = min(higher) if higher else None
-        chain = (_next_chain(trials, good, bad) if bad is not None else
-                 [b for b in doubling if b > good and not any(t["batch"] == b for t in trials)])
+        good, bad = _bounds(trials)  # it fits alone (now the largest that ran): the search goes on above it
+        chain = _chain_after(trials, doubling, good, bad)
         # (an empty chain: the next failed size is adjacent; it is confirmed in the next round)
     return _search_summary(trials, good, bad, stopped, proc, confirmed)
 

@@ -288,8 +288,9 @@ def arm_features(a: dict) -> str:
 
 def search_compare(arms: dict) -> dict:
     """Tokens/s ratios, each arm at its own largest micro-batch; ``largest``: that size per arm;
-    ``fused_capped``: the fused arm still fit at the cap (its figure is a floor, not a measurement
-    of its largest micro-batch)."""
+    ``fused_capped``: the fused arm still fit at the cap, ``fused_unfinished``: its search was
+    stopped before it ended (either way its figure is a floor, not a measurement of its largest
+    micro-batch)."""
     base, fused, liger = arms.get("baseline"), arms.get("fused"), arms.get("liger")
     out: dict = dict(largest={a: r.get("largest") for a, r in arms.items()})
     if fused:
