@@ -47,7 +47,9 @@ optimizer step: its kernel time per category, each kernel once (``deepspeed_fuse
 ranges around the modules the features replace and around DeepSpeed's work, our kernels by name;
 the categories add up to the arm's kernel time), and the same per micro-step (the kernels launched
 during its forward+backward; the mean over the step's micro-steps). Every run has a time limit
-(``--arm-timeout``); a run over it is recorded as a timeout, not waited for.
+(``--arm-timeout``); a run over it is recorded as a timeout, not waited for. A pair that needs more
+GPUs than the host has (:func:`host_shortfall`) is recorded as not run, with the reason, and the
+other pairs run.
 
 Micro-batch search (``--search PAIRS``, e.g. ``--search zero2,zero3``; arms ``--search-arms``):
 for each arm, the largest micro-batch of ``--seq-len``-token sequences that trains without
@@ -203,6 +205,24 @@ def pair_gpus(pair: str, default: int, memory: Optional[list] = None) -> int:
     if memory and len(memory) < default and memory[0] >= need:
         return 1
     return default
+
+
+def host_shortfall(pair: str, memory: Optional[list] = None, gpus: Optional[int] = None) -> Optional[str]:
+    """Why ``pair`` (of ``gpus`` GPUs: default its :data:`PAIRS` entry's) cannot run on this host,
+    which has fewer GPUs than :func:`pair_gpus` asks for; else None. None as well where the GPUs
+    are unknown (no ``nvidia-smi``) or chosen with ``--include``: the launcher decides then."""
+    memory = gpu_memory_gib() if memory is None else memory
+    if not memory or INCLUDE:
+        return None
+    need = pair_gpus(pair, PAIRS[pair][2] if gpus is None else gpus, memory)
+    if len(memory) >= need:
+        return None
+    one = ONE_GPU_FITS_GIB.get(pair)
+    sizes = ", ".join(f"{m:.0f}" for m in memory)
+    return (f"not run: {pair} needs {need} GPUs" + (f" or one of at least {one} GiB" if one else "")
+            + f"; this host has {len(memory)} ({sizes} GiB)")
+
+
 # ``--pairs dense``: the four dense pairs with non-reentrant checkpointing and the ZeRO-2 pair's configs
 DENSE_ALIAS = [p for p in DENSE_PAIRS if not p.endswith("_reentrant") and p not in DENSE_CONFIGS]
 
@@ -322,10 +342,15 @@ def run_arm(pair: str, arm: str, o, tmp: str, pairs: Optional[dict] = None) -> d
     """One arm of a pair (``pairs``: name -> (baseline config, fused config, GPUs); default
     :data:`PAIRS`): train.py under the launcher with a time limit; its metrics, or the error.
     ``o.profile`` (default on) profiles one more step for the kernel-time breakdown."""
-    base_cfg, fused_cfg, gpus = (pairs or PAIRS)[pair]
-    gpus = pair_gpus(pair, gpus)
+    base_cfg, fused_cfg, asked = (pairs or PAIRS)[pair]
+    memory = gpu_memory_gib()
+    gpus = pair_gpus(pair, asked, memory)
     which, extra, env_extra = ARMS[arm]
     config = base_cfg if which == "baseline" else fused_cfg
+    short = host_shortfall(pair, memory, asked)
+    if short:  # launching would start more ranks than GPUs: each fails on a device it does not have
+        print(f"[e2e] {pair}.{arm}: {short}", flush=True)
+        return dict(config=config, arm=arm, env=env_extra, not_run=True, wall_s=0.0, error=short)
     tag = f"{pair}.{arm}"
     metrics = os.path.join(tmp, tag + ".metrics.json")
     timeout = o.liger_swiglu_timeout if arm in SWIGLU_ARMS else o.arm_timeout

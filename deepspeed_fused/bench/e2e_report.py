@@ -194,7 +194,8 @@ def compare(pair: str, arms: dict) -> dict:
     out: dict = {}
     if not (_ok(base) and _ok(fused)):
         bad = next((a for a in (base, fused) if a and "error" in a), None)
-        return dict(error=error_headline(bad["error"]) if bad else "baseline or fused arm missing")
+        return dict(error=error_headline(bad["error"]) if bad else "baseline or fused arm missing",
+                    **({"not_run": True} if bad and bad.get("not_run") else {}))
 
     def reduction(a, key):  # None on a CPU run (no GPU memory figures)
         return 1 - a[key] / base[key] if base.get(key) and a.get(key) is not None else None
@@ -281,7 +282,7 @@ def arm_features(a: dict) -> str:
         parts.append("Liger: " + ", ".join(patches))
     if not parts:
         if "error" in a and not feats:
-            return "n/a (no report: the run failed)"
+            return "n/a (not run)" if a.get("not_run") else "n/a (no report: the run failed)"
         return "none"
     return "; ".join(parts)
 
@@ -508,7 +509,8 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
             for arm in _arms_of(v):
                 a = v[arm]
                 if "error" in a:
-                    lines.append(f"| {k} | {arm} | {arm_features(a)} | | {'timeout' if a.get('timeout') else 'failed'} "
+                    state = "timeout" if a.get("timeout") else "not run" if a.get("not_run") else "failed"
+                    lines.append(f"| {k} | {arm} | {arm_features(a)} | | {state} "
                                  f"| | | | | | {error_headline(a['error'], 200).replace('|', '/')} |")
                     continue
                 fb = _fb(a)
@@ -527,7 +529,7 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
         for k, v in results.items():
             c = v.get("compare") or {}
             if "error" in c:
-                lines.append(f"| {k} | | failed | | | | | | | |")
+                lines.append(f"| {k} | | {'not run' if c.get('not_run') else 'failed'} | | | | | | | |")
                 continue
             mem = (f"{_f(c.get('peak_alloc_reduction'), '{:.1%}')} / "
                    f"{_f(c.get('liger_peak_alloc_reduction'), '{:.1%}')}")

@@ -473,3 +473,33 @@ def test_qwen3_4b_pair_runs_on_one_gpu_only_where_one_holds_it(monkeypatch):
     monkeypatch.setattr(e2e, "launch", launch)
     e2e.run_arm("dense_qwen3_4b", "baseline", _opts("--pairs", "dense_qwen3_4b"), "/tmp")
     assert seen == [1]
+
+
+def test_a_pair_that_needs_more_gpus_than_the_host_has_is_not_launched(tmp_path, monkeypatch):
+    """The Qwen3-4B pair on one 80 GB GPU, or a two-GPU pair on one GPU: each arm is recorded as
+    not run with the reason (no launch: the launcher would start a rank per GPU asked for, each
+    beyond the host's failing on a device it does not have); the pages say "not run", not
+    "failed". Where the host holds the pair, or its GPUs are unknown, it is launched as before."""
+    short = e2e.host_shortfall("dense_qwen3_4b", [79.6])
+    assert short == "not run: dense_qwen3_4b needs 2 GPUs or one of at least 120 GiB; this host has 1 (80 GiB)"
+    assert e2e.host_shortfall("zero2_2gpu", [139.8]) == "not run: zero2_2gpu needs 2 GPUs; this host has 1 (140 GiB)"
+    assert e2e.host_shortfall("dense_qwen3_4b", [139.8]) is None
+    assert e2e.host_shortfall("dense_qwen3_4b", [79.6, 79.6]) is None
+    assert e2e.host_shortfall("dense_qwen3_4b", []) is None  # no nvidia-smi: left to the launcher
+    assert e2e.host_shortfall("dense_llama3_3b", [79.6]) is None
+    assert e2e.host_shortfall("custom", [79.6], gpus=2) == "not run: custom needs 2 GPUs; this host has 1 (80 GiB)"
+    launched = []
+    monkeypatch.setattr(e2e, "gpu_memory_gib", lambda: [79.6])
+    monkeypatch.setattr(e2e, "launch", lambda *a, **k: launched.append(a) or dict(rc=1, stdout="", stderr="x",
+                                                                                  wall_s=1.0))
+    doc = e2e.main(argparse.Namespace(out=str(tmp_path), quick=False, extra=[
+        "--pairs", "dense_qwen3_4b", "--steps", "2", "--warmup", "1", "--balanced"]))
+    assert launched == []
+    r = doc["results"]["dense_qwen3_4b"] if "results" in doc else json.load(open(tmp_path / "e2e.json"))["results"][
+        "dense_qwen3_4b"]
+    for arm in ("baseline", "liger", "fused"):
+        assert r[arm]["not_run"] and r[arm]["error"] == short
+    assert r["compare"]["not_run"]
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| dense_qwen3_4b | fused | n/a (not run) | | not run |" in md
+    assert "| dense_qwen3_4b | | not run |" in md and "failed" not in md
