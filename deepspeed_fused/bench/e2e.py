@@ -51,8 +51,8 @@ during its forward+backward; the mean over the step's micro-steps). Every run ha
 GPUs than the host has (:func:`host_shortfall`) is recorded as not run, with the reason, and the
 other pairs run.
 
-Micro-batch search (``--search PAIRS``, e.g. ``--search zero2,zero3``; arms ``--search-arms``):
-for each arm, the largest micro-batch of ``--seq-len``-token sequences that trains without
+Micro-batch search (``--search PAIRS``, e.g. ``--search zero2,zero3``; ``dense`` for the dense
+pairs one GPU of this host runs; arms ``--search-arms``; on one GPU): for each arm, the largest micro-batch of ``--seq-len``-token sequences that trains without
 running out of memory, and the tokens/s at that size. Sizes double from ``--search-start`` up to
 ``--search-max`` (default 64, so that the fused arm runs out of memory inside the search and its
 figure is a measurement; an arm that still fits at the cap is marked ``(cap)``: its figure is a
@@ -752,14 +752,24 @@ def parse_options(args):
     o = p.parse_args(getattr(args, "extra", []))
     o.pair_list = [y for x in o.pairs.split(",") if x and x != "none" for y in (DENSE_ALIAS if x == "dense" else [x])]
     o.arm_list = [x for x in o.arms.split(",") if x]
-    o.search_list = [z for y in o.search.split(",") if y for z in (DENSE_ALIAS if y == "dense" else [y])]
+    o.search_list = []
+    for y in (y for y in o.search.split(",") if y):
+        if y != "dense":
+            o.search_list.append(y)
+            continue
+        for z in DENSE_ALIAS:  # the dense pairs a one-GPU search can take on this host
+            if pair_gpus(z, PAIRS[z][2]) == 1:
+                o.search_list.append(z)
+            else:
+                print(f"e2e: --search dense leaves out {z}: the search runs on one GPU, {z} needs "
+                      f"{PAIRS[z][2]} here", flush=True)
     o.search_arm_list = [y for y in o.search_arms.split(",") if y]
     for x in o.pair_list + o.search_list:
         if x not in PAIRS:
             raise SystemExit(f"e2e: unknown pair {x!r}; expected one of {', '.join(PAIRS)}")
     for x in o.search_list:
-        if PAIRS[x][2] != 1:
-            raise SystemExit(f"e2e: the micro-batch search runs on one GPU; {x} uses {PAIRS[x][2]}")
+        if pair_gpus(x, PAIRS[x][2]) != 1:
+            raise SystemExit(f"e2e: the micro-batch search runs on one GPU; {x} uses {PAIRS[x][2]} here")
     if o.dense_model is not None:
         from ..models import MODELS
 

@@ -503,3 +503,20 @@ def test_a_pair_that_needs_more_gpus_than_the_host_has_is_not_launched(tmp_path,
     md = (tmp_path / "e2e.md").read_text()
     assert "| dense_qwen3_4b | fused | n/a (not run) | | not run |" in md
     assert "| dense_qwen3_4b | | not run |" in md and "failed" not in md
+
+
+def test_search_dense_takes_the_dense_pairs_one_gpu_holds(monkeypatch, capsys):
+    """``--search dense``: the dense pairs a one-GPU search can run on this host (Qwen3-4B with fp32
+    states only where one GPU holds it, an H200), the others left out with a line saying why; a
+    pair named alone that needs several GPUs here is refused before anything runs."""
+    monkeypatch.setattr(e2e, "gpu_memory_gib", lambda: [79.6])
+    assert _opts("--search", "dense").search_list == ["dense_llama3_3b", "dense_qwen3_1_7b", "dense_gemma3_1b"]
+    assert "--search dense leaves out dense_qwen3_4b: the search runs on one GPU" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="the micro-batch search runs on one GPU; dense_qwen3_4b uses 2 here"):
+        _opts("--search", "dense_qwen3_4b")
+    with pytest.raises(SystemExit, match="zero2_2gpu uses 2 here"):
+        _opts("--search", "zero2_2gpu")
+    monkeypatch.setattr(e2e, "gpu_memory_gib", lambda: [139.8])
+    assert _opts("--search", "dense").search_list == ["dense_llama3_3b", "dense_qwen3_1_7b", "dense_qwen3_4b",
+                                                      "dense_gemma3_1b"]
+    assert _opts("--search", "dense_qwen3_4b,zero2").search_list == ["dense_qwen3_4b", "zero2"]
