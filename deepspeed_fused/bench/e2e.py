@@ -52,8 +52,9 @@ GPUs than the host has (:func:`host_shortfall`) is recorded as not run, with the
 other pairs run.
 
 Micro-batch search (``--search PAIRS``, e.g. ``--search zero2,zero3``; ``dense`` for the dense
-pairs one GPU of this host runs; arms ``--search-arms``; on one GPU): for each arm, the largest micro-batch of ``--seq-len``-token sequences that trains without
-running out of memory, and the tokens/s at that size. Sizes double from ``--search-start`` up to
+pairs one GPU of this host runs; arms ``--search-arms``): for each arm, on one GPU, the largest
+micro-batch of ``--seq-len``-token sequences that trains without running out of memory, and the
+tokens/s at that size. Sizes double from ``--search-start`` up to
 ``--search-max`` (default 64, so that the fused arm runs out of memory inside the search and its
 figure is a measurement; an arm that still fits at the cap is marked ``(cap)``: its figure is a
 floor); then, between the largest size that fit and the smallest that did not, the sizes around a
