@@ -753,23 +753,20 @@ def parse_options(args):
     o = p.parse_args(getattr(args, "extra", []))
     o.pair_list = [y for x in o.pairs.split(",") if x and x != "none" for y in (DENSE_ALIAS if x == "dense" else [x])]
     o.arm_list = [x for x in o.arms.split(",") if x]
-    o.search_list = []
-    for y in (y for y in o.search.split(",") if y):
-        if y != "dense":
-            o.search_list.append(y)
-            continue
-        for z in DENSE_ALIAS:  # the dense pairs a one-GPU search can take on this host
-            if pair_gpus(z, PAIRS[z][2]) == 1:
-                o.search_list.append(z)
-            else:
-                print(f"e2e: --search dense leaves out {z}: the search runs on one GPU, {z} needs "
-                      f"{PAIRS[z][2]} here", flush=True)
+    # (pair, from the ``dense`` alias)
+    searched = [(z, y == "dense") for y in o.search.split(",") if y for z in (DENSE_ALIAS if y == "dense" else [y])]
     o.search_arm_list = [y for y in o.search_arms.split(",") if y]
-    for x in o.pair_list + o.search_list:
+    for x in o.pair_list + [z for z, _ in searched]:
         if x not in PAIRS:
             raise SystemExit(f"e2e: unknown pair {x!r}; expected one of {', '.join(PAIRS)}")
-    for x in o.search_list:
-        if pair_gpus(x, PAIRS[x][2]) != 1:
+    o.search_list = []
+    for x, alias in searched:  # the search runs on one GPU: the alias takes the pairs one GPU here runs
+        if pair_gpus(x, PAIRS[x][2]) == 1:
+            o.search_list.append(x)
+        elif alias:
+            print(f"e2e: --search dense leaves out {x}: the search runs on one GPU, {x} needs {PAIRS[x][2]} here",
+                  flush=True)
+        else:
             raise SystemExit(f"e2e: the micro-batch search runs on one GPU; {x} uses {PAIRS[x][2]} here")
     if o.dense_model is not None:
         from ..models import MODELS
