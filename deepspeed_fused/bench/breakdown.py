@@ -53,6 +53,12 @@ Used by the ``e2e`` suite (through ``deepspeed_fused.train --profile-out``). Two
   any thread: autograd's backward runs while the main thread waits in ``engine.backward``) falls
   inside such a range belongs to that micro-step, and :func:`attribute` also returns each
   micro-step's categories and their mean.
+
+  From a GPU trace :func:`attribute` also returns where the GPU sat idle (:func:`idle_time`): each
+  gap between the end of all work so far and the next kernel's start, split into the part before
+  that kernel's launch call began (the GPU waiting on the host: filed by the kernel's category and
+  by the launching thread, the main thread's forward and optimizer step or autograd's backward and
+  recomputation) and the rest (launch latency, waits on other streams or events).
 """
 from __future__ import annotations
 
@@ -363,7 +369,8 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
     with ``e2e::micro_step`` ranges also gets ``micro_steps`` (per range, in time order:
     ``total_gpu_ms``, ``categories``, ``n_kernels`` of the kernels launched inside it),
     ``micro_step_mean`` (their mean) and ``outside_micro_steps`` (the rest: the optimizer step at
-    the accumulation boundary, kernels without a launch)."""
+    the accumulation boundary, kernels without a launch). A GPU trace also gets ``idle``
+    (:func:`idle_time`: the GPU's idle time, what of it waited on the host, by category and thread)."""
     tr = _Trace(_events(trace), device)
     points = []
     for name, dur, corr, at, _ in tr.kernels:
@@ -377,6 +384,7 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
     unlinked = collections.Counter()  # backward node name -> ms of its kernels left unlinked
     per_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
     total = 0.0
+    timeline = []  # (device start, duration, category, launch (tid, ts) or None) of each device kernel
     windows = [dict(total_gpu_ms=0.0, categories={c: 0.0 for c in CATEGORIES}, n_kernels=0) for _ in tr.windows]
     outside = dict(total_gpu_ms=0.0, categories={c: 0.0 for c in CATEGORIES}, n_kernels=0)
     for name, dur, corr, at, dev in tr.kernels:
@@ -423,11 +431,15 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
         k = per_kernel[(name, cat)]
         k[0] += ms
         k[1] += 1
+        if dev is not None:
+            timeline.append((dev[2], dur, cat, launch))
     rows = sorted(({"name": n, "category": c, "ms": v[0], "calls": v[1]} for (n, c), v in per_kernel.items()),
                   key=lambda r: -r["ms"])
     out = dict(total_gpu_ms=total, categories=cats, how=dict(how), n_kernels=len(tr.kernels),
                top_kernels=rows[:top], method=METHOD,
                unlinked_nodes=dict(sorted(unlinked.items(), key=lambda kv: -kv[1])))
+    if timeline:
+        out["idle"] = idle_time(timeline, tr.main_tid)
     if windows:
         n = len(windows)
         out.update(micro_steps=windows, outside_micro_steps=outside,
@@ -436,6 +448,47 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
                                                     for c in windows[0]["categories"]},
                                         n_micro_steps=n))
     return out
+
+
+MAIN_THREAD = "forward and optimizer step (main thread)"
+AUTOGRAD_THREAD = "backward and recomputation (autograd's thread)"
+
+
+def idle_time(timeline: list, main_tid=None) -> dict:
+    """Where the GPU sat idle between the first kernel's start and the last one's end.
+
+    ``timeline``: ``(start_us, duration_us, category, launch)`` of each device kernel, ``launch``
+    its launch call's ``(tid, ts_us)`` or None. Every gap between the end of all work so far (any
+    stream) and the next kernel's start is split at that kernel's launch: the part before the
+    launch call began is the GPU waiting on the host (``host_ms``, filed by the kernel's category
+    in ``host_by_category`` and by its launching thread in ``host_by_thread``), the part after it
+    is launch latency or a wait on another stream or an event (``other_ms``; all of a gap whose
+    kernel has no launch in the trace). Returns those and ``span_ms``, ``busy_ms`` (the union of
+    the kernels' time), ``idle_ms`` (``span_ms - busy_ms`` = ``host_ms + other_ms``), ``gaps``."""
+    ks = sorted(timeline, key=lambda k: k[0])
+    by_cat, by_thread = collections.Counter(), collections.Counter()
+    host = other = 0.0
+    gaps = 0
+    first = ks[0][0] if ks else 0.0
+    end = first
+    busy = 0.0
+    for start, dur, cat, launch in ks:
+        gap = start - end
+        if gap > 0:
+            gaps += 1
+            waited = min(gap, max(0.0, launch[1] - end)) if launch is not None else 0.0
+            if waited > 0:
+                by_cat[cat] += waited
+                by_thread[MAIN_THREAD if launch[0] == main_tid else AUTOGRAD_THREAD] += waited
+            host += waited
+            other += gap - waited
+        busy += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    ms = 1e-3
+    return dict(span_ms=(end - first) * ms, busy_ms=busy * ms, idle_ms=(host + other) * ms, host_ms=host * ms,
+                other_ms=other * ms, gaps=gaps,
+                host_by_category={c: v * ms for c, v in by_cat.most_common()},
+                host_by_thread={t: v * ms for t, v in by_thread.most_common()})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import re
 from typing import Callable, Optional
 
 from .common import read_json
-from .breakdown import METHOD_V1
+from .breakdown import AUTOGRAD_THREAD, MAIN_THREAD, METHOD_V1
 
 # the arms, in the order the tables list them (deepspeed_fused.bench.e2e.ARMS defines each)
 ARM_ORDER = ("baseline", "liger", "liger_swiglu", "liger_swiglu_noautotune", "fused")
@@ -641,6 +641,25 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 lines.append(f"| {k} | {arm} | {_f(m.get('n_micro_steps'), '{:.0f}', '')} | {m['total_gpu_ms']:.1f} | "
                              + " | ".join(f"{m['categories'].get(c, 0.0):.1f}" for c in mcats)
                              + f" | {_f(rest, '{:.1f}')} |")
+        idle = [(k, arm, v[arm]["breakdown"]["idle"]) for k, v in results.items() for arm in _arms_of(v)
+                if _ok(v[arm]) and (v[arm].get("breakdown") or {}).get("idle")]
+        if idle:
+            lines += ["", "### Where the GPU sat idle (ms, the profiled step)", "",
+                      "From the first kernel's start to the last one's end (`span`), the time no kernel ran "
+                      "(`idle` = span - busy), split at each gap's next kernel: the part before that kernel's "
+                      "launch call began is the GPU waiting on the host (by the thread that launched it: the main "
+                      "thread's forward and optimizer step, or autograd's backward and recomputation; and by the "
+                      "kernel's category, the three longest), the rest launch latency and waits on other streams. "
+                      "The profiler's own host overhead is in these figures.", "",
+                      "| pair | arm | span | busy | idle | waiting on the host: main thread | autograd's thread | "
+                      "by category | other idle |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+            for k, arm, d in idle:
+                th = d.get("host_by_thread") or {}
+                cats = sorted((d.get("host_by_category") or {}).items(), key=lambda kv: -kv[1])[:3]
+                top = ", ".join(f"{c} {ms:.1f}" for c, ms in cats)
+                lines.append(f"| {k} | {arm} | {d['span_ms']:.1f} | {d['busy_ms']:.1f} | {d['idle_ms']:.1f} | "
+                             f"{th.get(MAIN_THREAD, 0.0):.1f} | {th.get(AUTOGRAD_THREAD, 0.0):.1f} | {top or '-'} | "
+                             f"{d['other_ms']:.1f} |")
         checks = [(k, arm, v[arm]["breakdown"]) for k, v in results.items() for arm in _arms_of(v)
                   if _ok(v[arm]) and _attributed(v[arm].get("breakdown"))]
         if checks:

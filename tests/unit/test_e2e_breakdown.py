@@ -324,3 +324,48 @@ def test_micro_step_ranges_split_an_accumulated_step_without_changing_categories
     assert m["categories"]["rms_norm"] == pytest.approx(0.0705)
     assert sum(x["total_gpu_ms"] for x in w) + out["total_gpu_ms"] == pytest.approx(b["total_gpu_ms"])
     _sums_to_total(m)
+
+
+def test_idle_time_splits_each_gap_at_the_next_kernels_launch():
+    main, bwd = 1, 2
+    timeline = [  # (start us, duration us, category, launch (tid, ts) or None), out of order
+        (300.0, 50.0, "rms_norm", (bwd, 240.0)),  # gap 260 -> 300, launched before it began: all "other"
+        (100.0, 100.0, "GEMMs (attention, MLP)", (main, 10.0)),
+        (150.0, 100.0, "zero: gradients", (bwd, 140.0)),  # overlaps the first on another stream: no gap
+        (260.0, 0.0, "other", None),  # zero-length, no launch: gap 250 -> 260 is all "other"
+        (500.0, 20.0, "rms_norm", (main, 460.0)),  # gap 350 -> 500: 110 before the launch, 40 after
+        (600.0, 10.0, "mlp activation", (bwd, 595.0)),  # gap 520 -> 600: 75 host, 5 latency
+    ]
+    r = bd.idle_time(timeline, main)
+    assert r["span_ms"] == pytest.approx(0.510)
+    assert r["busy_ms"] == pytest.approx((150 + 50 + 20 + 10) / 1e3)
+    assert r["gaps"] == 4
+    assert r["host_ms"] == pytest.approx((110 + 75) / 1e3)
+    assert r["other_ms"] == pytest.approx((10 + 40 + 40 + 5) / 1e3)
+    assert r["idle_ms"] == pytest.approx(r["span_ms"] - r["busy_ms"])
+    assert r["idle_ms"] == pytest.approx(r["host_ms"] + r["other_ms"])
+    assert r["host_by_category"] == pytest.approx({"rms_norm": 0.110, "mlp activation": 0.075})
+    assert list(r["host_by_category"]) == ["rms_norm", "mlp activation"]  # longest first
+    assert r["host_by_thread"] == pytest.approx({bd.MAIN_THREAD: 0.110, bd.AUTOGRAD_THREAD: 0.075})
+    assert bd.idle_time([], main)["idle_ms"] == 0
+
+
+def test_a_gpu_breakdown_says_where_the_gpu_waited_on_the_host():
+    t = Trace()
+    t.range("e2e::rms_norm", 0, 100)
+    t.op("aten::mul", 5, 3, **{"Sequence number": 7})  # a forward op: this is the main thread
+    t.kernel("mul_kernel", 10, 40)  # device 15 -> 55
+    t.range("e2e::attention", 150, 300)
+    t.kernel("flash_fwd_kernel", 200, 100)  # launched at 200, device 205 -> 305: 145 us waited on the host
+    t.op("autograd::engine::evaluate_function: MulBackward0", 395, 50, tid=BWD,
+         **{"Sequence number": 7, "Fwd thread id": 1})
+    t.kernel("mul_kernel", 400, 20, tid=BWD)  # device 405 -> 425: 95 us on autograd's thread
+    b = attribute(t.events)
+    idle = b["idle"]
+    assert idle["span_ms"] == pytest.approx(0.410) and idle["busy_ms"] == pytest.approx(0.160)
+    assert idle["host_ms"] == pytest.approx(0.240) and idle["other_ms"] == pytest.approx(0.010)
+    assert idle["host_by_category"] == pytest.approx({"attention": 0.145, "rms_norm": 0.095})
+    assert idle["host_by_thread"] == pytest.approx({bd.MAIN_THREAD: 0.145, bd.AUTOGRAD_THREAD: 0.095})
+    t_cpu = Trace()
+    t_cpu.op("aten::mul", 5, 3)
+    assert "idle" not in attribute(t_cpu.events, device=False)

@@ -960,3 +960,32 @@ def test_train_search_catches_out_of_memory_and_frees_it(monkeypatch):
     r = train.search(Broken(accum=1), _train_args(batch_sizes="1,2"), 0, torch.device("cpu"), 50)
     assert r["trials"] == [dict(batch=1, status="error", error="RuntimeError: shape mismatch",
                                 allocated_after_mib=None)]  # (None: no GPU memory on CPU)
+
+
+def test_the_page_shows_where_the_gpu_sat_idle_and_balanced_runs_average_it():
+    from deepspeed_fused.bench.breakdown import AUTOGRAD_THREAD, MAIN_THREAD
+
+    def bk(host_main, host_bwd, cats):
+        host = host_main + host_bwd
+        idle = dict(span_ms=300.0, busy_ms=300.0 - host - 2.0, idle_ms=host + 2.0, host_ms=host, other_ms=2.0, gaps=10,
+                    host_by_category=cats, host_by_thread={MAIN_THREAD: host_main, AUTOGRAD_THREAD: host_bwd})
+        return dict(total_gpu_ms=300.0 - host - 2.0, categories={"other": 300.0 - host - 2.0}, idle=idle)
+
+    runs = [dict(_arm(0.3, [12.0, 11.0], breakdown=bk(30.0, 10.0, {"rms_norm": 25.0, "mlp activation": 15.0})),
+                 position=0),
+            dict(_arm(0.3, [12.0, 11.0], breakdown=bk(50.0, 30.0, {"mlp activation": 70.0, "attention": 10.0})),
+                 position=1)]
+    fused = e2e.combine_runs(runs)
+    idle = fused["breakdown"]["idle"]
+    assert idle["host_ms"] == pytest.approx(60.0) and idle["host_by_thread"][MAIN_THREAD] == pytest.approx(40.0)
+    # a category one run lacks counts 0 there
+    assert idle["host_by_category"] == pytest.approx({"rms_norm": 12.5, "mlp activation": 42.5, "attention": 5.0})
+    arms = dict(baseline=_arm(0.4, [12.0, 11.0], breakdown=dict(total_gpu_ms=1.0, categories={"other": 1.0})),
+                fused=fused)
+    md = e2e_report.markdown(dict(zero2=arms), {}, dict(date="d", gpu="g", torch="t", triton="tr", model="m", batch=2,
+                                                        seq=4096, steps=8, warmup=2))
+    assert "### Where the GPU sat idle" in md
+    # longest first, after averaging; the baseline arm has no idle record and no row
+    assert "| zero2 | fused | 300.0 | 238.0 | 62.0 | 40.0 | 20.0 | mlp activation 42.5, rms_norm 12.5, attention 5.0 " \
+           "| 2.0 |" in md
+    assert "| zero2 | baseline | 300.0" not in md
