@@ -452,6 +452,7 @@ def attribute(trace, device: bool = True, top: int = 80) -> dict:
 
 MAIN_THREAD = "forward and optimizer step (main thread)"
 AUTOGRAD_THREAD = "backward and recomputation (autograd's thread)"
+UNKNOWN_THREAD = "a thread not known (no forward op in the trace)"
 
 
 def idle_time(timeline: list, main_tid=None) -> dict:
@@ -461,7 +462,8 @@ def idle_time(timeline: list, main_tid=None) -> dict:
     its launch call's ``(tid, ts_us)`` or None. Every gap between the end of all work so far (any
     stream) and the next kernel's start is split at that kernel's launch: the part before the
     launch call began is the GPU waiting on the host (``host_ms``, filed by the kernel's category
-    in ``host_by_category`` and by its launching thread in ``host_by_thread``), the part after it
+    in ``host_by_category`` and by its launching thread in ``host_by_thread``: ``main_tid`` is the
+    forward's thread, any other autograd's), the part after it
     is launch latency or a wait on another stream or an event (``other_ms``; all of a gap whose
     kernel has no launch in the trace). Returns those and ``span_ms``, ``busy_ms`` (the union of
     the kernels' time), ``idle_ms`` (``span_ms - busy_ms`` = ``host_ms + other_ms``), ``gaps``."""
@@ -479,7 +481,8 @@ def idle_time(timeline: list, main_tid=None) -> dict:
             waited = min(gap, max(0.0, launch[1] - end)) if launch is not None else 0.0
             if waited > 0:
                 by_cat[cat] += waited
-                by_thread[MAIN_THREAD if launch[0] == main_tid else AUTOGRAD_THREAD] += waited
+                by_thread[UNKNOWN_THREAD if main_tid is None else MAIN_THREAD if launch[0] == main_tid
+                          else AUTOGRAD_THREAD] += waited
             host += waited
             other += gap - waited
         busy += max(0.0, start + dur - max(start, end))

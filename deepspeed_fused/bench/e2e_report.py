@@ -11,7 +11,7 @@ import re
 from typing import Callable, Optional
 
 from .common import read_json
-from .breakdown import AUTOGRAD_THREAD, MAIN_THREAD, METHOD_V1
+from .breakdown import AUTOGRAD_THREAD, MAIN_THREAD, METHOD_V1, UNKNOWN_THREAD
 
 # the arms, in the order the tables list them (deepspeed_fused.bench.e2e.ARMS defines each)
 ARM_ORDER = ("baseline", "liger", "liger_swiglu", "liger_swiglu_noautotune", "fused")
@@ -657,6 +657,8 @@ def markdown(results: dict, search: dict, meta: dict) -> str:
                 th = d.get("host_by_thread") or {}
                 cats = sorted((d.get("host_by_category") or {}).items(), key=lambda kv: -kv[1])[:3]
                 top = ", ".join(f"{c} {ms:.1f}" for c, ms in cats)
+                if th.get(UNKNOWN_THREAD):
+                    top += f" (launching thread not known: {th[UNKNOWN_THREAD]:.1f})"
                 lines.append(f"| {k} | {arm} | {d['span_ms']:.1f} | {d['busy_ms']:.1f} | {d['idle_ms']:.1f} | "
                              f"{th.get(MAIN_THREAD, 0.0):.1f} | {th.get(AUTOGRAD_THREAD, 0.0):.1f} | {top or '-'} | "
                              f"{d['other_ms']:.1f} |")

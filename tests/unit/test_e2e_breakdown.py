@@ -348,6 +348,8 @@ def test_idle_time_splits_each_gap_at_the_next_kernels_launch():
     assert list(r["host_by_category"]) == ["rms_norm", "mlp activation"]  # longest first
     assert r["host_by_thread"] == pytest.approx({bd.MAIN_THREAD: 0.110, bd.AUTOGRAD_THREAD: 0.075})
     assert bd.idle_time([], main)["idle_ms"] == 0
+    # a trace without forward ops does not say which thread is the main one
+    assert bd.idle_time(timeline)["host_by_thread"] == pytest.approx({bd.UNKNOWN_THREAD: 0.185})
 
 
 def test_a_gpu_breakdown_says_where_the_gpu_waited_on_the_host():

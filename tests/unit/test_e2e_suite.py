@@ -989,3 +989,11 @@ def test_the_page_shows_where_the_gpu_sat_idle_and_balanced_runs_average_it():
     assert "| zero2 | fused | 300.0 | 238.0 | 62.0 | 40.0 | 20.0 | mlp activation 42.5, rms_norm 12.5, attention 5.0 " \
            "| 2.0 |" in md
     assert "| zero2 | baseline | 300.0" not in md
+    from deepspeed_fused.bench.breakdown import UNKNOWN_THREAD
+
+    unknown = bk(4.0, 0.0, {"rms_norm": 4.0})  # 4 ms waited on the host, its thread not known
+    unknown["idle"]["host_by_thread"] = {UNKNOWN_THREAD: 4.0}
+    arms["liger"] = _arm(0.35, [12.0, 11.0], breakdown=unknown)
+    md = e2e_report.markdown(dict(zero2=arms), {}, dict(date="d", gpu="g", torch="t", triton="tr", model="m", batch=2,
+                                                        seq=4096, steps=8, warmup=2))
+    assert "| zero2 | liger | 300.0 | 294.0 | 6.0 | 0.0 | 0.0 | rms_norm 4.0 (launching thread not known: 4.0) |" in md
