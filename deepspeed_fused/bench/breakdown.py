@@ -463,10 +463,10 @@ def idle_time(timeline: list, main_tid=None) -> dict:
     stream) and the next kernel's start is split at that kernel's launch: the part before the
     launch call began is the GPU waiting on the host (``host_ms``, filed by the kernel's category
     in ``host_by_category`` and by its launching thread in ``host_by_thread``: ``main_tid`` is the
-    forward's thread, any other autograd's), the part after it
-    is launch latency or a wait on another stream or an event (``other_ms``; all of a gap whose
-    kernel has no launch in the trace). Returns those and ``span_ms``, ``busy_ms`` (the union of
-    the kernels' time), ``idle_ms`` (``span_ms - busy_ms`` = ``host_ms + other_ms``), ``gaps``."""
+    forward's thread, any other autograd's), the part after it is launch latency or a wait on
+    another stream or an event (``other_ms``; all of a gap whose kernel has no launch in the
+    trace). Returns those and ``span_ms``, ``busy_ms`` (the union of the kernels' time),
+    ``idle_ms`` (``span_ms - busy_ms`` = ``host_ms + other_ms``), ``gaps``."""
     ks = sorted(timeline, key=lambda k: k[0])
     by_cat, by_thread = collections.Counter(), collections.Counter()
     host = other = 0.0
