@@ -963,7 +963,7 @@ def test_train_search_catches_out_of_memory_and_frees_it(monkeypatch):
 
 
 def test_the_page_shows_where_the_gpu_sat_idle_and_balanced_runs_average_it():
-    from deepspeed_fused.bench.breakdown import AUTOGRAD_THREAD, MAIN_THREAD
+    from deepspeed_fused.bench.breakdown import AUTOGRAD_THREAD, MAIN_THREAD, UNKNOWN_THREAD
 
     def bk(host_main, host_bwd, cats):
         host = host_main + host_bwd
@@ -989,8 +989,6 @@ def test_the_page_shows_where_the_gpu_sat_idle_and_balanced_runs_average_it():
     assert "| zero2 | fused | 300.0 | 238.0 | 62.0 | 40.0 | 20.0 | mlp activation 42.5, rms_norm 12.5, attention 5.0 " \
            "| 2.0 |" in md
     assert "| zero2 | baseline | 300.0" not in md
-    from deepspeed_fused.bench.breakdown import UNKNOWN_THREAD
-
     unknown = bk(4.0, 0.0, {"rms_norm": 4.0})  # 4 ms waited on the host, its thread not known
     unknown["idle"]["host_by_thread"] = {UNKNOWN_THREAD: 4.0}
     arms["liger"] = _arm(0.35, [12.0, 11.0], breakdown=unknown)
