@@ -986,12 +986,24 @@ def test_the_page_shows_where_the_gpu_sat_idle_and_balanced_runs_average_it():
                                                         seq=4096, steps=8, warmup=2))
     assert "### Where the GPU sat idle" in md
     # longest first, after averaging; the baseline arm has no idle record and no row
-    assert "| zero2 | fused | 300.0 | 238.0 | 62.0 | 40.0 | 20.0 | mlp activation 42.5, rms_norm 12.5, attention 5.0 " \
-           "| 2.0 |" in md
-    assert "| zero2 | baseline | 300.0" not in md
+    # the median step unprofiled (300 ms) and what it leaves idle beside the profiled step's busy time
+    assert "| zero2 | fused | 300.0 | 62.0 | 300.0 | 238.0 | 62.0 | 40.0 | 20.0 | mlp activation 42.5, " \
+           "rms_norm 12.5, attention 5.0 | 2.0 |" in md
+    assert "| zero2 | baseline | 400.0" not in md
     unknown = bk(4.0, 0.0, {"rms_norm": 4.0})  # 4 ms waited on the host, its thread not known
     unknown["idle"]["host_by_thread"] = {UNKNOWN_THREAD: 4.0}
     arms["liger"] = _arm(0.35, [12.0, 11.0], breakdown=unknown)
     md = e2e_report.markdown(dict(zero2=arms), {}, dict(date="d", gpu="g", torch="t", triton="tr", model="m", batch=2,
                                                         seq=4096, steps=8, warmup=2))
-    assert "| zero2 | liger | 300.0 | 294.0 | 6.0 | 0.0 | 0.0 | rms_norm 4.0 (launching thread not known: 4.0) |" in md
+    assert "| zero2 | liger | 350.0 | 56.0 | 300.0 | 294.0 | 6.0 | 0.0 | 0.0 | rms_norm 4.0 (launching thread " \
+           "not known: 4.0) |" in md
+
+
+def test_plot_title_names_the_model_each_pair_trained():
+    moe = {"zero2": {"baseline": {"model": "qwen3-moe-30b-a3b-4l"}, "fused": {"model": "qwen3-moe-30b-a3b-4l"},
+                     "compare": {}}}
+    title = e2e_report.plot_title(moe, ["zero2"])
+    assert title == "end-to-end: model qwen3-moe-30b-a3b-4l, bf16 (0 = failed or not run)"
+    dense = dict(moe, dense_qwen3_4b={"liger": {"model": "qwen3-4b"}, "fused": {"error": "oom"}})
+    title = e2e_report.plot_title(dense, ["zero2", "dense_qwen3_4b"])
+    assert "each pair's own model" in title and "qwen3-moe" not in title
