@@ -21,7 +21,10 @@ Implementations (each when it imports and takes the shape):
   they are intermediates): here the inputs' values change from call to call, which does not change
   an elementwise kernel's time;
 * ``DeepSpeed swiglu (Triton)``: ``deepspeed.ops.triton_ops.swiglu`` (SiLU; ``swiglu_packed`` for
-  the gate-up layout).
+  the gate-up layout);
+* ``deepspeed_fused, exact forward`` (SiLU): ours with the forward's fast path off
+  (``launch.FAST_SILU``), every activation computed with CUDA's ``expf`` and IEEE division: what
+  the fast path saves.
 
 The fwd and fwd+bwd columns are host-inclusive (do_bench); the note adds the CUDA-graph replay
 (device time alone) for every implementation that captures. On a GPU each implementation is timed
@@ -83,6 +86,8 @@ def _impls(act: str, layout: str, dev: str) -> list:
         out = [("deepspeed_fused", lambda gu: mlp_act_fused(gu, act, True), True), ("HF eager", eager, False)]
     if dev != "cuda":
         return out
+    if act == "silu":
+        out.append(("deepspeed_fused, exact forward", _exact_forward(out[0][1]), False))
     # dynamo's caches start empty at each shape: every shape and grad mode is a recompile, and past
     # dynamo's recompile limit a compiled function runs eager (which earlier rows of this suite did)
     torch._dynamo.reset()
@@ -111,6 +116,20 @@ def _impls(act: str, layout: str, dev: str) -> list:
         except Exception:
             pass
     return out
+
+
+def _exact_forward(fn):
+    """``fn`` with the SiLU forward's fast path off while it runs."""
+    from ..ops.mlp_act import launch
+
+    def run(*xs):
+        saved, launch.FAST_SILU = launch.FAST_SILU, False
+        try:
+            return fn(*xs)
+        finally:
+            launch.FAST_SILU = saved
+
+    return run
 
 
 def _inputs(tokens, inter, layout, dev, dtype, gen):

@@ -48,3 +48,14 @@ def test_tokens_option_keeps_the_shapes_of_that_many_tokens(interpret):
     for bad in (["--tokens"], ["--tokens", "x"], ["--tokens", "7"]):
         with pytest.raises(SystemExit, match="--tokens|no shape"):
             suite.run(argparse.Namespace(extra=bad, quick=True))
+
+
+def test_exact_forward_arm_turns_the_fast_path_off_while_it_runs(monkeypatch):
+    from deepspeed_fused.ops.mlp_act import launch
+
+    seen = []
+    run = suite._exact_forward(lambda *xs: seen.append(launch.FAST_SILU) or len(xs))
+    assert launch.FAST_SILU and run(1, 2) == 2 and seen == [False] and launch.FAST_SILU
+    with __import__("pytest").raises(ZeroDivisionError):
+        suite._exact_forward(lambda: 1 / 0)()
+    assert launch.FAST_SILU

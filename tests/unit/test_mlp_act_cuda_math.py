@@ -41,7 +41,9 @@ from deepspeed_fused.ops.mlp_act import kernels as K
 out = {}
 for name, fn in (("fwd", K._gated_fwd_kernel), ("bwd", K._gated_bwd_kernel)):
     sig = {n: ("constexpr" if n.isupper() and len(n) > 2 else "*fp32" if n.isupper() else "i32") for n in fn.arg_names}
-    const = dict(ACT=2, EXACT_EXP=True, BLOCK_R=1, BLOCK_C=128)
+    const = dict(ACT=2, EXACT_EXP=True, BLOCK_R=1, BLOCK_C=128, FLAT=True)
+    if name == "fwd":
+        const["FAST_SILU"] = False
     src = ASTSource(fn=fn, signature=sig, constexprs=const)
     out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["ptx"]
 json.dump(out, sys.stdout)
@@ -152,20 +154,21 @@ def test_plan_flat_for_row_contiguous_tensors():
     g = torch.empty(4096, 14336)
     scalars, grid, const, warps = L.plan(*g.shape, g, g, g)
     assert scalars == (1, 4096 * 14336, 4096 * 14336 // 2048, 0, 0, 0)
-    assert grid == (4096 * 14336 // 2048,) and const == dict(BLOCK_R=1, BLOCK_C=2048) and warps == 8
+    assert grid == (4096 * 14336 // 2048,) and const == dict(BLOCK_R=1, BLOCK_C=2048, FLAT=True) and warps == 8
     # the forward's flat blocks are twice as long
     scalars, grid, const, warps = L.plan(*g.shape, g, g, g, flat_block=L.FLAT_BLOCK_FWD)
     assert L.FLAT_BLOCK_FWD == 4096 and scalars == (1, 4096 * 14336, 4096 * 14336 // 4096, 0, 0, 0)
-    assert grid == (4096 * 14336 // 4096,) and const == dict(BLOCK_R=1, BLOCK_C=4096) and warps == 8
+    assert grid == (4096 * 14336 // 4096,) and const == dict(BLOCK_R=1, BLOCK_C=4096, FLAT=True) and warps == 8
     # a gate-up projection's halves are rows 2 I apart: the rows as they are, column block fastest
     gu = torch.empty(100, 2 * 6912)
     gate, up = L.halves(gu, True)
     h = torch.empty(100, 6912)
     scalars, grid, const, warps = L.plan(100, 6912, gate, up, h)
     n_cb = -(-6912 // const["BLOCK_C"])
+    assert const["FLAT"] is False
     assert scalars == (100, 6912, n_cb, 2 * 6912, 2 * 6912, 6912)
     assert grid == (-(-100 // const["BLOCK_R"]) * n_cb,)
     # small: one program of a power of two
     g = torch.empty(3, 24)
     scalars, grid, const, warps = L.plan(3, 24, g)
-    assert scalars == (1, 72, 1, 0) and const["BLOCK_C"] == 128 and warps == 1
+    assert scalars == (1, 72, 1, 0) and const["BLOCK_C"] == 128 and const["FLAT"] and warps == 1

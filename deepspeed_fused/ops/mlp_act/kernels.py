@@ -58,6 +58,67 @@ ERF_SPLIT = _bits(0x3F8060FE)  # 1.00296
 ERF_P = tuple(map(_bits, (0x38B1E96A, 0xBA574D20, 0x3BAAD5EA, 0xBCDC1BE7, 0x3DE718AF, 0xBEC093AC, 0x3E0375D3)))
 ERF_Q = tuple(map(_bits, (0x38EB4C3A, 0xBAAE005B, 0x3C09919F, 0xBD24D99A, 0x3E235519, 0x3F69B4F9, 0x3F210A14)))
 
+# The half-precision SiLU forward's fast path (FAST_SILU): a value from ex2.approx and rcp.approx, kept
+# where it lies more than SELECT_ULPS FP32 units (bit patterns) from every rounding midpoint of the
+# 16-bit output, so that it rounds as the exact value does; the exact value (below) elsewhere, and
+# wherever x < SELECT_X_MIN (the exponential's argument error grows with |x|), |x| < SELECT_TINY,
+# x is NaN, or (fp16) the output is subnormal. The fast value's error is at most about 20 units
+# for x >= -8 (tests/unit/test_mlp_act_fast_silu.py bounds it over every bf16 and fp16 input).
+SELECT_ULPS = 32
+SELECT_X_MIN = -8.0
+SELECT_TINY = 1.0e-30
+# CUDA's expf as Triton's libdevice compiles it (the compiled kernels' PTX carries these constants:
+# the test above checks it), then 1 + e contracted into one FMA as in those kernels
+EXPF_PTX = (
+    "neg.f32 v, $1;",
+    "fma.rn.ftz.f32 t, v, 0f3BBB989D, 0f3F000000;",
+    "cvt.ftz.sat.f32.f32 t, t;",
+    "fma.rm.ftz.f32 j, t, 0f437C0000, 0f4B400001;",
+    "add.f32 k, j, 0fCB40007F;",
+    "neg.f32 k, k;",
+    "fma.rn.ftz.f32 f, v, 0f3FB8AA3B, k;",
+    "fma.rn.ftz.f32 f, v, 0f32A57060, f;",
+    "shl.b32 s, j, 23;",
+    "ex2.approx.ftz.f32 r, f;",
+    "fma.rn.f32 d, r, s, 0f3F800000;",
+)
+
+
+def _hex32(v: float) -> str:
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def silu_select_ptx(out_bits: int) -> str:
+    """The PTX of one element of the fast SiLU forward: ``$1`` the FP32 gate, ``$0`` the FP32
+    activation whose rounding to the 16-bit type (``out_bits`` below its top bits: 16 for bf16, 13
+    for fp16) is the exact one's. The exact branch is taken per lane (a warp runs it when one of its
+    lanes needs it); scoped registers and a per-instance label keep every inlined copy apart."""
+    mid, mask = 1 << (out_bits - 1), (1 << out_bits) - 1
+    sub = f"setp.lt.or.f32 p, a, {_hex32(2.0 ** -14)}, p;\n" if out_bits == 13 else ""
+    return "\n".join((
+        "{",
+        ".reg .pred p;",
+        ".reg .b32 v, t, j, k, f, r, s, d, b, a;",
+        f"mul.ftz.f32 t, $1, {_hex32(-1.4426950408889634)};",
+        "ex2.approx.ftz.f32 t, t;",
+        "add.ftz.f32 d, t, 0f3F800000;",
+        "rcp.approx.ftz.f32 r, d;",
+        "mul.ftz.f32 $0, $1, r;",
+        f"add.s32 b, $0, {SELECT_ULPS - mid};",
+        f"and.b32 b, b, {mask};",
+        f"setp.le.u32 p, b, {2 * SELECT_ULPS};",
+        f"setp.ltu.or.f32 p, $1, {_hex32(SELECT_X_MIN)}, p;",
+        "abs.f32 a, $1;",
+        f"setp.lt.or.f32 p, a, {_hex32(SELECT_TINY)}, p;",
+        "abs.f32 a, $0;",
+        sub + "@!p bra DSF_SILU_EXACT${:uid};",
+    ) + EXPF_PTX + (
+        "div.rn.f32 $0, $1, d;",
+        "DSF_SILU_EXACT${:uid}:",
+        "}",
+    ))
+
+
 if HAS_TRITON:
     from .._common import exp_cuda
 
@@ -69,6 +130,12 @@ if HAS_TRITON:
     _C_ERF_SPLIT = tl.constexpr(ERF_SPLIT)
     _P0, _P1, _P2, _P3, _P4, _P5, _P6 = map(tl.constexpr, ERF_P)
     _Q0, _Q1, _Q2, _Q3, _Q4, _Q5, _Q6 = map(tl.constexpr, ERF_Q)
+    _C_NEG_LOG2E = tl.constexpr(_f32(-1.4426950408889634))
+    _C_SELECT_ULPS = tl.constexpr(SELECT_ULPS)
+    _C_SELECT_X_MIN = tl.constexpr(SELECT_X_MIN)
+    _C_SELECT_TINY = tl.constexpr(_f32(SELECT_TINY))
+    _C_SILU_PTX_BF16 = tl.constexpr(silu_select_ptx(16))
+    _C_SILU_PTX_FP16 = tl.constexpr(silu_select_ptx(13))
 
     if _INTERPRET_AT_IMPORT:  # no libdevice or PTX under the interpreter: numpy's exp and exp2, tanh from exp
 
@@ -101,6 +168,30 @@ if HAS_TRITON:
         @triton.jit
         def _fma(a, b, c):
             return tl.fma(a, b, c)  # fma.rn.f32
+
+    if _INTERPRET_AT_IMPORT:  # the fast SiLU forward's selection, numpy's exp2 and division standing in
+
+        @triton.jit
+        def _silu_half(x, BF16: tl.constexpr):
+            y = x * (1.0 / (1.0 + tl.exp2(x * _C_NEG_LOG2E)))
+            bits = y.to(tl.int32, bitcast=True)
+            if BF16:
+                off = (bits + (_C_SELECT_ULPS - 32768)) & 65535
+                sel = off <= 2 * _C_SELECT_ULPS
+            else:
+                off = (bits + (_C_SELECT_ULPS - 4096)) & 8191
+                sel = (off <= 2 * _C_SELECT_ULPS) | (tl.abs(y) < 6.103515625e-05)
+            sel = sel | (x < _C_SELECT_X_MIN) | (tl.abs(x) < _C_SELECT_TINY) | (x != x)
+            return tl.where(sel, _act_f32(x, 0, True), y)
+    else:
+
+        @triton.jit
+        def _silu_half(x, BF16: tl.constexpr):
+            if BF16:
+                y = tl.inline_asm_elementwise(_C_SILU_PTX_BF16, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                y = tl.inline_asm_elementwise(_C_SILU_PTX_FP16, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+            return y
 
     @triton.jit
     def _erf(a):
@@ -168,33 +259,42 @@ if HAS_TRITON:
         return d
 
     @triton.jit
-    def _tile_of(n_col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # this program's rows and columns (int64), the column block fastest
+    def _tile_of(n_col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FLAT: tl.constexpr):
+        # this program's rows and columns (int64), the column block fastest; FLAT: one row (launch.plan's
+        # flat launches), where the program is the column block (no division by the block count)
         pid = tl.program_id(0)
-        rb = pid // n_col_blocks
-        cb = pid - rb * n_col_blocks
+        if FLAT:
+            rb = pid * 0
+            cb = pid
+        else:
+            rb = pid // n_col_blocks
+            cb = pid - rb * n_col_blocks
         rows = rb.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = cb.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
         return rows, cols
 
     @triton.jit
     def _gated_fwd_kernel(G, U, H, n_rows, inter, n_col_blocks, stride_g, stride_u, stride_h, ACT: tl.constexpr,
-                          EXACT_EXP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        rows, cols = _tile_of(n_col_blocks, BLOCK_R, BLOCK_C)
+                          EXACT_EXP: tl.constexpr, FAST_SILU: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, FLAT: tl.constexpr):
+        rows, cols = _tile_of(n_col_blocks, BLOCK_R, BLOCK_C, FLAT)
         m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
         r64 = rows[:, None]
         g = tl.load(G + r64 * stride_g + cols[None, :], mask=m, other=0.0)
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=m, other=0.0)
         ty = g.dtype
-        a = _act_f32(g.to(tl.float32), ACT, EXACT_EXP).to(ty)  # act(gate): one rounding to the input dtype
+        if FAST_SILU:  # SiLU of a bf16 / fp16 gate, the fast value where it rounds as the exact one
+            a = _silu_half(g.to(tl.float32), ty == tl.bfloat16).to(ty)
+        else:
+            a = _act_f32(g.to(tl.float32), ACT, EXACT_EXP).to(ty)  # act(gate): one rounding to the input dtype
         h = (a.to(tl.float32) * u.to(tl.float32)).to(ty)  # the product: one rounding
         tl.store(H + r64 * stride_h + cols[None, :], h, mask=m)
 
     @triton.jit
     def _gated_bwd_kernel(G, U, DH, DG, DU, n_rows, inter, n_col_blocks, stride_g, stride_u, stride_dh, stride_dg,
                           stride_du, ACT: tl.constexpr, EXACT_EXP: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
-        rows, cols = _tile_of(n_col_blocks, BLOCK_R, BLOCK_C)
+                          BLOCK_C: tl.constexpr, FLAT: tl.constexpr):
+        rows, cols = _tile_of(n_col_blocks, BLOCK_R, BLOCK_C, FLAT)
         m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
         r64 = rows[:, None]
         g = tl.load(G + r64 * stride_g + cols[None, :], mask=m, other=0.0)

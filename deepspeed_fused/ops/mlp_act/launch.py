@@ -12,9 +12,11 @@ kernels): no masked lanes but in the last block. The two halves of a gate-up pro
 (rows ``2 I`` apart) take the experts' tile (:data:`TILE`) in the same order."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from .._common import cdiv, next_power_of_2
+from .._common import cdiv, next_power_of_2, warn_fallback
 from .kernels import ACT_CODES
 
 # Tiles: (outputs per program, widest column block), the experts' gate's (an H100 sweep,
@@ -43,14 +45,16 @@ def plan(n_rows: int, inter: int, *tensors: torch.Tensor, flat_block: int = FLAT
     (``[n_rows, inter]`` views, unit column stride); scalars: rows, width, column blocks, then each
     tensor's row stride. One row of ``n_rows * inter`` where each tensor is row-contiguous (or
     there is one row; its strides passed as 0, so the JIT knows every row offset 16-aligned), in
-    blocks of ``flat_block``, else the rows as they are; a 1-D grid, the column block fastest."""
+    blocks of ``flat_block`` (``FLAT``: the program is the column block), else the rows as they are;
+    a 1-D grid, the column block fastest."""
     if n_rows == 1 or all(t.stride(0) == inter for t in tensors):
         n_rows, inter, strides = 1, n_rows * inter, (0,) * len(tensors)
         block = min(flat_block, next_power_of_2(inter))
-        const, warps = dict(BLOCK_R=1, BLOCK_C=block), max(1, min(FLAT_WARPS, block // 256))
+        const, warps = dict(BLOCK_R=1, BLOCK_C=block, FLAT=True), max(1, min(FLAT_WARPS, block // 256))
     else:
         strides = tuple(t.stride(0) for t in tensors)
         _, const, warps = tile(n_rows, inter)
+        const = dict(const, FLAT=False)
     n_cb = cdiv(inter, const["BLOCK_C"])
     return (n_rows, inter, n_cb) + strides, (cdiv(n_rows, const["BLOCK_R"]) * n_cb,), const, warps
 
@@ -70,15 +74,64 @@ def halves(gate_up2: torch.Tensor, gate_first: bool) -> tuple:
     return (a, b) if gate_first else (b, a)
 
 
-def forward_rows(g: torch.Tensor, u: torch.Tensor, act: str, exact_exp: bool = True) -> torch.Tensor:
-    """``act(g) * u`` of two ``[rows, I]`` views (unit column stride) into a fresh ``[rows, I]``."""
+def forward_rows(g: torch.Tensor, u: torch.Tensor, act: str, exact_exp: bool = True,
+                 fast_silu: Optional[bool] = None) -> torch.Tensor:
+    """``act(g) * u`` of two ``[rows, I]`` views (unit column stride) into a fresh ``[rows, I]``.
+    ``fast_silu``: the SiLU forward's fast path for bf16 / fp16 (see :func:`fast_silu_ok`; None:
+    where this device's probe found it exact)."""
     from .kernels import launch_forward
 
+    if fast_silu is None:
+        fast_silu = exact_exp and act == "silu" and fast_silu_ok(g)
+    fast = bool(fast_silu) and act == "silu" and g.dtype in _HALF
     h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if h.numel():
         scalars, grid, const, warps = plan(*g.shape, g, u, h, flat_block=FLAT_BLOCK_FWD)
-        launch_forward(grid, (g, u, h) + scalars, dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, **const), warps)
+        launch_forward(grid, (g, u, h) + scalars,
+                       dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, FAST_SILU=fast, **const), warps)
     return h
+
+
+# The SiLU forward's fast path (kernels.silu_select_ptx): its activation of every bf16 / fp16 gate
+# value is the exact one's by construction, and a probe checks it on each device before it is taken.
+FAST_SILU = True  # False: always the exact forward
+_HALF = (torch.bfloat16, torch.float16)
+_FAST_SILU_PROBES: dict = {}  # (CUDA device index, dtype) -> whether every activation came out equal
+
+
+def fast_silu_ok(g: torch.Tensor) -> bool:
+    """Whether the SiLU forward of ``g`` (bf16 or fp16, on a GPU) may take the fast path: on each
+    device and dtype once, a probe runs both forwards over every one of the 65536 bit patterns of
+    the gate and compares the outputs bit for bit (NaN with NaN); a difference, or a kernel that does
+    not build, leaves the exact forward there, with one warning. Not probed while a CUDA graph is
+    being captured (the exact forward runs then)."""
+    if not FAST_SILU or g.dtype not in _HALF or not g.is_cuda:
+        return False
+    key = (g.device.index, g.dtype)
+    ok = _FAST_SILU_PROBES.get(key)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        ok = _FAST_SILU_PROBES[key] = _probe_fast_silu(g.device, g.dtype)
+    return ok
+
+
+def _probe_fast_silu(device: torch.device, dtype: torch.dtype) -> bool:
+    g = torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16).view(dtype).view(256, 256)
+    u = torch.ones_like(g)
+    try:
+        exact = forward_rows(g, u, "silu", fast_silu=False)
+        fast = forward_rows(g, u, "silu", fast_silu=True)
+        same = (exact.view(torch.int16) == fast.view(torch.int16)) | (exact.isnan() & fast.isnan())
+        n_diff = int((~same).sum())  # the one host synchronisation
+    except Exception as e:  # noqa: BLE001 - a PTX this device or driver does not take: the exact forward
+        warn_fallback("mlp_act", f"the SiLU forward's fast path was not probed on {device} ({type(e).__name__}: "
+                      f"{str(e)[:200]}); the exact forward runs there", reference=False)
+        return False
+    if n_diff:
+        warn_fallback("mlp_act", f"the SiLU forward's fast path differs from the exact one on {n_diff} of 65536 "
+                      f"{dtype} inputs on {device}; the exact forward runs there", reference=False)
+    return n_diff == 0
 
 
 def backward_rows(g: torch.Tensor, u: torch.Tensor, dh: torch.Tensor, dg: torch.Tensor, du: torch.Tensor, act: str,
