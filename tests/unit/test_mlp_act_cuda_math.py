@@ -50,13 +50,18 @@ json.dump(out, sys.stdout)
 """
 
 
-@pytest.fixture(scope="module")
-def ptx():
-    # a fresh process without the interpreter: this one defined the kernels for it
+def compile_for_h100(script: str):
+    """What ``script`` (Python that compiles kernels for sm_90 and prints JSON) prints, run in a fresh
+    process without the interpreter: this one defined the kernels for it."""
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    return compile_for_h100(_COMPILE)
 
 
 def _ops(text: str) -> list:

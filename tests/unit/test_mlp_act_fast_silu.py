@@ -5,11 +5,8 @@ exact branch against the PTX Triton compiles for CUDA's ``expf``, the fast kerne
 The GPU tests run the probe and compare with CUDA eager on every input."""
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 import types
 import warnings
 
@@ -20,8 +17,8 @@ import torch
 from deepspeed_fused.ops import _common
 from deepspeed_fused.ops.mlp_act import kernels as K
 from deepspeed_fused.ops.mlp_act import launch as L
+from unit.test_mlp_act_cuda_math import compile_for_h100
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOG2E = 1.4426950408889634
 U = 2.0 ** -24  # an FP32 rounding, relative
 # Error bounds assumed of the hardware, each with a margin: ex2.approx.ftz.f32 (4 ULP), rcp.approx.ftz.f32
@@ -95,18 +92,14 @@ for name, ptr, fast in (("exact_bf16", "*bf16", False), ("fast_bf16", "*bf16", T
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("G", "U", "H", "inter", "n_col_blocks")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))
-    out[name] = dict(ptx=k.asm["ptx"], cubin=len(k.asm["cubin"]), regs=k.n_regs if hasattr(k, "n_regs") else None)
+    out[name] = dict(ptx=k.asm["ptx"], cubin=len(k.asm["cubin"]))
 json.dump(out, sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    # a fresh process without the interpreter (this one defined the kernels for it); ptxas builds the cubin
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout)
+    return compile_for_h100(_COMPILE)  # ptxas builds the cubins too
 
 
 def _dataflow(lines) -> list:
