@@ -63,8 +63,8 @@ ERF_Q = tuple(map(_bits, (0x38EB4C3A, 0xBAAE005B, 0x3C09919F, 0xBD24D99A, 0x3E23
 # 16-bit output, so that it rounds as the exact value does; the exact value (below) elsewhere, and
 # wherever x < SELECT_X_MIN (the exponential's argument error grows with |x|), |x| < SELECT_TINY,
 # x is NaN, or (fp16) the output is subnormal. For x >= -8 the fast and exact values lie under 30
-# units apart (tests/unit/test_mlp_act_fast_silu.py bounds it over every bf16 and fp16 input, with
-# margins on the hardware's error bounds); launch.fast_silu_ok probes every input on each GPU.
+# units apart (tests/unit/test_mlp_act_fast_silu.py bounds it over every bf16 and fp16 input, under
+# assumed error bounds of the approximations); launch.fast_silu_ok probes every input on each GPU.
 SELECT_ULPS = 32
 SELECT_X_MIN = -8.0
 SELECT_TINY = 1.0e-30
