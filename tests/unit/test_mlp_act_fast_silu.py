@@ -58,7 +58,8 @@ def test_fast_value_lies_within_the_window_of_the_exact_one(dtype):
 @pytest.mark.parametrize("out_bits", [16, 13])
 def test_window_arithmetic_is_distance_to_the_midpoint(out_bits):
     # the PTX's add / and / compare: selected iff the low bits are within SELECT_ULPS of the midpoint
-    k, mid, mask = K.SELECT_ULPS, 1 << (out_bits - 1), (1 << out_bits) - 1
+    k, (mid, mask) = K.SELECT_ULPS, K.select_window(out_bits)
+    assert (mid, mask) == (1 << (out_bits - 1), (1 << out_bits) - 1)
     low = np.arange(1 << out_bits, dtype=np.int64)
     sel = ((low + (k - mid)) & mask) <= 2 * k
     assert np.array_equal(sel, np.abs(low - mid) <= k)
@@ -156,12 +157,11 @@ def interpreted():
 def test_interpreted_fast_forward_equals_exact_on_every_fp16_input(interpreted):
     # the interpreter's exp2 and division stand for ex2.approx and rcp.approx: the selection and the
     # plumbing (bf16 runs in the GPU tests: the interpreter's bf16 is wrong)
-    g = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).view(256, 256)
+    g = L.every_half_value(torch.float16, "cpu")
     u = torch.randn(256, 256).to(torch.float16)
     exact = L.forward_rows(g, u, "silu", fast_silu=False)
     fast = L.forward_rows(g, u, "silu", fast_silu=True)
-    same = (exact.view(torch.int16) == fast.view(torch.int16)) | (exact.isnan() & fast.isnan())
-    assert bool(same.all())
+    assert bool(L.same_bits(exact, fast).all())
     # and with the selection forced off, the interpreter's fast value alone differs somewhere: the
     # selection is what makes them equal
     x = g.float().numpy().ravel()
@@ -224,3 +224,14 @@ def test_probe_compares_every_input_and_says_why_not(monkeypatch, outcome):
     else:
         assert len(msgs) == 1 and "the exact forward runs there" in msgs[0], msgs
         assert ("1 of 65536" in msgs[0]) == (outcome == "one differs")
+
+
+def test_every_half_value_and_same_bits():
+    for dtype in (torch.bfloat16, torch.float16):
+        g = L.every_half_value(dtype, "cpu")
+        assert g.shape == (256, 256) and g.dtype == dtype
+        assert g.view(torch.int16).flatten().unique().numel() == 65536
+    a = torch.tensor([1.0, float("nan"), 0.0, -0.0, 2.0])
+    b = torch.tensor([1.0, float("nan"), -0.0, -0.0, 2.0000002])
+    assert L.same_bits(a, b).tolist() == [True, True, False, True, False]
+    assert L.same_bits(a.half(), b.half()).tolist() == [True, True, False, True, True]

@@ -89,13 +89,21 @@ def _hex32(v: float) -> str:
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
 
 
+def select_window(out_bits: int) -> tuple:
+    """(midpoint, mask) of the low ``out_bits`` bits: the 16-bit type's rounding midpoint in FP32 bits."""
+    return 1 << (out_bits - 1), (1 << out_bits) - 1
+
+
+FP16_MIN_NORMAL = 2.0 ** -14  # below it an fp16 output is subnormal: its rounding point moves
+
+
 def silu_select_ptx(out_bits: int) -> str:
     """The PTX of one element of the fast SiLU forward: ``$1`` the FP32 gate, ``$0`` the FP32
     activation whose rounding to the 16-bit type (``out_bits`` below its top bits: 16 for bf16, 13
     for fp16) is the exact one's. The exact branch is taken per lane (a warp runs it when one of its
     lanes needs it); scoped registers and a per-instance label keep every inlined copy apart."""
-    mid, mask = 1 << (out_bits - 1), (1 << out_bits) - 1
-    sub = f"setp.lt.or.f32 p, a, {_hex32(2.0 ** -14)}, p;\n" if out_bits == 13 else ""
+    mid, mask = select_window(out_bits)
+    sub = f"setp.lt.or.f32 p, a, {_hex32(FP16_MIN_NORMAL)}, p;\n" if out_bits == 13 else ""
     return "\n".join((
         "{",
         ".reg .pred p;",
@@ -135,6 +143,9 @@ if HAS_TRITON:
     _C_SELECT_ULPS = tl.constexpr(SELECT_ULPS)
     _C_SELECT_X_MIN = tl.constexpr(SELECT_X_MIN)
     _C_SELECT_TINY = tl.constexpr(_f32(SELECT_TINY))
+    _C_BF16_MID, _C_BF16_MASK = map(tl.constexpr, select_window(16))
+    _C_FP16_MID, _C_FP16_MASK = map(tl.constexpr, select_window(13))
+    _C_FP16_MIN_NORMAL = tl.constexpr(FP16_MIN_NORMAL)
     _C_SILU_PTX_BF16 = tl.constexpr(silu_select_ptx(16))
     _C_SILU_PTX_FP16 = tl.constexpr(silu_select_ptx(13))
 
@@ -177,11 +188,11 @@ if HAS_TRITON:
             y = x * (1.0 / (1.0 + tl.exp2(x * _C_NEG_LOG2E)))
             bits = y.to(tl.int32, bitcast=True)
             if BF16:
-                off = (bits + (_C_SELECT_ULPS - 32768)) & 65535
+                off = (bits + (_C_SELECT_ULPS - _C_BF16_MID)) & _C_BF16_MASK
                 sel = off <= 2 * _C_SELECT_ULPS
             else:
-                off = (bits + (_C_SELECT_ULPS - 4096)) & 8191
-                sel = (off <= 2 * _C_SELECT_ULPS) | (tl.abs(y) < 6.103515625e-05)
+                off = (bits + (_C_SELECT_ULPS - _C_FP16_MID)) & _C_FP16_MASK
+                sel = (off <= 2 * _C_SELECT_ULPS) | (tl.abs(y) < _C_FP16_MIN_NORMAL)
             sel = sel | (x < _C_SELECT_X_MIN) | (tl.abs(x) < _C_SELECT_TINY) | (x != x)
             return tl.where(sel, _act_f32(x, 0, True), y)
     else:

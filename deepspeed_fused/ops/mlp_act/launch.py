@@ -116,14 +116,24 @@ def fast_silu_ok(g: torch.Tensor) -> bool:
     return ok
 
 
+def every_half_value(dtype: torch.dtype, device) -> torch.Tensor:
+    """All 65536 bit patterns of a 16-bit float dtype, as a ``[256, 256]`` tensor."""
+    return torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16).view(dtype).view(256, 256)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: ``a`` and ``b`` hold the same bits, or both a NaN."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return (a.view(ints) == b.view(ints)) | (a.isnan() & b.isnan())
+
+
 def _probe_fast_silu(device: torch.device, dtype: torch.dtype) -> bool:
-    g = torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16).view(dtype).view(256, 256)
+    g = every_half_value(dtype, device)
     u = torch.ones_like(g)
     try:
         exact = forward_rows(g, u, "silu", fast_silu=False)
         fast = forward_rows(g, u, "silu", fast_silu=True)
-        same = (exact.view(torch.int16) == fast.view(torch.int16)) | (exact.isnan() & fast.isnan())
-        n_diff = int((~same).sum())  # the one host synchronisation
+        n_diff = int((~same_bits(exact, fast)).sum())  # the one host synchronisation
     except Exception as e:  # noqa: BLE001 - a PTX this device or driver does not take: the exact forward
         warn_fallback("mlp_act", f"the SiLU forward's fast path was not probed on {device} ({type(e).__name__}: "
                       f"{str(e)[:200]}); the exact forward runs there", reference=False)
