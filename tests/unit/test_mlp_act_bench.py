@@ -59,3 +59,22 @@ def test_exact_forward_arm_turns_the_fast_path_off_while_it_runs(monkeypatch):
     with __import__("pytest").raises(ZeroDivisionError):
         suite._exact_forward(lambda: 1 / 0)()
     assert launch.FAST_SILU
+
+
+def test_exact_forward_arm_is_ours_and_no_peer():
+    """On a GPU the exact-forward arm is listed as ours: the ratios to the best peer and the summary's
+    columns compare ours with the peers alone, never with our own other forward."""
+    from deepspeed_fused.bench.common import Record, ratios_to_best_peer
+
+    arms = {name: ours for name, _, ours in suite._impls("silu", "split", "cuda")}
+    assert arms["deepspeed_fused"] and arms["deepspeed_fused, exact forward"] and not arms["HF eager"]
+
+    def rec(impl, ms, ours):
+        return Record(suite="mlp_act", impl=impl, shape="s", dtype="bfloat16", ours=ours, fwd_ms=ms, fwd_bwd_ms=ms,
+                      extra={"fwd_bwd_graph_ms": ms})
+
+    recs = [rec("deepspeed_fused", 2.0, True), rec("deepspeed_fused, exact forward", 1.0, True),
+            rec("HF eager", 4.0, False)]
+    assert ratios_to_best_peer(recs)[("s", "deepspeed_fused")] == (2.0, 2.0)
+    table = suite.summary(recs)
+    assert "vs HF eager" in table and "exact forward" not in table and "2.00x / 2.00x" in table
