@@ -68,6 +68,7 @@ ERF_Q = tuple(map(_bits, (0x38EB4C3A, 0xBAAE005B, 0x3C09919F, 0xBD24D99A, 0x3E23
 SELECT_ULPS = 32
 SELECT_X_MIN = -8.0
 SELECT_TINY = 1.0e-30
+NEG_LOG2E = -1.4426950408889634  # the fast value's exponent scale, e^-x = 2^(x NEG_LOG2E)
 # CUDA's expf as Triton's libdevice compiles it, then 1 + e contracted into one FMA, as in the exact
 # kernel's PTX (the test above compares the whole expression with the compiled one)
 EXPF_PTX = (
@@ -108,7 +109,7 @@ def silu_select_ptx(out_bits: int) -> str:
         "{",
         ".reg .pred p;",
         ".reg .b32 v, t, j, k, f, r, s, d, b, a;",
-        f"mul.ftz.f32 t, $1, {_hex32(-1.4426950408889634)};",
+        f"mul.ftz.f32 t, $1, {_hex32(NEG_LOG2E)};",
         "ex2.approx.ftz.f32 t, t;",
         "add.ftz.f32 d, t, 0f3F800000;",
         "rcp.approx.ftz.f32 r, d;",
@@ -139,7 +140,7 @@ if HAS_TRITON:
     _C_ERF_SPLIT = tl.constexpr(ERF_SPLIT)
     _P0, _P1, _P2, _P3, _P4, _P5, _P6 = map(tl.constexpr, ERF_P)
     _Q0, _Q1, _Q2, _Q3, _Q4, _Q5, _Q6 = map(tl.constexpr, ERF_Q)
-    _C_NEG_LOG2E = tl.constexpr(_f32(-1.4426950408889634))
+    _C_NEG_LOG2E = tl.constexpr(_f32(NEG_LOG2E))
     _C_SELECT_ULPS = tl.constexpr(SELECT_ULPS)
     _C_SELECT_X_MIN = tl.constexpr(SELECT_X_MIN)
     _C_SELECT_TINY = tl.constexpr(_f32(SELECT_TINY))
