@@ -94,16 +94,22 @@ def test_non_finite_and_extreme_inputs(act, dtype):
         assert not _mismatch(a[b.isfinite()], b[b.isfinite()])
 
 
+@pytest.mark.parametrize("pack", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fast_silu_forward_on_every_input(dtype):
+def test_fast_silu_forward_on_every_input(dtype, pack, monkeypatch):
     # the probe passes on this GPU (else the exact forward runs and says so), and the forward then
-    # taken equals CUDA eager on every one of the 65536 gate values, in both layouts
+    # taken equals CUDA eager on every one of the 65536 gate values, in both layouts, each group size
     from deepspeed_fused.ops.mlp_act import launch as L
 
+    monkeypatch.setattr(L, "FAST_SILU", True)
+    monkeypatch.setattr(L, "SILU_PACK", pack)
     g = L.every_half_value(dtype, "cuda")
     u = torch.randn(256, 256, device="cuda").to(dtype)
     assert L.fast_silu_ok(g) and L._FAST_SILU_PROBES == {(g.device.index, dtype): True}
+    # the values spread over many lanes and groups, so that a group's exact branch serves its neighbours
+    gs, us = g.reshape(-1)[torch.randperm(g.numel(), device="cuda")].view(64, 1024), u.view(64, 1024)
     for y, yr in ((M.mlp_act(g, u, "silu"), M.mlp_act_reference(g, u, "silu")),
+                  (M.mlp_act(gs, us, "silu"), M.mlp_act_reference(gs, us, "silu")),
                   (M.mlp_act_fused(torch.cat([g, u], 1), "silu", True),
                    M.mlp_act_fused_reference(torch.cat([g, u], 1), "silu", True))):
         assert bool(L.same_bits(y, yr).all()), _mismatch(y.float().nan_to_num(7.0), yr.float().nan_to_num(7.0))

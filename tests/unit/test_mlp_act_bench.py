@@ -50,31 +50,31 @@ def test_tokens_option_keeps_the_shapes_of_that_many_tokens(interpret):
             suite.run(argparse.Namespace(extra=bad, quick=True))
 
 
-def test_exact_forward_arm_turns_the_fast_path_off_while_it_runs(monkeypatch):
+def test_fast_silu_arm_turns_the_fast_path_on_while_it_runs(monkeypatch):
     from deepspeed_fused.ops.mlp_act import launch
 
     seen = []
-    run = suite._exact_forward(lambda *xs: seen.append(launch.FAST_SILU) or len(xs))
-    assert launch.FAST_SILU and run(1, 2) == 2 and seen == [False] and launch.FAST_SILU
+    run = suite._fast_silu_forward(lambda *xs: seen.append(launch.FAST_SILU) or len(xs))
+    assert not launch.FAST_SILU and run(1, 2) == 2 and seen == [True] and not launch.FAST_SILU
     with __import__("pytest").raises(ZeroDivisionError):
-        suite._exact_forward(lambda: 1 / 0)()
-    assert launch.FAST_SILU
+        suite._fast_silu_forward(lambda: 1 / 0)()
+    assert not launch.FAST_SILU
 
 
-def test_exact_forward_arm_is_ours_and_no_peer():
-    """On a GPU the exact-forward arm is listed as ours: the ratios to the best peer and the summary's
+def test_fast_silu_arm_is_ours_and_no_peer():
+    """On a GPU the fast-path arm is listed as ours: the ratios to the best peer and the summary's
     columns compare ours with the peers alone, never with our own other forward."""
     from deepspeed_fused.bench.common import Record, ratios_to_best_peer
 
     arms = {name: ours for name, _, ours in suite._impls("silu", "split", "cuda")}
-    assert arms["deepspeed_fused"] and arms["deepspeed_fused, exact forward"] and not arms["HF eager"]
+    assert arms["deepspeed_fused"] and arms["deepspeed_fused, fast SiLU forward"] and not arms["HF eager"]
 
     def rec(impl, ms, ours):
         return Record(suite="mlp_act", impl=impl, shape="s", dtype="bfloat16", ours=ours, fwd_ms=ms, fwd_bwd_ms=ms,
                       extra={"fwd_bwd_graph_ms": ms})
 
-    recs = [rec("deepspeed_fused", 2.0, True), rec("deepspeed_fused, exact forward", 1.0, True),
+    recs = [rec("deepspeed_fused", 2.0, True), rec("deepspeed_fused, fast SiLU forward", 1.0, True),
             rec("HF eager", 4.0, False)]
     assert ratios_to_best_peer(recs)[("s", "deepspeed_fused")] == (2.0, 2.0)
     table = suite.summary(recs)
-    assert "vs HF eager" in table and "exact forward" not in table and "2.00x / 2.00x" in table
+    assert "vs HF eager" in table and "fast SiLU" not in table and "2.00x / 2.00x" in table

@@ -43,7 +43,7 @@ for name, fn in (("fwd", K._gated_fwd_kernel), ("bwd", K._gated_bwd_kernel)):
     sig = {n: ("constexpr" if n.isupper() and len(n) > 2 else "*fp32" if n.isupper() else "i32") for n in fn.arg_names}
     const = dict(ACT=2, EXACT_EXP=True, BLOCK_R=1, BLOCK_C=128, FLAT=True)
     if name == "fwd":
-        const["FAST_SILU"] = False
+        const.update(FAST_SILU=False, SILU_PACK=1)
     src = ASTSource(fn=fn, signature=sig, constexprs=const)
     out[name] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["ptx"]
 json.dump(out, sys.stdout)

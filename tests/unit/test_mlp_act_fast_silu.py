@@ -87,9 +87,11 @@ from triton.compiler import ASTSource
 from deepspeed_fused.ops.mlp_act import kernels as K
 fn = K._gated_fwd_kernel
 out = {}
-for name, ptr, fast in (("exact_bf16", "*bf16", False), ("fast_bf16", "*bf16", True), ("fast_fp16", "*fp16", True)):
+runs = [("exact_bf16", "*bf16", False, 1)] + [(f"fast_{t}_{n}", f"*{t}", True, n) for t in ("bf16", "fp16")
+                                                for n in K.SILU_PACKS]
+for name, ptr, fast, pack in runs:
     sig = {n: ("constexpr" if n.isupper() and len(n) > 2 else ptr if n.isupper() else "i32") for n in fn.arg_names}
-    const = dict(ACT=0, EXACT_EXP=True, FAST_SILU=fast, BLOCK_R=1, BLOCK_C=1024, FLAT=True)
+    const = dict(ACT=0, EXACT_EXP=True, FAST_SILU=fast, SILU_PACK=pack, BLOCK_R=1, BLOCK_C=1024, FLAT=True)
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("G", "U", "H", "inter", "n_col_blocks")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4))
@@ -138,14 +140,50 @@ def test_exact_branch_is_the_compiled_expf(compiled):
     assert "ex2.approx.ftz.f32" in repr(ours[0]) and "0f3BBB989D" in repr(ours[0])
 
 
-def test_fast_kernels_build_for_h100(compiled):
-    for name in ("fast_bf16", "fast_fp16"):
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_fast_kernels_build_for_h100_one_branch_per_group(compiled, dtype):
+    # 1024 elements over 4 warps: 8 a lane, so 8 / pack groups, each its own label and exact branch
+    for pack in K.SILU_PACKS:
+        name = f"fast_{dtype}_{pack}"
         ptx = compiled[name]["ptx"]
         assert compiled[name]["cubin"] > 0
-        assert "rcp.approx.ftz.f32" in ptx and "div.rn.f32" in ptx
         labels = re.findall(r"^\s*(DSF_SILU_EXACT\w*):", ptx, re.M)
-        assert len(labels) >= 8 and len(set(labels)) == len(labels)  # one per element, each its own
+        assert len(labels) == 8 // pack and len(set(labels)) == len(labels), (name, labels)
+        assert len(re.findall(r"@!%?\w+ bra DSF_SILU_EXACT", ptx)) == 8 // pack, name
+        assert ptx.count("rcp.approx.ftz.f32") == 8 and ptx.count("div.rn.f32") == 8, name
     assert "rcp.approx" not in compiled["exact_bf16"]["ptx"]
+
+
+@pytest.mark.parametrize("out_bits", [16, 13])
+def test_group_ptx_fast_values_first_then_one_branch(out_bits):
+    one = K.silu_select_ptx(out_bits)
+    for pack in K.SILU_PACKS:
+        ptx = K.silu_select_ptx(out_bits, pack).splitlines()
+        branch = ptx.index("@!p bra DSF_SILU_EXACT${:uid};")
+        fast = [ln for ln in ptx[:branch] if ln.startswith(("ex2", "rcp"))]
+        assert fast == ["ex2.approx.ftz.f32 t, t;", "rcp.approx.ftz.f32 r, d;"] * pack
+        # every element's fast value precedes every test, and each element is tested
+        assert max(i for i, ln in enumerate(ptx) if ln.startswith("rcp")) < min(
+            i for i, ln in enumerate(ptx) if ln.startswith("setp"))
+        for i in range(pack):
+            assert f"add.s32 b, ${i}, {K.SELECT_ULPS - K.select_window(out_bits)[0]};" in ptx
+            assert f"setp.ltu.or.f32 p, ${pack + i}, {K._hex32(K.SELECT_X_MIN)}, p;" in ptx
+            assert f"div.rn.f32 ${i}, ${pack + i}, d;" in ptx[branch:]
+        assert sum(ln.startswith("@!p bra") for ln in ptx) == 1
+        assert K.silu_constraints(pack) == ",".join(["=r"] * pack + ["r"] * pack)
+        if pack == 1:
+            assert "\n".join(ptx) == one
+    with pytest.raises(ValueError, match="pack"):
+        K.silu_select_ptx(out_bits, 3)
+
+
+def test_group_size_divides_each_lanes_elements(monkeypatch):
+    assert L.SILU_PACK in K.SILU_PACKS
+    monkeypatch.setattr(L, "SILU_PACK", 4)
+    assert [L.silu_pack(b, w) for b, w in ((4096, 8), (1024, 4), (256, 4), (128, 4), (64, 4), (1, 1))] == [
+        4, 4, 2, 1, 1, 1]
+    monkeypatch.setattr(L, "SILU_PACK", 1)
+    assert L.silu_pack(4096, 8) == 1
 
 
 @pytest.fixture
@@ -185,8 +223,11 @@ def test_selection_keeps_the_fast_value_almost_everywhere():
 
 def test_fast_path_only_for_half_precision_on_a_gpu(monkeypatch):
     monkeypatch.setattr(L, "_FAST_SILU_PROBES", {})
+    gpu = types.SimpleNamespace(dtype=torch.bfloat16, is_cuda=True, device=torch.device("cuda", 0))
+    assert not L.FAST_SILU and not L.fast_silu_ok(gpu) and L._FAST_SILU_PROBES == {}  # opt-in: no probe
+    monkeypatch.setattr(L, "FAST_SILU", True)
     assert not L.fast_silu_ok(torch.ones(2, dtype=torch.bfloat16))  # CPU
-    gpu = types.SimpleNamespace(dtype=torch.float32, is_cuda=True, device=torch.device("cuda", 0))
+    gpu.dtype = torch.float32
     assert not L.fast_silu_ok(gpu)  # FP32 keeps the exact path
     gpu.dtype = torch.bfloat16
     monkeypatch.setattr(L, "_probe_fast_silu", lambda device, dtype: True)

@@ -58,7 +58,7 @@ ERF_SPLIT = _bits(0x3F8060FE)  # 1.00296
 ERF_P = tuple(map(_bits, (0x38B1E96A, 0xBA574D20, 0x3BAAD5EA, 0xBCDC1BE7, 0x3DE718AF, 0xBEC093AC, 0x3E0375D3)))
 ERF_Q = tuple(map(_bits, (0x38EB4C3A, 0xBAAE005B, 0x3C09919F, 0xBD24D99A, 0x3E235519, 0x3F69B4F9, 0x3F210A14)))
 
-# The half-precision SiLU forward's fast path (FAST_SILU): a value from ex2.approx and rcp.approx, kept
+# The half-precision SiLU forward's opt-in fast path (FAST_SILU): a value from ex2.approx and rcp.approx, kept
 # where it lies more than SELECT_ULPS FP32 units (bit patterns) from every rounding midpoint of the
 # 16-bit output, so that it rounds as the exact value does; the exact value (below) elsewhere, and
 # wherever x < SELECT_X_MIN (the exponential's argument error grows with |x|), |x| < SELECT_TINY,
@@ -98,35 +98,41 @@ def select_window(out_bits: int) -> tuple:
 FP16_MIN_NORMAL = 2.0 ** -14  # below it an fp16 output is subnormal: its rounding point moves
 
 
-def silu_select_ptx(out_bits: int) -> str:
-    """The PTX of one element of the fast SiLU forward: ``$1`` the FP32 gate, ``$0`` the FP32
-    activation whose rounding to the 16-bit type (``out_bits`` below its top bits: 16 for bf16, 13
-    for fp16) is the exact one's. The exact branch is taken per lane (a warp runs it when one of its
-    lanes needs it); scoped registers and a per-instance label keep every inlined copy apart."""
+SILU_PACKS = (1, 2, 4)  # the group sizes the kernels are built for (launch.silu_pack picks one)
+
+
+def silu_select_ptx(out_bits: int, pack: int = 1) -> str:
+    """The PTX of ``pack`` elements of the fast SiLU forward: ``$i`` the FP32 activation of the FP32
+    gate ``$(pack + i)``, each rounding to the 16-bit type (``out_bits`` below its top bits: 16 for
+    bf16, 13 for fp16) as the exact one does. The fast values of the group come first (so their
+    approximations overlap), then one branch per lane: where any element of the group needs the exact
+    value, the lane computes it for all of them (a correctly rounded value, so no output changes; a
+    warp runs the branch when one of its lanes takes it). Scoped registers and a per-instance label
+    keep every inlined copy apart."""
+    if pack not in SILU_PACKS:
+        raise ValueError(f"pack must be one of {SILU_PACKS}, got {pack!r}")
     mid, mask = select_window(out_bits)
-    sub = f"setp.lt.or.f32 p, a, {_hex32(FP16_MIN_NORMAL)}, p;\n" if out_bits == 13 else ""
-    return "\n".join((
-        "{",
-        ".reg .pred p;",
-        ".reg .b32 v, t, j, k, f, r, s, d, b, a;",
-        f"mul.ftz.f32 t, $1, {_hex32(NEG_LOG2E)};",
-        "ex2.approx.ftz.f32 t, t;",
-        "add.ftz.f32 d, t, 0f3F800000;",
-        "rcp.approx.ftz.f32 r, d;",
-        "mul.ftz.f32 $0, $1, r;",
-        f"add.s32 b, $0, {SELECT_ULPS - mid};",
-        f"and.b32 b, b, {mask};",
-        f"setp.le.u32 p, b, {2 * SELECT_ULPS};",
-        f"setp.ltu.or.f32 p, $1, {_hex32(SELECT_X_MIN)}, p;",
-        "abs.f32 a, $1;",
-        f"setp.lt.or.f32 p, a, {_hex32(SELECT_TINY)}, p;",
-        "abs.f32 a, $0;",
-        sub + "@!p bra DSF_SILU_EXACT${:uid};",
-    ) + EXPF_PTX + (
-        "div.rn.f32 $0, $1, d;",
-        "DSF_SILU_EXACT${:uid}:",
-        "}",
-    ))
+    out, gate = [f"${i}" for i in range(pack)], [f"${pack + i}" for i in range(pack)]
+    lines = ["{", ".reg .pred p;", ".reg .b32 v, t, j, k, f, r, s, d, b, a;"]
+    for y, x in zip(out, gate):
+        lines += [f"mul.ftz.f32 t, {x}, {_hex32(NEG_LOG2E)};", "ex2.approx.ftz.f32 t, t;",
+                  "add.ftz.f32 d, t, 0f3F800000;", "rcp.approx.ftz.f32 r, d;", f"mul.ftz.f32 {y}, {x}, r;"]
+    for i, (y, x) in enumerate(zip(out, gate)):
+        near = f"setp.le.or.u32 p, b, {2 * SELECT_ULPS}, p;" if i else f"setp.le.u32 p, b, {2 * SELECT_ULPS};"
+        lines += [f"add.s32 b, {y}, {SELECT_ULPS - mid};", f"and.b32 b, b, {mask};", near,
+                  f"setp.ltu.or.f32 p, {x}, {_hex32(SELECT_X_MIN)}, p;", f"abs.f32 a, {x};",
+                  f"setp.lt.or.f32 p, a, {_hex32(SELECT_TINY)}, p;"]
+        if out_bits == 13:  # an fp16 output below the normal range: its rounding point moves
+            lines += [f"abs.f32 a, {y};", f"setp.lt.or.f32 p, a, {_hex32(FP16_MIN_NORMAL)}, p;"]
+    lines.append("@!p bra DSF_SILU_EXACT${:uid};")
+    for y, x in zip(out, gate):
+        lines += [ln.replace("$1", x) for ln in EXPF_PTX] + [f"div.rn.f32 {y}, {x}, d;"]
+    return "\n".join(lines + ["DSF_SILU_EXACT${:uid}:", "}"])
+
+
+def silu_constraints(pack: int) -> str:
+    """The inline-asm constraints of :func:`silu_select_ptx`: ``pack`` outputs, then ``pack`` gates."""
+    return ",".join(["=r"] * pack + ["r"] * pack)
 
 
 if HAS_TRITON:
@@ -147,8 +153,9 @@ if HAS_TRITON:
     _C_BF16_MID, _C_BF16_MASK = map(tl.constexpr, select_window(16))
     _C_FP16_MID, _C_FP16_MASK = map(tl.constexpr, select_window(13))
     _C_FP16_MIN_NORMAL = tl.constexpr(FP16_MIN_NORMAL)
-    _C_SILU_PTX_BF16 = tl.constexpr(silu_select_ptx(16))
-    _C_SILU_PTX_FP16 = tl.constexpr(silu_select_ptx(13))
+    _C_SILU_BF16_1, _C_SILU_BF16_2, _C_SILU_BF16_4 = (tl.constexpr(silu_select_ptx(16, n)) for n in SILU_PACKS)
+    _C_SILU_FP16_1, _C_SILU_FP16_2, _C_SILU_FP16_4 = (tl.constexpr(silu_select_ptx(13, n)) for n in SILU_PACKS)
+    _C_CONS_1, _C_CONS_2, _C_CONS_4 = (tl.constexpr(silu_constraints(n)) for n in SILU_PACKS)
 
     if _INTERPRET_AT_IMPORT:  # no libdevice or PTX under the interpreter: numpy's exp and exp2, tanh from exp
 
@@ -185,7 +192,8 @@ if HAS_TRITON:
     if _INTERPRET_AT_IMPORT:  # the fast SiLU forward's selection, numpy's exp2 and division standing in
 
         @triton.jit
-        def _silu_half(x, BF16: tl.constexpr):
+        def _silu_half(x, BF16: tl.constexpr, PACK: tl.constexpr):
+            # element by element (the PTX's groups change no output: a value it replaces is the exact one)
             y = x * (1.0 / (1.0 + tl.exp2(x * _C_NEG_LOG2E)))
             bits = y.to(tl.int32, bitcast=True)
             if BF16:
@@ -199,11 +207,27 @@ if HAS_TRITON:
     else:
 
         @triton.jit
-        def _silu_half(x, BF16: tl.constexpr):
+        def _silu_half(x, BF16: tl.constexpr, PACK: tl.constexpr):
             if BF16:
-                y = tl.inline_asm_elementwise(_C_SILU_PTX_BF16, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+                if PACK == 4:
+                    y = tl.inline_asm_elementwise(_C_SILU_BF16_4, _C_CONS_4, [x], dtype=tl.float32, is_pure=True,
+                                                  pack=4)
+                elif PACK == 2:
+                    y = tl.inline_asm_elementwise(_C_SILU_BF16_2, _C_CONS_2, [x], dtype=tl.float32, is_pure=True,
+                                                  pack=2)
+                else:
+                    y = tl.inline_asm_elementwise(_C_SILU_BF16_1, _C_CONS_1, [x], dtype=tl.float32, is_pure=True,
+                                                  pack=1)
             else:
-                y = tl.inline_asm_elementwise(_C_SILU_PTX_FP16, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+                if PACK == 4:
+                    y = tl.inline_asm_elementwise(_C_SILU_FP16_4, _C_CONS_4, [x], dtype=tl.float32, is_pure=True,
+                                                  pack=4)
+                elif PACK == 2:
+                    y = tl.inline_asm_elementwise(_C_SILU_FP16_2, _C_CONS_2, [x], dtype=tl.float32, is_pure=True,
+                                                  pack=2)
+                else:
+                    y = tl.inline_asm_elementwise(_C_SILU_FP16_1, _C_CONS_1, [x], dtype=tl.float32, is_pure=True,
+                                                  pack=1)
             return y
 
     @triton.jit
@@ -288,8 +312,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gated_fwd_kernel(G, U, H, n_rows, inter, n_col_blocks, stride_g, stride_u, stride_h, ACT: tl.constexpr,
-                          EXACT_EXP: tl.constexpr, FAST_SILU: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr, FLAT: tl.constexpr):
+                          EXACT_EXP: tl.constexpr, FAST_SILU: tl.constexpr, SILU_PACK: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FLAT: tl.constexpr):
         rows, cols = _tile_of(n_col_blocks, BLOCK_R, BLOCK_C, FLAT)
         m = (rows < n_rows)[:, None] & (cols < inter)[None, :]
         r64 = rows[:, None]
@@ -297,7 +321,7 @@ if HAS_TRITON:
         u = tl.load(U + r64 * stride_u + cols[None, :], mask=m, other=0.0)
         ty = g.dtype
         if FAST_SILU:  # SiLU of a bf16 / fp16 gate, the fast value where it rounds as the exact one
-            a = _silu_half(g.to(tl.float32), ty == tl.bfloat16).to(ty)
+            a = _silu_half(g.to(tl.float32), ty == tl.bfloat16, SILU_PACK).to(ty)
         else:
             a = _act_f32(g.to(tl.float32), ACT, EXACT_EXP).to(ty)  # act(gate): one rounding to the input dtype
         h = (a.to(tl.float32) * u.to(tl.float32)).to(ty)  # the product: one rounding

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .._common import cdiv, next_power_of_2, warn_fallback
-from .kernels import ACT_CODES
+from .kernels import ACT_CODES, SILU_PACKS
 
 # Tiles: (outputs per program, widest column block), the experts' gate's (an H100 sweep,
 # 2026-12-05, bf16: 2048 outputs per program served widths 768 to 14336).
@@ -78,7 +78,7 @@ def forward_rows(g: torch.Tensor, u: torch.Tensor, act: str, exact_exp: bool = T
                  fast_silu: Optional[bool] = None) -> torch.Tensor:
     """``act(g) * u`` of two ``[rows, I]`` views (unit column stride) into a fresh ``[rows, I]``.
     ``fast_silu``: the SiLU forward's fast path for bf16 / fp16 (see :func:`fast_silu_ok`; None:
-    where this device's probe found it exact)."""
+    where :data:`FAST_SILU` is on and this device's probe found it exact)."""
     from .kernels import launch_forward
 
     if fast_silu is None:
@@ -87,14 +87,32 @@ def forward_rows(g: torch.Tensor, u: torch.Tensor, act: str, exact_exp: bool = T
     h = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     if h.numel():
         scalars, grid, const, warps = plan(*g.shape, g, u, h, flat_block=FLAT_BLOCK_FWD)
+        pack = silu_pack(const["BLOCK_R"] * const["BLOCK_C"], warps) if fast else 1
         launch_forward(grid, (g, u, h) + scalars,
-                       dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, FAST_SILU=fast, **const), warps)
+                       dict(ACT=ACT_CODES[act], EXACT_EXP=exact_exp, FAST_SILU=fast, SILU_PACK=pack, **const), warps)
     return h
+
+
+# The fast path's group: the elements of a lane whose approximations run side by side before one
+# branch to the exact value (kernels.silu_select_ptx). One element a group puts 16 dependent
+# ex2 / rcp chains and 16 branches in a row per lane at 4096-element blocks; four a group compile
+# to 15.9 instructions an element against 18.1 (bf16, SASS for an H100; the same device time on an
+# H100, 2026-12-08, where the forward is at the memory's rate either way).
+SILU_PACK = 4
+
+
+def silu_pack(block: int, warps: int) -> int:
+    """The group size of a forward launch of ``block`` elements over ``warps`` warps: :data:`SILU_PACK`,
+    or fewer where a lane holds fewer elements (a power of two, so it divides the lane's count)."""
+    per_lane = max(1, block // (32 * warps))
+    return max(n for n in SILU_PACKS if n <= min(SILU_PACK, per_lane))
 
 
 # The SiLU forward's fast path (kernels.silu_select_ptx): its activation of every bf16 / fp16 gate
 # value is the exact one's by construction, and a probe checks it on each device before it is taken.
-FAST_SILU = True  # False: always the exact forward
+# Off by default: on an H100 (2026-12-08) the forward is at the memory's rate with or without it
+# (docs/mlp_act.md); True takes it wherever the device's probe passes.
+FAST_SILU = False
 _HALF = (torch.bfloat16, torch.float16)
 _FAST_SILU_PROBES: dict = {}  # (CUDA device index, dtype) -> whether every activation came out equal
 

@@ -13,10 +13,11 @@ Rounding is eager's at every point (``SiLU`` on a half-precision tensor: FP32 ma
 the product in FP32, one rounding; backward: ``dh * up`` and ``dh * act`` each rounded to the
 input dtype, the activation's backward ``d * s * (1 + g * (1 - s))`` in FP32 from the rounded
 ``dh * up``, one rounding). The forward's activation is eager's bit for bit: the dense forward's
-(CUDA's ``expf`` and IEEE division, or for bf16 / fp16 the fast value where it rounds as those do:
-``ops.mlp_act.launch.fast_silu_ok``). In the backward, for half-precision inputs the exponential
-is Triton's, not CUDA's ``expf``, so a rounding of the activation's gradient lies on the other
-neighbour where its FP32 value sits within a few ULP of a midpoint; FP32 inputs take CUDA's ``expf``.
+(CUDA's ``expf`` and IEEE division, or for bf16 / fp16 with the opt-in fast path the fast value
+where it rounds as those do: ``ops.mlp_act.launch.fast_silu_ok``). In the backward, for
+half-precision inputs the exponential is Triton's, not CUDA's ``expf``, so a rounding of the
+activation's gradient lies on the other neighbour where its FP32 value sits within a few ULP of a
+midpoint; FP32 inputs take CUDA's ``expf``.
 
 Only SiLU (``torch.nn.SiLU`` or transformers' ``SiLUActivation``) is fused; the caller checks that
 (see ``features.moe_reorder``). CUDA tensors (CPU ones under the interpreter, not bf16 there) run
@@ -190,8 +191,8 @@ def _gate_backward(launch, tile, gate_up: torch.Tensor, dh: torch.Tensor, *scala
 
 
 def _forward(gate_up: torch.Tensor) -> torch.Tensor:
-    # the dense MLP's kernels (ops.mlp_act), gate-up layout, SiLU: the exact forward (its fast path where
-    # this device's probe passed); the backward takes CUDA's expf for FP32 inputs only
+    # the dense MLP's kernels (ops.mlp_act), gate-up layout, SiLU: the exact forward (its opt-in fast path
+    # where that is on and this device's probe passed); the backward takes CUDA's expf for FP32 inputs only
     return _mlp_launch.fused_forward(gate_up, "silu", True)
 
 
