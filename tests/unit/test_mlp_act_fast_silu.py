@@ -151,6 +151,8 @@ def test_fast_kernels_build_for_h100_one_branch_per_group(compiled, dtype):
         assert len(labels) == 8 // pack and len(set(labels)) == len(labels), (name, labels)
         assert len(re.findall(r"@!%?\w+ bra DSF_SILU_EXACT", ptx)) == 8 // pack, name
         assert ptx.count("rcp.approx.ftz.f32") == 8 and ptx.count("div.rn.f32") == 8, name
+        # each dtype's own selection: fp16's also sends subnormal outputs to the exact branch
+        assert ptx.count(K._hex32(K.FP16_MIN_NORMAL)) == (8 if dtype == "fp16" else 0), name
     assert "rcp.approx" not in compiled["exact_bf16"]["ptx"]
 
 

@@ -207,27 +207,17 @@ if HAS_TRITON:
     else:
 
         @triton.jit
+        def _silu_asm(x, ASM: tl.constexpr, CONS: tl.constexpr, PACK: tl.constexpr):
+            return tl.inline_asm_elementwise(ASM, CONS, [x], dtype=tl.float32, is_pure=True, pack=PACK)
+
+        @triton.jit
         def _silu_half(x, BF16: tl.constexpr, PACK: tl.constexpr):
-            if BF16:
-                if PACK == 4:
-                    y = tl.inline_asm_elementwise(_C_SILU_BF16_4, _C_CONS_4, [x], dtype=tl.float32, is_pure=True,
-                                                  pack=4)
-                elif PACK == 2:
-                    y = tl.inline_asm_elementwise(_C_SILU_BF16_2, _C_CONS_2, [x], dtype=tl.float32, is_pure=True,
-                                                  pack=2)
-                else:
-                    y = tl.inline_asm_elementwise(_C_SILU_BF16_1, _C_CONS_1, [x], dtype=tl.float32, is_pure=True,
-                                                  pack=1)
+            if PACK == 4:
+                y = _silu_asm(x, _C_SILU_BF16_4 if BF16 else _C_SILU_FP16_4, _C_CONS_4, 4)
+            elif PACK == 2:
+                y = _silu_asm(x, _C_SILU_BF16_2 if BF16 else _C_SILU_FP16_2, _C_CONS_2, 2)
             else:
-                if PACK == 4:
-                    y = tl.inline_asm_elementwise(_C_SILU_FP16_4, _C_CONS_4, [x], dtype=tl.float32, is_pure=True,
-                                                  pack=4)
-                elif PACK == 2:
-                    y = tl.inline_asm_elementwise(_C_SILU_FP16_2, _C_CONS_2, [x], dtype=tl.float32, is_pure=True,
-                                                  pack=2)
-                else:
-                    y = tl.inline_asm_elementwise(_C_SILU_FP16_1, _C_CONS_1, [x], dtype=tl.float32, is_pure=True,
-                                                  pack=1)
+                y = _silu_asm(x, _C_SILU_BF16_1 if BF16 else _C_SILU_FP16_1, _C_CONS_1, 1)
             return y
 
     @triton.jit
