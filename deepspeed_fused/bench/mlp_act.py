@@ -29,8 +29,8 @@ Implementations (each when it imports and takes the shape):
 
 The fwd and fwd+bwd columns are host-inclusive (do_bench); the note adds the CUDA-graph replay
 (device time alone) for every implementation that captures. On a GPU each implementation is timed
-in two rounds at each shape, the second in the reverse order, and keeps its faster medians.
-``--tokens N`` runs only the shapes of N tokens.
+in rounds at each shape (two by default, ``--rounds N``), every other one in the reverse order, and
+keeps its fastest medians. ``--tokens N`` runs only the shapes of N tokens.
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ SUITE = "mlp_act"
 TITLE = "Fused gated activation act(gate) * up, forward and forward+backward"
 _NOTES = ("Host-inclusive fwd and fwd+bwd (do_bench; fwd+bwd: the forward, then torch.autograd.grad of gate and "
           "up); the note adds the CUDA-graph replay (device time alone). Effective bytes: fwd = gate, up read + "
-          "output written (3 T I elements); fwd+bwd = 8 T I. On a GPU each implementation is timed in two rounds at "
-          "each shape, the second in the reverse order, and keeps its faster host-inclusive median. deepspeed_fused "
+          "output written (3 T I elements); fwd+bwd = 8 T I. On a GPU each implementation is timed in rounds at "
+          "each shape (two unless said), every other one in the reverse order, and keeps its fastest host-inclusive "
+          "median. deepspeed_fused "
           "is checked bitwise against HF eager (tests/gpu/test_mlp_act_gpu.py); the peers' numerics are not checked "
           "here.")
 NOTES = _NOTES
@@ -175,6 +176,11 @@ def faster_of(a, b):
     return out
 
 
+def round_orders(impls: list, rounds: int) -> list:
+    """The implementations' order in each of ``rounds`` rounds: as listed, then reversed, and so on."""
+    return [impls if i % 2 == 0 else impls[::-1] for i in range(rounds)]
+
+
 def run(args) -> list:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     quick = getattr(args, "quick", False)
@@ -184,10 +190,13 @@ def run(args) -> list:
         shapes = [s for s in SHAPES if s[0] in QUICK]
     p = argparse.ArgumentParser(prog="python -m deepspeed_fused.bench mlp_act", exit_on_error=False)
     p.add_argument("--tokens", type=int, default=None, help="only the shapes of this many tokens")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per implementation and shape (GPU)")
     try:
         o, _ = p.parse_known_args(list(getattr(args, "extra", None) or []))
     except argparse.ArgumentError as e:
-        raise SystemExit(f"mlp_act: {e} (a token count, e.g. --tokens 8192)") from None
+        raise SystemExit(f"mlp_act: {e} (e.g. --tokens 8192, --rounds 3)") from None
+    if o.rounds < 1:
+        raise SystemExit(f"mlp_act: --rounds: expected a positive count, got {o.rounds}")
     if o.tokens is not None:
         shapes = [s for s in shapes if s[1] == o.tokens]
         if not shapes:
@@ -201,9 +210,9 @@ def run(args) -> list:
         n = tokens * inter * xs[0].element_size()
         impls = _impls(act, layout, dev)
         shape_recs = {}
-        # two rounds, the second in the reverse order: each implementation keeps its faster
-        # host-inclusive median, so none is timed only right after the inputs were made
-        for order in (impls, impls[::-1]) if dev == "cuda" else (impls,):
+        # rounds in alternating order: each implementation keeps its fastest host-inclusive
+        # median, so none is timed only right after the inputs were made
+        for order in round_orders(impls, o.rounds if dev == "cuda" else 1):
             for iname, impl, ours in order:
                 fwd, fwd_bwd = _fns(impl, xs, dh)
                 rec = measure(SUITE, iname, name, dtype, fwd=fwd, fwd_bwd=fwd_bwd, bytes_fwd=3 * n,

@@ -50,6 +50,16 @@ def test_tokens_option_keeps_the_shapes_of_that_many_tokens(interpret):
             suite.run(argparse.Namespace(extra=bad, quick=True))
 
 
+def test_rounds_alternate_the_order_and_bad_counts_are_refused(interpret):
+    assert suite.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert suite.round_orders(["a", "b"], 1) == [["a", "b"]]
+    import pytest
+
+    for bad in (["--rounds", "0"], ["--rounds", "-2"], ["--rounds", "two"]):
+        with pytest.raises(SystemExit, match="--rounds"):
+            suite.run(argparse.Namespace(extra=bad, quick=True))
+
+
 def test_fast_silu_arm_turns_the_fast_path_on_while_it_runs(monkeypatch):
     from deepspeed_fused.ops.mlp_act import launch
 
